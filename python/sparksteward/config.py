@@ -1,0 +1,306 @@
+"""The one registry of ``spark.steward.*`` options, and the frozen config parsed from it.
+
+Every option has a key, a type, a default, a description and (optionally) deprecated keys. Values are
+parsed once, by :meth:`StewardConfig.from_conf`, into a frozen :class:`StewardConfig`; a bad value raises
+:class:`~sparksteward.errors.ConfigError` naming the key, the value and what is allowed.
+``docs/configuration.md`` and ``conf/spark-defaults.conf.example`` are generated from :data:`OPTIONS`
+(``python -m sparksteward.config``), and a test keeps them in sync.
+
+Durations use Spark's syntax (``500ms``, ``30s``, ``5min``, ``1h``, ``30d``), so the JVM shim can read
+the few keys it needs with ``SparkConf.getTimeAsMs``. Sizes use Spark's byte syntax (``64k``, ``256m``,
+``10g``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sparksteward.errors import ConfigError
+from sparksteward.ids import validate_id
+
+__all__ = ["OPTIONS", "Option", "StewardConfig", "default_state_dir", "parse_bytes", "parse_duration"]
+
+log = logging.getLogger("sparksteward.config")
+
+PREFIX = "spark.steward."
+
+_DURATION_UNITS = {
+    "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0,
+    "d": 86400.0,
+}
+_SIZE_UNITS = {"b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30,
+               "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+_NUMBER_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Parse a Spark-style duration (``30min``, ``5s``, ``250ms``) into seconds.
+
+    A bare number means seconds. Raises ``ValueError`` on anything else.
+    """
+    m = _NUMBER_UNIT.match(text)
+    if not m or m.group(2).lower() not in _DURATION_UNITS | {"": 1.0}:
+        raise ValueError(text)
+    return float(m.group(1)) * _DURATION_UNITS.get(m.group(2).lower(), 1.0)
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a Spark-style size (``64k``, ``256m``, ``10g``) into bytes; a bare number is bytes."""
+    m = _NUMBER_UNIT.match(text)
+    if not m or m.group(2).lower() not in _SIZE_UNITS | {"": 1}:
+        raise ValueError(text)
+    return int(float(m.group(1)) * _SIZE_UNITS.get(m.group(2).lower(), 1))
+
+
+def default_state_dir() -> Path:
+    """The per-user directory for embedded local state: ``$XDG_STATE_HOME/spark-steward``."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "spark-steward"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One typed option: ``kind`` is ``str``, ``bool``, ``int``, ``duration``, ``bytes`` or ``url``."""
+
+    key: str
+    kind: str
+    default: str
+    description: str
+    allowed: str = ""
+    check: Callable[[Any], bool] | None = None
+    deprecated_keys: tuple[str, ...] = ()
+
+    @property
+    def attr(self) -> str:
+        return self.key[len(PREFIX):].replace(".", "_").replace("-", "_")
+
+    def parse(self, raw: str) -> Any:
+        """Parse and validate ``raw``; raise ConfigError naming key, value and what is allowed."""
+        try:
+            value = _PARSERS[self.kind](raw)
+            ok = self.check is None or self.check(value)
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{self.key}={raw!r} is not allowed: expected {self.allowed or _KIND_HELP[self.kind]}. "
+                f"Fix the value in --conf, spark-defaults.conf or SparkSession.builder.config()."
+            )
+        return value
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+def _parse_id(raw: str) -> str:
+    return validate_id(raw.strip(), what="id") if raw.strip() else ""
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "str": lambda raw: raw.strip(),
+    "id": _parse_id,
+    "bool": _parse_bool,
+    "int": lambda raw: int(raw.strip()),
+    "duration": parse_duration,
+    "bytes": parse_bytes,
+    "url": lambda raw: raw.strip(),
+}
+_KIND_HELP = {
+    "str": "a string",
+    "id": "an id of letters, digits, '.', '_', '-' (at most 200 characters)",
+    "bool": "true or false",
+    "int": "an integer",
+    "duration": "a duration >= 0 such as 500ms, 30s, 5min, 1h or 30d",
+    "bytes": "a size > 0 such as 64k, 256m or 10g",
+    "url": "a path or fsspec URL such as /data/steward, file:///data/steward or s3://bucket/steward",
+}
+
+_nonneg = lambda v: v >= 0  # noqa: E731
+_positive = lambda v: v > 0  # noqa: E731
+
+OPTIONS: tuple[Option, ...] = (
+    Option("spark.steward.cluster-id", "id", "default",
+           "Namespace of job ids: (cluster id, job id) is globally unique. Job results and HA blobs "
+           "live under this id, so two clusters sharing a storage path must use different ids.",
+           check=bool),
+    Option("spark.steward.state-dir", "url", "",
+           "Directory for embedded local state (job results, HA blobs) when their paths are not set. "
+           "Empty means the per-user $XDG_STATE_HOME/spark-steward (~/.local/state/spark-steward)."),
+    Option("spark.steward.agent.python", "str", "",
+           "Python executable for the agents. Empty means the Python PySpark uses "
+           "(spark.pyspark.python, PYSPARK_PYTHON, then python3). It must have spark-steward installed."),
+    Option("spark.steward.agent.start-timeout", "duration", "120s",
+           "How long SparkContext start waits for the driver agent to report ready.",
+           check=_positive),
+    Option("spark.steward.agent.max-restarts", "int", "3",
+           "How often the shim restarts an agent that died unexpectedly.", check=_nonneg,
+           allowed="an integer >= 0"),
+    Option("spark.steward.driver.port", "int", "0",
+           "Port of the driver agent's socket (BlobServer and client API). 0 picks a free port.",
+           check=lambda v: 0 <= v <= 65535, allowed="an integer from 0 to 65535"),
+    Option("spark.steward.rpc.max-message-size", "bytes", "16m",
+           "Largest control message a peer may send on an agent socket; larger ones are refused.",
+           check=_positive),
+    Option("spark.steward.rpc.timeout", "duration", "120s",
+           "Socket timeout for requests between clients and agents.", check=_positive),
+    Option("spark.steward.blob.storage-dir", "url", "",
+           "Local directory of the BlobServer's store. Empty means a fresh directory under the "
+           "state dir, deleted when the driver agent exits."),
+    Option("spark.steward.blob.ha.storage-path", "url", "",
+           "fsspec URL of the HA blob store (file://, s3://, ...). Empty means <state-dir>/ha; "
+           "'none' disables the HA store (no recovery of blobs after a driver restart)."),
+    Option("spark.steward.blob.retention.interval", "duration", "30min",
+           "Staged cleanup period: an unreferenced blob is deleted between one and two intervals "
+           "after its last release.", check=_nonneg),
+    Option("spark.steward.blob.cache.max-size", "bytes", "10g",
+           "Size limit of each executor's blob cache; unreferenced blobs are evicted LRU first.",
+           check=_positive),
+    Option("spark.steward.blob.max-size", "bytes", "16g",
+           "Largest blob a peer may upload or announce.", check=_positive),
+    Option("spark.steward.blob.fetch.retries", "int", "5",
+           "How often a BlobCache retries a failed download from the BlobServer.", check=_nonneg,
+           allowed="an integer >= 0"),
+    Option("spark.steward.jrs.storage-path", "url", "",
+           "fsspec URL of the JobResultStore. Empty means <state-dir>/job-results; 'memory' keeps "
+           "results in the driver agent only."),
+    Option("spark.steward.jrs.delete-on-commit", "bool", "false",
+           "Delete a job's result when its cleanup commits, instead of keeping it as <job>.json. "
+           "Keeping it is what protects completed jobs from being re-run."),
+    Option("spark.steward.jrs.retention", "duration", "30d",
+           "Committed job results older than this are pruned when the driver agent starts. "
+           "0 keeps them forever.", check=_nonneg),
+    Option("spark.steward.job.id", "id", "",
+           "Stable id of the application job. Empty means the Spark application id."),
+    Option("spark.steward.job.force-rerun", "bool", "false",
+           "Run the application even though its job id already has a stored result."),
+    Option("spark.steward.cleanup.initial-backoff", "duration", "1s",
+           "First delay before retrying a failed cleanup step.", check=_positive),
+    Option("spark.steward.cleanup.max-backoff", "duration", "1h",
+           "Largest delay between retries of a cleanup step.", check=_positive),
+    Option("spark.steward.cleanup.max-attempts", "int", "0",
+           "Attempts per cleanup step before giving up and leaving the result dirty; 0 = unlimited.",
+           check=_nonneg, allowed="an integer >= 0 (0 = unlimited)"),
+    Option("spark.steward.cleanup.shutdown-timeout", "duration", "30s",
+           "How long the driver agent waits for cleanup at application end before leaving the "
+           "result dirty for the next driver to finish.", check=_nonneg),
+)
+
+_BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
+_BY_DEPRECATED: dict[str, Option] = {k: o for o in OPTIONS for k in o.deprecated_keys}
+
+
+def _config_fields() -> list[tuple[str, type, Any]]:
+    return [(o.attr, Any, field(default=None)) for o in OPTIONS]
+
+
+@dataclass(frozen=True)
+class _Base:
+    extra: Mapping[str, str] = field(default_factory=dict)
+    """Non-steward Spark settings the agents were given (``spark.app.name``, ``spark.master``, ...)."""
+
+    @property
+    def effective_state_dir(self) -> str:
+        return self.state_dir or str(default_state_dir())  # type: ignore[attr-defined]
+
+    @property
+    def effective_ha_path(self) -> str | None:
+        path = self.blob_ha_storage_path  # type: ignore[attr-defined]
+        if path.lower() == "none":
+            return None
+        return path or os.path.join(self.effective_state_dir, "ha")
+
+    @property
+    def effective_jrs_path(self) -> str:
+        return self.jrs_storage_path or os.path.join(  # type: ignore[attr-defined]
+            self.effective_state_dir, "job-results")
+
+
+StewardConfig = dataclasses.make_dataclass(
+    "StewardConfig", _config_fields(), bases=(_Base,), frozen=True)
+StewardConfig.__module__ = __name__
+StewardConfig.__doc__ = (
+    "Frozen, parsed ``spark.steward.*`` settings; one attribute per option "
+    "(``spark.steward.blob.retention.interval`` -> ``blob_retention_interval``, in seconds).")
+
+
+def _from_conf(cls: type, conf: Mapping[str, str] | None = None) -> Any:
+    """Parse a SparkConf-like mapping; unknown ``spark.steward.*`` keys are warned about."""
+    conf = dict(conf or {})
+    values: dict[str, Any] = {}
+    for key, raw in conf.items():
+        if not key.startswith(PREFIX) or key in _BY_KEY:
+            continue
+        if key in _BY_DEPRECATED:
+            new = _BY_DEPRECATED[key].key
+            log.warning("%s is deprecated; use %s", key, new)
+            conf.setdefault(new, raw)
+        else:
+            hint = difflib.get_close_matches(key, _BY_KEY, n=1)
+            log.warning("unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
+    for opt in OPTIONS:
+        values[opt.attr] = opt.parse(str(conf.get(opt.key, opt.default)))
+    extra = {k: v for k, v in conf.items() if not k.startswith(PREFIX)}
+    return cls(extra=extra, **values)
+
+
+StewardConfig.from_conf = classmethod(_from_conf)  # type: ignore[attr-defined]
+
+
+def render_markdown() -> str:
+    """The docs table, generated from :data:`OPTIONS`."""
+    lines = [
+        "# Configuration",
+        "",
+        "Generated from `sparksteward.config.OPTIONS` by `python -m sparksteward.config`; do not edit.",
+        "Set these like any Spark setting: `--conf`, `spark-defaults.conf` or `SparkSession.builder`.",
+        "With none set, everything runs on embedded local defaults under the per-user state dir.",
+        "",
+        "| key | default | meaning |",
+        "|---|---|---|",
+    ]
+    for o in OPTIONS:
+        default = f"`{o.default}`" if o.default else "(empty)"
+        lines.append(f"| `{o.key}` | {default} | {o.description} Allowed: {o.allowed or _KIND_HELP[o.kind]}. |")
+    return "\n".join(lines) + "\n"
+
+
+def render_defaults_conf() -> str:
+    """``conf/spark-defaults.conf.example``, generated from :data:`OPTIONS`."""
+    out = [
+        "# spark-steward settings with their defaults. Generated by `python -m sparksteward.config`.",
+        "# Copy what you need into $SPARK_HOME/conf/spark-defaults.conf and uncomment it.",
+        "#",
+        "# spark.plugins                 sparksteward.shim.StewardPlugin",
+        "# spark.jars                    <output of `steward jar`>",
+        "",
+    ]
+    for o in OPTIONS:
+        out.append("# " + o.description)
+        out.append(f"# {o.key:<45} {o.default}")
+        out.append("")
+    return "\n".join(out)
+
+
+def write_generated(root: Path) -> None:
+    """Write the generated docs table and example conf under the project ``root``."""
+    (root / "docs" / "configuration.md").write_text(render_markdown())
+    (root / "conf" / "spark-defaults.conf.example").write_text(render_defaults_conf())
+
+
+if __name__ == "__main__":  # pragma: no cover - maintenance entry point
+    write_generated(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2])

@@ -1,0 +1,198 @@
+"""Errors raised by spark-steward.
+
+Every error carries a stable ``code`` (used when an error crosses a process boundary) and a message
+that says what was wrong and how to fix it. Where a builtin exception fits, the error inherits from it
+too, so ``except ValueError`` or ``except FileNotFoundError`` keeps working.
+
+Tree::
+
+    StewardError
+    ├── ConfigError (ValueError)                  CONFIG_INVALID
+    ├── InvalidIdError (ValueError)               INVALID_ID
+    ├── ProtocolError (ValueError)                PROTOCOL
+    │   ├── AuthenticationError (PermissionError) AUTH_FAILED
+    │   └── MessageTooLargeError                  TOO_LARGE
+    ├── AgentUnavailableError (ConnectionError)   AGENT_UNAVAILABLE
+    ├── RemoteError                               REMOTE (carries the remote code)
+    ├── ShimBuildError (RuntimeError)             SHIM_BUILD
+    ├── StorageError (OSError)                    STORAGE
+    │   ├── CorruptRecordError (ValueError)       CORRUPT_RECORD
+    │   └── ChecksumMismatchError                 CHECKSUM
+    ├── BlobNotFoundError (FileNotFoundError)     BLOB_NOT_FOUND
+    └── JobStoreError                             JOB_STORE
+        ├── JobResultExistsError (FileExistsError)   JOB_RESULT_EXISTS
+        ├── JobAlreadyCompleted                      JOB_ALREADY_COMPLETED
+        └── JobResultNotFoundError (KeyError)        JOB_RESULT_NOT_FOUND
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AgentUnavailableError",
+    "AuthenticationError",
+    "BlobNotFoundError",
+    "ChecksumMismatchError",
+    "ConfigError",
+    "CorruptRecordError",
+    "InvalidIdError",
+    "JobAlreadyCompleted",
+    "JobResultExistsError",
+    "JobResultNotFoundError",
+    "JobStoreError",
+    "MessageTooLargeError",
+    "ProtocolError",
+    "RemoteError",
+    "ShimBuildError",
+    "StewardError",
+    "StorageError",
+    "error_from_code",
+]
+
+
+class StewardError(Exception):
+    """Root of every error spark-steward raises on purpose."""
+
+    code = "STEWARD"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def to_wire(self) -> dict[str, Any]:
+        """The form this error takes when it crosses a socket: a stable code and the message."""
+        return {"code": self.code, "message": self.message}
+
+
+class ConfigError(StewardError, ValueError):
+    """A ``spark.steward.*`` setting has a value that is not allowed."""
+
+    code = "CONFIG_INVALID"
+
+
+class InvalidIdError(StewardError, ValueError):
+    """A job id, cluster id or blob key is malformed or could escape its directory."""
+
+    code = "INVALID_ID"
+
+
+class ProtocolError(StewardError, ValueError):
+    """A peer sent a message that does not follow the protocol."""
+
+    code = "PROTOCOL"
+
+
+class AuthenticationError(ProtocolError, PermissionError):
+    """A peer did not prove that it knows the application secret."""
+
+    code = "AUTH_FAILED"
+
+
+class MessageTooLargeError(ProtocolError):
+    """A peer announced or sent more bytes than the configured bound."""
+
+    code = "TOO_LARGE"
+
+
+class AgentUnavailableError(StewardError, ConnectionError):
+    """An agent cannot be reached: not started, already stopped, or the plugin is not enabled."""
+
+    code = "AGENT_UNAVAILABLE"
+
+
+class RemoteError(StewardError):
+    """An agent answered a request with an error; ``remote_code`` is the agent's stable code."""
+
+    code = "REMOTE"
+
+    def __init__(self, remote_code: str, message: str) -> None:
+        super().__init__(message)
+        self.remote_code = remote_code
+
+
+class ShimBuildError(StewardError, RuntimeError):
+    """The JVM shim jar could not be built or located."""
+
+    code = "SHIM_BUILD"
+
+
+class StorageError(StewardError, OSError):
+    """A storage operation failed; the message names the path."""
+
+    code = "STORAGE"
+
+
+class CorruptRecordError(StorageError, ValueError):
+    """A stored record is partial, unparsable or of an unknown version; the message names the file."""
+
+    code = "CORRUPT_RECORD"
+
+
+class ChecksumMismatchError(StorageError):
+    """Stored or transferred bytes do not hash to their content key."""
+
+    code = "CHECKSUM"
+
+
+class BlobNotFoundError(StewardError, FileNotFoundError):
+    """No good copy of a blob exists in any source."""
+
+    code = "BLOB_NOT_FOUND"
+
+
+class JobStoreError(StewardError):
+    """A JobResultStore operation failed."""
+
+    code = "JOB_STORE"
+
+
+class JobResultExistsError(JobStoreError, FileExistsError):
+    """A result for this job id already exists, dirty or clean."""
+
+    code = "JOB_RESULT_EXISTS"
+
+
+class JobAlreadyCompleted(JobStoreError):
+    """The job already has a stored result, so it is not run again.
+
+    ``entry`` is the stored ``JobResultEntry``.
+    """
+
+    code = "JOB_ALREADY_COMPLETED"
+
+    def __init__(self, message: str, entry: Any = None) -> None:
+        super().__init__(message)
+        self.entry = entry
+
+
+class JobResultNotFoundError(JobStoreError, KeyError):
+    """No result is stored for this job id."""
+
+    code = "JOB_RESULT_NOT_FOUND"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.message
+
+
+_BY_CODE: dict[str, type[StewardError]] = {}
+
+
+def _register(cls: type[StewardError]) -> None:
+    _BY_CODE[cls.code] = cls
+    for sub in cls.__subclasses__():
+        _register(sub)
+
+
+_register(StewardError)
+
+
+def error_from_code(code: str, message: str) -> StewardError:
+    """Rebuild an error that crossed a socket as ``{"code", "message"}``."""
+    cls = _BY_CODE.get(code)
+    if cls is None or cls in (RemoteError, JobAlreadyCompleted):
+        return RemoteError(code, message)
+    return cls(message)

@@ -1,0 +1,197 @@
+"""Storage helpers over fsspec, shared by the blob store, the JobResultStore and cleanup.
+
+Every durable write stages, then renames. On a local file system that is a temp file in the same
+directory plus ``os.replace`` (or ``os.link`` for create-if-absent). On an object store a single PUT is
+already all-or-nothing, so the object is written in place; "create if absent" uses a conditional PUT
+where the store supports it and an existence check otherwise.
+
+S3 endpoints and credentials come from the usual environment (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ...), so agents started by Spark see the same store as the user's driver.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from sparksteward.errors import StorageError
+
+__all__ = ["Location", "open_location"]
+
+log = logging.getLogger("sparksteward.storage")
+
+
+class Location:
+    """A directory on some fsspec file system, with atomic write helpers.
+
+    Thread-safe as far as the underlying fsspec file system is.
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, root: str, url: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/") or "/"
+        self.url = url
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def path(self, *parts: str) -> str:
+        """Join ``parts`` under the root. Parts must be single names (validated by the caller)."""
+        for part in parts:
+            for piece in part.split("/"):
+                if piece in ("", ".", ".."):
+                    raise StorageError(f"refusing path component {part!r} under {self.url}")
+        return posixpath.join(self.root, *parts)
+
+    def child(self, *parts: str) -> Location:
+        return Location(self.fs, self.path(*parts), posixpath.join(self.url, *parts))
+
+    def display(self, path: str) -> str:
+        """``path`` as the user would write it (with the protocol)."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return path if protocol in ("file", "local") else f"{protocol}://{path}"
+
+    # --- reads -------------------------------------------------------------------------------
+    def read_bytes(self, path: str) -> bytes:
+        try:
+            return self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot read {self.display(path)}: {exc}") from exc
+
+    def exists(self, path: str) -> bool:
+        try:
+            return self.fs.exists(path)
+        except OSError as exc:
+            raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
+
+    def listdir(self, path: str | None = None) -> list[dict[str, Any]]:
+        """Entries directly under ``path`` (default: root); a missing directory lists as empty."""
+        target = path or self.root
+        try:
+            self.fs.invalidate_cache(target)
+            return self.fs.ls(target, detail=True)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"cannot list {self.display(target)}: {exc}") from exc
+
+    # --- writes ------------------------------------------------------------------------------
+    def makedirs(self, path: str | None = None) -> None:
+        if self.is_local:
+            os.makedirs(path or self.root, exist_ok=True)
+        # object stores have no directories
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` so that readers see the old bytes or all of the new ones."""
+        try:
+            if self.is_local:
+                d = os.path.dirname(path)
+                os.makedirs(d, exist_ok=True)
+                with _staged(d, os.path.basename(path)) as tmp:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+            else:
+                self.fs.pipe_file(path, data)
+        except OSError as exc:
+            raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` with ``data`` unless it exists; return False if it already existed.
+
+        Local: staged temp file, then ``os.link`` (atomic, fails if the target exists). Object
+        stores: a conditional PUT (``If-None-Match: *``) where supported, else check-then-put.
+        """
+        try:
+            if self.is_local:
+                d = os.path.dirname(path)
+                os.makedirs(d, exist_ok=True)
+                with _staged(d, os.path.basename(path)) as tmp:
+                    with open(tmp, "wb") as f:
+                        f.write(data)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    try:
+                        os.link(tmp, path)
+                    except FileExistsError:
+                        return False
+                return True
+            if self.fs.exists(path):
+                return False
+            try:
+                self.fs.pipe_file(path, data, mode="create")
+            except TypeError:  # an fsspec backend without mode=
+                self.fs.pipe_file(path, data)
+            except FileExistsError:
+                return False
+            return True
+        except OSError as exc:
+            raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
+
+    def rename(self, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` (atomic locally; copy-then-delete on object stores)."""
+        try:
+            if self.is_local:
+                os.replace(src, dst)
+            else:
+                self.fs.mv(src, dst)
+        except OSError as exc:
+            raise StorageError(f"cannot rename {self.display(src)} to {self.display(dst)}: {exc}") from exc
+
+    def delete(self, path: str, recursive: bool = False) -> bool:
+        """Delete ``path``; a missing path is not an error (returns False). Idempotent."""
+        try:
+            self.fs.rm(path, recursive=recursive)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot delete {self.display(path)}: {exc}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(path)
+
+
+@contextlib.contextmanager
+def _staged(directory: str, name: str) -> Iterator[str]:
+    """A temp path next to the target that is removed if still present afterwards."""
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        yield tmp
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def open_location(url: str, **storage_options: Any) -> Location:
+    """Open ``url`` (a plain path or any fsspec URL) as a :class:`Location`."""
+    if not url:
+        raise StorageError("empty storage path: set a path such as /data/steward or s3://bucket/steward")
+    try:
+        fs, root = fsspec.core.url_to_fs(os.path.expanduser(url), **storage_options)
+    except (ImportError, ValueError) as exc:
+        raise StorageError(
+            f"cannot open storage path {url!r}: {exc}. Install the fsspec backend for its protocol "
+            f"(for s3:// that is `pip install spark-steward[s3]`)"
+        ) from exc
+    return Location(fs, root, url)
+
+
+def local_temp_dir(parent: str, prefix: str) -> str:
+    """Make a private (0700) temp directory under ``parent``."""
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
