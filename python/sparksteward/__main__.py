@@ -1,0 +1,5 @@
+import sys
+
+from sparksteward.cli import main
+
+sys.exit(main())

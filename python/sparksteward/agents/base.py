@@ -1,0 +1,168 @@
+"""What the driver and executor agents share: the stdin event loop, the socket, health, shutdown.
+
+An agent is started by the JVM shim with its stdin and stdout as pipes (see ``docs/protocol.md``):
+
+1. read ``hello`` from stdin and parse the configuration; a bad value ends the agent with a ``fatal``
+   line naming the key, which the driver shim turns into a failed SparkContext start;
+2. open the authenticated socket and print ``ready``;
+3. handle one event per stdin line until ``shutdown`` or EOF. EOF is how an agent learns that its JVM
+   died, SIGKILL included; either way it closes what it owns and exits.
+
+Thread-safety: events are handled on the main thread, in order; socket requests run on the server's
+threads, so state shared with request handlers is guarded by ``self.lock``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, BinaryIO
+
+from sparksteward import protocol
+from sparksteward.config import StewardConfig
+from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
+from sparksteward.testing.clock import SystemClock
+from sparksteward.wire import AgentServer, Connection
+
+__all__ = ["Agent", "run_agent"]
+
+log = logging.getLogger("sparksteward.agent")
+
+_RECENT_EVENTS = 2000
+
+
+class Agent:
+    """Base class: owns the socket and the bookkeeping every agent reports in ``health``."""
+
+    role = "agent"
+
+    def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
+        self.hello = hello
+        self.cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()})
+        self.clock = clock or SystemClock()
+        self.secret: str = hello["secret"]
+        self.started = time.monotonic()
+        self.state = "starting"
+        self.lock = threading.Lock()
+        self.events_seen: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_EVENTS)
+        self.server = AgentServer(hello["bind_host"], hello["port"], self.secret,
+                                  {"health": self._op_health, "events": self._op_events},
+                                  max_message=self.cfg.rpc_max_message_size, timeout=self.cfg.rpc_timeout)
+
+    @property
+    def advertised_endpoint(self) -> str:
+        host = self.hello.get("host") or self.server.host
+        return f"{host}:{self.server.port}" if self.role == "driver" else self.server.endpoint
+
+    def shutdown_grace_ms(self) -> int:
+        return 10_000
+
+    # --- events ------------------------------------------------------------------------------
+    def handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        with self.lock:
+            self.events_seen[kind] += 1
+            self.recent.append(msg)
+        handler = getattr(self, f"on_{kind}", None)
+        if handler is not None:
+            handler(msg)
+
+    # --- requests ----------------------------------------------------------------------------
+    def _op_health(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            seen = dict(self.events_seen)
+        return {"role": self.role, "state": self.state, "pid": os.getpid(),
+                "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
+                "auth_failures": self.server.auth_failures, **self.health_details()}
+
+    def health_details(self) -> dict[str, Any]:
+        return {}
+
+    def _op_events(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        kind = req.get("type")
+        with self.lock:
+            events = [e for e in self.recent if kind is None or e["type"] == kind]
+        return {"events": events}
+
+    def close(self) -> None:
+        """Stop serving and release what the agent owns. Subclasses extend; must stay idempotent."""
+        self.state = "stopped"
+        self.server.close()
+
+
+def _write(out: BinaryIO, line: bytes) -> None:
+    try:
+        out.write(line)
+        out.flush()
+    except OSError:  # the JVM is gone; nothing to tell it
+        pass
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
+    """Run an agent until shutdown or stdin EOF; return the process exit code."""
+    logging.basicConfig(stream=sys.stderr, level=os.environ.get("SPARK_STEWARD_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stdin = stdin or sys.stdin.buffer
+    if stdout is None:
+        stdout = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
+        sys.stdout = sys.stderr  # a stray print() must not corrupt the protocol channel
+    role = agent_cls.role
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+    try:
+        hello = protocol.decode(stdin.readline(protocol.MAX_LINE + 1))
+        if hello["type"] != "hello":
+            raise ProtocolError(f"the first message must be hello, not {hello['type']}")
+        agent = agent_cls(hello)
+    except (ConfigError, ProtocolError, JobAlreadyCompleted) as exc:
+        log.error("%s agent cannot start: %s", role, exc)
+        _write(stdout, protocol.encode_fatal(role, exc.code, str(exc)))
+        return 2
+    except (StewardError, OSError) as exc:
+        code = "PORT_IN_USE" if isinstance(exc, OSError) and exc.errno == 98 else "STARTUP_FAILED"
+        log.exception("%s agent cannot start", role)
+        _write(stdout, protocol.encode_fatal(role, code, f"{type(exc).__name__}: {exc}"))
+        return 2
+
+    agent.state = "running"
+    _write(stdout, protocol.encode_ready(role, os.getpid(), agent.advertised_endpoint,
+                                         agent.shutdown_grace_ms()))
+    log.info("%s agent %d ready on %s", role, os.getpid(), agent.server.endpoint)
+    try:
+        while True:
+            line = stdin.readline(protocol.MAX_LINE + 1)
+            if not line:
+                log.info("%s agent: stdin closed, exiting", role)
+                break
+            if not line.strip():
+                continue
+            try:
+                msg = protocol.decode(line)
+            except ProtocolError as exc:
+                log.warning("ignoring bad protocol line: %s", exc)
+                continue
+            try:
+                agent.handle(msg)
+            except Exception:  # one bad event must not end the agent
+                log.exception("handling %s failed", msg.get("type"))
+            if msg["type"] == "shutdown":
+                break
+    except KeyboardInterrupt:
+        log.info("%s agent: terminated", role)
+    finally:
+        agent.state = "stopping"
+        try:
+            agent.close()
+        except Exception:
+            log.exception("%s agent: close failed", role)
+    return 0

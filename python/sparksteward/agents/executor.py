@@ -1,0 +1,42 @@
+"""The executor agent: one per executor, started by the shim's ExecutorPlugin.
+
+It owns the executor's BlobCache and publishes a rendezvous file under
+``SparkFiles.getRootDirectory()`` so that the executor's Python workers can find its socket. Run as
+``python -m sparksteward.agents.executor`` (the shim does this).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from sparksteward.agents.base import Agent, run_agent
+from sparksteward.rendezvous import Rendezvous
+
+__all__ = ["ExecutorAgent"]
+
+log = logging.getLogger("sparksteward.agent.executor")
+
+
+class ExecutorAgent(Agent):
+    """Executor-side agent. See the module docstring."""
+
+    role = "executor"
+
+    def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
+        super().__init__(hello, clock)
+        self.executor_id: str = hello["executor_id"]
+        self.rendezvous = Rendezvous(hello["rendezvous_dir"] or ".")
+        self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id)
+
+    def health_details(self) -> dict[str, Any]:
+        return {"executor_id": self.executor_id}
+
+    def close(self) -> None:
+        self.rendezvous.withdraw()
+        super().close()
+
+
+if __name__ == "__main__":
+    sys.exit(run_agent(ExecutorAgent))

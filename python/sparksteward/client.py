@@ -1,0 +1,117 @@
+"""``Steward``: the user's handle on the driver agent, from the Python driver process.
+
+``Steward.get(spark)`` reads the driver agent's endpoint and the application secret from the
+SparkConf (the shim put them there during SparkContext start) and returns a client. Requests use one
+authenticated connection per thread, so a ``Steward`` may be shared across threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from sparksteward.errors import AgentUnavailableError
+from sparksteward.protocol import PLUGIN_CLASS
+from sparksteward.wire import Connection
+
+__all__ = ["Steward"]
+
+_CONF_PREFIX = f"spark.plugins.internal.conf.{PLUGIN_CLASS}."
+
+
+class Steward:
+    """A client of the driver agent. Use :meth:`get` rather than the constructor."""
+
+    _instances: dict[str, Steward] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, endpoint: str, secret: str, *, spark: Any = None, timeout: float = 120.0,
+                 max_message: int = 16 << 20) -> None:
+        self.endpoint = endpoint
+        self._secret = secret
+        self._timeout = timeout
+        self._max_message = max_message
+        self._local = threading.local()
+        self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
+        self.spark = spark
+        self._closed = False
+
+    @classmethod
+    def get(cls, spark: Any = None) -> Steward:
+        """Return the client for ``spark``'s application (default: the active SparkSession).
+
+        Raises
+        ------
+        AgentUnavailableError
+            If the plugin is not enabled in that session.
+        """
+        if spark is None:
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.getActiveSession()
+            if spark is None:
+                raise AgentUnavailableError("no active SparkSession: pass one to Steward.get(spark)")
+        sc = spark.sparkContext
+        app_id = sc.applicationId
+        with cls._instances_lock:
+            inst = cls._instances.get(app_id)
+            if inst is not None and not inst._closed:
+                return inst
+            conf = sc.getConf()
+            endpoint, secret = conf.get(_CONF_PREFIX + "endpoint"), conf.get(_CONF_PREFIX + "secret")
+            if not endpoint or not secret:
+                raise AgentUnavailableError(
+                    f"spark-steward is not enabled in application {app_id}: build the session with "
+                    f"sparksteward.configure(SparkSession.builder) or pass "
+                    f"--conf spark.plugins={PLUGIN_CLASS} --jars \"$(steward jar)\"")
+            inst = cls(endpoint, secret, spark=spark)
+            cls._instances[app_id] = inst
+            return inst
+
+    # --- transport ---------------------------------------------------------------------------
+    def _conn(self) -> Connection:
+        if self._closed:
+            raise AgentUnavailableError("this Steward client is closed")
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = Connection.connect(self.endpoint, self._secret, timeout=self._timeout,
+                                      max_message=self._max_message)
+            self._local.conn = conn
+            self._conns.add(conn)
+        return conn
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send one request to the driver agent; reconnects once if the connection dropped."""
+        try:
+            return self._conn().request(op, **fields)
+        except (ConnectionError, BrokenPipeError, TimeoutError):
+            self._drop()
+            return self._conn().request(op, **fields)
+
+    def _drop(self) -> None:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None:
+            conn.close()
+            self._local.conn = None
+
+    # --- API ---------------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """The driver agent's state, uptime and counts of the Spark events it has seen."""
+        return self.request("health")
+
+    def events(self, type: str | None = None) -> list[dict[str, Any]]:  # noqa: A002 - protocol name
+        """Recent Spark events the driver agent received (newest last), optionally of one type."""
+        return self.request("events", type=type)["events"]
+
+    def close(self) -> None:
+        """Close this client's connections. Idempotent; the agent keeps running."""
+        self._closed = True
+        for conn in list(self._conns):
+            conn.close()
+
+    def __enter__(self) -> Steward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

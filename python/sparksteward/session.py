@@ -1,0 +1,50 @@
+"""Switching the plugin on from Python: :func:`configure` for a ``SparkSession.builder``.
+
+Like delta's ``configure_spark_with_delta_pip``, it appends to what the user already set instead of
+overwriting it: the shim jar is added to ``spark.jars`` and the plugin class to ``spark.plugins``.
+It must run before the first SparkSession of the process starts its JVM, since jars on the driver
+class path cannot be added later.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from sparksteward.protocol import PLUGIN_CLASS
+
+__all__ = ["PLUGIN_CLASS", "configure"]
+
+
+def _append(existing: str | None, item: str) -> str:
+    parts = [p.strip() for p in (existing or "").split(",") if p.strip()]
+    return ",".join(parts if item in parts else [*parts, item])
+
+
+def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any:
+    """Enable spark-steward on ``builder`` and return it.
+
+    Parameters
+    ----------
+    builder : pyspark.sql.SparkSession.Builder
+        The builder to configure; settings already on it are kept.
+    jar : path, optional
+        The shim jar. Default: ``steward jar`` (built once from the installed pyspark's Scala).
+
+    Notes
+    -----
+    If no Python was chosen for the agents (``spark.steward.agent.python``, ``spark.pyspark.python``
+    or ``PYSPARK_PYTHON``), the agents run with this process's Python, which has spark-steward
+    installed.
+    """
+    from sparksteward.jar import shim_jar
+
+    options: dict[str, str] = getattr(builder, "_options", {})
+    jar_path = str(jar or shim_jar())
+    builder = builder.config("spark.jars", _append(options.get("spark.jars"), jar_path))
+    builder = builder.config("spark.plugins", _append(options.get("spark.plugins"), PLUGIN_CLASS))
+    if not (options.get("spark.steward.agent.python") or options.get("spark.pyspark.python")
+            or os.environ.get("PYSPARK_PYTHON")):
+        builder = builder.config("spark.steward.agent.python", sys.executable)
+    return builder
