@@ -1,0 +1,27 @@
+# Two entry points for a new user; both set up .venv themselves (Java 17+ must be installed).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: quickstart test bench docs clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+quickstart: $(VENV)/.installed
+	$(PY) examples/quickstart.py
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q -ra
+
+bench: $(VENV)/.installed
+	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+docs: $(VENV)/.installed
+	$(PY) -m sparksteward.config .
+
+clean:
+	rm -rf $(VENV) build *.egg-info jvm-shim/out jvm-shim/build

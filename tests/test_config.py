@@ -1,0 +1,63 @@
+"""The typed option registry: parsing, clear errors, generated docs kept in sync."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparksteward.config import OPTIONS, StewardConfig, parse_bytes, parse_duration, render_defaults_conf, render_markdown
+from sparksteward.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_zero_configuration_gives_embedded_local_defaults(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    cfg = StewardConfig.from_conf({})
+    assert cfg.cluster_id == "default" and cfg.blob_retention_interval == 1800
+    assert cfg.effective_jrs_path == str(tmp_path / "spark-steward" / "job-results")
+    assert cfg.effective_ha_path == str(tmp_path / "spark-steward" / "ha")
+    assert not cfg.jrs_delete_on_commit
+
+
+@pytest.mark.parametrize("text,seconds", [("30min", 1800), ("5s", 5), ("250ms", 0.25), ("1h", 3600),
+                                          ("30d", 2592000), ("7", 7)])
+def test_durations_use_spark_syntax(text, seconds):
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("text,n", [("64k", 65536), ("256m", 256 << 20), ("10g", 10 << 30), ("12", 12)])
+def test_sizes_use_spark_syntax(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("spark.steward.blob.retention.interval", "-5s", "duration >= 0"),
+    ("spark.steward.blob.retention.interval", "soon", "duration >= 0"),
+    ("spark.steward.blob.cache.max-size", "0", "size > 0"),
+    ("spark.steward.jrs.delete-on-commit", "maybe", "true or false"),
+    ("spark.steward.cluster-id", "a/b", "letters, digits"),
+    ("spark.steward.driver.port", "-1", "0 to 65535"),
+])
+def test_bad_values_name_key_value_and_what_is_allowed(key, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        StewardConfig.from_conf({key: value})
+    assert key in str(info.value) and repr(value) in str(info.value) and allowed in str(info.value)
+
+
+def test_unknown_keys_are_warned_about_with_a_suggestion(caplog):
+    StewardConfig.from_conf({"spark.steward.blob.retention.intervall": "5s"})
+    assert "did you mean spark.steward.blob.retention.interval" in caplog.text
+
+
+def test_config_is_frozen():
+    cfg = StewardConfig.from_conf({})
+    with pytest.raises(Exception):
+        cfg.cluster_id = "x"  # type: ignore[misc]
+
+
+def test_every_option_is_documented_and_generated_files_are_in_sync():
+    assert all(o.key.startswith("spark.steward.") and o.description for o in OPTIONS)
+    assert (ROOT / "docs" / "configuration.md").read_text() == render_markdown(), "run `make docs`"
+    assert (ROOT / "conf" / "spark-defaults.conf.example").read_text() == render_defaults_conf(), "run `make docs`"
