@@ -26,6 +26,9 @@ os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ["XDG_STATE_HOME"] = _STATE  # embedded defaults land here, not in the user's home
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# Python workers of local-cluster executors import task functions from this package by reference
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 
 def agent_processes() -> list[psutil.Process]:

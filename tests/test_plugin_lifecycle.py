@@ -1,0 +1,24 @@
+"""Session start and stop with the plugin: bad config fails start clearly; stop leaves no agent."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import agent_processes, spark_session, wait_until
+
+
+def test_bad_config_value_fails_session_start_with_a_clear_message():
+    with pytest.raises(Exception) as info:
+        with spark_session("local[1]", **{"spark.steward.blob.retention.interval": "-5s"}):
+            pass
+    text = str(info.value)
+    assert "spark.steward.blob.retention.interval" in text and "-5s" in text
+    assert "duration >= 0" in text
+    wait_until(lambda: not agent_processes(), timeout=15, what="agents of the failed session to exit")
+
+
+def test_stop_leaves_no_agent_process():
+    with spark_session("local[2]") as spark:
+        spark.sparkContext.parallelize(range(4), 2).count()
+        assert len(agent_processes()) == 2
+    wait_until(lambda: not agent_processes(), timeout=15, what="agents to exit after spark.stop()")

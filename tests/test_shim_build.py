@@ -1,0 +1,33 @@
+"""The shim jar: built offline from the installed pyspark, cached, and checked against the goldens."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+
+from sparksteward.errors import ShimBuildError
+from sparksteward.jar import run_shim_tests, shim_jar
+
+
+def test_jar_contains_the_plugin_and_is_cached():
+    jar = shim_jar()
+    with zipfile.ZipFile(jar) as zf:
+        assert "sparksteward/shim/StewardPlugin.class" in zf.namelist()
+    mtime = os.stat(jar).st_mtime_ns
+    assert shim_jar() == jar and os.stat(jar).st_mtime_ns == mtime, "a second call must not rebuild"
+
+
+def test_scala_golden_protocol_test_passes():
+    proc = run_shim_tests()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " 0 failed" in proc.stdout
+
+
+def test_missing_java_gives_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARK_STEWARD_JAR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("JAVA_HOME", str(tmp_path / "no-jdk"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ShimBuildError, match="Java 17"):
+        shim_jar()
