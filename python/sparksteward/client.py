@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
-from sparksteward.errors import AgentUnavailableError
+from sparksteward.errors import AgentUnavailableError, JobAlreadyCompleted
+from sparksteward.jobscope import JobScope
 from sparksteward.protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
 
-__all__ = ["Steward"]
+__all__ = ["JobResults", "Steward"]
 
 _CONF_PREFIX = f"spark.plugins.internal.conf.{PLUGIN_CLASS}."
 
@@ -104,6 +106,38 @@ class Steward:
         """Recent Spark events the driver agent received (newest last), optionally of one type."""
         return self.request("events", type=type)["events"]
 
+    # --- jobs (FLIP-194) ------------------------------------------------------------------------
+    def job(self, job_id: str, *, force: bool = False, wait: float | None = None) -> JobScope:
+        """A scoped job: ``with st.job("ingest-2026-11-22") as job: ...``.
+
+        Raises :class:`JobAlreadyCompleted` on entry if the store already holds a result for
+        ``job_id`` (unless ``force``). On exit the result is written, the job's cleanup runs (its
+        registered paths and its blob directory), and the result is committed; ``wait`` bounds how
+        long the exit waits for that commit (default ``spark.steward.cleanup.shutdown-timeout``).
+        """
+        return JobScope(self, job_id, force=force, wait=wait)
+
+    def run_once(self, job_id: str, fn: Callable[[], Any], *, force: bool = False) -> Any:
+        """Run ``fn()`` as job ``job_id`` the first time; afterwards return its stored payload.
+
+        A stored result that is not SUCCEEDED raises :class:`JobAlreadyCompleted`; nothing is re-run
+        silently (pass ``force=True`` to re-run).
+        """
+        try:
+            with self.job(job_id, force=force) as scope:
+                value = fn()
+                scope.set_result(value)
+            return value
+        except JobAlreadyCompleted as exc:
+            if exc.entry is not None and exc.entry.status.value == "SUCCEEDED":
+                return exc.entry.payload
+            raise
+
+    @property
+    def job_results(self) -> JobResults:
+        """Read access to the JobResultStore: ``st.job_results.get(job_id)``, ``.list()``."""
+        return JobResults(self)
+
     def close(self) -> None:
         """Close this client's connections. Idempotent; the agent keeps running."""
         self._closed = True
@@ -115,3 +149,23 @@ class Steward:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class JobResults:
+    """Read-only view of the application's JobResultStore, through the driver agent."""
+
+    def __init__(self, steward: Steward) -> None:
+        self._steward = steward
+
+    def get(self, job_id: str) -> Any:
+        """The :class:`~sparksteward.jobs.result.JobResultEntry` of ``job_id``, or None."""
+        from sparksteward.jobs.result import JobResultEntry
+
+        entry = self._steward.request("jobs.get", job_id=job_id)["entry"]
+        return None if entry is None else JobResultEntry.from_dict(entry)
+
+    def list(self) -> list[Any]:
+        """Every readable entry of this cluster id, sorted by job id."""
+        from sparksteward.jobs.result import JobResultEntry
+
+        return [JobResultEntry.from_dict(e) for e in self._steward.request("jobs.list")["entries"]]

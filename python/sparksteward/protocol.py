@@ -31,7 +31,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
               "driver_endpoint": (_S, _N), "rendezvous_dir": (_S, _N), "secret": (_S,), "conf": (_D,)},
     "app_start": {"time": (_I,), "app_id": (_S,), "attempt_id": (_S, _N), "app_name": (_S,),
                   "spark_version": (_S,), "user": (_S,)},
-    "app_end": {"time": (_I,), "exit_code": (_I, _N)},
+    "app_end": {"time": (_I,), "exit_code": (_I, _N), "checkpoint_dir": (_S, _N)},
     "job_start": {"time": (_I,), "job_id": (_I,), "job_group": (_S, _N), "job_tags": (_L,),
                   "description": (_S, _N), "num_stages": (_I,), "stage_ids": (_L,)},
     "job_end": {"time": (_I,), "job_id": (_I,), "result": (_S,), "reason": (_S, _N)},
@@ -45,7 +45,6 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "ready": {"role": (_S,), "pid": (_I,), "endpoint": (_S,), "shutdown_grace_ms": (_I,)},
     "fatal": {"role": (_S,), "code": (_S,), "message": (_S,)},
 }
-_OPTIONAL: dict[str, frozenset[str]] = {"app_end": frozenset({"checkpoint_dir"})}
 
 
 def decode(line: bytes | str) -> dict[str, Any]:

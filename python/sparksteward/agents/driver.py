@@ -1,21 +1,46 @@
 """The driver agent: one per application, started by the shim's DriverPlugin.
 
-It owns the application's jobs and their results (JobResultStore), the BlobServer, and cleanup. The
-user's Python driver reaches it through :class:`sparksteward.client.Steward`; executor agents reach
-its BlobServer. Run as ``python -m sparksteward.agents.driver`` (the shim does this).
+It owns the application's jobs and their results (JobService over the JobResultStore) and cleanup.
+The user's Python driver reaches it through :class:`sparksteward.client.Steward`. Run as
+``python -m sparksteward.agents.driver`` (the shim does this).
+
+Jobs: the whole application is one job, with id ``spark.steward.job.id`` or the Spark application id.
+If that id already has a stored result the agent refuses to start (``fatal JOB_ALREADY_COMPLETED``),
+which fails SparkContext start before any user code runs. Scoped jobs (``st.job(id)``) are attributed
+their Spark jobs through the ``sparksteward-job-<id>`` job tag.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
+from sparksteward.errors import JobAlreadyCompleted, ProtocolError
+from sparksteward.ids import job_id_from_filename
+from sparksteward.jobs.cleanup import CleanupStep
+from sparksteward.jobs.service import JobService
+from sparksteward.jobscope import TAG_PREFIX
+from sparksteward.wire import Connection
 
 __all__ = ["DriverAgent"]
 
 log = logging.getLogger("sparksteward.agent.driver")
+
+
+def _scoped_jobs(tags: list[str]) -> list[str]:
+    """Job ids named by ``sparksteward-job-<id>`` tags (SparkSession tags carry a prefix)."""
+    found = []
+    for tag in tags:
+        i = tag.find(TAG_PREFIX)
+        if i >= 0:
+            try:
+                found.append(job_id_from_filename(tag[i + len(TAG_PREFIX):].replace("%2C", ",")))
+            except ValueError:
+                continue
+    return found
 
 
 class DriverAgent(Agent):
@@ -26,13 +51,104 @@ class DriverAgent(Agent):
     def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
         super().__init__(hello, clock)
         self.app_id: str | None = None
+        self.app_job: str | None = self.cfg.job_id or None
+        self._spark_job_owner: dict[int, list[str]] = {}
+        self._finished = threading.Event()
+        self.jobs = JobService.from_config(self.cfg, clock=self.clock)
+        try:
+            if self.app_job:
+                self.jobs.begin(self.app_job, kind="application", force=self.cfg.job_force_rerun)
+        except JobAlreadyCompleted:
+            self.server.close()
+            raise
+        threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True).start()
+        for op, fn in {"jobs.begin": self._op_begin, "jobs.add_cleanup": self._op_add_cleanup,
+                       "jobs.finish": self._op_finish, "jobs.get": self._op_get, "jobs.list": self._op_list}.items():
+            self.server.add_handler(op, fn)
+
+    def _housekeeping(self) -> None:
+        try:
+            self.jobs.prune()
+            self.jobs.recover()
+        except Exception:
+            log.exception("job result recovery failed; run `steward jobs cleanup`")
+
+    def shutdown_grace_ms(self) -> int:
+        return int((self.cfg.cleanup_shutdown_timeout + 10) * 1000)
 
     def health_details(self) -> dict[str, Any]:
-        return {"app_id": self.app_id}
+        return {"app_id": self.app_id, "app_job_id": self.app_job}
 
+    # --- events ------------------------------------------------------------------------------
     def on_app_start(self, msg: dict[str, Any]) -> None:
         self.app_id = msg["app_id"]
         log.info("application %s (%s) started", msg["app_id"], msg["app_name"])
+        if self.app_job is None:
+            self.app_job = msg["app_id"]
+            try:
+                self.jobs.begin(self.app_job, application_id=self.app_id, kind="application")
+            except JobAlreadyCompleted as exc:  # application ids are unique; this store was reused oddly
+                log.error("%s", exc)
+                self.app_job = None
+        else:
+            self.jobs.set_application_id(self.app_job, msg["app_id"])
+
+    def on_job_start(self, msg: dict[str, Any]) -> None:
+        owners = _scoped_jobs(msg["job_tags"]) + ([self.app_job] if self.app_job else [])
+        self._spark_job_owner[msg["job_id"]] = owners
+        for job_id in owners:
+            self.jobs.record_spark_job(job_id, msg["job_id"])
+
+    def on_job_end(self, msg: dict[str, Any]) -> None:
+        for job_id in self._spark_job_owner.pop(msg["job_id"], [self.app_job] if self.app_job else []):
+            self.jobs.record_spark_job(job_id, msg["job_id"], msg["result"], msg["reason"])
+
+    def on_app_end(self, msg: dict[str, Any]) -> None:
+        if not self.app_job or not self.jobs.is_running(self.app_job):
+            return
+        if msg.get("checkpoint_dir"):
+            self.jobs.add_cleanup_step(self.app_job, CleanupStep("spark_checkpoint_dir", msg["checkpoint_dir"]))
+        self.jobs.add_cleanup_step(self.app_job, CleanupStep("blob_job_dir", self.app_job))
+        status = "SUCCEEDED" if msg.get("exit_code") in (0, None) else "FAILED"
+        failure = None if status == "SUCCEEDED" else {
+            "type": "ApplicationExit", "message": f"exit code {msg['exit_code']}", "where": self.app_id or ""}
+        self.jobs.finish(self.app_job, status, failure=failure, wait=0)
+
+    # --- requests ----------------------------------------------------------------------------
+    def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        job_id = req.get("job_id")
+        try:
+            self.jobs.begin(job_id, application_id=self.app_id, force=bool(req.get("force")))  # type: ignore[arg-type]
+        except JobAlreadyCompleted as exc:
+            return {"started": False, "message": str(exc), "entry": exc.entry.to_dict()}
+        self.jobs.add_cleanup_step(job_id, CleanupStep("blob_job_dir", job_id))  # type: ignore[arg-type]
+        return {"started": True}
+
+    def _op_add_cleanup(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        step = req.get("step")
+        if not isinstance(step, dict):
+            raise ProtocolError("jobs.add_cleanup needs a step {kind, target}")
+        self.jobs.add_cleanup_step(str(req.get("job_id")), CleanupStep(step.get("kind"), step.get("target")))  # type: ignore[arg-type]
+        return {}
+
+    def _op_finish(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        wait = req.get("wait")
+        wait = self.cfg.cleanup_shutdown_timeout if wait is None else float(wait)
+        entry = self.jobs.finish(str(req.get("job_id")), str(req.get("status")), failure=req.get("failure"),
+                                 payload=req.get("payload"), wait=wait)
+        return {"entry": entry.to_dict()}
+
+    def _op_get(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        entry = self.jobs.get(str(req.get("job_id")))
+        return {"entry": None if entry is None else entry.to_dict()}
+
+    def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        listing = self.jobs.store.list()
+        return {"entries": [e.to_dict() for e in listing.entries], "corrupt": listing.corrupt}
+
+    def close(self) -> None:
+        super().close()
+        self.jobs.close(self.cfg.cleanup_shutdown_timeout)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ object Messages {
     encode("app_start", "time" -> time, "app_id" -> appId, "attempt_id" -> attemptId,
       "app_name" -> appName, "spark_version" -> sparkVersion, "user" -> user)
 
-  def appEnd(time: Long, exitCode: Option[Int]): String =
-    encode("app_end", "time" -> time, "exit_code" -> exitCode)
+  def appEnd(time: Long, exitCode: Option[Int], checkpointDir: Option[String]): String =
+    encode("app_end", "time" -> time, "exit_code" -> exitCode, "checkpoint_dir" -> checkpointDir)
 
   def jobStart(time: Long, jobId: Int, jobGroup: Option[String], jobTags: Seq[String],
                description: Option[String], numStages: Int, stageIds: Seq[Int]): String =

@@ -88,7 +88,7 @@ class StewardListener(agent: AgentProcess, sc: SparkContext) extends SparkListen
       sc.version, e.sparkUser))
 
   override def onApplicationEnd(e: SparkListenerApplicationEnd): Unit =
-    agent.send(Messages.appEnd(e.time, e.exitCode))
+    agent.send(Messages.appEnd(e.time, e.exitCode, sc.getCheckpointDir))
 
   override def onJobStart(e: SparkListenerJobStart): Unit = {
     val props = Option(e.properties)

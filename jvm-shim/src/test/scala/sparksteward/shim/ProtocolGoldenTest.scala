@@ -13,7 +13,7 @@ object ProtocolGoldenTest {
       "hello" -> Messages.hello("executor", "1", "worker-1", "127.0.0.1", 0, Some("driver-host:40123"),
         Some("/tmp/work/app-1/1"), "00ff", Map("spark.steward.cluster-id" -> "prod", "spark.app.name" -> "golden \"app\"")),
       "app_start" -> Messages.appStart(1700000000000L, "app-20261122-0001", None, "golden", "4.3.0", "alice"),
-      "app_end" -> Messages.appEnd(1700000005000L, Some(0)),
+      "app_end" -> Messages.appEnd(1700000005000L, Some(0), Some("file:/tmp/ckpt/5f1c")),
       "job_start" -> Messages.jobStart(1700000001000L, 3, Some("grp"), Seq("spark-session-u-thread-t-nightly", "etl"),
         Some("count at <stdin>:1\nline2"), 2, Seq(4, 5)),
       "job_end" -> Messages.jobEnd(1700000002000L, 3, succeeded = false, Some("Job aborted: \u0001 \"boom\"")),

@@ -1,0 +1,19 @@
+"""PySpark's worker daemon, with spark-steward's library finder installed first.
+
+``sparksteward.configure()`` sets ``spark.python.daemon.module=sparksteward.daemon`` (unless the user
+chose another daemon), so every Python worker forked from it can import libraries added with
+``Steward.add_library``. The finder sits at the *end* of ``sys.meta_path``: it is consulted only after
+a normal import failed, so it costs nothing for imports that already work.
+"""
+
+from __future__ import annotations
+
+from sparksteward.libraries import install_finder
+
+__all__: list[str] = []
+
+if __name__ == "__main__":
+    install_finder()
+    from pyspark.daemon import manager
+
+    manager()

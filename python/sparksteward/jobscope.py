@@ -1,0 +1,113 @@
+"""Scoped jobs declared in the user's driver: ``with st.job("ingest-2026-11-22") as job: ...``.
+
+A scope asks the driver agent to begin the job (which refuses, with :class:`JobAlreadyCompleted`, if
+the JobResultStore already holds a result for the id), tags every Spark job started in the scope's
+thread with ``sparksteward-job-<id>`` so the agent attributes them, and on exit reports the final status
+(SUCCEEDED, FAILED or CANCELLED), the failure and the payload. The agent then writes the result dirty,
+runs the job's cleanup and commits it.
+
+Not thread-safe: Spark job tags are thread-local, so use a scope from the thread that runs its Spark
+work (``pyspark.InheritableThread`` carries tags to child threads).
+"""
+
+from __future__ import annotations
+
+import traceback
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from sparksteward.errors import InvalidIdError, JobAlreadyCompleted
+from sparksteward.ids import job_id_to_filename, validate_job_id
+
+if TYPE_CHECKING:
+    from sparksteward.client import Steward
+
+__all__ = ["JobScope", "TAG_PREFIX", "job_tag"]
+
+TAG_PREFIX = "sparksteward-job-"
+
+
+def job_tag(job_id: str) -> str:
+    """The Spark job tag that attributes Spark jobs to ``job_id`` (no commas, reversible)."""
+    return TAG_PREFIX + job_id_to_filename(job_id).replace(",", "%2C")
+
+
+def _is_cancellation(exc: BaseException) -> bool:
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    text = str(exc).lower()
+    return "cancelled" in text or "canceled" in text
+
+
+class JobScope:
+    """One scoped job; returned by :meth:`Steward.job`. See the module docstring."""
+
+    def __init__(self, steward: Steward, job_id: str, *, force: bool = False,
+                 wait: float | None = None) -> None:
+        self.steward = steward
+        self.job_id = validate_job_id(job_id)
+        self.force = force
+        self.wait = wait
+        self.tag = job_tag(job_id)
+        self.entry: Any = None
+        self._payload: Any = None
+        self._active = False
+
+    def __enter__(self) -> JobScope:
+        reply = self.steward.request("jobs.begin", job_id=self.job_id, force=self.force)
+        if not reply["started"]:
+            from sparksteward.jobs.result import JobResultEntry
+
+            raise JobAlreadyCompleted(reply["message"], JobResultEntry.from_dict(reply["entry"]))
+        self._active = True
+        self._sc().addJobTag(self.tag)
+        return self
+
+    def _sc(self) -> Any:
+        if self.steward.spark is None:
+            from pyspark import SparkContext
+
+            sc = SparkContext._active_spark_context
+            if sc is None:
+                raise InvalidIdError("no active SparkContext for this job scope")
+            return sc
+        return self.steward.spark.sparkContext
+
+    def cleanup_path(self, url: str) -> None:
+        """Delete ``url`` (any fsspec URL, file or directory) when the job reaches a final state."""
+        self.steward.request("jobs.add_cleanup", job_id=self.job_id,
+                             step={"kind": "delete_path", "target": str(url)})
+
+    def set_result(self, payload: Any) -> None:
+        """Keep ``payload`` (any JSON value) in the job's result; ``run_once`` returns it later."""
+        try:
+            orjson.dumps(payload)
+        except TypeError as exc:
+            raise InvalidIdError(f"job result payload must be JSON-serializable: {exc}") from exc
+        self._payload = payload
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._active:
+            return
+        self._active = False
+        try:
+            self._sc().removeJobTag(self.tag)
+        except Exception:  # the context may already be stopped; the result still matters
+            pass
+        failure = None
+        if exc is None:
+            status = "SUCCEEDED"
+        else:
+            status = "CANCELLED" if _is_cancellation(exc) else "FAILED"
+            frames = traceback.extract_tb(tb) if tb is not None else []
+            where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+            failure = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+                       "message": str(exc)[:4000], "where": where}
+        reply = self.steward.request("jobs.finish", job_id=self.job_id, status=status, failure=failure,
+                                     payload=self._payload, wait=self.wait)
+        from sparksteward.jobs.result import JobResultEntry
+
+        self.entry = JobResultEntry.from_dict(reply["entry"])

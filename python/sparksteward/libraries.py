@@ -1,0 +1,85 @@
+"""Libraries added with ``Steward.add_library``, as seen from inside Python workers.
+
+When an import fails in a worker, :class:`LibraryFinder` asks the executor agent for the
+application's libraries (``blob.libraries``). The agent fetches each into its content-addressed cache
+(once per executor) and answers with local paths: wheels, eggs and zips are importable as they are
+(zipimport); a ``.py`` file is served from a directory of its own. The finder appends new paths to
+``sys.path`` and retries the import. A name that still cannot be found is remembered until the
+application adds another library, so optional imports (``try: import x``) do not call the agent again.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import logging
+import sys
+import threading
+from typing import Any
+
+__all__ = ["LibraryFinder", "install_finder", "library_kind"]
+
+log = logging.getLogger("sparksteward.libraries")
+
+_KINDS = {".whl": "zip", ".zip": "zip", ".egg": "zip", ".py": "py"}
+
+
+def library_kind(name: str) -> str:
+    """``zip`` or ``py`` for a library file name; raise ValueError naming the name otherwise."""
+    for suffix, kind in _KINDS.items():
+        if name.endswith(suffix):
+            return kind
+    raise ValueError(f"{name!r} is not a library: add a .whl, .zip, .egg or .py file")
+
+
+class LibraryFinder(importlib.abc.MetaPathFinder):
+    """A last-resort finder that pulls the application's libraries from the executor agent."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version = -1
+        self._missing: set[str] = set()
+        self._busy = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if path is not None or self._busy:  # only top-level packages; never recurse
+            return None
+        with self._lock:
+            if fullname in self._missing:
+                return None
+            self._busy = True
+            try:
+                new_paths = self._refresh()
+            except Exception as exc:  # an import must fail as ImportError, not with our error
+                log.debug("library lookup for %s failed: %s", fullname, exc)
+                return None
+            finally:
+                self._busy = False
+            spec = importlib.machinery.PathFinder.find_spec(fullname, new_paths) if new_paths else None
+            if spec is None:
+                self._missing.add(fullname)
+            return spec
+
+    def _refresh(self) -> list[str]:
+        from sparksteward.worker import executor_connection
+
+        reply = executor_connection().request("blob.libraries")
+        if reply["version"] != self._version:
+            self._version = reply["version"]
+            self._missing.clear()
+        added = [p for p in reply["paths"] if p not in sys.path]
+        sys.path.extend(added)
+        if added:
+            importlib.invalidate_caches()
+        return added
+
+
+def install_finder() -> LibraryFinder:
+    """Append the finder to ``sys.meta_path`` once per process and return it."""
+    for finder in sys.meta_path:
+        if isinstance(finder, LibraryFinder):
+            return finder
+    finder = LibraryFinder()
+    sys.meta_path.append(finder)
+    return finder
