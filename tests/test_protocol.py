@@ -45,11 +45,11 @@ def test_decoded_fields_keep_their_meaning():
 @pytest.mark.parametrize("line,match", [
     (b"not json", "not JSON"),
     (b"[1]", "not a JSON object"),
-    (b'{"v":2,"type":"app_end","time":1,"exit_code":0}', "version 2"),
+    (b'{"v":2,"type":"app_end","time":1,"exit_code":0,"checkpoint_dir":null}', "version 2"),
     (b'{"v":1,"type":"nope"}', "unknown protocol message type"),
-    (b'{"v":1,"type":"app_end","time":1}', "lacks field 'exit_code'"),
+    (b'{"v":1,"type":"app_end","time":1,"exit_code":0}', "lacks field 'checkpoint_dir'"),
     (b'{"v":1,"type":"job_end","time":1,"job_id":"3","result":"x","reason":null}', "wrong type"),
-    (b'{"v":1,"type":"app_end","time":true,"exit_code":0}', "wrong type"),
+    (b'{"v":1,"type":"app_end","time":true,"exit_code":0,"checkpoint_dir":null}', "wrong type"),
     (b"x" * (protocol.MAX_LINE + 1), "exceeds"),
 ])
 def test_bad_lines_raise_protocol_errors(line, match):
@@ -58,5 +58,5 @@ def test_bad_lines_raise_protocol_errors(line, match):
 
 
 def test_unknown_extra_fields_are_tolerated():
-    msg = protocol.decode(orjson.dumps({"v": 1, "type": "app_end", "time": 1, "exit_code": None, "new": 1}))
+    msg = protocol.decode(orjson.dumps({"v": 1, "type": "app_end", "time": 1, "exit_code": None, "checkpoint_dir": None, "new": 1}))
     assert msg["new"] == 1

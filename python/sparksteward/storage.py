@@ -67,13 +67,13 @@ class Location:
             return self.fs.cat_file(path)
         except FileNotFoundError:
             raise
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot read {self.display(path)}: {exc}") from exc
 
     def exists(self, path: str) -> bool:
         try:
             return self.fs.exists(path)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
 
     def listdir(self, path: str | None = None) -> list[dict[str, Any]]:
@@ -84,7 +84,7 @@ class Location:
             return self.fs.ls(target, detail=True)
         except FileNotFoundError:
             return []
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot list {self.display(target)}: {exc}") from exc
 
     # --- writes ------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ class Location:
                     os.replace(tmp, path)
             else:
                 self.fs.pipe_file(path, data)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
 
     def create_exclusive(self, path: str, data: bytes) -> bool:
@@ -139,7 +139,7 @@ class Location:
             except FileExistsError:
                 return False
             return True
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
 
     def rename(self, src: str, dst: str) -> None:
@@ -149,7 +149,7 @@ class Location:
                 os.replace(src, dst)
             else:
                 self.fs.mv(src, dst)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot rename {self.display(src)} to {self.display(dst)}: {exc}") from exc
 
     def delete(self, path: str, recursive: bool = False) -> bool:
@@ -159,8 +159,8 @@ class Location:
             return True
         except FileNotFoundError:
             return False
-        except OSError as exc:
-            raise StorageError(f"cannot delete {self.display(path)}: {exc}") from exc
+        except Exception as exc:  # OSError, or a backend's own (botocore) error: translate here
+            raise StorageError(f"cannot delete {self.display(path)}: {type(exc).__name__}: {exc}") from exc
         finally:
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(path)

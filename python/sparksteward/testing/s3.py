@@ -23,10 +23,23 @@ _ENV = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class LocalS3:
     endpoint: str
     bucket: str
+    server: object = None
+
+    def stop(self) -> None:
+        """Make the endpoint unreachable (objects are kept: moto's state lives in this process)."""
+        self.server.stop()  # type: ignore[attr-defined]
+
+    def restart(self) -> None:
+        """Serve again on the same port, with the same objects."""
+        from moto.server import ThreadedMotoServer
+
+        port = int(self.endpoint.rsplit(":", 1)[1])
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self.server.start()
 
     def url(self, *parts: str) -> str:
         return "s3://" + "/".join((self.bucket, *parts))
@@ -58,8 +71,8 @@ def local_s3(bucket: str = "steward-test") -> Iterator[LocalS3]:
     saved = {k: os.environ.get(k) for k in (*_ENV, "AWS_ENDPOINT_URL")}
     os.environ.update(_ENV)
     os.environ["AWS_ENDPOINT_URL"] = endpoint
+    s3 = LocalS3(endpoint, bucket, server)
     try:
-        s3 = LocalS3(endpoint, bucket)
         s3.filesystem().mkdir(bucket)
         yield s3
     finally:
@@ -68,4 +81,7 @@ def local_s3(bucket: str = "steward-test") -> Iterator[LocalS3]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.stop()
+        try:
+            s3.server.stop()  # type: ignore[attr-defined]
+        except Exception:  # already stopped by the test
+            pass
