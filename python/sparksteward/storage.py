@@ -70,6 +70,17 @@ class Location:
         except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot read {self.display(path)}: {exc}") from exc
 
+    def read_many(self, paths: list[str]) -> dict[str, bytes | Exception]:
+        """Read several files in one batch (concurrent on async backends such as s3fs).
+
+        Each value is the file's bytes, or the exception reading it raised.
+        """
+        try:
+            out = self.fs.cat(paths, on_error="return")
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+            raise StorageError(f"cannot read {len(paths)} files under {self.url}: {exc}") from exc
+        return {p: out.get(p, out.get(self.fs._strip_protocol(p), FileNotFoundError(p))) for p in paths}
+
     def exists(self, path: str) -> bool:
         try:
             return self.fs.exists(path)

@@ -152,25 +152,33 @@ class FileSystemJobResultStore:
             return self._read(clean) or self._read(dirty)
 
     def list(self) -> Listing:
+        """Every entry; files are fetched in one batch (concurrently on object stores)."""
         listing = Listing()
         seen: dict[str, JobResultEntry] = {}
         with self._lock:
+            names: dict[str, str] = {}
             for info in self.base.listdir():
                 name = posixpath.basename(info["name"].rstrip("/"))
-                if info.get("type") == "directory" or not name.endswith(_CLEAN) or name.startswith("."):
-                    continue
+                if info.get("type") != "directory" and name.endswith(_CLEAN) and not name.startswith("."):
+                    names[info["name"]] = name
+            blobs = self.base.read_many(list(names)) if names else {}
+            for path, name in sorted(names.items()):
+                source = self.base.display(path)
                 stem = name[: -len(_DIRTY)] if name.endswith(_DIRTY) else name[: -len(_CLEAN)]
+                data = blobs.get(path)
+                if isinstance(data, FileNotFoundError):
+                    continue  # removed since the listing
                 try:
+                    if isinstance(data, Exception):
+                        raise CorruptRecordError(f"cannot read {source}: {data}")
                     job_id = job_id_from_filename(stem)
-                    entry = self._read(info["name"])
+                    entry = JobResultEntry(decode_result(data, source), not name.endswith(_DIRTY), source)
                 except (CorruptRecordError, InvalidIdError) as exc:
-                    listing.corrupt.append((self.base.display(info["name"]), str(exc)))
+                    listing.corrupt.append((source, str(exc)))
                     continue
-                if entry is None or entry.job_id != job_id:
-                    if entry is not None:
-                        listing.corrupt.append((entry.source, f"holds job {entry.job_id!r}, not {job_id!r}"))
-                    continue
-                if job_id not in seen or entry.clean:  # a clean file wins over a stale dirty one
+                if entry.job_id != job_id:
+                    listing.corrupt.append((source, f"holds job {entry.job_id!r}, not {job_id!r}"))
+                elif job_id not in seen or entry.clean:  # a clean file wins over a stale dirty one
                     seen[job_id] = entry
         listing.entries.extend(sorted(seen.values(), key=lambda e: e.job_id))
         return listing
