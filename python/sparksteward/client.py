@@ -7,13 +7,20 @@ authenticated connection per thread, so a ``Steward`` may be shared across threa
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-from sparksteward.errors import AgentUnavailableError, JobAlreadyCompleted
+from sparksteward.blob.broadcast import BroadcastHandle
+from sparksteward.blob.client import BlobClient
+from sparksteward.blob.payload import write_payload
+from sparksteward.errors import AgentUnavailableError, InvalidIdError, JobAlreadyCompleted, ProtocolError, StewardError
 from sparksteward.jobscope import JobScope
+from sparksteward.libraries import library_kind
 from sparksteward.protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
 
@@ -90,6 +97,9 @@ class Steward:
         except (ConnectionError, BrokenPipeError, TimeoutError):
             self._drop()
             return self._conn().request(op, **fields)
+        except ProtocolError:
+            self._drop()  # the agent closes a connection after a protocol violation
+            raise
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -133,6 +143,58 @@ class Steward:
                 return exc.entry.payload
             raise
 
+    # --- blobs (FLIP-19) -----------------------------------------------------------------------
+    @property
+    def blobs(self) -> BlobClient:
+        """Low-level put/get/delete of permanent and transient blobs, with a job id."""
+        return BlobClient(self._conn)
+
+    def current_job(self) -> str:
+        """The job new blobs belong to: the innermost ``st.job`` scope of this thread, else the
+        application job."""
+        scope = getattr(self._local, "scope", None)
+        if scope:
+            return scope[-1]
+        if getattr(self, "_app_job", None) is None:
+            self._app_job = self.health()["app_job_id"]
+        return self._app_job
+
+    def broadcast(self, obj: Any) -> BroadcastHandle:
+        """Store ``obj`` once (content-addressed) and return a small handle whose ``.value`` works in
+        tasks and on the driver; numpy/arrow buffers are zero-copy in workers."""
+        job = self.current_job()
+        blobs = self.blobs
+        fd, path = blobs.staging_file()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                size = write_payload(obj, f)
+            key = blobs.put_path(path, job, move=True)
+        finally:
+            if os.path.exists(path):
+                os.unlink(path)
+        blobs.acquire(key, job)
+        return BroadcastHandle(str(key), job, size, value=obj, local=True,
+                               release=functools.partial(_release_quietly, blobs, str(key), job))
+
+    def add_library(self, path: str | os.PathLike[str]) -> str:
+        """Make a .whl, .zip, .egg or .py importable in Python workers for every later task;
+        cached per executor by content. Returns the blob key."""
+        name = os.path.basename(os.fspath(path))
+        try:
+            library_kind(name)
+        except ValueError as exc:
+            raise InvalidIdError(str(exc)) from None
+        if not os.path.isfile(path):
+            raise InvalidIdError(f"library {os.fspath(path)!r} is not a file")
+        blobs = self.blobs
+        fd, staged = blobs.staging_file()
+        os.close(fd)
+        shutil.copyfile(path, staged)
+        job = self.current_job()
+        key = blobs.put_path(staged, job, permanent=True, move=True)
+        self.request("blob.add_library", job_id=job, key=str(key), name=name)
+        return str(key)
+
     @property
     def job_results(self) -> JobResults:
         """Read access to the JobResultStore: ``st.job_results.get(job_id)``, ``.list()``."""
@@ -169,3 +231,11 @@ class JobResults:
         from sparksteward.jobs.result import JobResultEntry
 
         return [JobResultEntry.from_dict(e) for e in self._steward.request("jobs.list")["entries"]]
+
+
+def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:
+    """Release a broadcast's reference; the session may already be gone (then the job's end cleans up)."""
+    try:
+        blobs.release(key, job)
+    except (StewardError, OSError):
+        pass

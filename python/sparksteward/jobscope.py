@@ -63,6 +63,8 @@ class JobScope:
             raise JobAlreadyCompleted(reply["message"], JobResultEntry.from_dict(reply["entry"]))
         self._active = True
         self._sc().addJobTag(self.tag)
+        scopes = getattr(self.steward._local, "scope", None) or []
+        self.steward._local.scope = [*scopes, self.job_id]
         return self
 
     def _sc(self) -> Any:
@@ -93,6 +95,8 @@ class JobScope:
         if not self._active:
             return
         self._active = False
+        scopes = getattr(self.steward._local, "scope", None) or []
+        self.steward._local.scope = [j for j in scopes if j != self.job_id]
         try:
             self._sc().removeJobTag(self.tag)
         except Exception:  # the context may already be stopped; the result still matters

@@ -44,6 +44,9 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     jar_path = str(jar or shim_jar())
     builder = builder.config("spark.jars", _append(options.get("spark.jars"), jar_path))
     builder = builder.config("spark.plugins", _append(options.get("spark.plugins"), PLUGIN_CLASS))
+    if not options.get("spark.python.daemon.module"):
+        # workers fork from our daemon, which installs the finder for st.add_library() libraries
+        builder = builder.config("spark.python.daemon.module", "sparksteward.daemon")
     if not (options.get("spark.steward.agent.python") or options.get("spark.pyspark.python")
             or os.environ.get("PYSPARK_PYTHON")):
         builder = builder.config("spark.steward.agent.python", sys.executable)

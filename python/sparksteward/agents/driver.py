@@ -13,11 +13,16 @@ their Spark jobs through the ``sparksteward-job-<id>`` job tag.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import threading
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
+from sparksteward.blob.server import BlobServer
+from sparksteward.blob.store import open_blob_store
 from sparksteward.errors import JobAlreadyCompleted, ProtocolError
 from sparksteward.ids import job_id_from_filename
 from sparksteward.jobs.cleanup import CleanupStep
@@ -28,6 +33,17 @@ from sparksteward.wire import Connection
 __all__ = ["DriverAgent"]
 
 log = logging.getLogger("sparksteward.agent.driver")
+
+
+def _server_dir(state_dir: str) -> str:
+    """A fresh local store for this agent; stores of agents that died (SIGKILL) are swept first."""
+    root = os.path.join(os.path.expanduser(state_dir), "blob-local")
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+        pid = name.split("-")[1] if name.startswith("server-") and name.count("-") >= 2 else ""
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"server-{os.getpid()}-", dir=root)
 
 
 def _scoped_jobs(tags: list[str]) -> list[str]:
@@ -61,6 +77,12 @@ class DriverAgent(Agent):
         except JobAlreadyCompleted:
             self.server.close()
             raise
+        self.ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)
+        self.blobs = BlobServer(_server_dir(self.cfg.effective_state_dir), self.ha,
+                                retention=self.cfg.blob_retention_interval, max_size=self.cfg.blob_max_size,
+                                clock=self.clock)
+        self.blobs.register_handlers(self.server)
+        self.jobs.registry.register("blob_job_dir", self.blobs.delete_job)
         threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True).start()
         for op, fn in {"jobs.begin": self._op_begin, "jobs.add_cleanup": self._op_add_cleanup,
                        "jobs.finish": self._op_finish, "jobs.get": self._op_get, "jobs.list": self._op_list}.items():
@@ -70,8 +92,13 @@ class DriverAgent(Agent):
         try:
             self.jobs.prune()
             self.jobs.recover()
+            # HA blobs of jobs whose result is committed are orphans: staged cleanup takes them
+            live = {j for j in self.ha.jobs() if j is None or not (e := self.jobs.get(j)) or not e.clean}
+            orphans = self.blobs.retain_jobs(live)
+            if orphans:
+                log.info("%d orphaned job blob directories put into staged cleanup", len(orphans))
         except Exception:
-            log.exception("job result recovery failed; run `steward jobs cleanup`")
+            log.exception("recovery failed; run `steward jobs cleanup` and `steward blobs gc`")
 
     def shutdown_grace_ms(self) -> int:
         return int((self.cfg.cleanup_shutdown_timeout + 10) * 1000)
@@ -149,6 +176,7 @@ class DriverAgent(Agent):
     def close(self) -> None:
         super().close()
         self.jobs.close(self.cfg.cleanup_shutdown_timeout)
+        self.blobs.close()  # the local store; HA copies stay for recovery until their job is final
 
 
 if __name__ == "__main__":

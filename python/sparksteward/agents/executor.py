@@ -8,10 +8,13 @@ It owns the executor's BlobCache and publishes a rendezvous file under
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
+from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.store import open_blob_store
 from sparksteward.rendezvous import Rendezvous
 
 __all__ = ["ExecutorAgent"]
@@ -28,7 +31,18 @@ class ExecutorAgent(Agent):
         super().__init__(hello, clock)
         self.executor_id: str = hello["executor_id"]
         self.rendezvous = Rendezvous(hello["rendezvous_dir"] or ".")
+        ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)
+        self.cache = BlobCache(self.rendezvous.dir / f"cache-{os.getpid()}", ha, hello.get("driver_endpoint"),
+                               self.secret, max_size=self.cfg.blob_cache_max_size,
+                               fetch_retries=self.cfg.blob_fetch_retries)
+        self.cache.register_handlers(self.server)
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id)
+
+    def on_task_succeeded(self, msg: dict[str, Any]) -> None:
+        self.cache.release_task(msg["task_attempt_id"])
+
+    def on_task_failed(self, msg: dict[str, Any]) -> None:
+        self.cache.release_task(msg["task_attempt_id"])
 
     def health_details(self) -> dict[str, Any]:
         return {"executor_id": self.executor_id}
@@ -36,6 +50,7 @@ class ExecutorAgent(Agent):
     def close(self) -> None:
         self.rendezvous.withdraw()
         super().close()
+        self.cache.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,105 @@
+"""BlobClient: low-level put/get/delete of permanent and transient blobs against a BlobServer.
+
+``st.blobs`` is one, bound to the user's driver. Puts from the same host go through
+``blob.put_path`` (the file is written straight into the server's incoming directory and linked into
+place: no bytes cross a socket); ``put_bytes`` streams. ``get_to_file`` verifies the stream's
+checksum and renames a complete copy into place only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.blob.store import verified_copy
+from sparksteward.wire import Connection
+
+__all__ = ["BlobClient"]
+
+
+class BlobClient:
+    """Blob operations over ``conn()`` (a callable returning this thread's Connection)."""
+
+    def __init__(self, conn: Callable[[], Connection]) -> None:
+        self._conn = conn
+        self._incoming: str | None = None
+
+    def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+        return self._conn().request(op, **fields)
+
+    @property
+    def incoming(self) -> str:
+        """The server's incoming directory (same host only)."""
+        if self._incoming is None:
+            self._incoming = self._request("blob.info")["incoming"]
+        return self._incoming
+
+    def staging_file(self) -> tuple[int, str]:
+        """A new file in the server's incoming directory: ``(fd, path)``; hand it to ``put_path``."""
+        return tempfile.mkstemp(prefix="put-", dir=self.incoming)
+
+    def put_path(self, path: str, job_id: str | None = None, *, permanent: bool = False,
+                 move: bool = True) -> BlobKey:
+        """Store a file that is already in :attr:`incoming` (same host: no copy through a socket)."""
+        reply = self._request("blob.put_path", path=str(path), job_id=job_id,
+                              type=(BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value, move=move)
+        return BlobKey.parse(reply["key"])
+
+    def put_file(self, path: str | os.PathLike[str], job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
+        """Store a local file by streaming it (works from any host)."""
+        conn = self._conn()
+        size = os.path.getsize(path)
+        conn.send({"op": "blob.put", "job_id": job_id, "size": size,
+                   "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
+        with open(path, "rb") as f:
+            conn.send_file(f, size)
+        return BlobKey.parse(Connection._check(conn.recv())["key"])
+
+    def put_bytes(self, data: bytes, job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
+        with tempfile.NamedTemporaryFile() as f:
+            f.write(data)
+            f.flush()
+            return self.put_file(f.name, job_id, permanent=permanent)
+
+    def get_to_file(self, key: BlobKey | str, dest: str | os.PathLike[str], job_id: str | None = None) -> int:
+        """Download a blob into ``dest`` (verified, then renamed into place); return its size."""
+        key = BlobKey.parse(str(key))
+        conn = self._conn()
+        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
+        size = int(Connection._check(conn.recv())["size"])
+
+        class _Reader:
+            left = size
+
+            def read(self, n: int) -> bytes:
+                if self.left <= 0:
+                    return b""
+                data = conn.recv_exact(min(n, self.left, 1 << 20))
+                self.left -= len(data)
+                return data
+
+        return verified_copy(_Reader(), Path(dest), key, f"BlobServer {conn.peer}")
+
+    def get_bytes(self, key: BlobKey | str, job_id: str | None = None) -> bytes:
+        with tempfile.TemporaryDirectory() as d:
+            self.get_to_file(key, Path(d) / "blob", job_id)
+            return (Path(d) / "blob").read_bytes()
+
+    def acquire(self, key: BlobKey | str, job_id: str | None = None) -> int:
+        return self._request("blob.acquire", key=str(key), job_id=job_id)["refs"]
+
+    def release(self, key: BlobKey | str, job_id: str | None = None) -> int:
+        return self._request("blob.release", key=str(key), job_id=job_id)["refs"]
+
+    def delete_job(self, job_id: str | None) -> None:
+        self._request("blob.delete_job", job_id=job_id)
+
+    def list(self) -> list[dict[str, Any]]:
+        return self._request("blob.list")["blobs"]
+
+    def stats(self) -> dict[str, int]:
+        return self._request("blob.stats")["stats"]

@@ -1,0 +1,168 @@
+"""The HA blob store: a read interface (:class:`BlobView`), a write interface (:class:`BlobStore`),
+an fsspec implementation and a null object.
+
+Layout on any fsspec URL: ``<path>/<cluster-id>/blob/<job>/<key>``, with job ids encoded by
+:func:`sparksteward.ids.job_id_to_filename` and job-less blobs under ``@none`` (``@`` never appears
+in an encoded job id). Executor caches get only a :class:`BlobView`.
+
+Every read verifies the content against the key while copying into a temp file next to the
+destination; only a verified copy is renamed into place, and a mismatch deletes the copy and raises
+:class:`~sparksteward.errors.ChecksumMismatchError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import uuid
+from pathlib import Path
+from typing import Protocol
+
+from sparksteward.blob.key import BlobKey, Hasher
+from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StorageError
+from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
+from sparksteward.storage import Location, open_location
+
+__all__ = ["BlobStore", "BlobView", "FileSystemBlobStore", "NO_JOB", "VoidBlobStore", "job_dir_name",
+           "verified_copy"]
+
+NO_JOB = "@none"
+_CHUNK = 4 << 20
+
+
+def job_dir_name(job_id: str | None) -> str:
+    return NO_JOB if job_id is None else job_id_to_filename(job_id)
+
+
+def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
+    """Copy the readable ``src`` into ``dest`` through a temp file, verifying ``key``; return the size."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
+    h = Hasher()
+    size = 0
+    try:
+        with open(tmp, "wb") as out:
+            while chunk := src.read(_CHUNK):
+                h.update(chunk)
+                out.write(chunk)
+                size += len(chunk)
+        if h.digest() != key.digest:
+            raise ChecksumMismatchError(f"{source} does not match its key {key} (corrupt copy discarded)")
+        os.replace(tmp, dest)
+        return size
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class BlobView(Protocol):
+    """Read side: what an executor cache may do with the HA store."""
+
+    def get(self, job_id: str | None, key: BlobKey, dest: Path) -> int: ...
+    def exists(self, job_id: str | None, key: BlobKey) -> bool: ...
+
+
+class BlobStore(BlobView, Protocol):
+    """Write side, used by the BlobServer only."""
+
+    def put(self, job_id: str | None, key: BlobKey, local: Path) -> None: ...
+    def delete(self, job_id: str | None, key: BlobKey) -> None: ...
+    def delete_job(self, job_id: str | None) -> None: ...
+    def jobs(self) -> list[str | None]: ...
+
+
+class FileSystemBlobStore:
+    """HA blob store on any fsspec URL. Thread-safe as far as the fsspec backend is."""
+
+    def __init__(self, url: str, cluster_id: str = "default") -> None:
+        self.cluster_id = validate_id(cluster_id, "cluster id")
+        self.base: Location = open_location(url).child(self.cluster_id, "blob")
+        self.url = url
+
+    def _path(self, job_id: str | None, key: BlobKey) -> str:
+        return self.base.path(job_dir_name(job_id), str(key))
+
+    def get(self, job_id: str | None, key: BlobKey, dest: Path) -> int:
+        path = self._path(job_id, key)
+        try:
+            with self.base.fs.open(path, "rb") as src:
+                return verified_copy(src, dest, key, self.base.display(path))
+        except (FileNotFoundError, ChecksumMismatchError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - backend errors become ours at this boundary
+            raise StorageError(f"cannot read {self.base.display(path)}: {type(exc).__name__}: {exc}") from exc
+
+    def exists(self, job_id: str | None, key: BlobKey) -> bool:
+        return self.base.exists(self._path(job_id, key))
+
+    def put(self, job_id: str | None, key: BlobKey, local: Path) -> None:
+        path = self._path(job_id, key)
+        try:
+            if self.base.is_local:
+                tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+                self.base.makedirs(posixpath.dirname(path))
+                self.base.fs.put_file(str(local), tmp)
+                os.replace(tmp, path)
+            else:
+                self.base.fs.put_file(str(local), path)  # one PUT or multipart upload: all or nothing
+        except Exception as exc:  # noqa: BLE001
+            raise StorageError(f"cannot upload {key} to {self.base.display(path)}: {exc}") from exc
+
+    def delete(self, job_id: str | None, key: BlobKey) -> None:
+        self.base.delete(self._path(job_id, key))
+
+    def delete_job(self, job_id: str | None) -> None:
+        self.base.delete(self.base.path(job_dir_name(job_id)), recursive=True)
+
+    def jobs(self) -> list[str | None]:
+        out: list[str | None] = []
+        for info in self.base.listdir():
+            name = posixpath.basename(info["name"].rstrip("/"))
+            if name == NO_JOB:
+                out.append(None)
+            else:
+                try:
+                    out.append(job_id_from_filename(name))
+                except ValueError:
+                    continue
+        return out
+
+    def keys(self, job_id: str | None) -> list[tuple[BlobKey, int]]:
+        out = []
+        for info in self.base.listdir(self.base.path(job_dir_name(job_id))):
+            try:
+                out.append((BlobKey.parse(posixpath.basename(info["name"])), int(info.get("size") or 0)))
+            except ValueError:
+                continue
+        return out
+
+
+class VoidBlobStore:
+    """No HA store: nothing is kept for recovery (``spark.steward.blob.ha.storage-path=none``)."""
+
+    url = "none"
+
+    def get(self, job_id: str | None, key: BlobKey, dest: Path) -> int:
+        raise BlobNotFoundError(f"blob {key} is not in an HA store (none is configured)")
+
+    def exists(self, job_id: str | None, key: BlobKey) -> bool:
+        return False
+
+    def put(self, job_id: str | None, key: BlobKey, local: Path) -> None:
+        pass
+
+    def delete(self, job_id: str | None, key: BlobKey) -> None:
+        pass
+
+    def delete_job(self, job_id: str | None) -> None:
+        pass
+
+    def jobs(self) -> list[str | None]:
+        return []
+
+    def keys(self, job_id: str | None) -> list[tuple[BlobKey, int]]:
+        return []
+
+
+def open_blob_store(url: str | None, cluster_id: str) -> FileSystemBlobStore | VoidBlobStore:
+    return VoidBlobStore() if url is None else FileSystemBlobStore(url, cluster_id)
