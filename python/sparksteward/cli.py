@@ -16,7 +16,7 @@ from sparksteward.errors import StewardError
 
 __all__ = ["main"]
 
-_GROUPS = ("sparksteward.jobs.cli",)
+_GROUPS = ("sparksteward.jobs.cli", "sparksteward.blob.cli")
 
 
 def _cmd_jar(args: argparse.Namespace) -> int:

@@ -1,0 +1,82 @@
+"""``steward blobs ls|gc`` on an HA blob storage path."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
+from sparksteward.config import StewardConfig
+from sparksteward.jobs.store import FileSystemJobResultStore
+
+__all__ = ["add_subcommands"]
+
+
+def _store(args: argparse.Namespace) -> tuple[FileSystemBlobStore, StewardConfig]:
+    cfg = StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id})
+    return FileSystemBlobStore(args.path or cfg.effective_ha_path, cfg.cluster_id), cfg
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    store, _ = _store(args)
+    rows, total = [], 0
+    for job in sorted(store.jobs(), key=lambda j: (j is not None, j or "")):
+        for key, size in store.keys(job):
+            rows.append((job_dir_name(job), str(key), "permanent" if key.permanent else "transient", _size(size)))
+            total += size
+    print(f"{len(rows)} blob(s), {_size(total)}, in {store.base.display(store.base.root)}")
+    if rows:
+        widths = [max(len(r[i]) for r in [("JOB", "KEY", "TYPE", "SIZE"), *rows]) for i in range(4)]
+        for r in [("JOB", "KEY", "TYPE", "SIZE"), tuple("-" * w for w in widths), *rows]:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    store, cfg = _store(args)
+    results = FileSystemJobResultStore(args.jrs_path or cfg.effective_jrs_path, cfg.cluster_id)
+    collected = kept = 0
+    for job in store.jobs():
+        entry = results.get(job) if job is not None else None
+        final = entry is not None
+        if final or (job is None and args.include_unowned):
+            blobs = store.keys(job)
+            action = "would delete" if args.dry_run else "deleted"
+            if not args.dry_run:
+                store.delete_job(job)
+            print(f"{action} {job_dir_name(job)}: {len(blobs)} blob(s) "
+                  f"({'job ' + entry.status.value + ', ' + entry.state if entry else 'no job'})")
+            collected += 1
+        else:
+            kept += 1
+    print(f"{'would collect' if args.dry_run else 'collected'} {collected} job director(ies); kept {kept} "
+          f"of jobs that are not final (they may still be recovered)")
+    return 0
+
+
+def add_subcommands(sub: Any) -> None:
+    """Add ``blobs`` with ``ls`` and ``gc`` to the ``steward`` parser."""
+    blobs = sub.add_parser("blobs", help="inspect and collect blobs in an HA storage path")
+    bsub = blobs.add_subparsers(dest="blobs_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--path", help="HA blob storage path or fsspec URL (default: the embedded one)")
+        p.add_argument("--cluster-id", default="default")
+
+    p = bsub.add_parser("ls", help="list blobs per job")
+    common(p)
+    p.set_defaults(func=_ls)
+    p = bsub.add_parser("gc", help="delete the blobs of jobs that reached a final state")
+    common(p)
+    p.add_argument("--jrs-path", help="JobResultStore path that says which jobs are final (default: embedded)")
+    p.add_argument("--include-unowned", action="store_true", help="also delete blobs that belong to no job")
+    p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
+    p.set_defaults(func=_gc)
