@@ -220,17 +220,21 @@ class BlobCache:
 
 
 class _SocketReader:
-    """A file-like ``read(n)`` over exactly ``size`` raw bytes of a connection."""
+    """A file-like ``read(n)`` over exactly ``size`` raw bytes of a connection (one reused buffer)."""
 
     def __init__(self, conn: Connection, size: int) -> None:
         self.conn, self.left = conn, size
+        self._buf = bytearray(4 << 20)
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int) -> memoryview | bytes:
         if self.left <= 0:
             return b""
-        want = min(n, self.left, 1 << 20)
-        data = self.conn.sock.recv(want)
-        if not data:
-            raise StewardError(f"BlobServer closed the connection with {self.left} bytes unsent")
-        self.left -= len(data)
-        return data
+        view = memoryview(self._buf)[: min(n, self.left, len(self._buf))]
+        got = 0
+        while got < len(view):  # fill the buffer: fewer, larger writes and hash updates
+            k = self.conn.sock.recv_into(view[got:])
+            if not k:
+                raise StewardError(f"BlobServer closed the connection with {self.left - got} bytes unsent")
+            got += k
+        self.left -= got
+        return view[:got]

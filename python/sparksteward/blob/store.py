@@ -41,8 +41,8 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
     h = Hasher()
     size = 0
     try:
-        with open(tmp, "wb") as out:
-            while chunk := src.read(_CHUNK):
+        with open(tmp, "wb", buffering=0) as out:
+            while len(chunk := src.read(_CHUNK)):
                 h.update(chunk)
                 out.write(chunk)
                 size += len(chunk)
