@@ -24,6 +24,8 @@ def spark(state):
     with spark_session("local[2]", **{"spark.steward.state-dir": str(state)}) as session:
         yield session
     assert not list((state / "blob-local").iterdir()), "the driver agent deleted its local store"
+    left = [p for p in (state / "ha").rglob("*") if p.is_file()]
+    assert not left, f"blob files remain after spark.stop(): {left}"
 
 
 def _cache_stats(spark):

@@ -72,6 +72,29 @@ def test_each_executor_agent_receives_the_task_events_of_its_executor(spark):
         assert not (other & views[executor]), f"executor {executor} agent saw another executor's tasks"
 
 
+def test_broadcast_reaches_both_executors_once_each(spark):
+    import numpy as np
+
+    st = Steward.get(spark)
+    arr = np.arange(2_000_000, dtype=np.int64)
+    h = st.broadcast(arr)
+
+    def use(_):
+        from sparksteward.worker import executor_connection
+
+        conn = executor_connection()
+        total = int(h.value.sum())
+        return [(conn.request("health")["executor_id"], total, conn.request("blob.cache_stats")["stats"])]
+
+    rows = spark.sparkContext.parallelize(range(8), 8).mapPartitions(use).collect()
+    assert {total for _, total, _ in rows} == {int(arr.sum())}
+    per_exec = {}
+    for executor, _, stats in rows:
+        per_exec[executor] = stats
+    assert len(per_exec) >= 2
+    assert all(s.get("transfers", 0) == 1 for s in per_exec.values()), per_exec  # once per executor, 4 tasks each
+
+
 def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     executors = _executors(spark)
     assert len(executors) == 2
