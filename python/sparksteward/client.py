@@ -18,7 +18,7 @@ from typing import Any
 from sparksteward.blob.broadcast import BroadcastHandle
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.payload import write_payload
-from sparksteward.errors import AgentUnavailableError, InvalidIdError, JobAlreadyCompleted, ProtocolError, StewardError
+from sparksteward.errors import AgentUnavailableError, ConfigError, InvalidIdError, JobAlreadyCompleted, ProtocolError, StewardError
 from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.protocol import PLUGIN_CLASS
@@ -180,6 +180,12 @@ class Steward:
         """Make a .whl, .zip, .egg or .py importable in Python workers for every later task;
         cached per executor by content. Returns the blob key."""
         name = os.path.basename(os.fspath(path))
+        daemon = self.spark.sparkContext.getConf().get("spark.python.daemon.module") if self.spark else None
+        if self.spark is not None and daemon != "sparksteward.daemon":
+            raise ConfigError(
+                f"spark.python.daemon.module={daemon!r}: add_library needs Python workers forked from "
+                f"sparksteward.daemon. Build the session with sparksteward.configure(builder) or pass "
+                f"--conf spark.python.daemon.module=sparksteward.daemon")
         try:
             library_kind(name)
         except ValueError as exc:

@@ -34,9 +34,10 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
 
     Notes
     -----
-    If no Python was chosen for the agents (``spark.steward.agent.python``, ``spark.pyspark.python``
-    or ``PYSPARK_PYTHON``), the agents run with this process's Python, which has spark-steward
-    installed.
+    If no Python was chosen for the workers (``spark.pyspark.python`` or ``PYSPARK_PYTHON``), this sets
+    ``PYSPARK_PYTHON`` in this process so that workers and agents run with this process's Python, which has spark-steward installed. Workers are forked
+    from ``sparksteward.daemon`` (``spark.python.daemon.module``) unless another daemon was chosen, so
+    that libraries added with ``Steward.add_library`` are importable.
     """
     from sparksteward.jar import shim_jar
 
@@ -47,7 +48,8 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     if not options.get("spark.python.daemon.module"):
         # workers fork from our daemon, which installs the finder for st.add_library() libraries
         builder = builder.config("spark.python.daemon.module", "sparksteward.daemon")
-    if not (options.get("spark.steward.agent.python") or options.get("spark.pyspark.python")
-            or os.environ.get("PYSPARK_PYTHON")):
-        builder = builder.config("spark.steward.agent.python", sys.executable)
+    if not (options.get("spark.pyspark.python") or os.environ.get("PYSPARK_PYTHON")):
+        # Python workers, their daemon and the agents must import sparksteward. PySpark's driver picks
+        # the workers' Python from $PYSPARK_PYTHON (else `python3`), so point it at this Python.
+        os.environ["PYSPARK_PYTHON"] = sys.executable
     return builder
