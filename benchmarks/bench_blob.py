@@ -26,6 +26,17 @@ def rss_anon_kb() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon"))
 
 
+def measured(load):
+    """A task that loads the value, sums all of it, and reports its worker's RssAnon growth."""
+
+    def task(_):
+        before = rss_anon_kb()
+        total = float(load().sum())
+        return total, (rss_anon_kb() - before) / 1024
+
+    return task
+
+
 def run_job(sc, fn):
     t = time.perf_counter()
     rows = sc.parallelize(range(TASKS), TASKS).map(fn).collect()
@@ -57,11 +68,7 @@ def main() -> int:
     h = st.broadcast(arr)
     create = time.perf_counter() - t
 
-    def use_steward(_):
-        before = rss_anon_kb()
-        total = float(h.value.sum())
-        return total, (rss_anon_kb() - before) / 1024
-
+    use_steward = measured(lambda: h.value)
     first, grow, rows = run_job(sc, use_steward)
     second, _, _ = run_job(sc, use_steward)
     assert all(abs(r[0] - expect) < 1e-3 * abs(expect) for r in rows)
@@ -72,11 +79,7 @@ def main() -> int:
     b = sc.broadcast(arr)
     create = time.perf_counter() - t
 
-    def use_bc(_):
-        before = rss_anon_kb()
-        total = float(b.value.sum())
-        return total, (rss_anon_kb() - before) / 1024
-
+    use_bc = measured(lambda: b.value)
     first, grow, _ = run_job(sc, use_bc)
     second, _, _ = run_job(sc, use_bc)
     res["sc.broadcast"] = (create, first, second, grow)
@@ -88,12 +91,7 @@ def main() -> int:
     sc.addFile(path)
     create = time.perf_counter() - t
 
-    def use_file(_):
-        before = rss_anon_kb()
-        v = np.load(SparkFiles.get("arr.npy"), mmap_mode="r")
-        total = float(v.sum())
-        return total, (rss_anon_kb() - before) / 1024
-
+    use_file = measured(lambda: np.load(SparkFiles.get("arr.npy"), mmap_mode="r"))
     first, grow, _ = run_job(sc, use_file)
     second, _, _ = run_job(sc, use_file)
     res["sc.addFile"] = (create, first, second, grow)

@@ -8,6 +8,7 @@ from typing import Any
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.config import StewardConfig
 from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.tables import table
 
 __all__ = ["add_subcommands"]
 
@@ -34,9 +35,7 @@ def _ls(args: argparse.Namespace) -> int:
             total += size
     print(f"{len(rows)} blob(s), {_size(total)}, in {store.base.display(store.base.root)}")
     if rows:
-        widths = [max(len(r[i]) for r in [("JOB", "KEY", "TYPE", "SIZE"), *rows]) for i in range(4)]
-        for r in [("JOB", "KEY", "TYPE", "SIZE"), tuple("-" * w for w in widths), *rows]:
-            print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print(table(rows, ("JOB", "KEY", "TYPE", "SIZE")))
     return 0
 
 

@@ -13,6 +13,7 @@ from sparksteward.errors import ConfigError, JobResultNotFoundError
 from sparksteward.jobs.cleanup import RetryPolicy, StepRegistry
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.tables import table
 
 __all__ = ["add_subcommands"]
 
@@ -29,12 +30,6 @@ def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(fmt.format(*r) for r in [header, ["-" * w for w in widths], *rows])
-
-
 def _list(args: argparse.Namespace) -> int:
     svc = _service(args)
     listing = svc.store.list()
@@ -44,7 +39,7 @@ def _list(args: argparse.Namespace) -> int:
             for e in listing.entries if args.state in ("all", e.state)]
     print(f"{len(rows)} job result(s) in {svc.store.base.url}")
     if rows:
-        print(_table(rows, ["JOB", "STATUS", "STATE", "ENDED", "CLEANUP", "APPLICATION"]))
+        print(table(rows, ["JOB", "STATUS", "STATE", "ENDED", "CLEANUP", "APPLICATION"]))
     for path, why in listing.corrupt:
         print(f"unreadable: {path}: {why}")
     return 0
@@ -63,7 +58,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"payload:      {orjson.dumps(r.payload).decode()}")
     print(f"spark jobs:   {len(r.spark_jobs)} ({sum(j.outcome == 'failed' for j in r.spark_jobs)} failed)")
     if r.cleanup:
-        print(_table([[s.kind, s.target, s.state, str(s.attempts), s.last_error or ""] for s in r.cleanup],
+        print(table([[s.kind, s.target, s.state, str(s.attempts), s.last_error or ""] for s in r.cleanup],
                      ["STEP", "TARGET", "STATE", "ATTEMPTS", "LAST ERROR"]))
     return 0
 
