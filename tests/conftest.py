@@ -59,10 +59,15 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
 @contextlib.contextmanager
 def spark_session(master: str = "local[2]", **conf: str) -> Iterator[object]:
     """A SparkSession with spark-steward enabled; stopped (and checked for leftovers) at exit."""
+    from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 
     import sparksteward
+    from sparksteward.jar import shim_jar
 
+    # Launch the JVM with only the jar on its class path: spark-submit turns the first session's
+    # settings into JVM system properties, which would leak into every later session of this process.
+    SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
     builder = SparkSession.builder.master(master).appName(f"steward-test-{master}")
     for key, value in {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
                        "spark.executor.memory": "512m", **conf}.items():

@@ -22,3 +22,28 @@ def test_stop_leaves_no_agent_process():
         spark.sparkContext.parallelize(range(4), 2).count()
         assert len(agent_processes()) == 2
     wait_until(lambda: not agent_processes(), timeout=15, what="agents to exit after spark.stop()")
+
+
+def test_shim_restarts_a_driver_agent_that_died():
+    import os
+    import signal
+
+    from sparksteward import Steward
+    from sparksteward.errors import StewardError
+
+    with spark_session("local[1]") as spark:
+        st = Steward.get(spark)
+        first = st.health()["pid"]
+        os.kill(first, signal.SIGKILL)
+
+        def restarted():
+            try:
+                h = st.health()
+            except (StewardError, OSError):
+                return None
+            return h if h["pid"] != first else None
+
+        health = wait_until(restarted, timeout=20, what="the shim to restart the driver agent")
+        assert health["app_id"] == spark.sparkContext.applicationId, "app_start is replayed to the new agent"
+        assert spark.sparkContext.parallelize(range(4), 2).count() == 4
+    wait_until(lambda: not agent_processes(), timeout=15, what="agents to exit after spark.stop()")

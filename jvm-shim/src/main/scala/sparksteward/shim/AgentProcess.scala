@@ -49,12 +49,17 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
 
   def start(): Unit = writer.start()
 
-  /** Enqueue one event line; never blocks, never throws. */
-  def send(line: String): Unit =
+  // lines a restarted agent must see again right after hello (app_start)
+  @volatile private var replay: Vector[String] = Vector.empty
+
+  /** Enqueue one event line; never blocks, never throws. A `sticky` line is replayed to a restarted agent. */
+  def send(line: String, sticky: Boolean = false): Unit = {
+    if (sticky) replay = replay :+ line
     if (!queue.offer(line)) {
       val n = dropped.incrementAndGet()
       if (n % 1000 == 1) log.warn(s"spark-steward $role agent is not keeping up: dropped $n events")
     }
+  }
 
   /** Wait for `ready` / `fatal` / start failure, up to `timeoutMs`. */
   def awaitAnswer(timeoutMs: Long): AgentAnswer =
@@ -62,12 +67,13 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     else Failed(s"the $role agent did not report ready within ${timeoutMs / 1000} s " +
       "(spark.steward.agent.start-timeout); see its lines in this log")
 
-  private def launch(): Process = {
+  private def launch(restart: Boolean): Process = {
     val pb = new ProcessBuilder(command: _*)
     pb.redirectError(ProcessBuilder.Redirect.INHERIT)
     val p = pb.start()
     stdin = p.getOutputStream
     stdin.write((hello + "\n").getBytes(UTF_8))
+    if (restart) replay.foreach(l => stdin.write((l + "\n").getBytes(UTF_8)))
     stdin.flush()
     val reader = new Thread(() => readAnswers(p), s"steward-$role-agent-stdout")
     reader.setDaemon(true)
@@ -95,7 +101,7 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     var running = true
     while (running) {
       try {
-        process = launch()
+        process = launch(restarts > 0)
         running = pump(process)
       } catch {
         case e: IOException =>

@@ -85,7 +85,7 @@ class StewardListener(agent: AgentProcess, sc: SparkContext) extends SparkListen
 
   override def onApplicationStart(e: SparkListenerApplicationStart): Unit =
     agent.send(Messages.appStart(e.time, e.appId.getOrElse(sc.applicationId), e.appAttemptId, e.appName,
-      sc.version, e.sparkUser))
+      sc.version, e.sparkUser), sticky = true)
 
   override def onApplicationEnd(e: SparkListenerApplicationEnd): Unit =
     agent.send(Messages.appEnd(e.time, e.exitCode, sc.getCheckpointDir))
