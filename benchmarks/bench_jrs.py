@@ -54,7 +54,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         p50, p99 = commit_latency(FileSystemJobResultStore(d + "/c"), COMMITS)
         rows.append(("file://", p50, p99, list_time(FileSystemJobResultStore(d + "/l"), LIST_N), LIST_N))
-    with local_s3("bench-jrs") as s3:
+    with local_s3() as s3:
         p50, p99 = commit_latency(FileSystemJobResultStore(s3.url("c")), COMMITS)
         n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
         rows.append(("s3:// (moto)", p50, p99, list_time(FileSystemJobResultStore(s3.url("l")), n), n))

@@ -25,7 +25,7 @@ from sparksteward.wire import AgentServer, Connection, new_secret
 
 @pytest.fixture(scope="module")
 def s3():
-    with local_s3("steward-blobs") as server:
+    with local_s3() as server:
         yield server
 
 

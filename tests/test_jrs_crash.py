@@ -20,7 +20,7 @@ RUNS = 12
 
 @pytest.fixture(scope="module")
 def s3():
-    with local_s3("steward-crash") as server:
+    with local_s3() as server:
         yield server
 
 

@@ -192,6 +192,10 @@ def open_location(url: str, **storage_options: Any) -> Location:
     """Open ``url`` (a plain path or any fsspec URL) as a :class:`Location`."""
     if not url:
         raise StorageError("empty storage path: set a path such as /data/steward or s3://bucket/steward")
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    if url.startswith(("s3://", "s3a://")) and endpoint and "client_kwargs" not in storage_options:
+        # make the endpoint part of fsspec's instance-cache key, so a changed endpoint takes effect
+        storage_options["client_kwargs"] = {"endpoint_url": endpoint}
     try:
         fs, root = fsspec.core.url_to_fs(os.path.expanduser(url), **storage_options)
     except (ImportError, ValueError) as exc:

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import socket
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -58,8 +59,12 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_s3(bucket: str = "steward-test") -> Iterator[LocalS3]:
-    """Run moto's S3 server on loopback for the duration of the block."""
+def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
+    """Run moto's S3 server on loopback for the duration of the block.
+
+    moto keeps its buckets in this process across servers, so the default bucket name is unique.
+    """
+    bucket = bucket or f"steward-test-{uuid.uuid4().hex[:8]}"
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
