@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 @pytest.fixture(scope="module")
 def spark():
     with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g"}) as session:
+        status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
+        wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")  # + driver
         yield session
     wait_until(lambda: not agent_processes(), timeout=20, what="agents to exit after spark.stop()")
 
@@ -44,7 +46,7 @@ def test_driver_agent_sees_both_executors_and_the_app(spark):
     st = Steward.get(spark)
     assert st.events("app_start")[0]["app_id"] == spark.sparkContext.applicationId
     added = wait_until(lambda: len({e["executor_id"] for e in st.events("executor_added")}) >= 2 and
-                       st.events("executor_added"), what="two executor_added events")
+                       st.events("executor_added"), timeout=90, what="two executor_added events")
     assert {e["executor_id"] for e in added} >= {"0", "1"}
 
 

@@ -35,7 +35,18 @@ _REPO_SHIM = Path(__file__).resolve().parents[2] / "jvm-shim"
 
 
 def pyspark_jars_dir() -> Path:
-    """The jars of the Spark this Python uses: ``$SPARK_HOME/jars`` if set, else ``pyspark/jars``."""
+    """Return the jars folder of the Spark this Python uses, without importing pyspark.
+
+    Returns
+    -------
+    Path
+        ``$SPARK_HOME/jars`` if ``SPARK_HOME`` is set and has one, else ``<pyspark>/jars``.
+
+    Raises
+    ------
+    ShimBuildError
+        pyspark is not installed, or its ``jars`` folder is missing.
+    """
     home = os.environ.get("SPARK_HOME")
     if home and (Path(home) / "jars").is_dir():
         return Path(home) / "jars"
@@ -51,7 +62,8 @@ def pyspark_jars_dir() -> Path:
 def _one(jars: Path, pattern: str) -> Path:
     found = sorted(jars.glob(pattern))
     if not found:
-        raise ShimBuildError(f"no {pattern} in {jars}: spark-steward needs pyspark 4.x (Scala 2.13)")
+        raise ShimBuildError(f"no {pattern} in {jars}: spark-steward needs the jars of pyspark 4.x (Scala 2.13); "
+                             "reinstall pyspark, or point SPARK_HOME at a complete Spark 4.x install")
     return found[-1]
 
 
@@ -61,7 +73,9 @@ def _java() -> str:
         return str(Path(home) / "bin" / "java")
     java = shutil.which("java")
     if not java:
-        raise ShimBuildError("no `java` found (JAVA_HOME or PATH): spark-steward needs a Java 17+ runtime")
+        where = f"not in $JAVA_HOME/bin ({home}) and not on PATH" if home else "not on PATH and JAVA_HOME is not set"
+        raise ShimBuildError(f"`java` is {where}: building the spark-steward shim (and running Spark) needs a "
+                             "Java 17+ runtime; install one and set JAVA_HOME or put its bin/ on PATH")
     return java
 
 
@@ -92,10 +106,24 @@ def _scalac(java: str, jars: Path, classpath: list[Path], out: Path, sources: li
 def shim_jar(rebuild: bool = False) -> Path:
     """Return the shim jar's path, compiling it first if no matching jar is cached.
 
+    Thread- and process-safe: a build holds an exclusive lock on ``.build.lock`` in the cache folder
+    and re-checks the cache under it, so concurrent first uses compile once. The jar is staged in the
+    cache folder and renamed into place.
+
     Parameters
     ----------
     rebuild : bool
         Compile even if a cached jar exists.
+
+    Returns
+    -------
+    Path
+        ``<cache>/spark-steward-shim_<scala>-<version>-<hash12>.jar``.
+
+    Raises
+    ------
+    ShimBuildError
+        pyspark's jars, the sources or Java are missing, or scalac failed (its output is in the message).
     """
     from sparksteward import __version__
 
@@ -103,13 +131,15 @@ def shim_jar(rebuild: bool = False) -> Path:
     core = _one(jars, "spark-core_*.jar")
     compiler = _one(jars, "scala-compiler-*.jar")
     scala = re.search(r"spark-core_([0-9.]+)-", core.name)
+    if scala is None:
+        raise ShimBuildError(f"cannot read the Scala version from {core}: expected spark-core_<scala>-<version>.jar")
     sources = _sources(_SOURCES)
     digest = xxhash.xxh3_64()
     for src in sources:
         digest.update(str(src.relative_to(_SOURCES)).encode() + b"\0" + src.read_bytes() + b"\0")
     digest.update(f"{core.name}\0{compiler.name}".encode())
     cache = _cache_dir()
-    target = cache / f"spark-steward-shim_{scala.group(1) if scala else 'x'}-{__version__}-{digest.hexdigest()[:12]}.jar"
+    target = cache / f"spark-steward-shim_{scala.group(1)}-{__version__}-{digest.hexdigest()[:12]}.jar"
     if target.exists() and not rebuild:
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -136,7 +166,19 @@ def shim_jar(rebuild: bool = False) -> Path:
 
 
 def run_shim_tests() -> subprocess.CompletedProcess[str]:
-    """Compile and run the Scala golden-protocol test (needs a source checkout)."""
+    """Compile and run the Scala golden-protocol test ``sparksteward.shim.ProtocolGoldenTest``.
+
+    Returns
+    -------
+    subprocess.CompletedProcess
+        With captured text ``stdout`` (one line per check, then ``N passed, M failed``) and
+        ``stderr``; ``returncode`` is 0 when every check passed.
+
+    Raises
+    ------
+    ShimBuildError
+        Not run from a source checkout, or the shim or the test did not compile.
+    """
     tests = _REPO_SHIM / "src" / "test"
     if not tests.is_dir():
         raise ShimBuildError(f"{tests} not found: the Scala tests run from a source checkout only")

@@ -27,8 +27,10 @@ object ProtocolGoldenTest {
       (s"encode $name", line == golden(name), s"\n  got:    $line\n  golden: ${golden(name)}")
     } ++ Seq(
       ("parse ready", AgentAnswer.parse(golden("ready")).contains(Ready("127.0.0.1:40123", 35000L)), ""),
-      ("parse fatal", AgentAnswer.parse(golden("fatal")).exists {
-        case Fatal("CONFIG_INVALID", m) => m.contains("spark.steward.blob.retention.interval"); case _ => false }, ""),
+      ("parse fatal", AgentAnswer.parse(golden("fatal")).contains(Fatal("CONFIG_INVALID",
+        "spark.steward.blob.retention.interval=-5s: must be a duration >= 0, such as 30min")), ""),
+      ("escape control characters, keep the rest raw", Messages.shutdown(0L, "\b\f\r\t\u001f\\ \u00e9\u20ac") ==
+        "{\"v\":1,\"type\":\"shutdown\",\"time\":0,\"reason\":\"\\b\\f\\r\\t\\u001f\\\\ \u00e9\u20ac\"}", ""),
       ("ignore other lines", AgentAnswer.parse("not json").isEmpty && AgentAnswer.parse("{\"v\":2,\"type\":\"ready\"}").isEmpty, ""))
     checks.foreach { case (name, ok, detail) => println(s"${if (ok) "ok  " else "FAIL"} $name${if (ok) "" else detail}") }
     val failed = checks.count(!_._2)
