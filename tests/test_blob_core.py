@@ -140,6 +140,19 @@ def test_32_concurrent_requests_cause_one_transfer(rig):
     assert results == [True] * 32 and cache.stats["transfers"] == 1 and rig.server.stats["served"] == 1
 
 
+@pytest.mark.parametrize("same_host", [True, False], ids=["kernel-copy", "socket-stream"])
+def test_both_transfer_paths_verify_and_count_once(rig, same_host):
+    data = os.urandom(5 << 20)
+    key = rig.client.put_bytes(data, "job-s")
+    cache = rig.cache(f"cache-{same_host}", same_host=same_host)
+    assert cache.open("job-s", key).read_bytes() == data and cache.open("job-s", key).read_bytes() == data
+    assert cache.stats["transfers"] == 1 and cache.stats.get("local_copies", 0) == int(same_host)
+    rig.server.local_path("job-s", key).write_bytes(b"corrupt")
+    rig.server._verified.clear()
+    with pytest.raises(BlobNotFoundError, match=str(key)):
+        rig.cache(f"other-{same_host}", same_host=same_host, fetch_retries=0).open("job-s", key)
+
+
 def test_cache_size_limit_evicts_unreferenced_lru_first(rig):
     keys = [rig.client.put_bytes(bytes([i]) * 100_000, "job-e") for i in range(4)]
     cache = rig.cache(max_size=250_000)

@@ -3,7 +3,8 @@
 ``sparksteward.configure()`` sets ``spark.python.daemon.module=sparksteward.daemon`` (unless the user
 chose another daemon), so every Python worker forked from it can import libraries added with
 ``Steward.add_library``. The finder sits at the *end* of ``sys.meta_path``: it is consulted only after
-a normal import failed, so it costs nothing for imports that already work.
+a normal import failed, so it costs nothing for imports that already work. The daemon also imports the modules ``h.value``
+needs, so forked workers do not each pay for them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ __all__: list[str] = []
 
 if __name__ == "__main__":
     install_finder()
+    # Workers fork from this process: load what h.value needs once, not in every new worker.
+    import sparksteward.blob.broadcast  # noqa: F401
+    import sparksteward.blob.payload  # noqa: F401
+    import sparksteward.worker  # noqa: F401
     from pyspark.daemon import manager
 
     manager()

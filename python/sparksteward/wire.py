@@ -39,7 +39,7 @@ from sparksteward.errors import (
     error_from_code,
 )
 
-__all__ = ["AgentServer", "Connection", "Handler", "PRE_AUTH_LIMIT", "parse_endpoint"]
+__all__ = ["AgentServer", "Connection", "Handler", "PRE_AUTH_LIMIT", "RawReader", "parse_endpoint"]
 
 log = logging.getLogger("sparksteward.wire")
 
@@ -177,6 +177,28 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RawReader:
+    """A file-like ``read(n)`` over exactly ``size`` raw bytes of a connection, into one reused
+    4 MiB buffer (the returned view is valid until the next read)."""
+
+    def __init__(self, conn: Connection, size: int) -> None:
+        self.conn, self.left = conn, size
+        self._buf = bytearray(min(4 << 20, max(size, 1)))
+
+    def read(self, n: int) -> memoryview | bytes:
+        if self.left <= 0:
+            return b""
+        view = memoryview(self._buf)[: min(n, self.left, len(self._buf))]
+        got = 0
+        while got < len(view):
+            k = self.conn.sock.recv_into(view[got:])
+            if not k:
+                raise ProtocolError(f"peer {self.conn.peer} closed the connection with {self.left - got} bytes unsent")
+            got += k
+        self.left -= got
+        return view[:got]
 
 
 class AgentServer:

@@ -4,7 +4,9 @@
 HA store (a :class:`~sparksteward.blob.store.BlobView`, read only), else the BlobServer. Every
 transfer goes to a temp file and is renamed into place only when complete and verified, so no reader
 sees a partial file; a copy that fails its checksum is discarded and the next source is tried.
-Concurrent requests for one blob share one transfer (single flight). The cache holds at most
+Concurrent requests for one blob share one transfer (single flight). On the BlobServer's own host the
+transfer is an in-kernel copy of the server's file (``copy_file_range``) instead of a socket stream;
+either way the copy is the cache's own file and is verified before it is renamed into place. The cache holds at most
 ``max_size`` bytes: unreferenced blobs are evicted least recently used first; blobs referenced by a
 running task attempt never are. Task attempts release their references through the executor
 plugin's task events (``release_task``). ``close`` deletes the cache directory; a new cache removes
@@ -25,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, hash_file
+from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name, verified_copy
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StewardError
 from sparksteward.libraries import library_kind
-from sparksteward.wire import Connection
+from sparksteward.wire import Connection, RawReader
 
 __all__ = ["BlobCache"]
 
@@ -41,7 +44,7 @@ class BlobCache:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
     def __init__(self, cache_dir: str | Path, ha: Any, server_endpoint: str | None, secret: str, *,
-                 max_size: int = 10 << 30, fetch_retries: int = 5) -> None:
+                 max_size: int = 10 << 30, fetch_retries: int = 5, same_host: bool | None = None) -> None:
         self.dir = Path(cache_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.rglob(".*.tmp"):  # left by a process killed mid-transfer
@@ -56,6 +59,7 @@ class BlobCache:
         self._key_locks: dict[Ref, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lru: collections.OrderedDict[Ref, int] = collections.OrderedDict()  # ref -> size, verified
         self._task_refs: dict[int, collections.Counter[Ref]] = collections.defaultdict(collections.Counter)
+        self._same_host = bool(BOOT_ID) if same_host is None else same_host
         self._closed = False
 
     def path(self, job_id: str | None, key: BlobKey) -> Path:
@@ -107,9 +111,18 @@ class BlobCache:
                 break
             try:
                 with Connection.connect(self.endpoint, self._secret) as conn:
-                    conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
-                    reply = Connection._check(conn.recv())
-                    verified_copy(_SocketReader(conn, int(reply["size"])), dest, key, f"BlobServer {self.endpoint}")
+                    if self._same_host:
+                        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key), "boot_id": BOOT_ID})
+                        reply = Connection._check(conn.recv())
+                        if "path" in reply and self._copy_local(reply["path"], dest, key):
+                            self.stats["transfers"] += 1
+                            self.stats["local_copies"] += 1
+                            return
+                        self._same_host = "path" not in reply
+                    if not self._same_host:
+                        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
+                        reply = Connection._check(conn.recv())
+                        verified_copy(RawReader(conn, int(reply["size"])), dest, key, f"BlobServer {self.endpoint}")
                 self.stats["transfers"] += 1
                 return
             except BlobNotFoundError as exc:
@@ -120,6 +133,17 @@ class BlobCache:
                 log.warning("fetching %s failed (attempt %d): %s", key, attempt + 1, exc)
         raise BlobNotFoundError(f"blob {key} of job {job_id!r}: no good copy could be fetched; tried "
                                 + "; ".join(tried))
+
+    def _copy_local(self, src: str, dest: Path, key: BlobKey) -> bool:
+        """Copy the server's file in-kernel into a verified file of our own; False if not visible."""
+        try:
+            fin = open(src, "rb")
+        except OSError:
+            self._same_host = False  # same kernel, other mount namespace: stream from now on
+            return False
+        with fin:
+            verified_copy(_KernelCopier(fin), dest, key, f"BlobServer file {src}")
+        return True
 
     # --- references and size limit -------------------------------------------------------------
     def _drop_task_ref(self, task_attempt_id: int, ref: Ref) -> None:
@@ -219,22 +243,8 @@ class BlobCache:
         self.close()
 
 
-class _SocketReader:
-    """A file-like ``read(n)`` over exactly ``size`` raw bytes of a connection (one reused buffer)."""
+class _KernelCopier:
+    """Marks ``verified_copy`` to copy with ``copy_file_range`` and hash the result afterwards."""
 
-    def __init__(self, conn: Connection, size: int) -> None:
-        self.conn, self.left = conn, size
-        self._buf = bytearray(4 << 20)
-
-    def read(self, n: int) -> memoryview | bytes:
-        if self.left <= 0:
-            return b""
-        view = memoryview(self._buf)[: min(n, self.left, len(self._buf))]
-        got = 0
-        while got < len(view):  # fill the buffer: fewer, larger writes and hash updates
-            k = self.conn.sock.recv_into(view[got:])
-            if not k:
-                raise StewardError(f"BlobServer closed the connection with {self.left - got} bytes unsent")
-            got += k
-        self.left -= got
-        return view[:got]
+    def __init__(self, src: Any) -> None:
+        self.src = src

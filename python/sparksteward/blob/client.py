@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.blob.key import BlobKey, BlobType, Hasher
 from sparksteward.blob.store import verified_copy
-from sparksteward.wire import Connection
+from sparksteward.errors import ChecksumMismatchError
+from sparksteward.wire import Connection, RawReader
 
 __all__ = ["BlobClient"]
 
@@ -60,34 +61,34 @@ class BlobClient:
         return BlobKey.parse(Connection._check(conn.recv())["key"])
 
     def put_bytes(self, data: bytes, job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
-        with tempfile.NamedTemporaryFile() as f:
-            f.write(data)
-            f.flush()
-            return self.put_file(f.name, job_id, permanent=permanent)
+        """Store ``data`` (streamed from memory)."""
+        conn = self._conn()
+        conn.send({"op": "blob.put", "job_id": job_id, "size": len(data),
+                   "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
+        conn.sock.sendall(data)
+        return BlobKey.parse(Connection._check(conn.recv())["key"])
 
-    def get_to_file(self, key: BlobKey | str, dest: str | os.PathLike[str], job_id: str | None = None) -> int:
-        """Download a blob into ``dest`` (verified, then renamed into place); return its size."""
+    def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, RawReader]:
         key = BlobKey.parse(str(key))
         conn = self._conn()
         conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
-        size = int(Connection._check(conn.recv())["size"])
+        return key, RawReader(conn, int(Connection._check(conn.recv())["size"]))
 
-        class _Reader:
-            left = size
-
-            def read(self, n: int) -> bytes:
-                if self.left <= 0:
-                    return b""
-                data = conn.recv_exact(min(n, self.left, 1 << 20))
-                self.left -= len(data)
-                return data
-
-        return verified_copy(_Reader(), Path(dest), key, f"BlobServer {conn.peer}")
+    def get_to_file(self, key: BlobKey | str, dest: str | os.PathLike[str], job_id: str | None = None) -> int:
+        """Download a blob into ``dest`` (verified, then renamed into place); return its size."""
+        key, reader = self._open_stream(key, job_id)
+        return verified_copy(reader, Path(dest), key, "BlobServer")
 
     def get_bytes(self, key: BlobKey | str, job_id: str | None = None) -> bytes:
-        with tempfile.TemporaryDirectory() as d:
-            self.get_to_file(key, Path(d) / "blob", job_id)
-            return (Path(d) / "blob").read_bytes()
+        """Download a blob into memory, verified."""
+        key, reader = self._open_stream(key, job_id)
+        parts, h = [], Hasher()
+        while len(chunk := reader.read(1 << 22)):
+            h.update(chunk)
+            parts.append(bytes(chunk))
+        if h.digest() != key.digest:
+            raise ChecksumMismatchError(f"blob {key} from the BlobServer does not match its key")
+        return b"".join(parts)
 
     def acquire(self, key: BlobKey | str, job_id: str | None = None) -> int:
         return self._request("blob.acquire", key=str(key), job_id=job_id)["refs"]
