@@ -34,12 +34,15 @@ def _executors(spark):
 
         from sparksteward.worker import executor_connection
 
+        from pyspark import SparkFiles
+
         health = executor_connection().request("health")
         jvm = psutil.Process(os.getpid()).parent().parent()  # worker -> pyspark daemon -> executor JVM
-        return [(health["executor_id"], health["pid"], jvm.pid)]
+        cache = os.path.join(os.path.abspath(SparkFiles.getRootDirectory()), ".sparksteward", f"cache-{health['pid']}")
+        return [(health["executor_id"], health["pid"], jvm.pid, cache)]
 
     rows = spark.sparkContext.parallelize(range(8), 8).mapPartitions(probe).collect()
-    return {executor: (agent, jvm) for executor, agent, jvm in rows}
+    return {executor: (agent, jvm, cache) for executor, agent, jvm, cache in rows}
 
 
 def test_driver_agent_sees_both_executors_and_the_app(spark):
@@ -100,7 +103,8 @@ def test_broadcast_reaches_both_executors_once_each(spark):
 def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     executors = _executors(spark)
     assert len(executors) == 2
-    victim, (agent_pid, jvm_pid) = sorted(executors.items())[0]
+    victim, (agent_pid, jvm_pid, cache_dir) = sorted(executors.items())[0]
+    assert os.path.isdir(cache_dir)
     agent = psutil.Process(agent_pid)
     os.kill(jvm_pid, signal.SIGKILL)
     start = time.monotonic()
@@ -109,5 +113,6 @@ def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     except psutil.TimeoutExpired:
         pytest.fail(f"agent {agent_pid} of SIGKILLed executor {victim} still alive after 5 s")
     assert time.monotonic() - start < 5
+    assert not os.path.exists(cache_dir), "the agent deleted its cache although its JVM died"
     # the application carries on with the remaining / replacement executor
     assert spark.sparkContext.parallelize(range(4), 4).count() == 4
