@@ -107,6 +107,18 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
+def _parse_json_object(raw: str) -> dict[str, Any]:
+    import orjson
+
+    try:
+        value = orjson.loads(raw or "{}")
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(raw) from exc
+    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
+        raise ValueError(raw)
+    return value
+
+
 def _parse_id(raw: str) -> str:
     return validate_id(raw.strip(), what="id") if raw.strip() else ""
 
@@ -119,6 +131,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "duration": parse_duration,
     "bytes": parse_bytes,
     "url": lambda raw: raw.strip(),
+    "json": lambda raw: _parse_json_object(raw),
 }
 _KIND_HELP = {
     "str": "a string",
@@ -128,6 +141,7 @@ _KIND_HELP = {
     "duration": "a duration >= 0 such as 500ms, 30s, 5min, 1h or 30d",
     "bytes": "a size > 0 such as 64k, 256m or 10g",
     "url": "a path or fsspec URL such as /data/steward, file:///data/steward or s3://bucket/steward",
+    "json": 'a JSON object of objects, such as {"s3": {"client_kwargs": {"endpoint_url": "http://minio:9000"}}}',
 }
 
 _nonneg = lambda v: v >= 0  # noqa: E731
@@ -141,6 +155,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("spark.steward.state-dir", "url", "",
            "Directory for embedded local state (job results, HA blobs) when their paths are not set. "
            "Empty means the per-user $XDG_STATE_HOME/spark-steward (~/.local/state/spark-steward)."),
+    Option("spark.steward.storage.options", "json", "{}",
+           "fsspec storage options per protocol, applied to every storage path the agents open, e.g. "
+           "an S3 endpoint. Credentials belong in the environment or an instance profile, not here: this "
+           "value is not redacted."),
     Option("spark.steward.agent.python", "str", "",
            "Python executable for the agents. Empty means the Python PySpark uses "
            "(spark.pyspark.python, PYSPARK_PYTHON, then python3). It must have spark-steward installed."),

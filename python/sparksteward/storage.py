@@ -188,8 +188,19 @@ def _staged(directory: str, name: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
+_DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {}
+
+
+def set_default_options(options: dict[str, dict[str, Any]]) -> None:
+    """Process-wide fsspec options per protocol (``spark.steward.storage.options``); agents set it once."""
+    _DEFAULT_OPTIONS.clear()
+    _DEFAULT_OPTIONS.update(options)
+
+
 def open_location(url: str, **storage_options: Any) -> Location:
     """Open ``url`` (a plain path or any fsspec URL) as a :class:`Location`."""
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    storage_options = {**_DEFAULT_OPTIONS.get(protocol, {}), **storage_options}
     if not url:
         raise StorageError("empty storage path: set a path such as /data/steward or s3://bucket/steward")
     endpoint = os.environ.get("AWS_ENDPOINT_URL")

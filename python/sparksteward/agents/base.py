@@ -27,6 +27,7 @@ from sparksteward import protocol
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
 from sparksteward.testing.clock import SystemClock
+from sparksteward.storage import set_default_options
 from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["Agent", "run_agent"]
@@ -44,6 +45,7 @@ class Agent:
     def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
         self.hello = hello
         self.cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()})
+        set_default_options(self.cfg.storage_options)
         self.clock = clock or SystemClock()
         self.secret: str = hello["secret"]
         self.started = time.monotonic()
