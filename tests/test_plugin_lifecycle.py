@@ -41,7 +41,7 @@ def test_shim_restarts_a_driver_agent_that_died():
                 h = st.health()
             except (StewardError, OSError):
                 return None
-            return h if h["pid"] != first else None
+            return h if h["pid"] != first and h["app_id"] else None  # the replayed app_start handled
 
         health = wait_until(restarted, timeout=20, what="the shim to restart the driver agent")
         assert health["app_id"] == spark.sparkContext.applicationId, "app_start is replayed to the new agent"
