@@ -1,82 +1,165 @@
-"""`steward jobs ...` on a real file:// store: readable tables, clear errors, exit codes."""
+"""`steward jobs list|show|cleanup|prune|quarantine` on a real file:// store: tables, errors, exit codes.
+
+The parser is built here from :func:`sparksteward.jobs.cli.add_subcommands`, the same way the
+top-level ``steward`` command does; one test runs the installed command end to end.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 
+import orjson
 import pytest
 
-from sparksteward.cli import main
+from sparksteward.errors import StewardError
 from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy, StepRegistry
+from sparksteward.jobs.cli import add_subcommands
+from sparksteward.jobs.result import Failure, JobResult
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.testing.clock import FakeClock
 
 
-@pytest.fixture()
-def store_path(tmp_path):
-    path = str(tmp_path / "jrs")
-    svc = JobService(FileSystemJobResultStore(path), cluster_id="default", clock=FakeClock(),
-                     registry=StepRegistry(), policy=RetryPolicy(1, 1, 1))
-    svc.begin("ingest 2026")
-    svc.finish("ingest 2026", "SUCCEEDED", payload={"rows": 5})
-    svc.begin("broken")
-    svc.add_cleanup_step("broken", CleanupStep("no_such_kind", "x"))  # stays dirty
-    svc.finish("broken", "FAILED", failure={"type": "ValueError", "message": "bad row", "where": "etl.py:3"})
-    svc.close(5)
-    return path
+def steward(*argv: str) -> int:
+    """What ``steward`` does with our subcommands: parse, run, one line and status 2 on errors."""
+    parser = argparse.ArgumentParser(prog="steward")
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    try:
+        return args.func(args)
+    except StewardError as exc:
+        print(f"steward: error: {exc}", file=sys.stderr)
+        return 2
 
 
-def run(capsys, *argv):
-    code = main(list(argv))
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = steward(*argv)
     out = capsys.readouterr()
     return code, out.out, out.err
 
 
-def test_list_shows_a_table(store_path, capsys):
-    code, out, _ = run(capsys, "jobs", "list", "--path", store_path)
-    assert code == 0 and "2 job result(s)" in out
+@pytest.fixture()
+def store_path(tmp_path):
+    """A store with a clean result, a dirty one stuck on a step kind only its own driver knew, and a
+    dirty one whose target is deletable now (its driver stopped before cleaning up)."""
+    path = str(tmp_path / "jrs")
+    registry = StepRegistry()
+    registry.register("driver_only", lambda target: None)
+    svc = JobService(FileSystemJobResultStore(path), clock=FakeClock(), registry=registry,
+                     policy=RetryPolicy(1, 1, 1))
+    svc.begin("ingest 2026", application_id="app-1")
+    svc.record_spark_job_end("ingest 2026", 0, "succeeded")
+    svc.finish("ingest 2026", "SUCCEEDED", payload={"rows": 5})
+    svc.close(5)
+    store = FileSystemJobResultStore(path)
+    for job_id, kind, target, status in (("broken", "driver_only", "x", "FAILED"),
+                                         ("pending", "delete_path", str(tmp_path / "scratch"), "CANCELLED")):
+        store.create_dirty(JobResult(
+            job_id=job_id, cluster_id="default", application_id="app-2", status=status, start_time=1.7e9,
+            end_time=1.7e9 + 5, cleanup=(CleanupStep(kind, target).state(),),
+            failure=Failure("ValueError", "bad row", "etl.py:3") if status == "FAILED" else None))
+    (tmp_path / "scratch").mkdir()
+    return path
+
+
+def test_list_prints_an_aligned_table(store_path, capsys):
+    code, out, err = run(capsys, "jobs", "list", "--path", store_path)
+    assert code == 0 and err == ""
     lines = out.splitlines()
+    assert lines[0].startswith("3 job result(s) in ") and lines[0].endswith("/jrs/default")
     assert lines[1].split() == ["JOB", "STATUS", "STATE", "ENDED", "CLEANUP", "APPLICATION"]
-    assert any("ingest 2026" in line and "SUCCEEDED" in line and "clean" in line for line in lines)
-    assert any("broken" in line and "FAILED" in line and "dirty" in line and "0/1" in line for line in lines)
-    code, out, _ = run(capsys, "jobs", "list", "--path", store_path, "--state", "dirty")
-    assert "1 job result(s)" in out and "ingest" not in out
+    assert set(lines[2].replace(" ", "")) == {"-"}
+    rows = {line.split("  ")[0].strip(): line for line in lines[3:]}
+    assert list(rows) == ["broken", "ingest 2026", "pending"]
+    assert "FAILED" in rows["broken"] and "dirty" in rows["broken"] and "0/1" in rows["broken"]
+    assert "SUCCEEDED" in rows["ingest 2026"] and "clean" in rows["ingest 2026"] and "0/0" in rows["ingest 2026"]
+    starts = {line.index(word) for line, word in ((lines[1], "STATE"), *((r, r.split()[-5]) for r in lines[3:]))}
+    assert len(starts) == 1, "the STATE column is aligned"
+
+    code, out, _ = run(capsys, "jobs", "list", "--path", store_path, "--state", "dirty", "--status", "failed")
+    assert code == 0 and "1 job result(s)" in out and "broken" in out and "pending" not in out
 
 
-def test_show_prints_the_record(store_path, capsys):
+def test_an_empty_or_missing_store_lists_nothing(tmp_path, capsys):
+    code, out, _ = run(capsys, "jobs", "list", "--path", str(tmp_path / "nothing-here"))
+    assert code == 0 and out.startswith("0 job result(s) in ")
+    assert not (tmp_path / "nothing-here").exists(), "listing creates nothing"
+
+
+def test_show_prints_the_full_record(store_path, capsys):
     code, out, _ = run(capsys, "jobs", "show", "broken", "--path", store_path)
-    assert code == 0 and "FAILED (dirty)" in out and "ValueError: bad row" in out and "etl.py:3" in out
-    assert "no_such_kind" in out and "unknown cleanup step kind" in out
+    assert code == 0
+    assert "status:       FAILED (dirty)" in out and "failure:      ValueError: bad row" in out and "etl.py:3" in out
+    assert "driver_only" in out and "STEP" in out and "pending" in out
+    code, out, _ = run(capsys, "jobs", "show", "ingest 2026", "--path", store_path)
+    assert "payload:      {\"rows\":5}" in out and "SPARK JOB" in out and "succeeded" in out
+    code, out, _ = run(capsys, "jobs", "show", "ingest 2026", "--path", store_path, "--json")
+    doc = orjson.loads(out)
+    assert code == 0 and doc["state"] == "clean" and doc["result"]["payload"] == {"rows": 5}
 
 
-def test_unknown_job_is_a_clear_error_not_a_traceback(store_path, capsys):
+def test_errors_are_one_line_with_status_2(store_path, capsys):
     code, out, err = run(capsys, "jobs", "show", "nope", "--path", store_path)
-    assert code == 2 and err.strip() == "steward: error: no result for job 'nope'"
+    assert code == 2 and out == "" and err == "steward: error: no result for job 'nope'\n"
     code, _, err = run(capsys, "jobs", "show", "../etc", "--path", store_path)
-    assert code == 2 and "not valid" in err and "Traceback" not in err
+    assert code == 2 and "not valid" in err and len(err.splitlines()) == 1
+    code, _, err = run(capsys, "jobs", "list", "--path", store_path, "--cluster-id", "no/slash")
+    assert code == 2 and "cluster" in err and len(err.splitlines()) == 1
+    code, _, err = run(capsys, "jobs", "list", "--path", "memory")
+    assert code == 2 and "in-memory" in err
+    code, _, err = run(capsys, "jobs", "list", "--path", "nosuchproto://x")
+    assert code == 2 and "nosuchproto" in err and len(err.splitlines()) == 1
 
 
-def test_cleanup_reports_what_is_still_dirty(store_path, capsys):
-    code, out, _ = run(capsys, "jobs", "cleanup", "--path", store_path, "--timeout", "3", "--attempts", "1")
-    assert "broken: still dirty" in out
+def test_cleanup_finishes_what_it_can_and_reports_the_rest(store_path, tmp_path, capsys):
+    code, out, _ = run(capsys, "jobs", "cleanup", "--path", store_path, "--timeout", "10")
+    assert code == 1, out
+    assert "cleaning up 2 dirty job result(s)" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("broken", "pending"))}
+    assert "still dirty" in lines["broken"] and "unknown cleanup step kind 'driver_only'" in lines["broken"]
+    assert "clean" in lines["pending"] and "1/1" in lines["pending"]
+    assert not (tmp_path / "scratch").exists()
+    assert "1 result(s) still dirty" in out
+    code, out, _ = run(capsys, "jobs", "cleanup", "--path", store_path, "--timeout", "5", "pending")
+    assert code == 0 and "no dirty job results among pending" in out
 
 
-def test_prune_and_quarantine(store_path, capsys):
+def test_prune(store_path, capsys):
+    code, out, _ = run(capsys, "jobs", "prune", "--path", store_path, "--older-than", "1s", "--dry-run")
+    assert code == 0 and "would prune 1" in out and "ingest 2026" in out
+    code, out, _ = run(capsys, "jobs", "prune", "--path", store_path, "--older-than", "36500d")
+    assert code == 0 and "pruned 0" in out
     code, out, _ = run(capsys, "jobs", "prune", "--path", store_path, "--older-than", "1s")
-    assert code == 0 and "pruned 1" in out
+    assert code == 0 and "pruned 1 clean job result(s)" in out
+    assert "ingest 2026" not in run(capsys, "jobs", "list", "--path", store_path)[1]
     code, _, err = run(capsys, "jobs", "prune", "--path", store_path, "--older-than", "soon")
     assert code == 2 and "--older-than 'soon'" in err
-    FileSystemJobResultStore(store_path).base.write_atomic(
-        FileSystemJobResultStore(store_path).base.path("x_DIRTY.json"), b"{oops")
+
+
+def test_quarantine_an_unreadable_file(store_path, capsys):
+    store = FileSystemJobResultStore(store_path)
+    store.base.write_atomic(store.base.path("x_DIRTY.json"), b"{oops")
     code, out, _ = run(capsys, "jobs", "list", "--path", store_path)
-    assert "unreadable:" in out and "x_DIRTY.json" in out
+    assert code == 0 and "3 job result(s)" in out
+    assert "unreadable:" in out and "x_DIRTY.json" in out and "steward jobs quarantine" in out
+    code, out, err = run(capsys, "jobs", "show", "x", "--path", store_path)
+    assert code == 2 and "x_DIRTY.json" in err and "quarantine" in err
     code, out, _ = run(capsys, "jobs", "quarantine", "x_DIRTY.json", "--path", store_path)
-    assert code == 0 and "quarantine" in out
+    assert code == 0 and "moved to" in out and "/quarantine/x_DIRTY.json" in out
+    assert "unreadable:" not in run(capsys, "jobs", "list", "--path", store_path)[1]
+    code, _, err = run(capsys, "jobs", "quarantine", "x_DIRTY.json", "--path", store_path)
+    assert code == 2 and "no file or job" in err
 
 
-def test_console_script_runs():
-    proc = subprocess.run([sys.executable, "-m", "sparksteward", "config", "--format", "conf"],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0 and "spark.steward.blob.retention.interval" in proc.stdout
+def test_the_installed_command_has_no_tracebacks(store_path):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    ok = subprocess.run([sys.executable, "-m", "sparksteward", "jobs", "list", "--path", store_path],
+                        capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0 and "ingest 2026" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "sparksteward", "jobs", "show", "nope", "--path", store_path],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip() == "steward: error: no result for job 'nope'"

@@ -9,6 +9,7 @@ Tree::
     StewardError
     ├── ConfigError (ValueError)                  CONFIG_INVALID
     ├── InvalidIdError (ValueError)               INVALID_ID
+    ├── InvalidRecordError (ValueError)           INVALID_RECORD
     ├── ProtocolError (ValueError)                PROTOCOL
     │   ├── AuthenticationError (PermissionError) AUTH_FAILED
     │   └── MessageTooLargeError                  TOO_LARGE
@@ -37,6 +38,7 @@ __all__ = [
     "ConfigError",
     "CorruptRecordError",
     "InvalidIdError",
+    "InvalidRecordError",
     "JobAlreadyCompleted",
     "JobResultExistsError",
     "JobResultNotFoundError",
@@ -78,6 +80,12 @@ class InvalidIdError(StewardError, ValueError):
     """A job id, cluster id or blob key is malformed or could escape its directory."""
 
     code = "INVALID_ID"
+
+
+class InvalidRecordError(StewardError, ValueError):
+    """A record (a job result, a cleanup step) was given a field value it cannot hold."""
+
+    code = "INVALID_RECORD"
 
 
 class ProtocolError(StewardError, ValueError):

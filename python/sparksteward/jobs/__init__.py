@@ -1,9 +1,20 @@
-"""The JobResultStore (FLIP-194) and guaranteed, retried job cleanup."""
+"""The JobResultStore (FLIP-194) and guaranteed, retried job cleanup.
 
-from sparksteward.jobs.cleanup import CleanupRunner, CleanupStep, RetryPolicy, StepRegistry
-from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
+- :mod:`~sparksteward.jobs.result`: the ``JobResult`` record and its versioned JSON encoding;
+- :mod:`~sparksteward.jobs.store`: the store interfaces and the in-memory and fsspec stores;
+- :mod:`~sparksteward.jobs.cleanup`: declarative cleanup steps, retry policy and runner;
+- :mod:`~sparksteward.jobs.service`: ``JobService``, which the driver agent uses;
+- :mod:`~sparksteward.jobs.cli`: ``steward jobs ...``.
+"""
+
+from sparksteward.jobs.cleanup import (BlobJobDirCleanup, CleanupOutcome, CleanupRunner, CleanupStep, RetryPolicy,
+                                       StepRegistry)
+from sparksteward.jobs.result import Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome, StepState
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore, InMemoryJobResultStore, JobResultStore, open_store
+from sparksteward.jobs.store import (FileSystemJobResultStore, InMemoryJobResultStore, JobResultStore, JobResultView,
+                                     JobResultWriter, Listing, open_store)
 
-__all__ = ["CleanupRunner", "CleanupStep", "FileSystemJobResultStore", "InMemoryJobResultStore", "JobResult",
-           "JobResultEntry", "JobResultStore", "JobService", "JobStatus", "RetryPolicy", "StepRegistry", "open_store"]
+__all__ = ["BlobJobDirCleanup", "CleanupOutcome", "CleanupRunner", "CleanupStep", "Failure",
+           "FileSystemJobResultStore", "InMemoryJobResultStore", "JobResult", "JobResultEntry", "JobResultStore",
+           "JobResultView", "JobResultWriter", "JobService", "JobStatus", "Listing", "RetryPolicy",
+           "SparkJobOutcome", "StepRegistry", "StepState", "open_store"]

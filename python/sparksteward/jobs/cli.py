@@ -1,16 +1,24 @@
-"""``steward jobs list|show|cleanup|prune|quarantine`` on a JobResultStore path."""
+"""``steward jobs list|show|cleanup|prune|quarantine`` on a JobResultStore path.
+
+Every subcommand takes ``--path`` (a local path or fsspec URL; default: the embedded store under the
+local state dir) and ``--cluster-id``. Expected failures raise a
+:class:`~sparksteward.errors.StewardError`, which ``steward`` prints as one line, exiting with status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 
 from sparksteward.config import StewardConfig, parse_duration
-from sparksteward.errors import ConfigError, JobResultNotFoundError
+from sparksteward.errors import ConfigError, JobResultNotFoundError, StewardError, StorageError
 from sparksteward.jobs.cleanup import RetryPolicy, StepRegistry
+from sparksteward.jobs.result import JobResultEntry
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.tables import table
@@ -18,108 +26,194 @@ from sparksteward.tables import table
 __all__ = ["add_subcommands"]
 
 
-def _service(args: argparse.Namespace) -> JobService:
-    cfg = StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id})
-    store = FileSystemJobResultStore(args.path or cfg.effective_jrs_path, cfg.cluster_id)
-    registry = StepRegistry(ha_root=args.ha_path or cfg.effective_ha_path, cluster_id=cfg.cluster_id)
-    policy = RetryPolicy(1.0, 30.0, getattr(args, "attempts", 0))
-    return JobService(store, cluster_id=cfg.cluster_id, registry=registry, policy=policy)
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn a stray OSError into a one-line StewardError (the store normally does this itself)."""
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except StewardError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"{exc} (store {args.path or 'default'})") from exc
+
+    return run
+
+
+def _config(args: argparse.Namespace) -> StewardConfig:
+    return StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id})
+
+
+def _store(args: argparse.Namespace) -> FileSystemJobResultStore:
+    cfg = _config(args)
+    path = args.path or cfg.effective_jrs_path
+    if path == "memory":
+        raise ConfigError("--path memory names the driver's in-memory store, which no other process can read; "
+                          "give the store's path or URL")
+    return FileSystemJobResultStore(path, cfg.cluster_id)
+
+
+def _service(args: argparse.Namespace, attempts: int = 0, max_backoff: float = 30.0) -> JobService:
+    cfg = _config(args)
+    store = _store(args)
+    registry = StepRegistry(args.ha_path or cfg.effective_ha_path, cfg.cluster_id)
+    return JobService(store, cluster_id=cfg.cluster_id, registry=registry,
+                      policy=RetryPolicy.exponential(1.0, max(1.0, max_backoff), attempts))
 
 
 def _when(ts: float) -> str:
     return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
 
+def _steps(entry: JobResultEntry) -> str:
+    return f"{entry.result.steps_done}/{len(entry.result.cleanup)}"
+
+
+@_guard
 def _list(args: argparse.Namespace) -> int:
-    svc = _service(args)
-    listing = svc.store.list()
-    rows = [[e.job_id, e.status.value, e.state, _when(e.result.end_time),
-             f"{sum(s.state == 'done' for s in e.result.cleanup)}/{len(e.result.cleanup)}",
-             e.result.application_id or "-"]
-            for e in listing.entries if args.state in ("all", e.state)]
-    print(f"{len(rows)} job result(s) in {svc.store.base.url}")
+    store = _store(args)
+    listing = store.list(state=None if args.state == "all" else args.state, status=args.status)
+    rows = [[e.job_id, e.status.value, e.state, _when(e.result.end_time), _steps(e), e.result.application_id or "-"]
+            for e in listing.entries]
+    print(f"{len(rows)} job result(s) in {store.url}")
     if rows:
         print(table(rows, ["JOB", "STATUS", "STATE", "ENDED", "CLEANUP", "APPLICATION"]))
     for path, why in listing.corrupt:
         print(f"unreadable: {path}: {why}")
+    if listing.corrupt:
+        print("move unreadable files aside with `steward jobs quarantine <file>`")
+    if listing.stale:
+        print(f"stale dirty files next to committed results (removed by `steward jobs cleanup`): "
+              f"{', '.join(listing.stale)}")
     return 0
 
 
+@_guard
 def _show(args: argparse.Namespace) -> int:
-    entry = _service(args).get(args.job_id)
+    entry = _store(args).get(args.job_id)
     if entry is None:
         raise JobResultNotFoundError(f"no result for job {args.job_id!r}")
+    if args.json:
+        print(orjson.dumps(entry.to_dict(), option=orjson.OPT_INDENT_2).decode())
+        return 0
     r = entry.result
-    print(f"job:          {r.job_id}\ncluster:      {r.cluster_id}\napplication:  {r.application_id or '-'}")
-    print(f"status:       {r.status.value} ({entry.state})\nstarted:      {_when(r.start_time)}")
-    print(f"ended:        {_when(r.end_time)}\nfile:         {entry.source}")
+    fields = [("job", r.job_id), ("cluster", r.cluster_id), ("application", r.application_id or "-"),
+              ("status", f"{r.status.value} ({entry.state})"), ("started", _when(r.start_time)),
+              ("ended", f"{_when(r.end_time)} ({r.end_time - r.start_time:.1f} s)"), ("file", entry.source)]
     if r.failure:
-        print(f"failure:      {r.failure.type}: {r.failure.message}\n              at {r.failure.where}")
-    print(f"payload:      {orjson.dumps(r.payload).decode()}")
-    print(f"spark jobs:   {len(r.spark_jobs)} ({sum(j.outcome == 'failed' for j in r.spark_jobs)} failed)")
+        fields += [("failure", f"{r.failure.type}: {r.failure.message}"), ("where", r.failure.where or "-")]
+    fields += [("payload", orjson.dumps(r.payload).decode()),
+               ("spark jobs", f"{len(r.spark_jobs)} ({sum(j.outcome == 'failed' for j in r.spark_jobs)} failed)"),
+               ("cleanup", f"{_steps(entry)} steps done")]
+    for name, value in fields:
+        print(f"{name + ':':13} {value}")
+    if r.spark_jobs:
+        print()
+        print(table([[j.spark_job_id, j.outcome, (j.reason or "").splitlines()[0][:80] if j.reason else ""]
+                     for j in r.spark_jobs], ["SPARK JOB", "OUTCOME", "REASON"]))
     if r.cleanup:
-        print(table([[s.kind, s.target, s.state, str(s.attempts), s.last_error or ""] for s in r.cleanup],
-                     ["STEP", "TARGET", "STATE", "ATTEMPTS", "LAST ERROR"]))
+        print()
+        print(table([[s.kind, s.target, s.state, s.attempts,
+                      _when(s.next_attempt_at) if s.next_attempt_at else "-", s.last_error or ""] for s in r.cleanup],
+                    ["STEP", "TARGET", "STATE", "ATTEMPTS", "NEXT ATTEMPT", "LAST ERROR"]))
     return 0
 
 
+@_guard
 def _cleanup(args: argparse.Namespace) -> int:
-    svc = _service(args)
-    started = svc.recover()
-    if not started:
-        print("no dirty job results")
-        return 0
-    done = svc.wait_idle(args.timeout)
-    svc.close(0)
+    svc = _service(args, attempts=args.attempts, max_backoff=min(args.timeout / 4, 3600.0))
+    with svc:
+        started = svc.recover(only=args.job_ids or None)
+        if not started:
+            print("no dirty job results" + (f" among {', '.join(args.job_ids)}" if args.job_ids else ""))
+            return 0
+        print(f"cleaning up {len(started)} dirty job result(s) (up to {args.timeout:g} s)...")
+        done = svc.wait_idle(args.timeout)
+        svc.close(0)
+    rows, left = [], 0
     for job_id in started:
         entry = svc.get(job_id)
-        print(f"{job_id}: {'clean' if entry is None or entry.clean else 'still dirty'}")
-    return 0 if done else 1
+        if entry is None or entry.clean:
+            rows.append([job_id, "clean", _steps(entry) if entry else "-", ""])
+            continue
+        left += 1
+        errors = [s.last_error for s in entry.result.cleanup if not s.done and s.last_error]
+        rows.append([job_id, "still dirty", _steps(entry), (errors[0] if errors else "")[:100]])
+    print(table(rows, ["JOB", "RESULT", "CLEANUP", "LAST ERROR"]))
+    if left:
+        print(f"{left} result(s) still dirty{'' if done else f' after {args.timeout:g} s'}; fix the cause and run "
+              f"`steward jobs cleanup` again")
+    return 1 if left else 0
 
 
+@_guard
 def _prune(args: argparse.Namespace) -> int:
     try:
         age = parse_duration(args.older_than)
     except ValueError:
-        raise ConfigError(f"--older-than {args.older_than!r} is not a duration such as 30d or 12h") from None
-    pruned = _service(args).prune(age)
-    print(f"pruned {len(pruned)} clean job result(s) older than {args.older_than}")
+        raise ConfigError(f"--older-than {args.older_than!r} is not a duration such as 30d, 12h or 90min") from None
+    if age < 0:
+        raise ConfigError(f"--older-than {args.older_than!r} must not be negative")
+    svc = _service(args)
+    if args.dry_run:
+        cutoff = svc.clock.now() - age
+        victims = [e.job_id for e in svc.list(state="clean", ended_before=cutoff).entries]
+        print(f"would prune {len(victims)} clean job result(s) older than {args.older_than}"
+              + (f": {', '.join(victims)}" if victims else ""))
+        return 0
+    pruned = svc.prune(older_than=age)
+    print(f"pruned {len(pruned)} clean job result(s) older than {args.older_than}"
+          + (f": {', '.join(pruned)}" if pruned else ""))
     return 0
 
 
+@_guard
 def _quarantine(args: argparse.Namespace) -> int:
-    print(f"moved to {_service(args).store.quarantine(args.name)}")
+    for moved in _store(args).quarantine(args.name):
+        print(f"moved to {moved}")
     return 0
 
 
 def add_subcommands(sub: Any) -> None:
-    """Add ``jobs`` with its subcommands to the ``steward`` parser."""
-    jobs = sub.add_parser("jobs", help="inspect and maintain a JobResultStore")
+    """Add ``jobs`` with its subcommands to the ``steward`` parser's subparsers."""
+    jobs = sub.add_parser("jobs", help="inspect and maintain a JobResultStore",
+                          description="Inspect and maintain a JobResultStore (FLIP-194).")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--path", help="store path or fsspec URL (default: the embedded local store)")
+        p.add_argument("--path", help="store path or fsspec URL (default: the embedded store, "
+                                      "<state-dir>/job-results)")
         p.add_argument("--cluster-id", default="default", help="cluster id namespace (default: default)")
-        p.add_argument("--ha-path", help="HA blob store, for blob cleanup steps (default: the embedded one)")
+        p.add_argument("--ha-path", help="HA storage root, for blob_job_dir cleanup steps (default: the "
+                                         "embedded one)")
 
-    p = jsub.add_parser("list", help="list job results")
+    p = jsub.add_parser("list", help="list job results as a table")
     common(p)
     p.add_argument("--state", choices=("all", "dirty", "clean"), default="all")
+    p.add_argument("--status", choices=("SUCCEEDED", "FAILED", "CANCELLED"), type=str.upper)
     p.set_defaults(func=_list)
-    p = jsub.add_parser("show", help="show one job result")
+
+    p = jsub.add_parser("show", help="show one job result in full")
     common(p)
     p.add_argument("job_id")
+    p.add_argument("--json", action="store_true", help="print the stored record as JSON")
     p.set_defaults(func=_show)
+
     p = jsub.add_parser("cleanup", help="finish the cleanup of dirty results, then commit them")
     common(p)
+    p.add_argument("job_ids", nargs="*", metavar="JOB", help="only these jobs (default: every dirty result)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to keep retrying (default 300)")
-    p.add_argument("--attempts", type=int, default=0, help="attempts per step (default: unlimited)")
+    p.add_argument("--attempts", type=int, default=0, help="attempts per step (default: unlimited until --timeout)")
     p.set_defaults(func=_cleanup)
+
     p = jsub.add_parser("prune", help="delete clean results older than a duration")
     common(p)
     p.add_argument("--older-than", default="30d", help="duration such as 30d or 12h (default 30d)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     p.set_defaults(func=_prune)
+
     p = jsub.add_parser("quarantine", help="move an unreadable result file aside")
     common(p)
-    p.add_argument("name", help="a file name in the store (e.g. x_DIRTY.json) or a job id")
+    p.add_argument("name", help="a file name in the store (e.g. x_DIRTY.json) or a job id (all its files)")
     p.set_defaults(func=_quarantine)

@@ -1,31 +1,48 @@
-"""JobService: the driver agent's jobs, from begin to a committed result.
+"""JobService: the driver agent's jobs, from ``begin`` to a committed result.
 
-``begin`` refuses a job id that already has a stored result (dirty or clean) unless forced, so a
-completed job is never re-run silently. ``finish`` writes the result dirty (synchronously), then runs
-the job's cleanup on a background thread, retried with backoff, and commits it. ``recover`` finishes
-the dirty results a previous driver left behind. Store I/O and cleanup run on the service's threads,
-never blocking the agent's event loop (FLINK-27204).
+``begin`` refuses a job id that already has a stored result, dirty or clean, unless forced. A
+completed job is never re-run silently (FLINK-26583). ``finish`` follows FLIP-194's order: it writes
+the result dirty (synchronously, so it is durable and readable when ``finish`` returns), runs the
+job's cleanup steps in the background with retries, then commits. ``recover`` finishes the dirty
+results that a previous driver for the same cluster id left behind.
 
-Thread-safe: one lock guards the running jobs; the store serializes its own I/O.
+Cleanup runs on the service's own threads. One scheduler thread keeps the due time of every result
+being cleaned up. A few worker threads run one pass at a time, so a result waiting an hour for its
+next retry holds no thread. Nothing blocks the caller's thread on cleanup I/O (FLINK-27204). With a
+fake clock, the scheduler advances the clock through backoff delays when no pass is running, which
+makes retries instantaneous in tests.
+
+Thread-safety: every public method may be called from any thread. One condition variable guards the
+service's state, and no store I/O runs while it is held.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
+import queue
 import threading
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparksteward.errors import JobAlreadyCompleted, JobStoreError
+from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
 from sparksteward.ids import validate_job_id
-from sparksteward.jobs.cleanup import CleanupRunner, CleanupStep, RetryPolicy, StepRegistry
-from sparksteward.jobs.result import Failure, JobResult, JobResultEntry, JobStatus, MAX_SPARK_JOBS, SparkJobOutcome
-from sparksteward.jobs.store import open_store
+from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry
+from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
+from sparksteward.jobs.store import Listing, job_file_stem, open_store
 from sparksteward.testing.clock import SystemClock
 
 __all__ = ["JobService"]
 
 log = logging.getLogger("sparksteward.jobs.service")
+
+KINDS = ("scoped", "application")
+MAX_REASON = 4000
+JOIN_GRACE = 2.0
+"""Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
 
 
 @dataclass
@@ -36,163 +53,394 @@ class _Running:
     start_time: float
     steps: list[CleanupStep] = field(default_factory=list)
     spark_jobs: dict[int, SparkJobOutcome] = field(default_factory=dict)
+    dropped_spark_jobs: int = 0
+    finishing: bool = False
+
+
+def _rerun_hint(job_id: str, kind: str) -> str:
+    if kind == "application":
+        return "set spark.steward.job.force-rerun=true (or choose another spark.steward.job.id)"
+    return f"use st.job({job_id!r}, force=True)"
 
 
 class JobService:
-    """See the module docstring. A context manager; ``close`` is idempotent."""
+    """Jobs of one driver, their results and their cleanup. See the module docstring.
 
-    def __init__(self, store: Any, *, cluster_id: str, registry: StepRegistry | None = None,
-                 policy: RetryPolicy | None = None, retention: float = 0.0, clock: Any = None) -> None:
+    Parameters
+    ----------
+    store
+        The JobResultStore.
+    cluster_id
+        The cluster id of the results (default: the store's).
+    registry
+        Cleanup step kinds and their executors.
+    policy
+        Retry policy for failed cleanup steps.
+    retention
+        Seconds to keep clean results; :meth:`prune` deletes older ones. 0 keeps them forever.
+    clock
+        ``now()``/``sleep()``; defaults to the system clock.
+    shutdown_timeout
+        How long :meth:`close` waits for running cleanups by default.
+    workers
+        Threads that run cleanup passes.
+
+    A context manager; :meth:`close` is idempotent.
+    """
+
+    def __init__(self, store: Any, *, cluster_id: str | None = None, registry: StepRegistry | None = None,
+                 policy: RetryPolicy | None = None, retention: float = 0.0, clock: Any = None,
+                 shutdown_timeout: float = 30.0, workers: int = 4) -> None:
         self.store = store
-        self.cluster_id = cluster_id
-        self.registry = registry or StepRegistry(cluster_id=cluster_id)
+        self.cluster_id = cluster_id or store.cluster_id
+        if self.cluster_id != store.cluster_id:
+            raise JobStoreError(f"JobService for cluster {self.cluster_id!r} was given a store for cluster "
+                                f"{store.cluster_id!r}")
+        self.registry = registry or StepRegistry(cluster_id=self.cluster_id)
         self.clock = clock or SystemClock()
         self.retention = retention
+        self.shutdown_timeout = shutdown_timeout
         self._stop = threading.Event()
         self.runner = CleanupRunner(store, self.registry, policy or RetryPolicy(), self.clock, self._stop)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.RLock())
         self._running: dict[str, _Running] = {}
-        self._threads: dict[str, threading.Thread] = {}
+        self._tasks: dict[str, CleanupTask] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._inflight = 0
+        self._workers = max(1, workers)
+        self._threads: list[threading.Thread] = []
         self._closed = False
 
     @classmethod
-    def from_config(cls, cfg: Any, clock: Any = None) -> JobService:
+    def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
+        """Build store, registry and policy from a :class:`~sparksteward.config.StewardConfig`.
+
+        ``blob_job_dir`` is the executor ``(job_id) -> None`` for ``blob_job_dir`` steps (the
+        BlobServer's ``delete_job``); without it the HA blob directory is deleted directly.
+        """
         store = open_store(cfg.effective_jrs_path, cfg.cluster_id, cfg.jrs_delete_on_commit)
-        registry = StepRegistry(ha_root=cfg.effective_ha_path, cluster_id=cfg.cluster_id)
-        policy = RetryPolicy(cfg.cleanup_initial_backoff, cfg.cleanup_max_backoff, cfg.cleanup_max_attempts)
-        return cls(store, cluster_id=cfg.cluster_id, registry=registry, policy=policy,
-                   retention=cfg.jrs_retention, clock=clock)
+        registry = StepRegistry(cfg.effective_ha_path, cfg.cluster_id, blob_job_dir=blob_job_dir)
+        return cls(store, cluster_id=cfg.cluster_id, registry=registry, policy=RetryPolicy.from_config(cfg),
+                   retention=cfg.jrs_retention, clock=clock, shutdown_timeout=cfg.cleanup_shutdown_timeout)
+
+    def __repr__(self) -> str:
+        return f"JobService({self.store!r})"
 
     # --- a job's life ------------------------------------------------------------------------
     def begin(self, job_id: str, *, application_id: str | None = None, kind: str = "scoped",
               force: bool = False) -> None:
-        """Start tracking ``job_id``; raise JobAlreadyCompleted if the store has a result for it."""
+        """Start tracking ``job_id``.
+
+        Raises
+        ------
+        JobAlreadyCompleted
+            If the store holds a result for the id (dirty or clean) and ``force`` is false. With
+            ``force`` the old result is deleted (with a warning) and the cleanup steps it had not
+            finished are carried over to this run.
+        JobStoreError
+            If the job is already running in this service, or its previous run is still being
+            cleaned up here.
+        """
         validate_job_id(job_id)
-        with self._lock:
+        job_file_stem(job_id)
+        if kind not in KINDS:
+            raise JobStoreError(f"job kind {kind!r} is not one of {', '.join(KINDS)}")
+        with self._cond:
+            if self._closed:
+                raise JobStoreError(f"cannot begin job {job_id!r}: the job service is closed")
             if job_id in self._running:
-                raise JobStoreError(f"job {job_id!r} is already running in this application")
+                raise JobStoreError(f"job {job_id!r} is already running in this application; a job id runs once "
+                                    f"at a time")
+            job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now())
+            cleaning = self._tasks.get(job_id)
+        try:
             existing = self.store.get(job_id)
+            if cleaning is not None and (force or existing is None):
+                raise JobStoreError(f"job {job_id!r} finished and is still being cleaned up "
+                                    f"({cleaning.result.steps_done}/{len(cleaning.result.cleanup)} steps done); wait "
+                                    f"for its result to be clean before running it again")
             if existing is not None:
-                how = ("set spark.steward.job.force-rerun=true" if kind == "application"
-                       else f"use st.job({job_id!r}, force=True)")
                 if not force:
+                    pending = "" if existing.clean else " Its cleanup has not finished yet; the driver finishes it."
                     raise JobAlreadyCompleted(
-                        f"job {job_id!r} (cluster {self.cluster_id!r}) already ran: its stored result is "
-                        f"{existing.status.value} ({existing.state}, {existing.source}). It is not run again; to "
-                        f"re-run it deliberately, {how}.", existing)
-                log.warning("job %s: forced re-run; replacing its stored %s result", job_id, existing.status.value)
+                        f"job {job_id!r} (cluster {self.cluster_id!r}) already has a stored result: "
+                        f"{existing.status.value}, {existing.state}, in {existing.source}.{pending} It is not "
+                        f"run again. To re-run it deliberately, {_rerun_hint(job_id, kind)}.", existing)
+                carried = [CleanupStep.of(s) for s in existing.result.cleanup if not s.done]
+                log.warning("job %s: forced re-run; deleting its stored %s %s result%s", job_id,
+                            existing.status.value, existing.state,
+                            f" and carrying over {len(carried)} unfinished cleanup steps" if carried else "")
                 self.store.delete(job_id)
-            self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now())
+                with self._cond:
+                    job.steps.extend(s for s in carried if s not in job.steps)
+        except BaseException:
+            with self._cond:
+                self._running.pop(job_id, None)
+            raise
+        log.info("job %s (%s) started", job_id, kind)
 
     def set_application_id(self, job_id: str, application_id: str) -> None:
-        with self._lock:
+        with self._cond:
             if job_id in self._running:
                 self._running[job_id].application_id = application_id
 
     def is_running(self, job_id: str) -> bool:
-        with self._lock:
+        with self._cond:
             return job_id in self._running
 
-    def add_cleanup_step(self, job_id: str, step: CleanupStep) -> None:
-        with self._lock:
+    def running(self) -> list[str]:
+        """Ids of the jobs begun and not yet finished."""
+        with self._cond:
+            return sorted(self._running)
+
+    def _job(self, job_id: str) -> _Running:
+        job = self._running.get(job_id)
+        if job is None or job.finishing:
+            raise JobStoreError(f"job {job_id!r} is not running in this application; start it with st.job() "
+                                f"(or it has already finished)")
+        return job
+
+    def add_cleanup_step(self, job_id: str, step: CleanupStep | dict[str, str]) -> None:
+        """Add a step to run when the job finishes. InvalidRecordError if it can never run here."""
+        if not isinstance(step, CleanupStep):
+            step = CleanupStep.from_dict(step)
+        self.registry.validate(step)
+        with self._cond:
             job = self._job(job_id)
             if step not in job.steps:
                 job.steps.append(step)
 
+    def record_spark_job_start(self, job_id: str, spark_job_id: int) -> None:
+        """A Spark job started inside ``job_id`` (ignored if the job is not running)."""
+        self._record(job_id, spark_job_id, "running", None)
+
+    def record_spark_job_end(self, job_id: str, spark_job_id: int, outcome: str, reason: str | None = None) -> None:
+        """A Spark job of ``job_id`` ended: ``outcome`` is ``succeeded`` or ``failed``."""
+        self._record(job_id, spark_job_id, outcome, reason)
+
     def record_spark_job(self, job_id: str, spark_job_id: int, outcome: str = "running",
                          reason: str | None = None) -> None:
-        with self._lock:
+        """Start (``outcome="running"``) or end of a Spark job; see the two methods above."""
+        self._record(job_id, spark_job_id, outcome, reason)
+
+    def _record(self, job_id: str, spark_job_id: int, outcome: str, reason: str | None) -> None:
+        outcome_rec = SparkJobOutcome(int(spark_job_id), str(outcome),
+                                      None if reason is None else str(reason)[:MAX_REASON])
+        with self._cond:
             job = self._running.get(job_id)
-            if job is not None and (spark_job_id in job.spark_jobs or len(job.spark_jobs) < MAX_SPARK_JOBS):
-                job.spark_jobs[spark_job_id] = SparkJobOutcome(spark_job_id, outcome, reason)
+            if job is None:
+                log.debug("job %s: ignoring Spark job %s event (the job is not running)", job_id, spark_job_id)
+                return
+            if spark_job_id in job.spark_jobs or len(job.spark_jobs) < MAX_SPARK_JOBS:
+                job.spark_jobs[spark_job_id] = outcome_rec
+            elif outcome == "running":
+                job.dropped_spark_jobs += 1
 
-    def _job(self, job_id: str) -> _Running:
-        job = self._running.get(job_id)
-        if job is None:
-            raise JobStoreError(f"job {job_id!r} is not running in this application; start it with st.job()")
-        return job
-
-    def finish(self, job_id: str, status: JobStatus | str, *, failure: dict[str, str] | None = None,
+    def finish(self, job_id: str, status: JobStatus | str, *, failure: Failure | dict[str, str] | None = None,
                payload: Any = None, wait: float | None = None) -> JobResultEntry:
-        """Write the result dirty, start its cleanup, and wait up to ``wait`` seconds for the commit."""
-        with self._lock:
+        """Write the job's result dirty, start its cleanup, and wait up to ``wait`` seconds for the commit.
+
+        ``wait=None`` waits until the cleanup commits, gives up or the service closes; ``wait=0``
+        does not wait. Returns the current entry: clean if the commit happened in time, else dirty
+        with the steps' progress. If the service is closed, the result is written dirty and its
+        cleanup left to the next driver.
+        """
+        with self._cond:  # from here on no steps are added; a snapshot of what was recorded
             job = self._job(job_id)
-            del self._running[job_id]
-        result = JobResult(
-            job_id=job_id, cluster_id=self.cluster_id, application_id=job.application_id,
-            status=JobStatus(status), start_time=job.start_time, end_time=self.clock.now(),
-            spark_jobs=tuple(sorted(job.spark_jobs.values(), key=lambda j: j.spark_job_id)),
-            failure=None if failure is None else Failure(failure.get("type", ""), failure.get("message", ""),
-                                                         failure.get("where", "")),
-            payload=payload, cleanup=tuple(s.state() for s in job.steps))
-        entry = self.store.create_dirty(result)
-        log.info("job %s: %s, result written dirty", job_id, result.status.value)
-        thread = self._start_cleanup(result)
+            job.finishing = True
+            application_id, steps = job.application_id, [s.state() for s in job.steps]
+            spark_jobs = sorted(job.spark_jobs.values(), key=lambda j: j.spark_job_id)
+        try:
+            result = JobResult(
+                job_id=job_id, cluster_id=self.cluster_id, application_id=application_id,
+                status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
+                spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps))
+            entry = self.store.create_dirty(result)
+        except BaseException:
+            with self._cond:
+                job.finishing = False  # the caller may fix the cause and finish again
+            raise
+        with self._cond:
+            self._running.pop(job_id, None)
+        if job.dropped_spark_jobs:
+            log.warning("job %s: %d Spark jobs beyond the first %d were not recorded", job_id,
+                        job.dropped_spark_jobs, MAX_SPARK_JOBS)
+        log.info("job %s: %s; result written dirty to %s, %d cleanup steps", job_id, result.status.value,
+                 entry.source, len(result.cleanup))
+        task = self._schedule(CleanupTask(result, entry.source))
+        if task is None:
+            return entry
         if wait is None or wait > 0:
-            thread.join(wait)
-        return self.store.get(job_id) or entry
+            task.finished.wait(wait)
+        return task.entry
 
-    def _start_cleanup(self, result: JobResult) -> threading.Thread:
-        def run() -> None:
+    # --- cleanup scheduling --------------------------------------------------------------------
+    def _schedule(self, task: CleanupTask) -> CleanupTask | None:
+        with self._cond:
+            if self._closed:
+                log.warning("job %s: the job service is closed; its cleanup is left for the next driver", task.job_id)
+                return None
+            current = self._tasks.get(task.job_id)
+            if current is not None:
+                return current
+            self._tasks[task.job_id] = task
+            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task.job_id))
+            if not self._threads:
+                self._start_threads()
+            self._cond.notify_all()
+            return task
+
+    def _start_threads(self) -> None:
+        self._threads.append(threading.Thread(target=self._schedule_loop, name="steward-cleanup-scheduler",
+                                              daemon=True))
+        self._threads.extend(threading.Thread(target=self._work, name=f"steward-cleanup-{i}", daemon=True)
+                             for i in range(self._workers))
+        for t in self._threads:
+            t.start()
+
+    def _schedule_loop(self) -> None:
+        real = isinstance(self.clock, SystemClock)
+        while True:
+            with self._cond:
+                if self._stop.is_set():
+                    return
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                delta = self._heap[0][0] - self.clock.now()
+                if delta <= 0:
+                    _, _, job_id = heapq.heappop(self._heap)
+                    self._inflight += 1
+                    self._queue.put(job_id)
+                    continue
+                if real or self._inflight:
+                    self._cond.wait(min(delta, 60.0) if real else None)
+                    continue
+            self.clock.sleep(delta)  # a fake clock with nothing running: move time to the next retry
+
+    def _work(self) -> None:
+        while True:
+            job_id = self._queue.get()
+            if job_id is None:
+                return
+            with self._cond:
+                task = self._tasks.get(job_id)
+                if task is None:  # dropped by close()
+                    self._inflight -= 1
+                    self._cond.notify_all()
+                    continue
             try:
-                self.runner.run(result)
-            except Exception:  # the result stays dirty; the next driver or `steward jobs cleanup` retries
-                log.exception("job %s: cleanup failed", result.job_id)
-
-        with self._lock:
-            previous = self._threads.get(result.job_id)
-            if previous is not None and previous.is_alive():
-                return previous
-            thread = threading.Thread(target=run, name=f"steward-cleanup-{result.job_id}", daemon=True)
-            self._threads[result.job_id] = thread
-        thread.start()
-        return thread
-
-    # --- recovery, reads, retention ------------------------------------------------------------
-    def recover(self) -> list[str]:
-        """Start cleanup for every dirty result in the store; return their job ids."""
-        listing = self.store.list()
-        for path, why in listing.corrupt:
-            log.error("unreadable job result %s: %s (quarantine it with `steward jobs quarantine`)", path, why)
-        dirty = [e for e in listing.entries if not e.clean and not self.is_running(e.job_id)]
-        for entry in dirty:
-            log.info("job %s: finishing cleanup left by a previous driver", entry.job_id)
-            self._start_cleanup(entry.result)
-        return [e.job_id for e in dirty]
+                due = self.runner.run_pass(task)
+            except Exception:  # noqa: BLE001 - a bug must not kill the worker; retry the pass later
+                task.commit_failures += 1
+                log.exception("job %s: cleanup pass failed unexpectedly; retrying", job_id)
+                due = self.clock.now() + self.runner.policy.delay(task.commit_failures)
+            with self._cond:
+                self._inflight -= 1
+                if due is None or task.outcome is not None or self._stop.is_set():
+                    if task.outcome is None:
+                        task.outcome = CleanupOutcome.STOPPED
+                        task.finished.set()
+                    self._tasks.pop(job_id, None)
+                else:
+                    heapq.heappush(self._heap, (due, next(self._seq), job_id))
+                self._cond.notify_all()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait for every running cleanup; True if none is left."""
-        with self._lock:
-            threads = list(self._threads.values())
-        for t in threads:
-            t.join(timeout)
-        return not any(t.is_alive() for t in threads)
+        """Wait up to ``timeout`` seconds for every cleanup to end; True if none is left."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._tasks, timeout)
+
+    def cleaning(self) -> list[str]:
+        """Ids of the results whose cleanup is scheduled or running here."""
+        with self._cond:
+            return sorted(self._tasks)
+
+    # --- recovery, reads, retention ------------------------------------------------------------
+    def recover(self, only: Iterable[str] | None = None) -> list[str]:
+        """Finish what a previous driver left: start cleanup for every dirty result in the store
+        (or for the ids in ``only``).
+
+        Also removes stale dirty files next to clean ones (an interrupted object-store commit) and
+        logs unreadable files. The listing runs in the caller's thread, the cleanup in the
+        background. Returns the ids whose cleanup was started.
+        """
+        wanted = None if only is None else set(only)
+        listing = self.store.list(state="dirty")
+        for path, why in listing.corrupt:
+            log.error("unreadable job result %s: %s", path, why)
+        for job_id in listing.stale:
+            try:
+                self.store.mark_clean(job_id)
+            except StewardError as exc:
+                log.warning("job %s: could not remove its stale dirty file: %s", job_id, exc)
+        started = []
+        for entry in listing.entries:
+            if wanted is not None and entry.job_id not in wanted:
+                continue
+            with self._cond:  # a job being begun right now still needs this (begin will refuse it)
+                busy = entry.job_id in self._tasks
+            if busy:
+                continue
+            log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
+                     entry.result.steps_done, len(entry.result.cleanup))
+            if self._schedule(CleanupTask(entry.result, entry.source)) is not None:
+                started.append(entry.job_id)
+        return started
 
     def get(self, job_id: str) -> JobResultEntry | None:
+        """The stored entry of ``job_id`` (dirty or clean), or None."""
         return self.store.get(validate_job_id(job_id))
 
-    def prune(self, older_than: float | None = None) -> list[str]:
-        """Delete clean results whose end time is older than ``older_than`` seconds (default: retention)."""
-        age = self.retention if older_than is None else older_than
-        if age <= 0:
-            return []
-        cutoff = self.clock.now() - age
-        pruned = [e.job_id for e in self.store.list().entries if e.clean and e.result.end_time < cutoff]
-        for job_id in pruned:
-            self.store.delete(job_id)
-        if pruned:
-            log.info("pruned %d job results older than %.0f s", len(pruned), age)
-        return pruned
+    def list(self, *, state: str | None = None, status: JobStatus | str | None = None,
+             ended_before: float | None = None) -> Listing:
+        """Stored entries matching the filters, and the unreadable files."""
+        return self.store.list(state=state, status=status, ended_before=ended_before)
 
-    def close(self, timeout: float = 30.0) -> None:
-        """Wait up to ``timeout`` for running cleanups, then stop them (results stay dirty)."""
-        if self._closed:
-            return
-        self._closed = True
+    def prune(self, now: float | None = None, *, older_than: float | None = None) -> list[str]:
+        """Delete clean results that ended more than ``older_than`` seconds (default: the retention)
+        before ``now`` (default: the clock). A retention of 0 keeps everything."""
+        age = self.retention if older_than is None else older_than
+        if older_than is None and age <= 0:
+            return []
+        return self.store.prune(age, self.clock.now() if now is None else now)
+
+    # --- shutdown ------------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Wait up to ``timeout`` seconds (default: the shutdown timeout) for running cleanups, then
+        stop them; unfinished results stay dirty for the next driver. Idempotent; joins its threads."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            unfinished = sorted(self._running)
+        if unfinished:
+            log.warning("jobs %s were still running at shutdown; no result is stored for them", ", ".join(unfinished))
+        timeout = self.shutdown_timeout if timeout is None else timeout
         if not self.wait_idle(timeout):
-            log.warning("cleanup did not finish within %.0f s; leaving results dirty for the next driver", timeout)
+            log.warning("cleanup of %s did not finish within %.3g s; leaving the results dirty for the next driver "
+                        "(or `steward jobs cleanup`)", ", ".join(self.cleaning()), timeout)
         self._stop.set()
-        self.wait_idle(5)
+        with self._cond:
+            self._cond.notify_all()
+            threads = list(self._threads)
+        for _ in range(self._workers):
+            self._queue.put(None)
+        deadline = time.monotonic() + JOIN_GRACE
+        for t in threads:  # a pass ends at its next step boundary; a step's own I/O cannot be interrupted
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("%s is still inside a cleanup step; not waiting for it (its result stays dirty)", t.name)
+        with self._cond:
+            for task in self._tasks.values():
+                if task.outcome is None:
+                    task.outcome = CleanupOutcome.STOPPED
+                    task.finished.set()
+            self._tasks.clear()
+            self._heap.clear()
+            self._cond.notify_all()
 
     def __enter__(self) -> JobService:
         return self
