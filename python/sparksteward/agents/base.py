@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 from sparksteward import protocol
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
-from sparksteward.testing.clock import SystemClock
+from sparksteward.clock import SystemClock
 from sparksteward.storage import set_default_options
 from sparksteward.wire import AgentServer, Connection
 

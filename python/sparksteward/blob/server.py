@@ -35,7 +35,7 @@ from sparksteward.blob.key import BlobKey, BlobType, Hasher, hash_file
 from sparksteward.blob.store import job_dir_name
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
 from sparksteward.ids import validate_job_id
-from sparksteward.testing.clock import SystemClock
+from sparksteward.clock import SystemClock
 from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["BlobServer"]

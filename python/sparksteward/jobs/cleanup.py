@@ -46,7 +46,7 @@ from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidReco
 from sparksteward.ids import job_id_to_filename, validate_id, validate_job_id
 from sparksteward.jobs.result import JobResult, JobResultEntry, StepState
 from sparksteward.storage import open_location
-from sparksteward.testing.clock import SystemClock
+from sparksteward.clock import SystemClock
 
 __all__ = ["BlobJobDirCleanup", "CleanupOutcome", "CleanupRunner", "CleanupStep", "CleanupTask", "RetryPolicy",
            "StepExecutor", "StepRegistry", "delete_path"]

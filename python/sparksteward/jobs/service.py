@@ -33,7 +33,7 @@ from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
 from sparksteward.jobs.store import Listing, job_file_stem, open_store
-from sparksteward.testing.clock import SystemClock
+from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]
 

@@ -3,6 +3,6 @@
 Nothing here is used at run time by the agents.
 """
 
-from sparksteward.testing.clock import FakeClock, SystemClock
+from sparksteward.testing.clock import FakeClock
 
-__all__ = ["FakeClock", "SystemClock"]
+__all__ = ["FakeClock"]

@@ -1,25 +1,14 @@
-"""Clocks: the system clock, and a fake one that tests advance by hand.
+"""A fake clock that tests advance by hand (the protocol and the system clock are in the core).
 
-Components that wait or expire things take a clock with ``now()`` (seconds, float) and
-``sleep(seconds)``, so tests can move time without sleeping.
+Components that wait or expire things take a :class:`sparksteward.clock.Clock`, so tests can move
+time without sleeping.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
-__all__ = ["Clock", "FakeClock", "SystemClock"]
-
-
-class SystemClock:
-    """Wall-clock time."""
-
-    def now(self) -> float:
-        return time.time()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds))
+__all__ = ["FakeClock"]
 
 
 class FakeClock:
@@ -46,5 +35,3 @@ class FakeClock:
             self.sleeps.append(seconds)
             self._now += max(0.0, seconds)
 
-
-Clock = SystemClock | FakeClock
