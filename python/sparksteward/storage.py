@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from sparksteward.errors import StorageError
 
-__all__ = ["Location", "open_location"]
+__all__ = ["Location", "fsync_dir", "fsync_file", "open_location"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -175,6 +175,32 @@ class Location:
         finally:
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(path)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a local file's data and metadata to stable storage (before it is renamed or linked)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a link, rename or unlink in ``directory`` durable: fsync the directory itself.
+
+    A no-op where directories cannot be opened (Windows); object stores need nothing.
+    """
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems (tmpfs on old kernels) refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
