@@ -168,3 +168,57 @@ def test_a_missing_blob_is_not_retried(server, tmp_path):
     with pytest.raises(BlobNotFoundError):
         cache.open("job-x", BlobKey.parse("t-" + "0" * 32))
     assert clock.sleeps == []
+
+
+# --- a finished job's blobs leave the executor caches (issue 7 item 1: "a job's cleanup") -------------
+def test_the_sweeper_drops_a_deleted_jobs_blobs_but_not_what_a_task_still_uses(server, tmp_path):
+    from sparksteward.blob.job_sweeper import CacheJobSweeper
+
+    (k1, d1), (k2, _), (k3, _) = _blob(server, 2 << 20, "done-job"), _blob(server, 1000, "done-job"), \
+        _blob(server, 1000, "live-job")
+    cache = BlobCache(tmp_path / "cache", server.ha, server.sock.endpoint, server.secret, boot_id=OTHER_BOOT_ID)
+    p1 = cache.open("done-job", k1)
+    p2 = cache.open("done-job", k2, task_attempt_id=7)  # a running task still holds this one
+    p3 = cache.open("live-job", k3)
+    with CacheJobSweeper(cache, server.sock.endpoint, server.secret, start=False) as sweeper:
+        assert sweeper.sweep_once() == [], "nothing deleted yet"
+        server.blobs.delete_job("done-job")
+        assert sweeper.sweep_once() == ["done-job"]
+        assert not p1.exists() and p2.exists() and p3.exists()
+        cache.release_task(7)
+        sweeper.sweep_once()
+        assert not p2.exists() and not p2.parent.exists(), "the job's directory is gone"
+        assert cache.job_ids() == {"live-job"}
+        # a forced re-run stores blobs under the same id again: they are not dropped
+        k4, d4 = _blob(server, 1000, "done-job")
+        assert cache.open("done-job", k4).read_bytes() == d4
+        assert sweeper.sweep_once() == [] and cache.path("done-job", k4).exists()
+        # and a dropped blob is fetched again if asked for
+    assert cache.open("live-job", k3).exists()
+
+
+def test_the_sweeper_thread_drops_within_its_interval_and_close_joins_it(server, tmp_path):
+    from sparksteward.blob.job_sweeper import CacheJobSweeper
+    from tests.conftest import wait_until
+
+    key, _ = _blob(server, 1000, "short-job")
+    cache = BlobCache(tmp_path / "cache", server.ha, server.sock.endpoint, server.secret, boot_id=OTHER_BOOT_ID)
+    path = cache.open("short-job", key)
+    sweeper = CacheJobSweeper(cache, server.sock.endpoint, server.secret, interval=0.05)
+    try:
+        server.blobs.delete_job("short-job")
+        wait_until(lambda: not path.exists(), timeout=5, what="the sweeper to drop the job's blob")
+    finally:
+        sweeper.close()
+        sweeper.close()
+    assert not sweeper._thread.is_alive()
+
+
+def test_deleted_jobs_rejects_a_malformed_request(server):
+    from sparksteward.errors import InvalidIdError
+
+    with Connection.connect(server.sock.endpoint, server.secret) as conn:
+        with pytest.raises(InvalidIdError, match="job_ids"):
+            conn.request("blob.deleted_jobs", job_ids="a-job")
+        with pytest.raises(InvalidIdError):
+            conn.request("blob.deleted_jobs", job_ids=["../x"])

@@ -232,6 +232,41 @@ class BlobCache:
             self.path(job_id, key).unlink(missing_ok=True)  # open memory maps keep their pages
             self.stats["evictions"] += 1
 
+    # --- finished jobs ------------------------------------------------------------------------
+    def job_ids(self) -> set[str | None]:
+        """The jobs this cache holds verified blobs of."""
+        with self._lock:
+            return {job_id for job_id, _ in self._lru}
+
+    def drop_job(self, job_id: str | None) -> int:
+        """Delete this cache's copies of a finished job's blobs; return how many were deleted.
+
+        Copies referenced by a running task attempt, or being opened right now, are kept (LRU eviction
+        takes them later); open memory maps keep their pages. Idempotent."""
+        with self._lock:
+            used = {r for refs in self._task_refs.values() for r in refs}
+            candidates = [r for r in self._lru if r[0] == job_id and r not in used]
+        dropped = 0
+        for ref in candidates:
+            lock = self._key_locks[ref]
+            if not lock.acquire(blocking=False):
+                continue  # being opened: in use
+            try:
+                with self._lock:  # a task may have taken a reference since
+                    if any(ref in refs for refs in self._task_refs.values()) or self._lru.pop(ref, None) is None:
+                        continue
+                self.path(*ref).unlink(missing_ok=True)
+                dropped += 1
+            finally:
+                lock.release()
+        try:
+            (self.dir / job_dir_name(job_id)).rmdir()  # only once empty
+        except OSError:
+            pass
+        if dropped:
+            self.stats["job_drops"] += dropped
+        return dropped
+
     # --- libraries -----------------------------------------------------------------------------
     def library_paths(self, libraries: list[dict[str, Any]]) -> list[str]:
         """Fetch each library once and return importable paths (zip-likes as files, .py as a dir)."""
