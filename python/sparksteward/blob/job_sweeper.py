@@ -57,7 +57,8 @@ class CacheJobSweeper:
                 raise
         for job_id in deleted:
             n = self.cache.drop_job(job_id)
-            log.info("job %s is finished: dropped %d cached blob(s)", job_id, n)
+            if n:
+                log.info("job %s is finished: dropped %d cached blob(s)", job_id, n)
         return list(deleted)
 
     def _run(self) -> None:
