@@ -91,9 +91,10 @@ def test_a_permanent_blob_falls_back_from_an_invisible_ha_store_to_the_stream(tm
         s.close()
 
 
-def _hand_out_invisible_paths(server: _Server) -> None:
+def _hand_out_invisible_paths(server: _Server, path: str | None = None) -> None:
     """Make the server's same-host replies name a path this process cannot open, as for a peer on the
-    same kernel but in another mount namespace. Everything else is the real server's reply."""
+    same kernel but in another mount namespace (or ``path``: what that peer sees under the server's
+    name). Everything else is the real server's reply."""
     real_get = server.blobs._op_get
 
     class _Rewriting:
@@ -102,7 +103,7 @@ def _hand_out_invisible_paths(server: _Server) -> None:
 
         def send(self, msg: dict[str, Any]) -> None:
             if "path" in msg:
-                msg = {**msg, "path": "/nonexistent-mount-namespace" + msg["path"]}
+                msg = {**msg, "path": path or "/nonexistent-mount-namespace" + msg["path"]}
             self._conn.send(msg)
 
         def __getattr__(self, name: str) -> Any:
@@ -128,6 +129,23 @@ def test_a_cache_that_cannot_open_the_servers_path_gets_the_body_streamed(server
     key2, data2 = _blob(server, 5000)
     assert cache.open("job-x", key2).read_bytes() == data2
     assert [("boot_id" in g) for g in server.gets] == [True, False, False]
+
+
+@pytest.mark.parametrize("seen", ["another file", "/proc/version"])
+def test_a_cache_that_sees_another_file_or_cannot_copy_it_gets_the_body_streamed(server, tmp_path, seen):
+    """Another mount namespace may hold a different file under the server's path (checksum mismatch),
+    or one that copy_file_range refuses (EXDEV from procfs): neither may fail the fetch."""
+    if not BOOT_ID:
+        pytest.skip("no /proc/sys/kernel/random/boot_id: the server never names a path")
+    if seen == "another file":
+        seen = str(tmp_path / "impostor")
+        Path(seen).write_bytes(b"not the blob")
+    _hand_out_invisible_paths(server, seen)
+    key, data = _blob(server, 300_000)
+    cache = BlobCache(tmp_path / "cache", server.ha, server.sock.endpoint, server.secret, fetch_retries=0)
+    assert cache.open("job-x", key).read_bytes() == data
+    assert cache.stats.get("local_copies", 0) == 0 and server.blobs.stats["bytes_served"] == len(data)
+    assert [("boot_id" in g) for g in server.gets] == [True, False]
 
 
 def test_a_same_host_cache_still_copies_by_path(server, tmp_path):

@@ -21,6 +21,7 @@ Thread-safety: one lock for the bookkeeping, one per key for transfers.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
 import random
@@ -191,6 +192,11 @@ class BlobCache:
                 log.warning("the BlobServer's file %s is not the blob here (%s): streaming blobs from now on",
                             src, exc)
                 self._same_host = False
+                return False
+            except OSError as exc:  # e.g. EXDEV: copy_file_range refuses this pair of file systems
+                log.warning("copying the BlobServer's file %s failed (%s): streaming this blob", src, exc)
+                if exc.errno in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._same_host = False
                 return False
         return True
 
