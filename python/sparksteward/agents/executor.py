@@ -14,6 +14,7 @@ from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
 from sparksteward.rendezvous import Rendezvous
 
@@ -36,6 +37,8 @@ class ExecutorAgent(Agent):
                                self.secret, max_size=self.cfg.blob_cache_max_size,
                                fetch_retries=self.cfg.blob_fetch_retries)
         self.cache.register_handlers(self.server)
+        endpoint = hello.get("driver_endpoint")
+        self.sweeper = CacheJobSweeper(self.cache, endpoint, self.secret) if endpoint else None
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id)
 
     def on_task_succeeded(self, msg: dict[str, Any]) -> None:
@@ -50,6 +53,8 @@ class ExecutorAgent(Agent):
     def close(self) -> None:
         self.rendezvous.withdraw()
         super().close()
+        if self.sweeper is not None:
+            self.sweeper.close()
         self.cache.close()
 
 

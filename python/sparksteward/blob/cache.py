@@ -6,7 +6,10 @@ transfer goes to a temp file and is renamed into place only when complete and ve
 sees a partial file; a copy that fails its checksum is discarded and the next source is tried.
 Concurrent requests for one blob share one transfer (single flight). On the BlobServer's own host the
 transfer is an in-kernel copy of the server's file (``copy_file_range``) instead of a socket stream;
-either way the copy is the cache's own file and is verified before it is renamed into place. The cache holds at most
+either way the copy is the cache's own file and is verified before it is renamed into place. A server
+on another kernel (another boot id), or whose file is not visible here (another mount namespace),
+streams the body instead. Failed server fetches are retried with capped, jittered exponential backoff
+on the injected clock. The cache holds at most
 ``max_size`` bytes: unreferenced blobs are evicted least recently used first; blobs referenced by a
 running task attempt never are. Task attempts release their references through the executor
 plugin's task events (``release_task``). ``close`` deletes the cache directory; a new cache removes
@@ -18,8 +21,10 @@ Thread-safety: one lock for the bookkeeping, one per key for transfers.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import os
+import random
 import shutil
 import threading
 import uuid
@@ -29,7 +34,8 @@ from typing import Any
 from sparksteward.blob.key import BlobKey, hash_file
 from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name, verified_copy
-from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StewardError
+from sparksteward.clock import Clock, SystemClock
+from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
 from sparksteward.wire import Connection, RawReader
 
@@ -44,7 +50,9 @@ class BlobCache:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
     def __init__(self, cache_dir: str | Path, ha: Any, server_endpoint: str | None, secret: str, *,
-                 max_size: int = 10 << 30, fetch_retries: int = 5, same_host: bool | None = None) -> None:
+                 max_size: int = 10 << 30, fetch_retries: int = 5, same_host: bool | None = None,
+                 boot_id: str | None = None, clock: Clock | None = None, rng: random.Random | None = None,
+                 initial_backoff: float = 0.1, max_backoff: float = 5.0) -> None:
         self.dir = Path(cache_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.rglob(".*.tmp"):  # left by a process killed mid-transfer
@@ -59,7 +67,14 @@ class BlobCache:
         self._key_locks: dict[Ref, threading.Lock] = collections.defaultdict(threading.Lock)
         self._lru: collections.OrderedDict[Ref, int] = collections.OrderedDict()  # ref -> size, verified
         self._task_refs: dict[int, collections.Counter[Ref]] = collections.defaultdict(collections.Counter)
-        self._same_host = bool(BOOT_ID) if same_host is None else same_host
+        #: this host's kernel boot id, sent with ``blob.get``; the server names its file only when it matches
+        self.boot_id = BOOT_ID if boot_id is None else boot_id
+        self._same_host = bool(self.boot_id) if same_host is None else same_host
+        if not 0 < initial_backoff <= max_backoff:
+            raise ConfigError(f"blob fetch backoff: need 0 < initial ({initial_backoff}) <= max ({max_backoff})")
+        self._clock = clock or SystemClock()
+        self._rng = rng or random.Random()
+        self._backoff = (initial_backoff, max_backoff)
         self._closed = False
 
     def path(self, job_id: str | None, key: BlobKey) -> Path:
@@ -105,24 +120,14 @@ class BlobCache:
                 return
             except (FileNotFoundError, ChecksumMismatchError, StewardError, OSError) as exc:
                 tried.append(f"HA store {getattr(self.ha, 'url', '')}: {exc}")
-        for attempt in range(self.retries + 1):
-            if not self.endpoint:
-                tried.append("BlobServer: no endpoint")
-                break
+        if not self.endpoint:
+            tried.append("BlobServer: no endpoint")
+        for attempt in range(self.retries + 1 if self.endpoint else 0):
+            if attempt:
+                self._clock.sleep(self._retry_delay(attempt))
             try:
-                with Connection.connect(self.endpoint, self._secret) as conn:
-                    if self._same_host:
-                        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key), "boot_id": BOOT_ID})
-                        reply = Connection._check(conn.recv())
-                        if "path" in reply and self._copy_local(reply["path"], dest, key):
-                            self.stats["transfers"] += 1
-                            self.stats["local_copies"] += 1
-                            return
-                        self._same_host = "path" not in reply
-                    if not self._same_host:
-                        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
-                        reply = Connection._check(conn.recv())
-                        verified_copy(RawReader(conn, int(reply["size"])), dest, key, f"BlobServer {self.endpoint}")
+                with Connection.connect(self.endpoint, self._secret) as conn:  # type: ignore[arg-type]
+                    self._get_from_server(conn, job_id, key, dest)
                 self.stats["transfers"] += 1
                 return
             except BlobNotFoundError as exc:
@@ -130,19 +135,69 @@ class BlobCache:
                 break
             except (StewardError, OSError) as exc:
                 tried.append(f"BlobServer attempt {attempt + 1}: {exc}")
-                log.warning("fetching %s failed (attempt %d): %s", key, attempt + 1, exc)
+                log.warning("fetching %s failed (attempt %d of %d): %s", key, attempt + 1, self.retries + 1, exc)
         raise BlobNotFoundError(f"blob {key} of job {job_id!r}: no good copy could be fetched; tried "
                                 + "; ".join(tried))
 
+    def _retry_delay(self, retry: int) -> float:
+        """Exponential backoff before retry number ``retry`` (1-based), capped, with jitter in [d/2, d]."""
+        initial, cap = self._backoff
+        delay = min(cap, initial * 2.0 ** (retry - 1))
+        return delay * (1.0 - 0.5 * self._rng.random())
+
+    def _get_from_server(self, conn: Connection, job_id: str | None, key: BlobKey, dest: Path) -> None:
+        """One ``blob.get`` on ``conn``: an in-kernel copy of the server's file when it is on this host
+        and visible here, else the body the server streams. Raises on any failure (the caller retries)."""
+        request = {"op": "blob.get", "job_id": job_id, "key": str(key)}
+        if self._same_host:
+            conn.send({**request, "boot_id": self.boot_id})
+            reply = Connection._check(conn.recv())
+            if "path" not in reply:
+                # another kernel (another host): the server streams the body right after this reply
+                self._same_host = False
+                self._receive_body(conn, reply, dest, key)
+                return
+            if self._copy_local(str(reply["path"]), dest, key):
+                self.stats["local_copies"] += 1
+                return
+            # the same kernel, but the file is not visible here: nothing was streamed, ask for the body
+        conn.send(request)
+        reply = Connection._check(conn.recv())
+        self._receive_body(conn, reply, dest, key)
+
+    def _receive_body(self, conn: Connection, reply: dict[str, Any], dest: Path, key: BlobKey) -> None:
+        size = reply.get("size")
+        if "path" in reply or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ProtocolError(f"BlobServer {self.endpoint} answered blob.get for {key} without a streamed "
+                                f"body of a valid size: {reply!r}")
+        verified_copy(RawReader(conn, size), dest, key, f"BlobServer {self.endpoint}")
+
     def _copy_local(self, src: str, dest: Path, key: BlobKey) -> bool:
-        """Copy the server's file in-kernel into a verified file of our own; False if not visible."""
+        """Copy the server's file in-kernel into a verified file of our own; False if it is not usable here.
+
+        The server names its file when our boot ids match, but a peer in another mount namespace (a
+        container on the same kernel) cannot see it, or sees another file under that name. Either way
+        we fall back to the stream, for this blob and from now on.
+        """
         try:
             fin = open(src, "rb")
-        except OSError:
-            self._same_host = False  # same kernel, other mount namespace: stream from now on
+        except OSError as exc:
+            log.info("the BlobServer's file %s is not visible here (%s): streaming blobs from now on", src, exc)
+            self._same_host = False  # same kernel, other mount namespace
             return False
         with fin:
-            verified_copy(_KernelCopier(fin), dest, key, f"BlobServer file {src}")
+            try:
+                verified_copy(_KernelCopier(fin), dest, key, f"BlobServer file {src}")
+            except ChecksumMismatchError as exc:
+                log.warning("the BlobServer's file %s is not the blob here (%s): streaming blobs from now on",
+                            src, exc)
+                self._same_host = False
+                return False
+            except OSError as exc:  # e.g. EXDEV: copy_file_range refuses this pair of file systems
+                log.warning("copying the BlobServer's file %s failed (%s): streaming this blob", src, exc)
+                if exc.errno in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._same_host = False
+                return False
         return True
 
     # --- references and size limit -------------------------------------------------------------
@@ -182,6 +237,41 @@ class BlobCache:
         for job_id, key in victims:
             self.path(job_id, key).unlink(missing_ok=True)  # open memory maps keep their pages
             self.stats["evictions"] += 1
+
+    # --- finished jobs ------------------------------------------------------------------------
+    def job_ids(self) -> set[str | None]:
+        """The jobs this cache holds verified blobs of."""
+        with self._lock:
+            return {job_id for job_id, _ in self._lru}
+
+    def drop_job(self, job_id: str | None) -> int:
+        """Delete this cache's copies of a finished job's blobs; return how many were deleted.
+
+        Copies referenced by a running task attempt, or being opened right now, are kept (LRU eviction
+        takes them later); open memory maps keep their pages. Idempotent."""
+        with self._lock:
+            used = {r for refs in self._task_refs.values() for r in refs}
+            candidates = [r for r in self._lru if r[0] == job_id and r not in used]
+        dropped = 0
+        for ref in candidates:
+            lock = self._key_locks[ref]
+            if not lock.acquire(blocking=False):
+                continue  # being opened: in use
+            try:
+                with self._lock:  # a task may have taken a reference since
+                    if any(ref in refs for refs in self._task_refs.values()) or self._lru.pop(ref, None) is None:
+                        continue
+                self.path(*ref).unlink(missing_ok=True)
+                dropped += 1
+            finally:
+                lock.release()
+        try:
+            (self.dir / job_dir_name(job_id)).rmdir()  # only once empty
+        except OSError:
+            pass
+        if dropped:
+            self.stats["job_drops"] += dropped
+        return dropped
 
     # --- libraries -----------------------------------------------------------------------------
     def library_paths(self, libraries: list[dict[str, Any]]) -> list[str]:

@@ -9,7 +9,8 @@ upload of the same content a no-op (counted in ``stats["dedup"]``).
 Ref counts live per (job, key). A blob whose count reaches 0 enters staged cleanup: the first pass
 after the release marks it, the next pass deletes its local copy, so it lives between one and two
 ``retention`` intervals (the HA copy of a permanent blob stays until its job is final). ``delete_job``
-removes a job's directory from local and HA storage whatever the counts say.
+removes a job's directory from local and HA storage whatever the counts say; executor caches ask
+``blob.deleted_jobs`` and drop their copies of such jobs.
 
 Same-host uploads (``blob.put_path``) never cross a socket: the client writes into ``incoming/`` and
 the server hard-links (or renames) the file into place. Paths outside ``incoming/`` are refused.
@@ -54,6 +55,9 @@ def _boot_id() -> str:
 #: Identifies this machine's running kernel: equal boot ids mean the same host.
 BOOT_ID = _boot_id()
 
+#: How many deleted job ids ``blob.deleted_jobs`` remembers (oldest forgotten first).
+_DELETED_JOBS_KEPT = 4096
+
 Ref = tuple["str | None", BlobKey]
 
 
@@ -82,6 +86,7 @@ class BlobServer:
         self._marked: set[Ref] = set()     # released, deleted at the next pass
         self._released: set[Ref] = set()  # released since the last pass
         self._libraries: list[dict[str, Any]] = []
+        self._deleted_jobs: collections.OrderedDict[str | None, None] = collections.OrderedDict()
         self._next_pass = self.clock.now() + retention
         self._stop = threading.Event()
         self._closed = False
@@ -97,6 +102,8 @@ class BlobServer:
                  digest: bytes | None = None) -> tuple[BlobKey, int]:
         """Store the file ``src`` as a blob; with ``move`` the server takes ownership of ``src``."""
         job_id = _job(job_id)
+        with self._lock:
+            self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
         size = src.stat().st_size
         if size > self.max_size:
             raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size ({self.max_size})")
@@ -231,9 +238,20 @@ class BlobServer:
                 self._released.discard(ref)
             self._verified = {r for r in self._verified if r[0] != job_id}
             self._libraries = [lib for lib in self._libraries if lib["job_id"] != job_id]
+            self._deleted_jobs[job_id] = None
+            self._deleted_jobs.move_to_end(job_id)
+            while len(self._deleted_jobs) > _DELETED_JOBS_KEPT:
+                self._deleted_jobs.popitem(last=False)
         shutil.rmtree(self.dir / job_dir_name(job_id), ignore_errors=True)
         self.ha.delete_job(job_id)
         log.info("deleted the blobs of job %s (local and HA)", job_id)
+
+    def deleted_jobs(self, job_ids: list[str | None]) -> list[str | None]:
+        """Those of ``job_ids`` whose blobs :meth:`delete_job` deleted (and none were stored since).
+
+        Executor caches ask this to drop the blob directories of finished jobs."""
+        with self._lock:
+            return [j for j in job_ids if j in self._deleted_jobs]
 
     def retain_jobs(self, live: set[str | None]) -> list[str | None]:
         """Put the HA blobs of every job not in ``live`` into staged cleanup (orphans)."""
@@ -261,7 +279,8 @@ class BlobServer:
         ops = {"blob.info": self._op_info, "blob.put": self._op_put, "blob.put_path": self._op_put_path,
                "blob.get": self._op_get, "blob.acquire": self._op_acquire, "blob.release": self._op_release,
                "blob.delete_job": self._op_delete_job, "blob.list": self._op_list, "blob.stats": self._op_stats,
-               "blob.add_library": self._op_add_library, "blob.libraries": self._op_libraries}
+               "blob.add_library": self._op_add_library, "blob.libraries": self._op_libraries,
+               "blob.deleted_jobs": self._op_deleted_jobs}
         for op, fn in ops.items():
             server.add_handler(op, fn)
 
@@ -318,6 +337,12 @@ class BlobServer:
         for b in out:
             b["refs"] = refs.get(f"{b['job_dir']}/{b['key']}", 0)
         return {"blobs": out}
+
+    def _op_deleted_jobs(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        job_ids = req.get("job_ids")
+        if not isinstance(job_ids, list):
+            raise InvalidIdError(f"blob.deleted_jobs takes a list of job ids in 'job_ids', not {job_ids!r}")
+        return {"deleted": self.deleted_jobs([_job(j) for j in job_ids])}
 
     def _op_stats(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         return {"stats": dict(self.stats)}
