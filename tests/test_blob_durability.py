@@ -157,6 +157,17 @@ def test_orphaned_ha_blobs_are_deleted_after_the_retention(tmp_path, ha):  # noq
         again.close()
 
 
+@pytest.mark.parametrize("ha", ["file", "s3"], indirect=True)
+def test_a_jobless_permanent_blob_released_to_zero_leaves_ha_too(rig):
+    key = rig.client.put_bytes(b"nobody's", None, permanent=True)
+    rig.client.acquire(key, None)
+    rig.client.release(key, None)
+    rig.server.run_cleanup()
+    assert rig.ha.exists(None, key)
+    rig.server.run_cleanup()
+    assert not rig.ha.exists(None, key) and not rig.server.local_path(None, key).exists()
+
+
 def _chattr(flag: str, path: Path) -> bool:
     return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
 

@@ -249,6 +249,7 @@ class BlobCache:
                     tmp = d / f".{uuid.uuid4().hex}.tmp"
                     os.link(path, tmp)
                     os.replace(tmp, d / lib["name"])
+                    fsync_dir(d)
                 paths.append(str(d))
         return paths
 
