@@ -119,6 +119,33 @@ def test_driver_startup_sweep_deletes_only_stores_proven_dead_on_this_host(tmp_p
     assert OwnerRecord.read(fresh).pid == os.getpid()
 
 
+_NO_PROC = r"""
+import os, sys
+assert not os.path.exists("/proc/self"), "this child should see no /proc"
+from sparksteward.agents.driver import _server_dir
+print(_server_dir(sys.argv[1]))
+"""
+
+
+def test_startup_sweep_without_proc_keeps_live_stores(tmp_path):
+    """As on macOS: no /proc at all. A live owner's store stays; a dead one (kill semantics) goes."""
+    probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                            "mount -t tmpfs none /proc"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot hide /proc in a mount namespace here: {probe.stderr.decode().strip()}")
+    root = tmp_path / "state" / "blob-local"
+    root.mkdir(parents=True)
+    me, dead = OwnerRecord.current(), _dead_pid()
+    live = _owned(root, f"server-{os.getpid()}-live", me)
+    gone = _owned(root, f"server-{dead}-gone", OwnerRecord(me.hostname, me.boot_id, dead, 1.0))
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                          'mount -t tmpfs none /proc && exec "$0" -c "$1" "$2"', sys.executable, _NO_PROC,
+                          str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert live.exists(), "a live agent's store was deleted because /proc/<pid> is missing"
+    assert not gone.exists()
+
+
 def test_owner_liveness_uses_kill_semantics_not_proc(tmp_path):
     me = OwnerRecord.current()
     assert me.start_time == process_start_time(os.getpid()) and not me.is_dead()

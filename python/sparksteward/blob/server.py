@@ -21,7 +21,7 @@ dedup hit the existing local file is re-hashed before it is trusted (always befo
 HA); a corrupt one is replaced by the incoming, verified bytes.
 
 Same-host uploads (``blob.put_path``) never cross a socket: the client writes into ``incoming/`` and
-the server hard-links (or renames) the file into place. Paths outside ``incoming/`` are refused.
+the server renames it into place (``move``) or copies it. Paths outside ``incoming/`` are refused.
 Same-host downloads (a caller with this kernel's boot id) get the file's path instead of a stream and
 copy it in-kernel into their own, independently verified file; if that path is not visible to them
 (another mount namespace) they ask again for a stream.
