@@ -104,13 +104,15 @@ def test_driver_startup_sweep_deletes_only_stores_proven_dead_on_this_host(tmp_p
     me, host = OwnerRecord.current(), socket.gethostname()
     dead = _dead_pid()
     swept = [
-        _owned(root, f"server-{dead}-a", OwnerRecord(host, me.boot_id, dead, 1.0)),
-        _owned(root, f"server-{os.getpid()}-b", OwnerRecord(host, me.boot_id, os.getpid(), me.start_time + 1)),
+        _owned(root, f"server-{dead}-a", OwnerRecord(host, me.boot_id, dead, 1.0, me.pid_ns)),
+        _owned(root, f"server-{os.getpid()}-b",
+               OwnerRecord(host, me.boot_id, os.getpid(), me.start_time + 1, me.pid_ns)),
         _owned(root, "server-7-c", OwnerRecord(host, "another-boot", os.getpid(), me.start_time)),
     ]
     kept = [
         _owned(root, f"server-{dead}-d", OwnerRecord("another-host", "other-boot", dead, 1.0)),
         _owned(root, f"server-{dead}-e", None),  # no owner file: not proven dead
+        _owned(root, f"server-{dead}-g", OwnerRecord(host, me.boot_id, dead, 1.0, "pid:[1]")),  # other container
         _owned(root, f"server-{os.getpid()}-f", me),  # alive
     ]
     fresh = Path(_server_dir(str(tmp_path / "state")))
@@ -136,8 +138,9 @@ def test_startup_sweep_without_proc_keeps_live_stores(tmp_path):
     root = tmp_path / "state" / "blob-local"
     root.mkdir(parents=True)
     me, dead = OwnerRecord.current(), _dead_pid()
-    live = _owned(root, f"server-{os.getpid()}-live", me)
-    gone = _owned(root, f"server-{dead}-gone", OwnerRecord(me.hostname, me.boot_id, dead, 1.0))
+    # as recorded where there is no /proc: no boot id, no pid namespace, no start time
+    live = _owned(root, f"server-{os.getpid()}-live", OwnerRecord(me.hostname, "", os.getpid(), None))
+    gone = _owned(root, f"server-{dead}-gone", OwnerRecord(me.hostname, "", dead, 1.0))
     out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                           'mount -t tmpfs none /proc && exec "$0" -c "$1" "$2"', sys.executable, _NO_PROC,
                           str(tmp_path / "state")], capture_output=True, text=True, timeout=60)
@@ -149,8 +152,11 @@ def test_startup_sweep_without_proc_keeps_live_stores(tmp_path):
 def test_owner_liveness_uses_kill_semantics_not_proc(tmp_path):
     me = OwnerRecord.current()
     assert me.start_time == process_start_time(os.getpid()) and not me.is_dead()
-    assert OwnerRecord(me.hostname, me.boot_id, _dead_pid(), None).is_dead()
-    assert not OwnerRecord(me.hostname, me.boot_id, os.getpid(), None).is_dead(), "unknown start time: alive"
+    assert OwnerRecord(me.hostname, me.boot_id, _dead_pid(), None, me.pid_ns).is_dead()
+    assert not OwnerRecord(me.hostname, me.boot_id, os.getpid(), None, me.pid_ns).is_dead(), \
+        "unknown start time: alive"
+    assert not OwnerRecord(me.hostname, me.boot_id, _dead_pid(), None, "pid:[1]").is_dead(), \
+        "another pid namespace: not ours to judge"
 
 
 def test_killed_executor_agents_cache_is_swept_by_the_next_agent(tmp_path):

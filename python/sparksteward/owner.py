@@ -6,12 +6,13 @@ must never delete a directory whose owner may still be alive, such as another ho
 shared home directory, or any store on a system without ``/proc``. Each such directory therefore
 holds an ``owner.json`` (versioned JSON, mode 0600)::
 
-    {"version": 1, "hostname": ..., "boot_id": ..., "pid": ..., "start_time": ...}
+    {"version": 1, "hostname": ..., "boot_id": ..., "pid_ns": ..., "pid": ..., "start_time": ...}
 
 :meth:`OwnerRecord.is_dead` is True only when the owner is proven gone: the record names this
-host (same hostname) and either the kernel has rebooted since (another boot id) or the pid is not
-running (``os.kill(pid, 0)`` semantics, which work without ``/proc``) or is running with another
-start time (the pid was reused). Unknown means alive.
+host (same hostname) and either the kernel has rebooted since (another boot id) or, in the same pid
+namespace (containers sharing a host name and a volume see different pids), the pid is not running
+(``os.kill(pid, 0)`` semantics, which work without ``/proc``) or is running with another start time
+(the pid was reused). Unknown means alive.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ def boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]`` on Linux), else ``""``."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
 
@@ -93,10 +102,11 @@ class OwnerRecord:
     boot_id: str
     pid: int
     start_time: float | None
+    pid_ns: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.hostname, str) or not isinstance(self.boot_id, str):
-            raise ValueError("hostname and boot_id must be strings")
+        if not all(isinstance(v, str) for v in (self.hostname, self.boot_id, self.pid_ns)):
+            raise ValueError("hostname, boot_id and pid_ns must be strings")
         if not isinstance(self.pid, int) or isinstance(self.pid, bool) or self.pid <= 0:
             raise ValueError(f"pid must be a positive integer, not {self.pid!r}")
         if self.start_time is not None and not isinstance(self.start_time, (int, float)):
@@ -105,7 +115,7 @@ class OwnerRecord:
     @classmethod
     def current(cls) -> OwnerRecord:
         pid = os.getpid()
-        return cls(socket.gethostname(), boot_id(), pid, process_start_time(pid))
+        return cls(socket.gethostname(), boot_id(), pid, process_start_time(pid), pid_namespace())
 
     def to_json(self) -> bytes:
         return orjson.dumps({"version": _VERSION, **asdict(self)})
@@ -116,7 +126,7 @@ class OwnerRecord:
             rec = orjson.loads(data)
             if not isinstance(rec, dict) or rec.get("version") != _VERSION:
                 raise ValueError(f"unknown version {rec.get('version') if isinstance(rec, dict) else rec!r}")
-            return cls(rec["hostname"], rec["boot_id"], rec["pid"], rec["start_time"])
+            return cls(rec["hostname"], rec["boot_id"], rec["pid"], rec["start_time"], rec.get("pid_ns", ""))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(f"owner file {source} is unreadable: {exc}") from exc
 
@@ -157,6 +167,9 @@ class OwnerRecord:
         current_boot = boot_id()
         if self.boot_id and current_boot and self.boot_id != current_boot:
             return True  # this host rebooted since: every process of that boot is gone
+        current_ns = pid_namespace()
+        if self.pid_ns != current_ns:
+            return False  # another container (or unknown): its pids mean nothing here
         if not _pid_running(self.pid):
             return True
         if self.start_time is None:

@@ -14,6 +14,7 @@ or when its job ends (its job directory is deleted).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import weakref
 from typing import Any
@@ -100,8 +101,6 @@ def _worker_value(key: str, job_id: str | None) -> Any:
 
 
 def _file_size(path: str) -> int:
-    import os
-
     try:
         return os.stat(path).st_size
     except OSError:

@@ -144,8 +144,11 @@ class BlobServer:
             else:
                 copy_file(src, staged)
                 digest = None  # the caller's file may have changed while we copied: hash our copy
-            key = BlobKey(btype, digest or hash_file(staged))
             size = staged.stat().st_size
+            if size > self.max_size:  # the caller's file grew while it was copied
+                raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size "
+                                           f"({self.max_size})")
+            key = BlobKey(btype, digest or hash_file(staged))
             ref = (job_id, key)
             dest = self.local_path(job_id, key)
             with self._key_locks[ref]:
