@@ -321,3 +321,21 @@ def broadcast_limit() -> int:
     from sparksteward.blob import broadcast
 
     return getattr(broadcast, "MAX_LOADED", 8)
+
+
+def test_driver_agent_close_joins_its_recovery_thread(tmp_path, monkeypatch):
+    """Recovery against an unreachable HA store takes a while; close() waits for it, never abandons it."""
+    from sparksteward.agents.driver import DriverAgent
+    from sparksteward.testing.s3 import _free_port
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    hello = {"v": 1, "type": "hello", "role": "driver", "executor_id": "driver", "host": "127.0.0.1",
+             "bind_host": "127.0.0.1", "port": 0, "driver_endpoint": None, "rendezvous_dir": None,
+             "secret": "s" * 64, "conf": {"spark.steward.state-dir": str(tmp_path / "state"),
+                                          "spark.steward.blob.ha.storage-path": "s3://nowhere/ha"}}
+    agent = DriverAgent(hello)
+    assert [t for t in threading.enumerate() if t.name == "steward-recovery"], "recovery is still trying"
+    agent.close()
+    assert not [t for t in threading.enumerate() if t.name == "steward-recovery"]
