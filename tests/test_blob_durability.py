@@ -168,6 +168,23 @@ def test_a_jobless_permanent_blob_released_to_zero_leaves_ha_too(rig):
     assert not rig.ha.exists(None, key) and not rig.server.local_path(None, key).exists()
 
 
+@pytest.mark.parametrize("ha", ["file"], indirect=True)
+def test_a_put_revives_an_orphan_before_its_ha_copy_is_deleted(tmp_path, ha):  # noqa: F811
+    keys = _orphans(tmp_path, ha, 1)
+    again = Rig(tmp_path / "second", ha)
+    try:
+        again.server.retain_jobs(live=set())
+        again.server.run_cleanup()  # marked
+        key = next(iter(keys.values()))
+        again.ha.get("old-0", key, tmp_path / "bytes")
+        assert again.client.put_bytes((tmp_path / "bytes").read_bytes(), "old-0", permanent=True) == key
+        again.server.run_cleanup()
+        assert ha.exists("old-0", key), "a blob put again (e.g. by a forced re-run) lost its HA copy"
+        assert again.server.local_path("old-0", key).exists()
+    finally:
+        again.close()
+
+
 def _chattr(flag: str, path: Path) -> bool:
     return subprocess.run(["chattr", flag, str(path)], capture_output=True).returncode == 0
 

@@ -109,6 +109,7 @@ class BlobServer:
         self._marked: set[Ref] = set()     # released, deleted at the next pass
         self._released: set[Ref] = set()  # released since the last pass
         self._orphans: set[Ref] = set()   # HA blobs of jobs that are gone: their HA copy goes too
+        self._put_in_pass: set[Ref] = set()  # put since the current pass chose its victims: spared
         self._libraries: list[dict[str, Any]] = []
         self._next_pass = self.clock.now() + retention
         self._stop = threading.Event()
@@ -152,6 +153,10 @@ class BlobServer:
             ref = (job_id, key)
             dest = self.local_path(job_id, key)
             with self._key_locks[ref]:
+                with self._lock:  # a put revives a blob that staged cleanup was about to take
+                    for pending in (self._marked, self._released, self._orphans):
+                        pending.discard(ref)
+                    self._put_in_pass.add(ref)
                 needs_ha = key.permanent and not self.ha.exists(job_id, key)
                 if dest.exists() and (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
                     log.warning("local copy %s does not match its key; replacing it with the uploaded bytes", dest)
@@ -254,6 +259,7 @@ class BlobServer:
         refs deleted.
         """
         with self._lock:
+            self._put_in_pass.clear()
             doomed = [r for r in self._marked if self._refs[r] == 0]
             self._marked, self._released = {r for r in self._released if self._refs[r] == 0}, set()
         deleted: list[Ref] = []
@@ -265,7 +271,7 @@ class BlobServer:
             job_id, key = ref
             with self._key_locks[ref]:
                 with self._lock:
-                    if self._refs[ref] > 0:  # acquired again since it was marked
+                    if self._refs[ref] > 0 or ref in self._put_in_pass:  # acquired or put again meanwhile
                         continue
                     from_ha = not key.permanent or job_id is None or ref in self._orphans
                 try:
