@@ -14,15 +14,18 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import logging
+import re
 import sys
 import threading
 from typing import Any
 
-__all__ = ["LibraryFinder", "install_finder", "library_kind"]
+__all__ = ["LibraryFinder", "install_finder", "library_kind", "validate_library_name"]
 
 log = logging.getLogger("sparksteward.libraries")
 
 _KINDS = {".whl": "zip", ".zip": "zip", ".egg": "zip", ".py": "py"}
+_MAX_NAME = 200
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*\.(whl|zip|egg|py)")
 
 
 def library_kind(name: str) -> str:
@@ -31,6 +34,25 @@ def library_kind(name: str) -> str:
         if name.endswith(suffix):
             return kind
     raise ValueError(f"{name!r} is not a library: add a .whl, .zip, .egg or .py file")
+
+
+def validate_library_name(name: object) -> str:
+    """Return ``name`` if it is a plain library file name, else raise InvalidIdError naming it.
+
+    A name is one path component (no ``/``, ``\\`` or ``..``), at most 200 characters of letters,
+    digits and ``_ . + -``, starting with a letter, digit or ``_``, ending in .whl, .zip, .egg or .py.
+    """
+    from sparksteward.errors import InvalidIdError
+
+    if not isinstance(name, str):
+        raise InvalidIdError(f"library name must be a string, not {type(name).__name__}")
+    if len(name) > _MAX_NAME:
+        raise InvalidIdError(f"library name {name[:40]!r}... is {len(name)} characters long; the limit is "
+                             f"{_MAX_NAME}: rename the file")
+    if "/" in name or "\\" in name or ".." in name or not _NAME.fullmatch(name):
+        raise InvalidIdError(f"library name {name!r} is not a plain file name: use one path component of "
+                             f"letters, digits and '_.+-' (no '/', '\\' or '..') ending in .whl, .zip, .egg or .py")
+    return name
 
 
 class LibraryFinder(importlib.abc.MetaPathFinder):

@@ -18,6 +18,7 @@ import shutil
 import sys
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
@@ -28,22 +29,39 @@ from sparksteward.ids import job_id_from_filename
 from sparksteward.jobs.cleanup import CleanupStep
 from sparksteward.jobs.service import JobService
 from sparksteward.jobscope import TAG_PREFIX
+from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
+from sparksteward.storage import fsync_dir
 from sparksteward.wire import Connection
 
 __all__ = ["DriverAgent"]
 
 log = logging.getLogger("sparksteward.agent.driver")
 
+#: Staged HA files older than this are leftovers of killed uploads (no upload takes an hour to stage).
+_STAGED_MAX_AGE = 3600.0
+
 
 def _server_dir(state_dir: str) -> str:
-    """A fresh local store for this agent; stores of agents that died (SIGKILL) are swept first."""
-    root = os.path.join(os.path.expanduser(state_dir), "blob-local")
-    os.makedirs(root, exist_ok=True)
-    for name in os.listdir(root):
-        pid = name.split("-")[1] if name.startswith("server-") and name.count("-") >= 2 else ""
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"server-{os.getpid()}-", dir=root)
+    """A fresh private local store for this agent, with an owner file.
+
+    Stores of agents that died (SIGKILL) are swept first, but only those proven dead on this host
+    (hostname + boot id, then pid + start time, see :mod:`sparksteward.owner`): the state dir may be
+    a home directory shared with other hosts, and ``/proc`` may not exist (macOS). A store without an
+    owner file is never deleted.
+    """
+    root = private_dir(Path(os.path.expanduser(state_dir)) / "blob-local")
+    swept = []
+    for entry in root.iterdir():
+        if entry.name.startswith("server-") and not entry.is_symlink() and entry.is_dir() \
+                and owned_dir_is_dead(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            swept.append(entry.name)
+    if swept:
+        fsync_dir(root)
+        log.info("swept %d local blob store(s) of dead driver agents: %s", len(swept), ", ".join(swept))
+    path = tempfile.mkdtemp(prefix=f"server-{os.getpid()}-", dir=root)  # 0700
+    OwnerRecord.current().write(path)
+    return path
 
 
 def _scoped_jobs(tags: list[str]) -> list[str]:
@@ -83,13 +101,17 @@ class DriverAgent(Agent):
                                 clock=self.clock)
         self.blobs.register_handlers(self.server)
         self.jobs.registry.register("blob_job_dir", self.blobs.delete_job)
-        threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True).start()
+        self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
+        self._recovery.start()
         for op, fn in {"jobs.begin": self._op_begin, "jobs.add_cleanup": self._op_add_cleanup,
                        "jobs.finish": self._op_finish, "jobs.get": self._op_get, "jobs.list": self._op_list}.items():
             self.server.add_handler(op, fn)
 
     def _housekeeping(self) -> None:
         try:
+            swept = self.ha.sweep_staged(_STAGED_MAX_AGE)  # uploads killed mid-way (local HA stores)
+            if swept:
+                log.info("swept %d staged HA blob file(s) left by killed uploads", swept)
             self.jobs.prune()
             self.jobs.recover()
             # HA blobs of jobs whose result is committed are orphans: staged cleanup takes them
@@ -176,6 +198,8 @@ class DriverAgent(Agent):
     def close(self) -> None:
         super().close()
         self.jobs.close(self.cfg.cleanup_shutdown_timeout)
+        if self._recovery.is_alive():  # bounded: recovery's store calls time out on their own
+            self._recovery.join(self.cfg.cleanup_shutdown_timeout)
         self.blobs.close()  # the local store; HA copies stay for recovery until their job is final
 
 

@@ -1,6 +1,7 @@
 """The executor agent: one per executor, started by the shim's ExecutorPlugin.
 
-It owns the executor's BlobCache and publishes a rendezvous file under
+It owns the executor's BlobCache (a private ``cache-<pid>`` dir with an owner file; at start it
+sweeps the cache dirs of agents proven dead on this host) and publishes a rendezvous file under
 ``SparkFiles.getRootDirectory()`` so that the executor's Python workers can find its socket. Run as
 ``python -m sparksteward.agents.executor`` (the shim does this).
 """
@@ -13,9 +14,10 @@ import sys
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
-from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.cache import BlobCache, sweep_dead_caches
 from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
+from sparksteward.owner import private_dir
 from sparksteward.rendezvous import Rendezvous
 
 __all__ = ["ExecutorAgent"]
@@ -33,7 +35,10 @@ class ExecutorAgent(Agent):
         self.executor_id: str = hello["executor_id"]
         self.rendezvous = Rendezvous(hello["rendezvous_dir"] or ".")
         ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)
-        self.cache = BlobCache(self.rendezvous.dir / f"cache-{os.getpid()}", ha, hello.get("driver_endpoint"),
+        private_dir(self.rendezvous.dir)
+        cache_dir = self.rendezvous.dir / f"cache-{os.getpid()}"
+        sweep_dead_caches(self.rendezvous.dir, keep=cache_dir)  # caches of killed or restarted agents
+        self.cache = BlobCache(cache_dir, ha, hello.get("driver_endpoint"),
                                self.secret, max_size=self.cfg.blob_cache_max_size,
                                fetch_retries=self.cfg.blob_fetch_retries)
         self.cache.register_handlers(self.server)

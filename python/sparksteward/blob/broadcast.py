@@ -4,22 +4,42 @@ A handle pickles to its key, job and size only (well under 1 KB in a closure). I
 ``h.value`` asks the executor agent to open the blob for the running task attempt (fetching it into
 the executor's cache once) and loads it with :func:`~sparksteward.blob.payload.load_payload`: numpy
 and arrow buffers are views of a read-only memory map of the cached file, shared by every worker of
-the executor. The loaded value is kept per worker process. On the driver, ``h.value`` is the object
-itself. The blob is released by ``destroy()``, when the handle is garbage-collected on the driver,
+the executor. A worker keeps at most :data:`MAX_LOADED` loaded values (and :data:`MAX_LOADED_BYTES`
+of payload), least recently used first out: a dropped value's memory map is closed as soon as user
+code holds no view of it, so a file the executor cache evicted frees its disk blocks instead of
+staying mapped for the worker's lifetime. On the driver, ``h.value`` is the object itself. The blob is released by ``destroy()``, when the handle is garbage-collected on the driver,
 or when its job ends (its job directory is deleted).
 """
 
 from __future__ import annotations
 
+import collections
+import os
 import threading
 import weakref
 from typing import Any
 
-__all__ = ["BroadcastHandle"]
+__all__ = ["MAX_LOADED", "MAX_LOADED_BYTES", "BroadcastHandle"]
 
-_loaded: dict[tuple[str | None, str], Any] = {}
-_opened: set[tuple[int, str]] = set()
+#: Loaded broadcast values a worker keeps (each a view of a memory-mapped cache file).
+MAX_LOADED = 8
+#: Total payload bytes a worker keeps mapped; the most recent value is kept whatever its size.
+MAX_LOADED_BYTES = 4 << 30
+_MAX_OPENED = 4096
+
+_loaded: collections.OrderedDict[tuple[str | None, str], tuple[Any, int]] = collections.OrderedDict()
+_opened: collections.OrderedDict[tuple[int | None, str], None] = collections.OrderedDict()  # (task, key)
 _lock = threading.Lock()
+
+
+def _shrink() -> None:
+    """Drop least recently used values beyond the bounds (their maps close once unreferenced)."""
+    total = sum(size for _, size in _loaded.values())
+    while len(_loaded) > 1 and (len(_loaded) > MAX_LOADED or total > MAX_LOADED_BYTES):
+        _, (_, size) = _loaded.popitem(last=False)
+        total -= size
+    while len(_opened) > _MAX_OPENED:
+        _opened.popitem(last=False)
 
 
 def _restore(key: str, job_id: str | None, size: int) -> BroadcastHandle:
@@ -65,11 +85,23 @@ def _worker_value(key: str, job_id: str | None) -> Any:
 
     tc = TaskContext.get()
     tid = tc.taskAttemptId() if tc is not None else None
+    ref = (job_id, key)
     with _lock:
-        need_open = (tid, key) not in _opened or (job_id, key) not in _loaded
-        if need_open:
+        if (tid, key) not in _opened or ref not in _loaded:
+            # registers the task attempt's reference (the cache never evicts it while the task runs)
             reply = executor_connection().request("blob.open", key=key, job_id=job_id, task_attempt_id=tid)
-            _opened.add((tid, key))
-            if (job_id, key) not in _loaded:
-                _loaded[(job_id, key)] = load_payload(reply["path"])
-        return _loaded[(job_id, key)]
+            _opened[(tid, key)] = None
+            if ref not in _loaded:
+                _loaded[ref] = (load_payload(reply["path"]), _file_size(reply["path"]))
+        _loaded.move_to_end(ref)
+        _opened.move_to_end((tid, key))
+        value = _loaded[ref][0]
+        _shrink()
+        return value
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

@@ -11,11 +11,18 @@ on another kernel (another boot id), or whose file is not visible here (another 
 streams the body instead. Failed server fetches are retried with capped, jittered exponential backoff
 on the injected clock. The cache holds at most
 ``max_size`` bytes: unreferenced blobs are evicted least recently used first; blobs referenced by a
-running task attempt never are. Task attempts release their references through the executor
-plugin's task events (``release_task``). ``close`` deletes the cache directory; a new cache removes
-temp files a killed process left behind.
+running task attempt never are, nor are libraries handed to workers (``library_paths`` pins them for
+the cache's lifetime: a worker that imported a zip reads it again for every module it loads).
+Eviction holds the blob's key lock while it unlinks, so it cannot race ``open``. Task attempts
+release their references through the executor plugin's task events (``release_task``).
 
-Thread-safety: one lock for the bookkeeping, one per key for transfers.
+The cache directory is private (0700) and holds an owner file (:mod:`sparksteward.owner`);
+:func:`sweep_dead_caches` deletes sibling caches whose owner is proven dead (a killed or restarted
+executor agent). ``close`` deletes the cache directory; a new cache removes temp files a killed
+process left behind.
+
+Thread-safety: one lock for the bookkeeping, one per key (:class:`KeyedLocks`) for transfers and
+eviction. The cache starts no threads.
 """
 
 from __future__ import annotations
@@ -32,18 +39,42 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, hash_file
+from sparksteward.blob.locks import KeyedLocks
 from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name, verified_copy
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
+from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
+from sparksteward.storage import fsync_dir
 from sparksteward.wire import Connection, RawReader
 
-__all__ = ["BlobCache"]
+__all__ = ["BlobCache", "sweep_dead_caches"]
 
 log = logging.getLogger("sparksteward.blob.cache")
 
 Ref = tuple["str | None", BlobKey]
+
+
+def sweep_dead_caches(parent: Path, prefix: str = "cache-", keep: Path | None = None) -> list[Path]:
+    """Delete the ``<prefix>*`` dirs under ``parent`` whose owner file names a process proven dead on
+    this host (see :mod:`sparksteward.owner`); return them. Dirs without an owner file are kept."""
+    swept = []
+    try:
+        entries = list(parent.iterdir())
+    except FileNotFoundError:
+        return swept
+    for d in entries:
+        if not d.name.startswith(prefix) or (keep is not None and d == keep):
+            continue
+        if not d.is_symlink() and d.is_dir() and owned_dir_is_dead(d):
+            shutil.rmtree(d, ignore_errors=True)
+            swept.append(d)
+    if swept:
+        fsync_dir(parent)
+        log.info("swept %d blob cache dir(s) of dead executor agents: %s", len(swept),
+                 ", ".join(d.name for d in swept))
+    return swept
 
 
 class BlobCache:
@@ -53,8 +84,8 @@ class BlobCache:
                  max_size: int = 10 << 30, fetch_retries: int = 5, same_host: bool | None = None,
                  boot_id: str | None = None, clock: Clock | None = None, rng: random.Random | None = None,
                  initial_backoff: float = 0.1, max_backoff: float = 5.0) -> None:
-        self.dir = Path(cache_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(Path(cache_dir))
+        OwnerRecord.current().write(self.dir)
         for stale in self.dir.rglob(".*.tmp"):  # left by a process killed mid-transfer
             stale.unlink(missing_ok=True)
         self.ha = ha
@@ -64,8 +95,9 @@ class BlobCache:
         self.retries = fetch_retries
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._key_locks: dict[Ref, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._key_locks = KeyedLocks()
         self._lru: collections.OrderedDict[Ref, int] = collections.OrderedDict()  # ref -> size, verified
+        self._pinned: set[Ref] = set()  # libraries handed to workers: never evicted
         self._task_refs: dict[int, collections.Counter[Ref]] = collections.defaultdict(collections.Counter)
         #: this host's kernel boot id, sent with ``blob.get``; the server names its file only when it matches
         self.boot_id = BOOT_ID if boot_id is None else boot_id
@@ -104,7 +136,7 @@ class BlobCache:
                     self._fetch(job_id, key, path)
                 with self._lock:
                     self._lru[ref] = path.stat().st_size
-                self._evict()
+                self._evict()  # never removes this ref: its key lock is held here
                 return path
         except BaseException:
             if task_attempt_id is not None:
@@ -220,23 +252,39 @@ class BlobCache:
             return {r for refs in self._task_refs.values() for r in refs}
 
     def _evict(self) -> None:
+        """Unlink least recently used, unreferenced, unpinned blobs until the cache fits ``max_size``.
+
+        Victims are chosen under the bookkeeping lock; each is then unlinked only while holding its key
+        lock (skipped if that lock is busy: someone is opening it) and after checking again that it is
+        still unreferenced and was not re-opened meanwhile.
+        """
         with self._lock:
-            used = {r for refs in self._task_refs.values() for r in refs}
+            used = {r for refs in self._task_refs.values() for r in refs} | self._pinned
             total = sum(self._lru.values())
             victims = []
             for ref, size in list(self._lru.items()):  # least recently used first
                 if total <= self.max_size:
                     break
                 if ref not in used:
-                    victims.append(ref)
+                    victims.append((ref, size))
                     total -= size
-                    del self._lru[ref]
             if total > self.max_size:
-                log.warning("blob cache holds %d bytes, over its %d limit, all referenced by running tasks",
-                            total, self.max_size)
-        for job_id, key in victims:
-            self.path(job_id, key).unlink(missing_ok=True)  # open memory maps keep their pages
-            self.stats["evictions"] += 1
+                log.warning("blob cache holds %d bytes, over its %d limit, all referenced by running tasks "
+                            "or pinned libraries", total, self.max_size)
+        for ref, size in victims:
+            with self._key_locks.try_hold(ref) as got:
+                if not got:
+                    continue  # being opened right now: not a victim
+                with self._lock:
+                    if ref in self._pinned or any(ref in refs for refs in self._task_refs.values()):
+                        continue
+                    if self._lru.get(ref) is None:
+                        continue  # already gone
+                    del self._lru[ref]
+                path = self.path(*ref)
+                path.unlink(missing_ok=True)  # open memory maps keep their pages until unmapped
+                fsync_dir(path.parent)
+                self.stats["evictions"] += 1
 
     # --- finished jobs ------------------------------------------------------------------------
     def job_ids(self) -> set[str | None]:
@@ -279,6 +327,8 @@ class BlobCache:
         paths = []
         for lib in libraries:
             key = BlobKey.parse(lib["key"])
+            with self._lock:  # pinned before it is opened: eviction never takes a worker's library
+                self._pinned.add((lib["job_id"], key))
             path = self.open(lib["job_id"], key)
             if library_kind(lib["name"]) == "zip":
                 paths.append(str(path))
@@ -289,6 +339,7 @@ class BlobCache:
                     tmp = d / f".{uuid.uuid4().hex}.tmp"
                     os.link(path, tmp)
                     os.replace(tmp, d / lib["name"])
+                    fsync_dir(d)
                 paths.append(str(d))
         return paths
 

@@ -8,17 +8,27 @@ upload of the same content a no-op (counted in ``stats["dedup"]``).
 
 Ref counts live per (job, key). A blob whose count reaches 0 enters staged cleanup: the first pass
 after the release marks it, the next pass deletes its local copy, so it lives between one and two
-``retention`` intervals (the HA copy of a permanent blob stays until its job is final). ``delete_job``
-removes a job's directory from local and HA storage whatever the counts say; executor caches ask
-``blob.deleted_jobs`` and drop their copies of such jobs.
+``retention`` intervals. The HA copy of a permanent blob stays until its job is final, except for
+orphans (``retain_jobs``: blobs of jobs that are gone) and job-less blobs, whose HA copies staged
+cleanup deletes too. A failed HA delete is logged and retried on the next pass; it never stops the
+pass. ``delete_job`` removes a job's directory from local and HA storage whatever the counts say;
+executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs.
+
+Every upload is staged in ``incoming/`` as the server's own file (moved there, or copied, never
+hard-linked, so the caller cannot change it afterwards), hashed, fsynced, renamed into place, and the
+directory fsynced; a permanent blob is then put to HA (durably, see
+:class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a
+dedup hit the existing local file is re-hashed before it is trusted (always before it is uploaded to
+HA); a corrupt one is replaced by the incoming, verified bytes.
 
 Same-host uploads (``blob.put_path``) never cross a socket: the client writes into ``incoming/`` and
-the server hard-links (or renames) the file into place. Paths outside ``incoming/`` are refused.
+the server renames it into place (``move``) or copies it. Paths outside ``incoming/`` are refused.
 Same-host downloads (a caller with this kernel's boot id) get the file's path instead of a stream and
 copy it in-kernel into their own, independently verified file; if that path is not visible to them
 (another mount namespace) they ask again for a stream.
 
-Thread-safety: one lock guards the bookkeeping; a lock per key serializes placing and refilling a blob.
+Thread-safety: one lock guards the bookkeeping; a lock per key (:class:`KeyedLocks`, which forgets
+free keys) serializes placing, refilling and deleting a blob. ``close`` joins the cleanup thread.
 """
 
 from __future__ import annotations
@@ -33,10 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType, Hasher, hash_file
-from sparksteward.blob.store import job_dir_name
+from sparksteward.blob.locks import KeyedLocks
+from sparksteward.blob.store import job_dir_name, makedirs_durable
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
 from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
+from sparksteward.libraries import validate_library_name
+from sparksteward.storage import fsync_dir, fsync_file
 from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["BlobServer"]
@@ -65,6 +78,20 @@ def _job(value: object) -> str | None:
     return None if value is None else validate_job_id(value)
 
 
+def copy_file(src: Path, dest: Path) -> None:
+    """Copy ``src`` into the new file ``dest``: an independent copy (a reflink where the file system
+    shares extents copy-on-write, else ``copy_file_range``), never a hard link."""
+    with open(src, "rb") as fin, open(dest, "xb", buffering=0) as fout:
+        try:
+            while os.copy_file_range(fin.fileno(), fout.fileno(), 1 << 30):
+                pass
+        except OSError:  # e.g. EXDEV on old kernels, or a file system without it
+            fin.seek(0)
+            fout.seek(0)
+            fout.truncate()
+            shutil.copyfileobj(fin, fout, 4 << 20)
+
+
 class BlobServer:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
@@ -80,11 +107,13 @@ class BlobServer:
         self.clock = clock or SystemClock()
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._key_locks: dict[Ref, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._key_locks = KeyedLocks()
         self._refs: collections.Counter[Ref] = collections.Counter()
         self._verified: set[Ref] = set()
         self._marked: set[Ref] = set()     # released, deleted at the next pass
         self._released: set[Ref] = set()  # released since the last pass
+        self._orphans: set[Ref] = set()   # HA blobs of jobs that are gone: their HA copy goes too
+        self._put_in_pass: set[Ref] = set()  # put since the current pass chose its victims: spared
         self._libraries: list[dict[str, Any]] = []
         self._deleted_jobs: collections.OrderedDict[str | None, None] = collections.OrderedDict()
         self._next_pass = self.clock.now() + retention
@@ -100,44 +129,76 @@ class BlobServer:
 
     def put_file(self, src: Path, job_id: str | None, btype: BlobType, *, move: bool = False,
                  digest: bytes | None = None) -> tuple[BlobKey, int]:
-        """Store the file ``src`` as a blob; with ``move`` the server takes ownership of ``src``."""
+        """Store the file ``src`` as a blob and return ``(key, size)``.
+
+        With ``move`` the server takes ownership of ``src`` (renamed away); without, it copies it, so
+        later changes to ``src`` cannot reach the blob. ``digest`` is trusted only from callers that
+        hashed the bytes themselves (``receive``); otherwise the server's own staged file is hashed.
+        A permanent blob is durable in HA when this returns.
+        """
         job_id = _job(job_id)
         with self._lock:
             self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
         size = src.stat().st_size
         if size > self.max_size:
             raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size ({self.max_size})")
-        key = BlobKey(btype, digest or hash_file(src))
-        dest = self.local_path(job_id, key)
-        with self._key_locks[(job_id, key)]:
-            if dest.exists():
-                self.stats["dedup"] += 1
-                if move:
-                    src.unlink(missing_ok=True)
+        staged = self.incoming / f".stage-{uuid.uuid4().hex}.tmp"
+        try:
+            if move:
+                if src.stat().st_dev == self.incoming.stat().st_dev:
+                    os.replace(src, staged)
+                else:
+                    shutil.move(src, staged)
             else:
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
-                try:
-                    if move:
-                        os.replace(src, tmp) if src.stat().st_dev == dest.parent.stat().st_dev else shutil.move(src, tmp)
-                    else:
-                        try:
-                            os.link(src, tmp)
-                        except OSError:
-                            shutil.copyfile(src, tmp)
-                    os.replace(tmp, dest)
-                finally:
-                    tmp.unlink(missing_ok=True)
-                self.stats["uploads"] += 1
-            self._verified.add((job_id, key))
-            if key.permanent and not self.ha.exists(job_id, key):
-                try:
-                    self.ha.put(job_id, key, dest)
-                    self.stats["ha_uploads"] += 1
-                except Exception:
-                    dest.unlink(missing_ok=True)  # acknowledged only when both copies are durable
-                    raise
+                copy_file(src, staged)
+                digest = None  # the caller's file may have changed while we copied: hash our copy
+            size = staged.stat().st_size
+            if size > self.max_size:  # the caller's file grew while it was copied
+                raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size "
+                                           f"({self.max_size})")
+            key = BlobKey(btype, digest or hash_file(staged))
+            ref = (job_id, key)
+            dest = self.local_path(job_id, key)
+            with self._key_locks[ref]:
+                with self._lock:  # a put revives a blob that staged cleanup was about to take
+                    for pending in (self._marked, self._released, self._orphans):
+                        pending.discard(ref)
+                    self._put_in_pass.add(ref)
+                needs_ha = key.permanent and not self.ha.exists(job_id, key)
+                if dest.exists() and (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
+                    log.warning("local copy %s does not match its key; replacing it with the uploaded bytes", dest)
+                    self.stats["corrupt_replaced"] += 1
+                    self._verified.discard(ref)
+                    self._commit(staged, dest)
+                elif dest.exists():
+                    self.stats["dedup"] += 1
+                else:
+                    self._commit(staged, dest)
+                    self.stats["uploads"] += 1
+                self._verified.add(ref)
+                if needs_ha:
+                    try:
+                        self.ha.put(job_id, key, dest)
+                        self.stats["ha_uploads"] += 1
+                    except Exception:
+                        self._verified.discard(ref)
+                        dest.unlink(missing_ok=True)  # acknowledged only when both copies are durable
+                        fsync_dir(dest.parent)
+                        raise
+        finally:
+            staged.unlink(missing_ok=True)
         return key, size
+
+    def _commit(self, staged: Path, dest: Path) -> None:
+        """Rename a staged file into place durably: fsync it, rename, fsync the directory."""
+        makedirs_durable(dest.parent)
+        fsync_file(staged)
+        os.replace(staged, dest)
+        fsync_dir(dest.parent)
+
+    def in_ha(self, key: BlobKey) -> bool:
+        """Whether an acknowledged put of ``key`` is stored in an HA store."""
+        return key.permanent and getattr(self.ha, "url", "none") != "none"
 
     def receive(self, conn: Connection, job_id: str | None, btype: BlobType, size: int) -> tuple[BlobKey, int]:
         """Receive ``size`` raw bytes from ``conn`` into the store; a truncated upload leaves nothing."""
@@ -164,6 +225,7 @@ class BlobServer:
                 else:
                     log.warning("local copy of %s is corrupt; discarding it", key)
                     path.unlink()
+                    fsync_dir(path.parent)
             if not path.exists():
                 if not key.permanent:
                     raise BlobNotFoundError(f"blob {key} of job {job_id!r} is not stored on this server")
@@ -197,23 +259,56 @@ class BlobServer:
             return self._refs[ref]
 
     def run_cleanup(self) -> list[Ref]:
-        """One staged-cleanup pass: delete what the previous pass marked and is still unreferenced."""
+        """One staged-cleanup pass: delete what the previous pass marked and is still unreferenced.
+
+        Local copies always go; HA copies of transient, orphaned and job-less blobs too. One failing
+        HA delete is logged and retried on the next pass; the rest of the pass goes on. Returns the
+        refs deleted.
+        """
         with self._lock:
+            self._put_in_pass.clear()
             doomed = [r for r in self._marked if self._refs[r] == 0]
             self._marked, self._released = {r for r in self._released if self._refs[r] == 0}, set()
-        for job_id, key in doomed:
-            path = self.local_path(job_id, key)
-            path.unlink(missing_ok=True)
-            self._verified.discard((job_id, key))
-            if not key.permanent:
-                self.ha.delete(job_id, key)
-            try:
-                path.parent.rmdir()  # whole job directory, once empty
-            except OSError:
-                pass
-        if doomed:
-            log.info("staged cleanup deleted %d blob(s)", len(doomed))
-        return doomed
+        deleted: list[Ref] = []
+        failed: list[Ref] = []
+        for ref in doomed:
+            if self._stop.is_set():  # closing: the rest waits for the next agent's recovery
+                failed.append(ref)
+                continue
+            job_id, key = ref
+            with self._key_locks[ref]:
+                with self._lock:
+                    if self._refs[ref] > 0 or ref in self._put_in_pass:  # acquired or put again meanwhile
+                        continue
+                    from_ha = not key.permanent or job_id is None or ref in self._orphans
+                try:
+                    if from_ha:
+                        self.ha.delete(job_id, key)
+                except Exception as exc:  # noqa: BLE001 - any backend error: retry next pass
+                    self.stats["ha_delete_failures"] += 1
+                    log.warning("staged cleanup could not delete %s of job %s from the HA store %s (retried "
+                                "on the next pass): %s", key, job_id, getattr(self.ha, "url", ""), exc)
+                    failed.append(ref)
+                    continue
+                path = self.local_path(job_id, key)
+                if path.exists():
+                    path.unlink(missing_ok=True)
+                    fsync_dir(path.parent)
+                try:
+                    path.parent.rmdir()  # whole job directory, once empty
+                    fsync_dir(self.dir)
+                except OSError:
+                    pass
+                with self._lock:
+                    self._verified.discard(ref)
+                    self._orphans.discard(ref)
+                deleted.append(ref)
+        with self._lock:
+            self._marked |= {r for r in failed if self._refs[r] == 0}
+        if deleted:
+            self.stats["cleanup_deleted"] += len(deleted)
+            log.info("staged cleanup deleted %d blob(s)", len(deleted))
+        return deleted
 
     def tick(self) -> None:
         """Run a cleanup pass if ``retention`` has passed on the clock since the last one."""
@@ -237,12 +332,14 @@ class BlobServer:
                 self._marked.discard(ref)
                 self._released.discard(ref)
             self._verified = {r for r in self._verified if r[0] != job_id}
+            self._orphans = {r for r in self._orphans if r[0] != job_id}
             self._libraries = [lib for lib in self._libraries if lib["job_id"] != job_id]
             self._deleted_jobs[job_id] = None
             self._deleted_jobs.move_to_end(job_id)
             while len(self._deleted_jobs) > _DELETED_JOBS_KEPT:
                 self._deleted_jobs.popitem(last=False)
         shutil.rmtree(self.dir / job_dir_name(job_id), ignore_errors=True)
+        fsync_dir(self.dir)
         self.ha.delete_job(job_id)
         log.info("deleted the blobs of job %s (local and HA)", job_id)
 
@@ -254,18 +351,21 @@ class BlobServer:
             return [j for j in job_ids if j in self._deleted_jobs]
 
     def retain_jobs(self, live: set[str | None]) -> list[str | None]:
-        """Put the HA blobs of every job not in ``live`` into staged cleanup (orphans)."""
+        """Put the HA blobs of every job not in ``live`` into staged cleanup (orphans): after the
+        retention their HA copies are deleted too."""
         orphans = [j for j in self.ha.jobs() if j not in live]
+        found = [(job_id, key) for job_id in orphans for key, _ in self.ha.keys(job_id)]
         with self._lock:
-            for job_id in orphans:
-                for key, _ in self.ha.keys(job_id):
-                    self._released.add((job_id, key))
+            for ref in found:
+                if self._refs[ref] == 0:
+                    self._released.add(ref)
+                    self._orphans.add(ref)
         return orphans
 
     # --- libraries ---------------------------------------------------------------------------
     def add_library(self, job_id: str | None, key: BlobKey, name: str) -> int:
         with self._lock:
-            lib = {"job_id": _job(job_id), "key": str(key), "name": os.path.basename(name)}
+            lib = {"job_id": _job(job_id), "key": str(key), "name": validate_library_name(name)}
             if lib not in self._libraries:
                 self._libraries.append(lib)
             return len(self._libraries)
@@ -289,7 +389,7 @@ class BlobServer:
 
     def _op_put(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         key, size = self.receive(conn, req.get("job_id"), BlobType(req.get("type", "t")), req.get("size"))
-        return {"key": str(key), "size": size}
+        return {"key": str(key), "size": size, "ha": self.in_ha(key)}
 
     def _op_put_path(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         src = Path(os.path.realpath(str(req.get("path"))))
@@ -297,7 +397,7 @@ class BlobServer:
             raise InvalidIdError(f"blob.put_path takes a file directly in {self.incoming} (ask blob.info), "
                                  f"not {req.get('path')!r}")
         key, size = self.put_file(src, req.get("job_id"), BlobType(req.get("type", "t")), move=bool(req.get("move")))
-        return {"key": str(key), "size": size}
+        return {"key": str(key), "size": size, "ha": self.in_ha(key)}
 
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> None:
         key = BlobKey.parse(req.get("key"))
@@ -361,9 +461,9 @@ class BlobServer:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
+        self._stop.set()  # a running pass stops between blobs
         if self._timer.is_alive():
-            self._timer.join(5)
+            self._timer.join()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> BlobServer:

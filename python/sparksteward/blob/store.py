@@ -8,12 +8,20 @@ in an encoded job id). Executor caches get only a :class:`BlobView`.
 Every read verifies the content against the key while copying into a temp file next to the
 destination; only a verified copy is renamed into place, and a mismatch deletes the copy and raises
 :class:`~sparksteward.errors.ChecksumMismatchError` naming the URL.
+
+Durability: every staged file is fsynced before it is renamed into place, and the directory after
+each rename or unlink that commits state (and after creating a directory), so a put that returned
+survives a power loss. On object stores a completed PUT is durable by itself. A process killed
+mid-put leaves only staged names (``*.tmp``), never a partial file under a key;
+:meth:`FileSystemBlobStore.sweep_staged` removes old ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
+import time
 import uuid
 from pathlib import Path
 from typing import Protocol
@@ -21,10 +29,10 @@ from typing import Protocol
 from sparksteward.blob.key import BlobKey, Hasher
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StorageError
 from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
-from sparksteward.storage import Location, open_location
+from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
 
 __all__ = ["BlobStore", "BlobView", "FileSystemBlobStore", "NO_JOB", "VoidBlobStore", "job_dir_name",
-           "verified_copy"]
+           "makedirs_durable", "verified_copy"]
 
 NO_JOB = "@none"
 _CHUNK = 4 << 20
@@ -34,9 +42,29 @@ def job_dir_name(job_id: str | None) -> str:
     return NO_JOB if job_id is None else job_id_to_filename(job_id)
 
 
+def makedirs_durable(directory: str | os.PathLike[str], mode: int = 0o777) -> None:
+    """``os.makedirs(exist_ok=True)``, fsyncing the parent of every directory it creates."""
+    directory = os.path.abspath(directory)
+    if os.path.isdir(directory):
+        return
+    parent = os.path.dirname(directory)
+    if parent != directory:
+        makedirs_durable(parent, mode)
+    try:
+        os.mkdir(directory, mode)
+    except FileExistsError:
+        if not os.path.isdir(directory):
+            raise
+        return
+    fsync_dir(parent)
+
+
 def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
-    """Copy the readable ``src`` into ``dest`` through a temp file, verifying ``key``; return the size."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    """Copy the readable ``src`` into ``dest`` through a temp file, verifying ``key``; return the size.
+
+    The temp file is fsynced before it is renamed into place and the directory after.
+    """
+    makedirs_durable(dest.parent)
     tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
     h = Hasher()
     size = 0
@@ -56,9 +84,11 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
                     h.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
-        if h.digest() != key.digest:
-            raise ChecksumMismatchError(f"{source} does not match its key {key} (corrupt copy discarded)")
+            if h.digest() != key.digest:
+                raise ChecksumMismatchError(f"{source} does not match its key {key} (corrupt copy discarded)")
+            os.fsync(out.fileno())
         os.replace(tmp, dest)
+        fsync_dir(dest.parent)
         return size
     finally:
         if tmp.exists():
@@ -109,20 +139,59 @@ class FileSystemBlobStore:
         path = self._path(job_id, key)
         try:
             if self.base.is_local:
+                # durable before the put returns (the server acknowledges after it): staged file,
+                # fsync, rename, fsync the directory
                 tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-                self.base.makedirs(posixpath.dirname(path))
-                self.base.fs.put_file(str(local), tmp)
-                os.replace(tmp, path)
+                makedirs_durable(posixpath.dirname(path))
+                try:
+                    self.base.fs.put_file(str(local), tmp)
+                    fsync_file(tmp)
+                    os.replace(tmp, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+                fsync_dir(posixpath.dirname(path))
             else:
                 self.base.fs.put_file(str(local), path)  # one PUT or multipart upload: all or nothing
         except Exception as exc:  # noqa: BLE001
             raise StorageError(f"cannot upload {key} to {self.base.display(path)}: {exc}") from exc
 
     def delete(self, job_id: str | None, key: BlobKey) -> None:
-        self.base.delete(self._path(job_id, key))
+        """Delete one blob (a missing one is fine); on a local store, also its job dir once empty."""
+        path = self._path(job_id, key)
+        self.base.delete(path)
+        if self.base.is_local:
+            job_dir = posixpath.dirname(path)
+            fsync_dir(job_dir)
+            with contextlib.suppress(OSError):
+                os.rmdir(job_dir)  # fails while other blobs (or staged files) remain
+                fsync_dir(posixpath.dirname(job_dir))
 
     def delete_job(self, job_id: str | None) -> None:
-        self.base.delete(self.base.path(job_dir_name(job_id)), recursive=True)
+        path = self.base.path(job_dir_name(job_id))
+        self.base.delete(path, recursive=True)
+        if self.base.is_local:
+            fsync_dir(posixpath.dirname(path))
+
+    def sweep_staged(self, max_age: float = 3600.0) -> int:
+        """Delete staged files (``*.tmp``) older than ``max_age`` seconds that killed uploads left in
+        a local HA store; return how many. Object stores have none (a PUT is all or nothing)."""
+        if not self.base.is_local:
+            return 0
+        swept, cutoff = 0, time.time() - max_age
+        for job in self.base.listdir():
+            if job.get("type") != "directory":
+                continue
+            for info in self.base.listdir(job["name"]):
+                name = info["name"]
+                if name.endswith(".tmp") and info.get("type") == "file":
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.lstat(name).st_mtime <= cutoff:
+                            os.unlink(name)
+                            swept += 1
+            if swept:
+                fsync_dir(job["name"])
+        return swept
 
     def jobs(self) -> list[str | None]:
         out: list[str | None] = []
@@ -166,6 +235,9 @@ class VoidBlobStore:
 
     def delete_job(self, job_id: str | None) -> None:
         pass
+
+    def sweep_staged(self, max_age: float = 3600.0) -> int:
+        return 0
 
     def jobs(self) -> list[str | None]:
         return []
