@@ -302,17 +302,14 @@ class BlobCache:
             candidates = [r for r in self._lru if r[0] == job_id and r not in used]
         dropped = 0
         for ref in candidates:
-            lock = self._key_locks[ref]
-            if not lock.acquire(blocking=False):
-                continue  # being opened: in use
-            try:
+            with self._key_locks.try_hold(ref) as got:
+                if not got:
+                    continue  # being opened: in use
                 with self._lock:  # a task may have taken a reference since
                     if any(ref in refs for refs in self._task_refs.values()) or self._lru.pop(ref, None) is None:
                         continue
                 self.path(*ref).unlink(missing_ok=True)
                 dropped += 1
-            finally:
-                lock.release()
         try:
             (self.dir / job_dir_name(job_id)).rmdir()  # only once empty
         except OSError:
