@@ -46,7 +46,6 @@ from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
 from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
-from sparksteward.storage import fsync_dir
 from sparksteward.wire import Connection, RawReader
 
 __all__ = ["BlobCache", "sweep_dead_caches"]
@@ -71,7 +70,6 @@ def sweep_dead_caches(parent: Path, prefix: str = "cache-", keep: Path | None = 
             shutil.rmtree(d, ignore_errors=True)
             swept.append(d)
     if swept:
-        fsync_dir(parent)
         log.info("swept %d blob cache dir(s) of dead executor agents: %s", len(swept),
                  ", ".join(d.name for d in swept))
     return swept
@@ -283,7 +281,6 @@ class BlobCache:
                     del self._lru[ref]
                 path = self.path(*ref)
                 path.unlink(missing_ok=True)  # open memory maps keep their pages until unmapped
-                fsync_dir(path.parent)
                 self.stats["evictions"] += 1
 
     # --- finished jobs ------------------------------------------------------------------------
@@ -336,7 +333,6 @@ class BlobCache:
                     tmp = d / f".{uuid.uuid4().hex}.tmp"
                     os.link(path, tmp)
                     os.replace(tmp, d / lib["name"])
-                    fsync_dir(d)
                 paths.append(str(d))
         return paths
 

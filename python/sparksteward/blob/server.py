@@ -15,8 +15,8 @@ pass. ``delete_job`` removes a job's directory from local and HA storage whateve
 executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs.
 
 Every upload is staged in ``incoming/`` as the server's own file (moved there, or copied, never
-hard-linked, so the caller cannot change it afterwards), hashed, fsynced, renamed into place, and the
-directory fsynced; a permanent blob is then put to HA (durably, see
+hard-linked, so the caller cannot change it afterwards), hashed and renamed into place (the local store is scratch and is not fsynced:
+[decision 0008]); a permanent blob is then put to HA (durably, see
 :class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a
 dedup hit the existing local file is re-hashed before it is trusted (always before it is uploaded to
 HA); a corrupt one is replaced by the incoming, verified bytes.
@@ -44,12 +44,11 @@ from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType, Hasher, hash_file
 from sparksteward.blob.locks import KeyedLocks
-from sparksteward.blob.store import job_dir_name, makedirs_durable
+from sparksteward.blob.store import job_dir_name
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
 from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
 from sparksteward.libraries import validate_library_name
-from sparksteward.storage import fsync_dir, fsync_file
 from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["BlobServer"]
@@ -182,19 +181,16 @@ class BlobServer:
                         self.stats["ha_uploads"] += 1
                     except Exception:
                         self._verified.discard(ref)
-                        dest.unlink(missing_ok=True)  # acknowledged only when both copies are durable
-                        fsync_dir(dest.parent)
+                        dest.unlink(missing_ok=True)  # acknowledged only when the HA copy is durable
                         raise
         finally:
             staged.unlink(missing_ok=True)
         return key, size
 
     def _commit(self, staged: Path, dest: Path) -> None:
-        """Rename a staged file into place durably: fsync it, rename, fsync the directory."""
-        makedirs_durable(dest.parent)
-        fsync_file(staged)
+        """Rename a staged, verified file into place (scratch storage: no fsync, see decision 0008)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staged, dest)
-        fsync_dir(dest.parent)
 
     def in_ha(self, key: BlobKey) -> bool:
         """Whether an acknowledged put of ``key`` is stored in an HA store."""
@@ -225,7 +221,6 @@ class BlobServer:
                 else:
                     log.warning("local copy of %s is corrupt; discarding it", key)
                     path.unlink()
-                    fsync_dir(path.parent)
             if not path.exists():
                 if not key.permanent:
                     raise BlobNotFoundError(f"blob {key} of job {job_id!r} is not stored on this server")
@@ -293,10 +288,8 @@ class BlobServer:
                 path = self.local_path(job_id, key)
                 if path.exists():
                     path.unlink(missing_ok=True)
-                    fsync_dir(path.parent)
                 try:
                     path.parent.rmdir()  # whole job directory, once empty
-                    fsync_dir(self.dir)
                 except OSError:
                     pass
                 with self._lock:
@@ -339,7 +332,6 @@ class BlobServer:
             while len(self._deleted_jobs) > _DELETED_JOBS_KEPT:
                 self._deleted_jobs.popitem(last=False)
         shutil.rmtree(self.dir / job_dir_name(job_id), ignore_errors=True)
-        fsync_dir(self.dir)
         self.ha.delete_job(job_id)
         log.info("deleted the blobs of job %s (local and HA)", job_id)
 

@@ -9,7 +9,7 @@ Every read verifies the content against the key while copying into a temp file n
 destination; only a verified copy is renamed into place, and a mismatch deletes the copy and raises
 :class:`~sparksteward.errors.ChecksumMismatchError` naming the URL.
 
-Durability: every staged file is fsynced before it is renamed into place, and the directory after
+Durability (HA puts; local stores and caches are scratch, see decision 0008): every staged file is fsynced before it is renamed into place, and the directory after
 each rename or unlink that commits state (and after creating a directory), so a put that returned
 survives a power loss. On object stores a completed PUT is durable by itself. A process killed
 mid-put leaves only staged names (``*.tmp``), never a partial file under a key;
@@ -62,9 +62,10 @@ def makedirs_durable(directory: str | os.PathLike[str], mode: int = 0o777) -> No
 def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
     """Copy the readable ``src`` into ``dest`` through a temp file, verifying ``key``; return the size.
 
-    The temp file is fsynced before it is renamed into place and the directory after.
+    ``dest`` is scratch storage (a local store or cache copy, re-verified after any restart), so it is
+    not fsynced; durable copies go through :meth:`FileSystemBlobStore.put` (decision 0008).
     """
-    makedirs_durable(dest.parent)
+    dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
     h = Hasher()
     size = 0
@@ -86,9 +87,7 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
                     size += len(chunk)
             if h.digest() != key.digest:
                 raise ChecksumMismatchError(f"{source} does not match its key {key} (corrupt copy discarded)")
-            os.fsync(out.fileno())
         os.replace(tmp, dest)
-        fsync_dir(dest.parent)
         return size
     finally:
         if tmp.exists():
