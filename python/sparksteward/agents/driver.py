@@ -24,10 +24,9 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
 from sparksteward.errors import JobAlreadyCompleted, ProtocolError
-from sparksteward.ids import job_id_from_filename
 from sparksteward.jobs.cleanup import CleanupStep
 from sparksteward.jobs.service import JobService
-from sparksteward.jobscope import TAG_PREFIX
+from sparksteward.jobscope import job_id_from_tag
 from sparksteward.wire import Connection
 
 __all__ = ["DriverAgent"]
@@ -48,15 +47,7 @@ def _server_dir(state_dir: str) -> str:
 
 def _scoped_jobs(tags: list[str]) -> list[str]:
     """Job ids named by ``sparksteward-job-<id>`` tags (SparkSession tags carry a prefix)."""
-    found = []
-    for tag in tags:
-        i = tag.find(TAG_PREFIX)
-        if i >= 0:
-            try:
-                found.append(job_id_from_filename(tag[i + len(TAG_PREFIX):].replace("%2C", ",")))
-            except ValueError:
-                continue
-    return found
+    return [job_id for job_id in map(job_id_from_tag, tags) if job_id is not None]
 
 
 class DriverAgent(Agent):
