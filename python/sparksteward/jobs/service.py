@@ -30,7 +30,8 @@ from typing import Any
 
 from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
 from sparksteward.ids import validate_job_id
-from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry
+from sparksteward.jobs.cleanup import (CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry,
+                                       protect_path)
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
 from sparksteward.jobs.store import Listing, job_file_stem, open_store
 from sparksteward.clock import SystemClock
@@ -120,6 +121,7 @@ class JobService:
         ``blob_job_dir`` is the executor ``(job_id) -> None`` for ``blob_job_dir`` steps (the
         BlobServer's ``delete_job``); without it the HA blob directory is deleted directly.
         """
+        protect_path(cfg.effective_state_dir)
         store = open_store(cfg.effective_jrs_path, cfg.cluster_id, cfg.jrs_delete_on_commit)
         registry = StepRegistry(cfg.effective_ha_path, cfg.cluster_id, blob_job_dir=blob_job_dir)
         return cls(store, cluster_id=cfg.cluster_id, registry=registry, policy=RetryPolicy.from_config(cfg),
@@ -206,7 +208,7 @@ class JobService:
         """Add a step to run when the job finishes. InvalidRecordError if it can never run here."""
         if not isinstance(step, CleanupStep):
             step = CleanupStep.from_dict(step)
-        self.registry.validate(step)
+        step = self.registry.prepare(step)  # validated, target in normal form
         with self._cond:
             job = self._job(job_id)
             if step not in job.steps:
