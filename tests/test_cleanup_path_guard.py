@@ -13,6 +13,7 @@ it destroyed a machine's /root and /etc.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import orjson
@@ -45,6 +46,35 @@ def _sandbox(tmp_path: Path, monkeypatch):
         return real_delete(self, path, recursive)
 
     monkeypatch.setattr(Location, "delete", guarded_delete)
+
+    # Belt and braces: the primitives below Location.delete (os.unlink/remove/rmdir, shutil.rmtree,
+    # which fsspec's LocalFileSystem.rm uses) refuse anything outside tmp_path too. shutil.rmtree calls
+    # them with dir_fd and a bare name: the directory is resolved through /proc/self/fd.
+    def check(path, dir_fd=None):
+        path = os.fsdecode(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        full = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+        if not (full + os.sep).startswith(inside):
+            raise AssertionError(f"a delete of {path!r} reached the file system (blocked by the test sandbox)")
+
+    for name in ("unlink", "remove", "rmdir"):
+        real = getattr(os, name)
+
+        def guarded(path, *, dir_fd=None, _real=real):
+            check(path, dir_fd)
+            return _real(path, dir_fd=dir_fd)
+
+        monkeypatch.setattr(os, name, guarded)
+    real_rmtree = shutil.rmtree
+
+    def guarded_rmtree(path, *args, **kwargs):
+        full = os.path.realpath(os.path.abspath(os.fsdecode(path)))
+        if not (full + os.sep).startswith(inside) or full + os.sep == inside:
+            raise AssertionError(f"rmtree of {path!r} (blocked by the test sandbox)")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", guarded_rmtree)
 
 
 @pytest.fixture()
@@ -134,3 +164,17 @@ def test_a_target_changed_on_disk_after_recording_is_checked_again_before_deleti
     assert "refusing to delete '/'" in steps[0].last_error and "root" in steps[0].last_error
     assert "'.' or '..' component" in steps[1].last_error
     assert good.is_dir() and (base / "keep.txt").exists() and os.path.isdir("/tmp")
+
+
+def test_the_sandbox_itself_blocks_deletes_outside_tmp_path(tmp_path):
+    """The sandbox must hold even if the guard is broken (nothing here exists, nothing is touched)."""
+    from sparksteward.storage import open_location
+
+    outside = "/nonexistent-steward-sandbox-check/x"
+    loc = open_location("/nonexistent-steward-sandbox-check")
+    for attempt in (lambda: loc.delete(outside, recursive=True), lambda: os.unlink(outside),
+                    lambda: os.rmdir(outside), lambda: shutil.rmtree(outside), lambda: os.remove("/tmp/../x")):
+        with pytest.raises(AssertionError, match="sandbox"):
+            attempt()
+    (tmp_path / "ok").write_text("x")
+    os.unlink(tmp_path / "ok")  # inside is allowed
