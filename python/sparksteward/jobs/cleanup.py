@@ -26,6 +26,11 @@ clean). Step failures never raise to the caller: they are logged and kept in the
 cannot succeed in this process (an unknown kind, an invalid target) fails at once, without retries.
 One that exhausts its attempts also stops being retried. Either way the result stays dirty, for
 ``steward jobs cleanup`` to finish after the cause is fixed.
+
+Runs. Every save and the commit compare the result's ``run_id`` with the stored one (the store's
+compare-and-swap). When a forced re-run of the job id has replaced the entry, the older run's late
+write fails with :class:`~sparksteward.errors.RunConflictError`: the runner logs it and ends with
+``SUPERSEDED`` (the newer run carried the unfinished steps over), never overwriting the newer result.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any
 import orjson
 
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultNotFoundError,
-                                 StewardError)
+                                 RunConflictError, StewardError)
 from sparksteward.ids import job_id_to_filename, validate_id, validate_job_id
 from sparksteward.jobs.result import JobResult, JobResultEntry, StepState
 from sparksteward.storage import open_location
@@ -377,6 +382,7 @@ class CleanupOutcome(str, enum.Enum):
     GAVE_UP = "gave_up"  # some step failed for good or ran out of attempts; the result stays dirty
     STOPPED = "stopped"  # the runner was stopped (shutdown); the result stays dirty for the next driver
     GONE = "gone"  # the dirty result disappeared (deleted); nothing left to do
+    SUPERSEDED = "superseded"  # a newer (forced) run of the job id replaced this run's entry; nothing written
 
 
 class CleanupTask:
@@ -395,6 +401,18 @@ class CleanupTask:
         self.commit_failures = 0
         self.outcome: CleanupOutcome | None = None
         self.finished = threading.Event()
+        self.lease: Any = None  # the live run's store lease, released when the run ends
+
+    def end(self, outcome: CleanupOutcome) -> None:
+        """Record how the run ended, release its lease and wake waiters (idempotent on the lease)."""
+        self.outcome = outcome
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            try:
+                lease.release()
+            except Exception:  # noqa: BLE001 - a lease file that cannot be removed is released by close anyway
+                log.warning("job %s: could not release its lease", self.job_id, exc_info=True)
+        self.finished.set()
 
     @property
     def job_id(self) -> str:
@@ -534,6 +552,9 @@ class CleanupRunner:
         except JobResultNotFoundError:
             self._gone(task)
             return True
+        except RunConflictError as exc:
+            self._superseded(task, exc)
+            return True
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop the cleanup itself
             task.unsaved = True
             task.entry = JobResultEntry(task.result, False, task.entry.source)
@@ -545,9 +566,11 @@ class CleanupRunner:
             if task.unsaved:  # the committed file should show every step done
                 self.store.update_dirty(task.result)
                 task.unsaved = False
-            entry = self.store.mark_clean(task.job_id)
+            entry = self.store.mark_clean(task.job_id, task.result.run_id)
         except JobResultNotFoundError:
             return self._gone(task)
+        except RunConflictError as exc:
+            return self._superseded(task, exc)
         except CorruptRecordError as exc:
             log.error("job %s: cannot commit, the stored result is unreadable: %s", task.job_id, exc)
             return self._end(task, CleanupOutcome.GAVE_UP)
@@ -570,6 +593,9 @@ class CleanupRunner:
             current = self.store.get(task.job_id)
         except StewardError:
             current = None
+        run_id = task.result.run_id
+        if current is not None and run_id is not None and current.result.run_id not in (None, run_id):
+            return self._superseded(task, None, current)
         if current is not None and current.clean:
             task.entry = current
             log.info("job %s: already committed by another process", task.job_id)
@@ -577,10 +603,23 @@ class CleanupRunner:
         log.warning("job %s: its dirty result was deleted during cleanup; stopping", task.job_id)
         return self._end(task, CleanupOutcome.GONE)
 
+    def _superseded(self, task: CleanupTask, exc: Exception | None, current: JobResultEntry | None = None) -> None:
+        """A newer run of the job id owns the stored entry: stop without writing anything."""
+        if current is None:
+            try:
+                current = self.store.get(task.job_id)
+            except StewardError:
+                current = None
+        if current is not None:
+            task.entry = current
+        log.warning("job %s: run %s was superseded by run %s (a forced re-run); stopping its cleanup without "
+                    "writing. The newer run carries its unfinished steps%s", task.job_id, task.result.run_id,
+                    current.result.run_id if current is not None else "?", f" ({exc})" if exc else "")
+        return self._end(task, CleanupOutcome.SUPERSEDED)
+
     @staticmethod
     def _end(task: CleanupTask, outcome: CleanupOutcome) -> None:
-        task.outcome = outcome
-        task.finished.set()
+        task.end(outcome)
         return None
 
 

@@ -6,6 +6,19 @@ the result dirty (synchronously, so it is durable and readable when ``finish`` r
 job's cleanup steps in the background with retries, then commits. ``recover`` finishes the dirty
 results that a previous driver for the same cluster id left behind.
 
+Runs. ``begin`` draws a random run id and takes the job's lease in the store (a job id runs once at a
+time, across processes on a local store); the lease is held until the run's cleanup ends. The run id
+goes into the result, and every update and commit of it is compare-and-swap on that id, so a forced
+re-run (a new run id) can never be overwritten or committed over by an older run's late writes, from
+this process, a ``steward jobs cleanup`` or another driver's recovery. ``recover`` skips jobs whose
+lease is held: a live run is finishing them.
+
+Storing the result. ``finish`` retries a failing store under the cleanup retry policy, for at most
+the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON
+under ``<state-dir>/job-spool/<cluster-id>/``, staged, fsynced and renamed) and ``finish`` returns it
+dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
+before anything else, and ``begin`` refuses a job id whose result is spooled.
+
 Cleanup runs on the service's own threads. One scheduler thread keeps the due time of every result
 being cleaned up. A few worker threads run one pass at a time, so a result waiting an hour for its
 next retry holds no thread. Nothing blocks the caller's thread on cleanup I/O (FLINK-27204). With a
@@ -18,22 +31,28 @@ service's state, and no store I/O runs while it is held.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
+import os
 import queue
+import stat
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
+from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobResultExistsError, JobStoreError,
+                                 StewardError, StorageError)
 from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import (CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry,
                                        protect_path)
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
 from sparksteward.jobs.store import Listing, job_file_stem, open_store
+from sparksteward.storage import Location, open_location
 from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]
@@ -44,6 +63,15 @@ KINDS = ("scoped", "application")
 MAX_REASON = 4000
 JOIN_GRACE = 2.0
 """Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
+SPOOL_DIR = "job-spool"
+"""Where, under the state dir, ``finish`` spools results it could not store."""
+SPOOL_TMP_AGE = 3600.0
+"""Seconds after which a staged spool file left by a killed process is removed."""
+
+
+def new_run_id() -> str:
+    """A fresh, random run id (32 hex digits)."""
+    return uuid.uuid4().hex
 
 
 @dataclass
@@ -56,6 +84,8 @@ class _Running:
     spark_jobs: dict[int, SparkJobOutcome] = field(default_factory=dict)
     dropped_spark_jobs: int = 0
     finishing: bool = False
+    run_id: str = ""
+    lease: Any = None
 
 
 def _rerun_hint(job_id: str, kind: str) -> str:
@@ -85,13 +115,16 @@ class JobService:
         How long :meth:`close` waits for running cleanups by default.
     workers
         Threads that run cleanup passes.
+    spool_dir
+        A local directory where ``finish`` spools results the store would not take (None: no spool;
+        ``finish`` then raises after its retries).
 
     A context manager; :meth:`close` is idempotent.
     """
 
     def __init__(self, store: Any, *, cluster_id: str | None = None, registry: StepRegistry | None = None,
                  policy: RetryPolicy | None = None, retention: float = 0.0, clock: Any = None,
-                 shutdown_timeout: float = 30.0, workers: int = 4) -> None:
+                 shutdown_timeout: float = 30.0, workers: int = 4, spool_dir: str | None = None) -> None:
         self.store = store
         self.cluster_id = cluster_id or store.cluster_id
         if self.cluster_id != store.cluster_id:
@@ -113,6 +146,7 @@ class JobService:
         self._workers = max(1, workers)
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self.spool: Location | None = None if spool_dir is None else open_location(spool_dir).child(self.cluster_id)
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
@@ -125,7 +159,8 @@ class JobService:
         store = open_store(cfg.effective_jrs_path, cfg.cluster_id, cfg.jrs_delete_on_commit)
         registry = StepRegistry(cfg.effective_ha_path, cfg.cluster_id, blob_job_dir=blob_job_dir)
         return cls(store, cluster_id=cfg.cluster_id, registry=registry, policy=RetryPolicy.from_config(cfg),
-                   retention=cfg.jrs_retention, clock=clock, shutdown_timeout=cfg.cleanup_shutdown_timeout)
+                   retention=cfg.jrs_retention, clock=clock, shutdown_timeout=cfg.cleanup_shutdown_timeout,
+                   spool_dir=os.path.join(cfg.effective_state_dir, SPOOL_DIR))
 
     def __repr__(self) -> str:
         return f"JobService({self.store!r})"
@@ -142,8 +177,8 @@ class JobService:
             ``force`` the old result is deleted (with a warning) and the cleanup steps it had not
             finished are carried over to this run.
         JobStoreError
-            If the job is already running in this service, or its previous run is still being
-            cleaned up here.
+            If the job is already running in this service or in another process (its lease is held),
+            or its previous run is still being cleaned up here.
         """
         validate_job_id(job_id)
         job_file_stem(job_id)
@@ -155,10 +190,23 @@ class JobService:
             if job_id in self._running:
                 raise JobStoreError(f"job {job_id!r} is already running in this application; a job id runs once "
                                     f"at a time")
-            job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now())
+            job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now(),
+                                                   run_id=new_run_id())
             cleaning = self._tasks.get(job_id)
         try:
+            if cleaning is None:
+                job.lease = self.store.lease(job_id, job.run_id)
             existing = self.store.get(job_id)
+            spooled = self._spooled(job_id) if existing is None else []
+            if existing is None and spooled and not force:
+                raise JobAlreadyCompleted(
+                    f"job {job_id!r} (cluster {self.cluster_id!r}) already has a result, spooled locally at "
+                    f"{spooled[0][0]} because the store was unreachable when it finished; it is written to the store "
+                    f"by the next recovery. It is not run again. To re-run it deliberately, "
+                    f"{_rerun_hint(job_id, kind)}.", JobResultEntry(spooled[0][1], False, spooled[0][0]))
+            for path, _ in spooled:  # forced: the spooled result of the older run goes
+                log.warning("job %s: forced re-run; deleting its spooled result %s", job_id, path)
+                self.spool.delete(path)  # type: ignore[union-attr]
             if cleaning is not None and (force or existing is None):
                 raise JobStoreError(f"job {job_id!r} finished and is still being cleaned up "
                                     f"({cleaning.result.steps_done}/{len(cleaning.result.cleanup)} steps done); wait "
@@ -180,8 +228,10 @@ class JobService:
         except BaseException:
             with self._cond:
                 self._running.pop(job_id, None)
+            if job.lease is not None:
+                job.lease.release()
             raise
-        log.info("job %s (%s) started", job_id, kind)
+        log.info("job %s (%s) started, run %s", job_id, kind, job.run_id)
 
     def set_application_id(self, job_id: str, application_id: str) -> None:
         with self._cond:
@@ -191,6 +241,12 @@ class JobService:
     def is_running(self, job_id: str) -> bool:
         with self._cond:
             return job_id in self._running
+
+    def run_id(self, job_id: str) -> str | None:
+        """The run id of ``job_id``'s live run in this service, or None."""
+        with self._cond:
+            job = self._running.get(job_id)
+            return None if job is None else job.run_id
 
     def running(self) -> list[str]:
         """Ids of the jobs begun and not yet finished."""
@@ -248,6 +304,10 @@ class JobService:
         does not wait. Returns the current entry: clean if the commit happened in time, else dirty
         with the steps' progress. If the service is closed, the result is written dirty and its
         cleanup left to the next driver.
+
+        A failing store is retried under the cleanup retry policy for at most the shutdown timeout;
+        then the result is spooled locally (the returned entry's ``source`` is the spool file) and
+        the next JobService stores it and runs its cleanup.
         """
         with self._cond:  # from here on no steps are added; a snapshot of what was recorded
             job = self._job(job_id)
@@ -258,8 +318,9 @@ class JobService:
             result = JobResult(
                 job_id=job_id, cluster_id=self.cluster_id, application_id=application_id,
                 status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
-                spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps))
-            entry = self.store.create_dirty(result)
+                spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps),
+                run_id=job.run_id)
+            entry, spooled = self._store_result(result)
         except BaseException:
             with self._cond:
                 job.finishing = False  # the caller may fix the cause and finish again
@@ -269,14 +330,144 @@ class JobService:
         if job.dropped_spark_jobs:
             log.warning("job %s: %d Spark jobs beyond the first %d were not recorded", job_id,
                         job.dropped_spark_jobs, MAX_SPARK_JOBS)
+        if spooled:
+            if job.lease is not None:
+                job.lease.release()
+            return entry
         log.info("job %s: %s; result written dirty to %s, %d cleanup steps", job_id, result.status.value,
                  entry.source, len(result.cleanup))
-        task = self._schedule(CleanupTask(result, entry.source))
-        if task is None:
+        task = CleanupTask(result, entry.source)
+        task.lease = job.lease
+        if self._schedule(task) is not task:
+            if job.lease is not None:
+                job.lease.release()
             return entry
         if wait is None or wait > 0:
             task.finished.wait(wait)
         return task.entry
+
+    def _store_result(self, result: JobResult) -> tuple[JobResultEntry, bool]:
+        """Write ``result`` dirty, retrying store failures under the retry policy for at most the
+        shutdown timeout, then spool it. Returns ``(entry, spooled)``."""
+        policy = self.runner.policy
+        deadline = self.clock.now() + self.shutdown_timeout
+        failures = 0
+        while True:
+            try:
+                return self.store.create_dirty(result), False
+            except JobResultExistsError:
+                mine = self._own_entry(result)  # an earlier attempt got through, but its reply did not
+                if mine is None:
+                    raise
+                return mine, False
+            except CorruptRecordError:
+                raise
+            except (StorageError, OSError) as exc:
+                failures += 1
+                left = deadline - self.clock.now()
+                if policy.exhausted(failures) or left <= 0 or self._stop.is_set():
+                    return self._spool(result, exc, failures), True
+                delay = min(policy.delay(failures), left)
+                log.warning("job %s: could not store its result (attempt %d), retrying in %.3g s: %s",
+                            result.job_id, failures, delay, exc)
+                self.runner.wait(delay)
+
+    def _own_entry(self, result: JobResult) -> JobResultEntry | None:
+        try:
+            entry = self.store.get(result.job_id)
+        except StewardError:
+            return None
+        return entry if entry is not None and entry.result.run_id == result.run_id else None
+
+    def _spool(self, result: JobResult, exc: BaseException, failures: int) -> JobResultEntry:
+        if self.spool is None:
+            raise JobStoreError(f"job {result.job_id!r}: could not store its result after {failures} attempts, and "
+                                f"no spool dir is configured: {exc}") from exc
+        path = self.spool.path(f"{job_file_stem(result.job_id)}.{result.run_id}.json")
+        try:
+            self.spool.write_atomic(path, result.to_json())  # staged, fsynced, renamed, dir fsynced
+        except StewardError as spool_exc:
+            raise JobStoreError(f"job {result.job_id!r}: could not store its result ({exc}) nor spool it locally "
+                                f"({spool_exc})") from spool_exc
+        log.error("job %s: the store failed %d times (%s); result spooled to %s for the next driver", result.job_id,
+                  failures, exc, path)
+        return JobResultEntry(result, False, path)
+
+    def _spool_files(self) -> list[tuple[str, str]]:
+        """``(path, name)`` of every spooled result file; removes staged files left by a killed process."""
+        if self.spool is None:
+            return []
+        try:
+            names = sorted(os.listdir(self.spool.root))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            path = self.spool.path(name)
+            if name.startswith("."):
+                with contextlib.suppress(OSError):
+                    st = os.lstat(path)
+                    if name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > SPOOL_TMP_AGE:
+                        os.unlink(path)
+                continue
+            if name.endswith(".json"):
+                out.append((path, name))
+        return out
+
+    def _read_spooled(self, path: str) -> JobResult:
+        from sparksteward.jobs.store import _read_regular  # the same non-blocking, no-follow read
+
+        try:
+            data = _read_regular(path)
+        except Exception as exc:  # noqa: BLE001 - a FIFO, a symlink, an I/O error
+            raise CorruptRecordError(f"spooled job result {path}: {exc}") from exc
+        if data is None:
+            raise FileNotFoundError(path)
+        return JobResult.from_json(data, path)
+
+    def _spooled(self, job_id: str) -> list[tuple[str, JobResult]]:
+        stem = job_file_stem(job_id)
+        out = []
+        for path, name in self._spool_files():
+            if name[: -len(".json")].rsplit(".", 1)[0] != stem:
+                continue
+            try:
+                result = self._read_spooled(path)
+            except (FileNotFoundError, StewardError):
+                continue
+            if result.job_id == job_id:
+                out.append((path, result))
+        return out
+
+    def flush_spool(self) -> list[str]:
+        """Write the results spooled by an earlier ``finish`` to the store (dirty; recovery then runs
+        their cleanup and commits). A result whose job already has another run's entry is dropped, with
+        a warning. Returns the job ids written; a store that still fails leaves the files for later."""
+        written = []
+        for path, _ in self._spool_files():
+            try:
+                result = self._read_spooled(path)
+            except FileNotFoundError:
+                continue
+            except StewardError as exc:
+                log.error("unreadable spooled job result %s, left in place: %s", path, exc)
+                continue
+            if result.cluster_id != self.cluster_id:
+                continue
+            try:
+                self.store.create_dirty(result)
+                written.append(result.job_id)
+                log.info("job %s: stored the result spooled at %s", result.job_id, path)
+            except JobResultExistsError:
+                if self._own_entry(result) is None:
+                    log.warning("job %s: the store holds another run's result; dropping the spooled result %s of "
+                                "run %s", result.job_id, path, result.run_id)
+            except StewardError as exc:
+                log.warning("job %s: the store still fails, keeping its spooled result %s: %s", result.job_id, path,
+                            exc)
+                continue
+            self.spool.delete(path)  # type: ignore[union-attr]
+        return written
 
     # --- cleanup scheduling --------------------------------------------------------------------
     def _schedule(self, task: CleanupTask) -> CleanupTask | None:
@@ -343,8 +534,7 @@ class JobService:
                 self._inflight -= 1
                 if due is None or task.outcome is not None or self._stop.is_set():
                     if task.outcome is None:
-                        task.outcome = CleanupOutcome.STOPPED
-                        task.finished.set()
+                        task.end(CleanupOutcome.STOPPED)
                     self._tasks.pop(job_id, None)
                 else:
                     heapq.heappush(self._heap, (due, next(self._seq), job_id))
@@ -366,10 +556,16 @@ class JobService:
         (or for the ids in ``only``).
 
         Also removes stale dirty files next to clean ones (an interrupted object-store commit) and
-        logs unreadable files. The listing runs in the caller's thread, the cleanup in the
+        logs unreadable files. Results spooled by a ``finish`` that could not reach the store are
+        written first (:meth:`flush_spool`). Jobs whose lease is held (a live run in this or another
+        process) are skipped. The listing runs in the caller's thread, the cleanup in the
         background. Returns the ids whose cleanup was started.
         """
         wanted = None if only is None else set(only)
+        try:
+            self.flush_spool()
+        except StewardError as exc:
+            log.warning("could not write spooled job results: %s", exc)
         listing = self.store.list(state="dirty")
         for path, why in listing.corrupt:
             log.error("unreadable job result %s: %s", path, why)
@@ -385,6 +581,14 @@ class JobService:
             with self._cond:  # a job being begun right now still needs this (begin will refuse it)
                 busy = entry.job_id in self._tasks
             if busy:
+                continue
+            try:
+                leased = self.store.is_leased(entry.job_id)
+            except (StewardError, OSError) as exc:
+                log.warning("job %s: cannot tell whether it is running elsewhere, skipping it: %s", entry.job_id, exc)
+                continue
+            if leased:
+                log.info("job %s: a live run holds it; not recovering it", entry.job_id)
                 continue
             log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
                      entry.result.steps_done, len(entry.result.cleanup))
@@ -438,9 +642,12 @@ class JobService:
         with self._cond:
             for task in self._tasks.values():
                 if task.outcome is None:
-                    task.outcome = CleanupOutcome.STOPPED
-                    task.finished.set()
+                    task.end(CleanupOutcome.STOPPED)
             self._tasks.clear()
+            leases = [job.lease for job in self._running.values() if job.lease is not None]
+        for lease in leases:  # jobs begun and never finished: no result, and their id is free again
+            lease.release()
+        with self._cond:
             self._heap.clear()
             self._cond.notify_all()
 

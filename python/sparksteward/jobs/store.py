@@ -337,10 +337,10 @@ class InMemoryJobResultStore(_StoreBase):
             existing = self._entries.get(job_id)
             if existing is None:
                 raise JobResultNotFoundError(f"job {job_id!r} has no result to mark clean in {self!r}")
-            if existing.clean:
-                return existing
             if not _same_run(existing.result, run_id):
                 raise _conflict(job_id, "commit", run_id, existing.result.run_id, existing.source)
+            if existing.clean:
+                return existing
             if self.delete_on_commit:
                 del self._entries[job_id]
                 return None
@@ -673,6 +673,8 @@ class FileSystemJobResultStore(_StoreBase):
                 committed = self._read(clean, job_id)
                 if committed is None:
                     raise JobResultNotFoundError(f"job {job_id!r} has no result to mark clean in {self.url}")
+                if not _same_run(committed.result, run_id):
+                    raise _conflict(job_id, "commit", run_id, committed.result.run_id, committed.source)
                 return committed
             if not _same_run(entry.result, run_id):
                 raise _conflict(job_id, "commit", run_id, entry.result.run_id, entry.source)

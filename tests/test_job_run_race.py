@@ -1,0 +1,180 @@
+"""Two processes race on one job id (issue 7 item 3, must-show 4).
+
+(a) A forced re-run (a new driver's ``st.job(id, force=True)``) against a ``steward jobs cleanup``
+    that is still retrying a failing step of the older run.
+(b) A new driver's recovery against a new run of the same id.
+
+Real processes, a real store on disk, real files deleted by real cleanup steps; random delays make
+the interleavings differ. Each time the newest run's result must be the one committed, and every
+cleanup step of both runs must have run (the older run's unfinished steps are carried over by the
+forced re-run, or finished by whichever process gets there first).
+
+SAFETY: every cleanup target is an absolute path inside ``tmp_path`` (no ``.``, ``..`` or ``~``), the
+children run with ``HOME`` inside ``tmp_path``, and the targets are checked again before deleting.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy
+from sparksteward.jobs.service import JobService
+from sparksteward.jobs.store import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+CHILD = str(Path(__file__).with_name("jobrace_child.py"))
+RUNS = 20
+
+pytestmark = pytest.mark.slow
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), str(ROOT), env.get("PYTHONPATH", "")])
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env["HOME"] = str(home)
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    return env
+
+
+class _Targets:
+    """The files the cleanup steps of both runs delete. ``stuck`` fails until :meth:`heal`: its parent
+    is a regular file (ENOTDIR), until that is replaced by a directory holding ``stuck``."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.g1, self.g2 = base / "run1-out", base / "run2-out"
+        self.blocker = base / "blocker"
+        self.stuck = self.blocker / "stuck"
+        for d in (self.g1, self.g2):
+            d.mkdir(parents=True)
+            (d / "part-0").write_bytes(b"x" * 100)
+        self.blocker.write_bytes(b"not a directory")
+
+    def heal(self) -> None:
+        os.unlink(self.blocker)
+        self.stuck.mkdir(parents=True)
+        (self.stuck / "data").write_bytes(b"y")
+
+    def run1_steps(self) -> list[CleanupStep]:
+        return [CleanupStep("delete_path", str(self.stuck)), CleanupStep("delete_path", str(self.g1))]
+
+    def run2_steps(self) -> list[dict[str, str]]:
+        return [CleanupStep("delete_path", str(self.g2)).to_dict()]
+
+
+def _old_run(store_url: str, job: str, targets: _Targets) -> str:
+    """A driver that finished run 1 and died before its cleanup could finish (the step is failing)."""
+    svc = JobService(open_store(store_url), policy=RetryPolicy.fixed(0.05, attempts=1), shutdown_timeout=0)
+    with svc:
+        svc.begin(job)
+        run1 = svc.run_id(job)
+        for step in targets.run1_steps():
+            svc.add_cleanup_step(job, step)
+        svc.finish(job, "SUCCEEDED", payload={"run": run1}, wait=0)
+        svc.close(0)
+    entry = open_store(store_url).get(job)
+    assert entry is not None and entry.result.run_id == run1
+    return run1
+
+
+def _finish(proc: subprocess.Popen, what: str, timeout: float = 60) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"{what} did not end within {timeout} s:\n{out}\n{err}") from None
+    return proc.returncode, out, err
+
+
+def _check(store_url: str, job: str, targets: _Targets, rerun: tuple[int, str, str], other: tuple[int, str, str],
+           other_name: str, other_ok: tuple[int, ...]) -> str:
+    code, out, err = rerun
+    assert code == 0 and "FINISHED clean" in out, f"the forced re-run failed ({code}):\n{out}\n{err}"
+    run2 = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
+    ocode, oout, oerr = other
+    assert ocode in other_ok and "Traceback" not in oerr, f"{other_name} crashed ({ocode}):\n{oout}\n{oerr}"
+    store = open_store(store_url)
+    entry = store.get(job)
+    assert entry is not None and entry.clean, entry
+    assert entry.result.run_id == run2 and entry.result.payload == {"run": run2}, \
+        f"the committed result is not the newest run's: {entry.result}"
+    listing = store.list()
+    assert [e.job_id for e in listing.entries] == [job] and not listing.corrupt and not listing.stale, listing
+    assert not [n for n in os.listdir(Path(store_url) / "default") if n.endswith("_DIRTY.json")]
+    for path in (targets.g1, targets.g2, targets.stuck):
+        assert not path.exists(), f"the cleanup step for {path} never ran"
+    assert targets.blocker.is_dir()  # only the step's own target went
+    logs = oerr + rerun[2]
+    if "superseded by run" in logs:
+        return "older run superseded"
+    if "not recovering it" in logs:
+        return "skipped: the live run holds the lease"
+    if "deleted during cleanup" in logs or "already committed by another process" in logs:
+        return "older run's entry deleted under it"
+    return "other order (older run finished first, or never seen)"
+
+
+def test_forced_rerun_against_a_retrying_steward_jobs_cleanup(tmp_path):
+    rng = random.Random(7_2026_11_22)
+    env = _env(tmp_path)
+    seen: collections.Counter[str] = collections.Counter()
+    for run in range(RUNS):
+        base = tmp_path / f"a{run}"
+        targets = _Targets(base / "data")
+        store_url = str(base / "jrs")
+        job = f"daily/2026-11-{run:02d}"
+        run1 = _old_run(store_url, job, targets)
+        cleanup = subprocess.Popen(
+            [sys.executable, "-m", "sparksteward", "jobs", "cleanup", "--path", store_url, "--timeout", "20",
+             "--initial-backoff", "0.05", job], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        rerun = subprocess.Popen(
+            [sys.executable, CHILD, "rerun", store_url, job, orjson.dumps(targets.run2_steps()).decode(),
+             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.uniform(0.0, 0.4):.3f}"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.2, 1.6))  # the failing step is retried meanwhile, by one run or both
+        targets.heal()
+        r = _finish(rerun, "the forced re-run")
+        c = _finish(cleanup, "steward jobs cleanup")
+        how = _check(store_url, job, targets, r, c, "steward jobs cleanup", (0, 1))
+        assert run1 not in r[1]
+        seen[how] += 1
+    print(f"\n{RUNS} interleavings: {dict(seen)}")
+    assert seen["older run superseded"] + seen["older run's entry deleted under it"] >= 3, seen
+
+
+def test_recovery_by_a_new_driver_against_a_new_run(tmp_path):
+    rng = random.Random(7_2026_11_23)
+    env = _env(tmp_path)
+    seen: collections.Counter[str] = collections.Counter()
+    for run in range(RUNS):
+        base = tmp_path / f"b{run}"
+        targets = _Targets(base / "data")
+        store_url = str(base / "jrs")
+        job = f"job-{run}"
+        _old_run(store_url, job, targets)
+        recover = subprocess.Popen([sys.executable, CHILD, "recover", store_url, f"{rng.uniform(0.0, 1.2):.3f}"],
+                                   env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        rerun = subprocess.Popen(
+            [sys.executable, CHILD, "rerun", store_url, job, orjson.dumps(targets.run2_steps()).decode(),
+             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.uniform(0.0, 0.6):.3f}"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.2, 1.8))
+        targets.heal()
+        r = _finish(rerun, "the forced re-run")
+        c = _finish(recover, "the recovering driver")
+        seen[_check(store_url, job, targets, r, c, "the recovering driver", (0,))] += 1
+    print(f"\n{RUNS} interleavings: {dict(seen)}")
+    assert len(seen) >= 2, seen
