@@ -48,29 +48,39 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 class _Targets:
-    """The files the cleanup steps of both runs delete. ``stuck`` fails until :meth:`heal`: its parent
-    is a regular file (ENOTDIR), until that is replaced by a directory holding ``stuck``."""
+    """The files the cleanup steps of both runs delete. ``stuck1`` (run 1's) and ``stuck2`` (run 2's)
+    fail until healed: their parent is a regular file (ENOTDIR), until :meth:`heal` replaces it by a
+    directory holding the target. Run 1's step heals first, so the older run can finish while the
+    newer one is still dirty: the window in which an older run's late write would win."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
         self.g1, self.g2 = base / "run1-out", base / "run2-out"
-        self.blocker = base / "blocker"
-        self.stuck = self.blocker / "stuck"
+        self.blockers = [base / "blocker1", base / "blocker2"]
+        self.stuck = [b / "stuck" for b in self.blockers]
         for d in (self.g1, self.g2):
             d.mkdir(parents=True)
             (d / "part-0").write_bytes(b"x" * 100)
-        self.blocker.write_bytes(b"not a directory")
+        for b in self.blockers:
+            b.write_bytes(b"not a directory")
 
-    def heal(self) -> None:
-        os.unlink(self.blocker)
-        self.stuck.mkdir(parents=True)
-        (self.stuck / "data").write_bytes(b"y")
+    def heal(self, i: int) -> None:
+        os.unlink(self.blockers[i])
+        self.stuck[i].mkdir(parents=True)
+        (self.stuck[i] / "data").write_bytes(b"y")
 
     def run1_steps(self) -> list[CleanupStep]:
-        return [CleanupStep("delete_path", str(self.stuck)), CleanupStep("delete_path", str(self.g1))]
+        return [CleanupStep("delete_path", str(self.stuck[0])), CleanupStep("delete_path", str(self.g1))]
 
     def run2_steps(self) -> list[dict[str, str]]:
-        return [CleanupStep("delete_path", str(self.g2)).to_dict()]
+        return [CleanupStep("delete_path", str(self.stuck[1])).to_dict(),
+                CleanupStep("delete_path", str(self.g2)).to_dict()]
+
+    def heal_both(self, rng: random.Random) -> None:
+        time.sleep(rng.uniform(0.2, 1.6))  # the failing steps are retried meanwhile
+        self.heal(0)
+        time.sleep(rng.uniform(0.2, 1.0))
+        self.heal(1)
 
 
 def _old_run(store_url: str, job: str, targets: _Targets) -> str:
@@ -113,9 +123,9 @@ def _check(store_url: str, job: str, targets: _Targets, rerun: tuple[int, str, s
     listing = store.list()
     assert [e.job_id for e in listing.entries] == [job] and not listing.corrupt and not listing.stale, listing
     assert not [n for n in os.listdir(Path(store_url) / "default") if n.endswith("_DIRTY.json")]
-    for path in (targets.g1, targets.g2, targets.stuck):
+    for path in (targets.g1, targets.g2, *targets.stuck):
         assert not path.exists(), f"the cleanup step for {path} never ran"
-    assert targets.blocker.is_dir()  # only the step's own target went
+    assert all(b.is_dir() for b in targets.blockers)  # only the steps' own targets went
     logs = oerr + rerun[2]
     if "superseded by run" in logs:
         return "older run superseded"
@@ -135,22 +145,19 @@ def test_forced_rerun_against_a_retrying_steward_jobs_cleanup(tmp_path):
         targets = _Targets(base / "data")
         store_url = str(base / "jrs")
         job = f"daily/2026-11-{run:02d}"
-        run1 = _old_run(store_url, job, targets)
+        _old_run(store_url, job, targets)
         cleanup = subprocess.Popen(
-            [sys.executable, "-m", "sparksteward", "jobs", "cleanup", "--path", store_url, "--timeout", "20",
+            [sys.executable, "-m", "sparksteward", "jobs", "cleanup", "--path", store_url, "--timeout", "6",
              "--initial-backoff", "0.05", job], env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
         rerun = subprocess.Popen(
             [sys.executable, CHILD, "rerun", store_url, job, orjson.dumps(targets.run2_steps()).decode(),
-             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.uniform(0.0, 0.4):.3f}"],
+             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.choice([0.0, rng.uniform(0.0, 0.4)]):.3f}"],
             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(0.2, 1.6))  # the failing step is retried meanwhile, by one run or both
-        targets.heal()
+        targets.heal_both(rng)
         r = _finish(rerun, "the forced re-run")
         c = _finish(cleanup, "steward jobs cleanup")
-        how = _check(store_url, job, targets, r, c, "steward jobs cleanup", (0, 1))
-        assert run1 not in r[1]
-        seen[how] += 1
+        seen[_check(store_url, job, targets, r, c, "steward jobs cleanup", (0, 1))] += 1
     print(f"\n{RUNS} interleavings: {dict(seen)}")
     assert seen["older run superseded"] + seen["older run's entry deleted under it"] >= 3, seen
 
@@ -169,10 +176,9 @@ def test_recovery_by_a_new_driver_against_a_new_run(tmp_path):
                                    env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         rerun = subprocess.Popen(
             [sys.executable, CHILD, "rerun", store_url, job, orjson.dumps(targets.run2_steps()).decode(),
-             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.uniform(0.0, 0.6):.3f}"],
+             f"{rng.uniform(0.0, 1.2):.3f}", f"{rng.choice([0.0, rng.uniform(0.0, 0.6)]):.3f}"],
             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(0.2, 1.8))
-        targets.heal()
+        targets.heal_both(rng)
         r = _finish(rerun, "the forced re-run")
         c = _finish(recover, "the recovering driver")
         seen[_check(store_url, job, targets, r, c, "the recovering driver", (0,))] += 1
