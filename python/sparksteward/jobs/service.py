@@ -86,6 +86,7 @@ class _Running:
     finishing: bool = False
     run_id: str = ""
     lease: Any = None
+    replaced: set[str | None] = field(default_factory=set)  # run ids this (forced) run superseded
 
 
 def _rerun_hint(job_id: str, kind: str) -> str:
@@ -219,6 +220,7 @@ class JobService:
                         f"{existing.status.value}, {existing.state}, in {existing.source}.{pending} It is not "
                         f"run again. To re-run it deliberately, {_rerun_hint(job_id, kind)}.", existing)
                 carried = [CleanupStep.of(s) for s in existing.result.cleanup if not s.done]
+                job.replaced.add(existing.result.run_id)
                 log.warning("job %s: forced re-run; deleting its stored %s %s result%s", job_id,
                             existing.status.value, existing.state,
                             f" and carrying over {len(carried)} unfinished cleanup steps" if carried else "")
@@ -320,7 +322,7 @@ class JobService:
                 status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
                 spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps),
                 run_id=job.run_id)
-            entry, spooled = self._store_result(result)
+            entry, spooled = self._store_result(result, job.replaced)
         except BaseException:
             with self._cond:
                 job.finishing = False  # the caller may fix the cause and finish again
@@ -346,20 +348,34 @@ class JobService:
             task.finished.wait(wait)
         return task.entry
 
-    def _store_result(self, result: JobResult) -> tuple[JobResultEntry, bool]:
+    def _store_result(self, result: JobResult, replaced: set[str | None] = frozenset()) -> tuple[JobResultEntry, bool]:
         """Write ``result`` dirty, retrying store failures under the retry policy for at most the
-        shutdown timeout, then spool it. Returns ``(entry, spooled)``."""
+        shutdown timeout, then spool it. Returns ``(entry, spooled)``.
+
+        An entry of a run this forced run replaced, committed late by that run's cleanup (possible on
+        object stores, where a commit and the forced delete do not share a lock), is deleted again.
+        """
         policy = self.runner.policy
         deadline = self.clock.now() + self.shutdown_timeout
         failures = 0
+        late_commits = 0
         while True:
             try:
                 return self.store.create_dirty(result), False
             except JobResultExistsError:
                 mine = self._own_entry(result)  # an earlier attempt got through, but its reply did not
-                if mine is None:
+                if mine is not None:
+                    return mine, False
+                try:
+                    existing = self.store.get(result.job_id)
+                except StewardError:
+                    existing = None
+                if existing is None or existing.result.run_id not in replaced or late_commits >= 3:
                     raise
-                return mine, False
+                late_commits += 1
+                log.warning("job %s: run %s, which this forced run replaced, committed late (%s); deleting it again",
+                            result.job_id, existing.result.run_id, existing.source)
+                self.store.delete(result.job_id)
             except CorruptRecordError:
                 raise
             except (StorageError, OSError) as exc:

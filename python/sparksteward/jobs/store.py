@@ -510,7 +510,10 @@ class FileSystemJobResultStore(_StoreBase):
     def get(self, job_id: str) -> JobResultEntry | None:
         dirty, clean = self._paths(job_id)
         with self._lock:
-            return self._read(clean, job_id) or self._read(dirty, job_id)
+            # dirty first: a commit creates the clean file before it deletes the dirty one, so a dirty
+            # file gone by now means the clean one exists (reading clean first could miss both)
+            dirty_entry = self._read(dirty, job_id)
+            return self._read(clean, job_id) or dirty_entry
 
     def _scan(self) -> tuple[dict[str, dict[bool, str]], list[tuple[str, str]]]:
         """``{stem: {clean?: path}}`` from one directory listing, and names that encode no job id."""
@@ -659,6 +662,7 @@ class FileSystemJobResultStore(_StoreBase):
         """
         dirty, clean = self._paths(job_id)
         with self._locked():
+            version = self.base.version(dirty)  # object stores: the dirty object's ETag, checked before deleting it
             try:
                 entry = self._read(dirty, job_id)  # a corrupt dirty file is not committed: it raises here
             except CorruptRecordError:
@@ -681,14 +685,38 @@ class FileSystemJobResultStore(_StoreBase):
             if self.delete_on_commit:
                 self.base.delete(dirty)
                 return None
-            if not self.base.link_or_create(dirty, clean, entry.result.to_json()):
+            data = entry.result.to_json()
+            if not self.base.link_or_create(dirty, clean, data):
                 committed = self._read(clean, job_id)
+                if self._late_older_commit(committed, entry) and self.base.replace_if(clean, data,
+                                                                                     self.base.version(clean)):
+                    log.warning("job %s: replaced %s, committed late by the older run %s, with run %s's result",
+                                job_id, self.base.display(clean), committed.result.run_id,  # type: ignore[union-attr]
+                                entry.result.run_id)
+                    self._delete_dirty_if(dirty, version)
+                    return JobResultEntry(entry.result, True, self.base.display(clean))
                 log.warning("job %s: a committed result already exists at %s; deleting the dirty %s instead of "
                             "replacing it", job_id, self.base.display(clean), entry.source)
-                self.base.delete(dirty)
+                self._delete_dirty_if(dirty, version)
                 return committed
-            self.base.delete(dirty)
+            self._delete_dirty_if(dirty, version)
         return JobResultEntry(entry.result, True, self.base.display(clean))
+
+    def _late_older_commit(self, committed: JobResultEntry | None, entry: JobResultEntry) -> bool:
+        """On an object store (no lock between a commit and a forced re-run's delete), a clean entry of
+        another run next to this run's dirty one was committed late by an older run: a dirty entry is
+        only created when no clean one exists, and a forced re-run deletes the older run's files first."""
+        return (not self.base.is_local and committed is not None and entry.result.run_id is not None
+                and committed.result.run_id not in (None, entry.result.run_id))
+
+    def _delete_dirty_if(self, dirty: str, version: str | None) -> None:
+        """Delete the dirty file we committed; on an object store only if it is still the object we read
+        (a newer run may have replaced it meanwhile; its own commit deletes it then)."""
+        if not self.base.is_local and version is not None and self.base.version(dirty) not in (None, version):
+            log.warning("%s changed while it was committed (a newer run wrote it); leaving it",
+                        self.base.display(dirty))
+            return
+        self.base.delete(dirty)
 
     def delete(self, job_id: str) -> bool:
         paths = self._paths(job_id)
