@@ -102,6 +102,11 @@ def test_a_permanent_outage_spools_the_result_and_the_next_service_commits_it(s3
     assert took < 30, f"finish() took {took:.1f} s, beyond its shutdown timeout"
     assert store.get("p") is None and target.exists()
 
+    other = FileSystemJobResultStore(str(tmp_path / "another-store"))  # same host, cluster id and spool dir
+    with JobService(other, spool_dir=str(spool)) as svc_other:
+        assert svc_other.recover() == [] and other.get("p") is None  # never flushed into the wrong store
+    assert _spooled(spool) == files
+
     nxt = JobService(store, policy=RetryPolicy.fixed(0.1), spool_dir=str(spool))
     with nxt:
         with pytest.raises(JobAlreadyCompleted, match="spooled"):  # not run again while only spooled

@@ -15,7 +15,7 @@ lease is held: a live run is finishing them.
 
 Storing the result. ``finish`` retries a failing store under the cleanup retry policy, for at most
 the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON
-under ``<state-dir>/job-spool/<cluster-id>/``, staged, fsynced and renamed) and ``finish`` returns it
+under ``<state-dir>/job-spool/<cluster-id>/<store hash>/``, staged, fsynced and renamed) and ``finish`` returns it
 dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
 before anything else, and ``begin`` refuses a job id whose result is spooled.
 
@@ -32,6 +32,7 @@ service's state, and no store I/O runs while it is held.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import heapq
 import itertools
 import logging
@@ -147,7 +148,10 @@ class JobService:
         self._workers = max(1, workers)
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self.spool: Location | None = None if spool_dir is None else open_location(spool_dir).child(self.cluster_id)
+        # one spool per store (a hash of its URL), so a result is only ever written to the store it was meant for
+        store_key = hashlib.sha256(str(getattr(store, "url", repr(store))).encode()).hexdigest()[:16]
+        self.spool: Location | None = (None if spool_dir is None
+                                       else open_location(spool_dir).child(self.cluster_id, store_key))
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
