@@ -402,6 +402,7 @@ class CleanupTask:
         self.outcome: CleanupOutcome | None = None
         self.finished = threading.Event()
         self.lease: Any = None  # the live run's store lease, released when the run ends
+        self.deferred = False  # a recovery waiting for a live run's lease (JobService)
 
     def end(self, outcome: CleanupOutcome) -> None:
         """Record how the run ended, release its lease and wake waiters (idempotent on the lease)."""

@@ -128,7 +128,7 @@ def _cleanup(args: argparse.Namespace) -> int:
     svc = _service(args, attempts=args.attempts, max_backoff=min(args.timeout / 4, 3600.0),
                    initial_backoff=args.initial_backoff)
     with svc:
-        started = svc.recover(only=args.job_ids or None)
+        started = svc.recover(only=args.job_ids or None, defer_leased=False)  # a live run finishes its own
         if not started:
             print("no dirty job results" + (f" among {', '.join(args.job_ids)}" if args.job_ids else ""))
             return 0

@@ -90,6 +90,14 @@ class _Running:
     replaced: set[str | None] = field(default_factory=set)  # run ids this (forced) run superseded
 
 
+def _completed(job_id: str, cluster_id: str, kind: str, existing: JobResultEntry) -> JobAlreadyCompleted:
+    pending = "" if existing.clean else " Its cleanup has not finished yet; the driver finishes it."
+    return JobAlreadyCompleted(
+        f"job {job_id!r} (cluster {cluster_id!r}) already has a stored result: {existing.status.value}, "
+        f"{existing.state}, in {existing.source}.{pending} It is not run again. To re-run it deliberately, "
+        f"{_rerun_hint(job_id, kind)}.", existing)
+
+
 def _rerun_hint(job_id: str, kind: str) -> str:
     if kind == "application":
         return "set spark.steward.job.force-rerun=true (or choose another spark.steward.job.id)"
@@ -141,9 +149,9 @@ class JobService:
         self._cond = threading.Condition(threading.RLock())
         self._running: dict[str, _Running] = {}
         self._tasks: dict[str, CleanupTask] = {}
-        self._heap: list[tuple[float, int, str]] = []
+        self._heap: list[tuple[float, int, CleanupTask]] = []
         self._seq = itertools.count()
-        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[CleanupTask | None] = queue.SimpleQueue()
         self._inflight = 0
         self._workers = max(1, workers)
         self._threads: list[threading.Thread] = []
@@ -198,7 +206,15 @@ class JobService:
             job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now(),
                                                    run_id=new_run_id())
             cleaning = self._tasks.get(job_id)
+            if cleaning is not None and cleaning.deferred:  # only waiting for another run's lease
+                cleaning = None
         try:
+            if not force and cleaning is None:
+                # a completed job is refused before its lease is taken, so that recovery (which skips
+                # leased jobs) never mistakes this refused begin for a live run
+                existing = self.store.get(job_id)
+                if existing is not None:
+                    raise _completed(job_id, self.cluster_id, kind, existing)
             if cleaning is None:
                 job.lease = self.store.lease(job_id, job.run_id)
             existing = self.store.get(job_id)
@@ -218,11 +234,7 @@ class JobService:
                                     f"for its result to be clean before running it again")
             if existing is not None:
                 if not force:
-                    pending = "" if existing.clean else " Its cleanup has not finished yet; the driver finishes it."
-                    raise JobAlreadyCompleted(
-                        f"job {job_id!r} (cluster {self.cluster_id!r}) already has a stored result: "
-                        f"{existing.status.value}, {existing.state}, in {existing.source}.{pending} It is not "
-                        f"run again. To re-run it deliberately, {_rerun_hint(job_id, kind)}.", existing)
+                    raise _completed(job_id, self.cluster_id, kind, existing)
                 carried = [CleanupStep.of(s) for s in existing.result.cleanup if not s.done]
                 job.replaced.add(existing.result.run_id)
                 log.warning("job %s: forced re-run; deleting its stored %s %s result%s", job_id,
@@ -496,10 +508,12 @@ class JobService:
                 log.warning("job %s: the job service is closed; its cleanup is left for the next driver", task.job_id)
                 return None
             current = self._tasks.get(task.job_id)
-            if current is not None:
+            if current is not None and current.deferred and not task.deferred:
+                current.end(CleanupOutcome.STOPPED)  # a recovery waiting for this run's lease: this run takes over
+            elif current is not None:
                 return current
             self._tasks[task.job_id] = task
-            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task.job_id))
+            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task))
             if not self._threads:
                 self._start_threads()
             self._cond.notify_all()
@@ -524,9 +538,9 @@ class JobService:
                     continue
                 delta = self._heap[0][0] - self.clock.now()
                 if delta <= 0:
-                    _, _, job_id = heapq.heappop(self._heap)
+                    _, _, task = heapq.heappop(self._heap)
                     self._inflight += 1
-                    self._queue.put(job_id)
+                    self._queue.put(task)
                     continue
                 if real or self._inflight:
                     self._cond.wait(min(delta, 60.0) if real else None)
@@ -535,30 +549,57 @@ class JobService:
 
     def _work(self) -> None:
         while True:
-            job_id = self._queue.get()
-            if job_id is None:
+            task = self._queue.get()
+            if task is None:
                 return
+            job_id = task.job_id
             with self._cond:
-                task = self._tasks.get(job_id)
-                if task is None:  # dropped by close()
+                if self._tasks.get(job_id) is not task:  # dropped by close(), or replaced by a live run's task
                     self._inflight -= 1
                     self._cond.notify_all()
                     continue
             try:
-                due = self.runner.run_pass(task)
+                due = self._resume(task) if task.deferred else self.runner.run_pass(task)
             except Exception:  # noqa: BLE001 - a bug must not kill the worker; retry the pass later
                 task.commit_failures += 1
                 log.exception("job %s: cleanup pass failed unexpectedly; retrying", job_id)
                 due = self.clock.now() + self.runner.policy.delay(task.commit_failures)
             with self._cond:
                 self._inflight -= 1
+                current = self._tasks.get(job_id) is task
                 if due is None or task.outcome is not None or self._stop.is_set():
                     if task.outcome is None:
                         task.end(CleanupOutcome.STOPPED)
-                    self._tasks.pop(job_id, None)
-                else:
-                    heapq.heappush(self._heap, (due, next(self._seq), job_id))
+                    if current:
+                        self._tasks.pop(job_id, None)
+                elif current:
+                    heapq.heappush(self._heap, (due, next(self._seq), task))
                 self._cond.notify_all()
+
+    def _resume(self, task: CleanupTask) -> float | None:
+        """A recovery deferred because a live run held the job's lease: poll the lease; once free, take
+        the job's current entry (a newer run's, if one was stored) and clean it up from now on."""
+        poll = max(0.05, min(self.runner.policy.initial, 1.0))
+        try:
+            if self.store.is_leased(task.job_id):
+                return self.clock.now() + poll
+            current = self.store.get(task.job_id)
+        except (StewardError, OSError) as exc:
+            log.warning("job %s: cannot check its lease or entry, retrying: %s", task.job_id, exc)
+            return self.clock.now() + poll
+        task.deferred = False
+        if current is None or current.clean:
+            task.entry = current or task.entry
+            log.info("job %s: the live run that held it has %s", task.job_id,
+                     "committed it" if current else "removed its result")
+            task.end(CleanupOutcome.COMMITTED if current else CleanupOutcome.GONE)
+            return None
+        if current.result != task.result:
+            task.result, task.entry = current.result, current
+            task.run_attempts = [0] * len(current.result.cleanup)
+        log.info("job %s: no live run holds it any more; finishing its cleanup (%d/%d steps done)", task.job_id,
+                 current.result.steps_done, len(current.result.cleanup))
+        return self.clock.now()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every cleanup to end; True if none is left."""
@@ -571,15 +612,17 @@ class JobService:
             return sorted(self._tasks)
 
     # --- recovery, reads, retention ------------------------------------------------------------
-    def recover(self, only: Iterable[str] | None = None) -> list[str]:
+    def recover(self, only: Iterable[str] | None = None, *, defer_leased: bool = True) -> list[str]:
         """Finish what a previous driver left: start cleanup for every dirty result in the store
         (or for the ids in ``only``).
 
         Also removes stale dirty files next to clean ones (an interrupted object-store commit) and
         logs unreadable files. Results spooled by a ``finish`` that could not reach the store are
-        written first (:meth:`flush_spool`). Jobs whose lease is held (a live run in this or another
-        process) are skipped. The listing runs in the caller's thread, the cleanup in the
-        background. Returns the ids whose cleanup was started.
+        written first (:meth:`flush_spool`). A job whose lease is held (a live run in this or another
+        process) is not touched while it is held: with ``defer_leased`` its recovery waits for the
+        lease (the run may die, or fail before storing a result), else it is skipped. The listing runs
+        in the caller's thread, the cleanup in the background. Returns the ids whose cleanup was
+        started or deferred.
         """
         wanted = None if only is None else set(only)
         try:
@@ -607,12 +650,17 @@ class JobService:
             except (StewardError, OSError) as exc:
                 log.warning("job %s: cannot tell whether it is running elsewhere, skipping it: %s", entry.job_id, exc)
                 continue
+            task = CleanupTask(entry.result, entry.source)
             if leased:
-                log.info("job %s: a live run holds it; not recovering it", entry.job_id)
-                continue
-            log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
-                     entry.result.steps_done, len(entry.result.cleanup))
-            if self._schedule(CleanupTask(entry.result, entry.source)) is not None:
+                log.info("job %s: a live run holds it; not recovering it%s", entry.job_id,
+                         " while it does" if defer_leased else "")
+                if not defer_leased:
+                    continue
+                task.deferred = True
+            else:
+                log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
+                         entry.result.steps_done, len(entry.result.cleanup))
+            if self._schedule(task) is task:
                 started.append(entry.job_id)
         return started
 
