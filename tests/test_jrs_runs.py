@@ -76,3 +76,22 @@ def test_a_live_run_holds_its_lease_across_processes(stores, store):
     lease.release()  # idempotent
     assert not store.is_leased("job-1")
     store.lease("job-1", "r2").release()
+
+
+def test_the_runner_of_a_superseded_run_stops_without_writing(store, caplog, tmp_path):
+    from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, RetryPolicy
+    from sparksteward.testing.clock import FakeClock
+
+    target = tmp_path / "old-out"
+    target.mkdir()
+    old = replace(run(run_id="old"), cleanup=(StepState("delete_path", str(target)),))
+    store.create_dirty(old)
+    task = CleanupRunner.task(store.get("job-1"))
+    store.delete("job-1")  # a forced re-run replaced it...
+    store.create_dirty(run(run_id="new"))  # ...and stored its own result
+    runner = CleanupRunner(store, policy=RetryPolicy.fixed(1.0, attempts=3), clock=FakeClock())
+    assert runner.run(task) is CleanupOutcome.SUPERSEDED
+    assert "superseded by run 'new'" in caplog.text or "superseded by run new" in caplog.text
+    entry = store.get("job-1")
+    assert entry.dirty and entry.result.run_id == "new" and entry.result == run(run_id="new")
+    assert not target.exists()  # its step ran (idempotent), but nothing of it was written
