@@ -5,9 +5,9 @@
     run id, add the steps, finish after FINISH_DELAY seconds and wait for the commit.
 ``recover STORE DELAY``
     A new driver starting up: after DELAY seconds, ``recover()`` and wait for its cleanups.
-``finishloop STORE SPOOL_DIR SHUTDOWN_TIMEOUT``
-    Begin and finish jobs ``j0``, ``j1``, ... until killed, printing ``ACK <job>`` after each
-    ``finish`` returns (``tests/test_jrs_finish_retry.py`` SIGKILLs it at random points).
+``finishloop STORE SPOOL_DIR SHUTDOWN_TIMEOUT BODY_SECONDS``
+    Begin and finish jobs ``j0``, ``j1``, ... (each "running" BODY_SECONDS) until killed, printing
+    ``ACK <job>`` after each ``finish`` returns (``tests/test_jrs_finish_retry.py`` SIGKILLs it at random points).
 
 Both use a fast fixed retry policy. Not a test module (no ``test_`` prefix).
 """
@@ -36,8 +36,9 @@ def main(argv: list[str]) -> int:
         # retries and the spool of finish() are what a kill lands in, not s3fs's own backoff
         set_default_options({"s3": {"config_kwargs": {
             "retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 2}}})
-        svc = JobService(open_store(store_url), policy=RetryPolicy.fixed(0.05), shutdown_timeout=float(argv[3]),
-                         spool_dir=argv[2])
+        store = open_store(store_url)
+        store.base.fs.retries = 1  # s3fs's own retry loop (1.9 s of backoff per call) off as well
+        svc = JobService(store, policy=RetryPolicy.fixed(0.05), shutdown_timeout=float(argv[3]), spool_dir=argv[2])
         for i in itertools.count():
             job = f"j{i}"
             while True:
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
                 except StewardError as exc:  # the store is down: begin cannot check for an earlier result
                     print(f"begin {job}: {exc}", file=sys.stderr, flush=True)
                     time.sleep(0.02)
+            time.sleep(float(argv[4]))  # the job's body
             entry = svc.finish(job, "SUCCEEDED", payload={"i": i}, wait=0)
             print(f"ACK {job} {entry.source}", flush=True)
     svc = JobService(open_store(store_url), policy=RetryPolicy.fixed(0.05), shutdown_timeout=30)
