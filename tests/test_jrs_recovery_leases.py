@@ -73,3 +73,18 @@ def test_a_refused_begin_never_holds_the_lease(tmp_path, clean):
             svc.begin("j")
     assert store.seen and not any(store.seen), store.seen
     assert not store.is_leased("j")
+
+
+def test_close_does_not_wait_for_a_recovery_deferred_on_another_processs_lease(tmp_path):
+    import time
+
+    url = str(tmp_path / "jrs")
+    store = FileSystemJobResultStore(url)
+    _dirty(store, tmp_path / "out")
+    with FileSystemJobResultStore(url).lease("j", "r1"):
+        svc = JobService(store, policy=RetryPolicy.fixed(0.05), shutdown_timeout=30)
+        assert svc.recover() == ["j"]
+        started = time.monotonic()
+        svc.close()
+        assert time.monotonic() - started < 10
+    assert store.get("j").dirty  # left for the run that holds it, or the next driver

@@ -693,7 +693,9 @@ class JobService:
         if unfinished:
             log.warning("jobs %s were still running at shutdown; no result is stored for them", ", ".join(unfinished))
         timeout = self.shutdown_timeout if timeout is None else timeout
-        if not self.wait_idle(timeout):
+        with self._cond:  # recoveries still waiting for another process's live run are not waited for
+            idle = self._cond.wait_for(lambda: all(t.deferred for t in self._tasks.values()), timeout)
+        if not idle:
             log.warning("cleanup of %s did not finish within %.3g s; leaving the results dirty for the next driver "
                         "(or `steward jobs cleanup`)", ", ".join(self.cleaning()), timeout)
         self._stop.set()
