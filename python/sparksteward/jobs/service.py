@@ -14,9 +14,8 @@ this process, a ``steward jobs cleanup`` or another driver's recovery. ``recover
 lease is held: a live run is finishing them.
 
 Storing the result. ``finish`` retries a failing store under the cleanup retry policy, for at most
-the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON
-under ``<state-dir>/job-spool/<cluster-id>/<store hash>/``, staged, fsynced and renamed) and ``finish`` returns it
-dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
+the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON,
+see :mod:`sparksteward.jobs.spool`) and ``finish`` returns it dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
 before anything else, and ``begin`` refuses a job id whose result is spooled.
 
 Cleanup runs on the service's own threads. One scheduler thread keeps the due time of every result
@@ -31,14 +30,11 @@ service's state, and no store I/O runs while it is held.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import heapq
 import itertools
 import logging
 import os
 import queue
-import stat
 import threading
 import time
 import uuid
@@ -53,7 +49,7 @@ from sparksteward.jobs.cleanup import (CleanupOutcome, CleanupRunner, CleanupSte
                                        protect_path)
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
 from sparksteward.jobs.store import Listing, job_file_stem, open_store
-from sparksteward.storage import Location, open_location
+from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]
@@ -64,10 +60,6 @@ KINDS = ("scoped", "application")
 MAX_REASON = 4000
 JOIN_GRACE = 2.0
 """Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
-SPOOL_DIR = "job-spool"
-"""Where, under the state dir, ``finish`` spools results it could not store."""
-SPOOL_TMP_AGE = 3600.0
-"""Seconds after which a staged spool file left by a killed process is removed."""
 
 
 def new_run_id() -> str:
@@ -156,10 +148,8 @@ class JobService:
         self._workers = max(1, workers)
         self._threads: list[threading.Thread] = []
         self._closed = False
-        # one spool per store (a hash of its URL), so a result is only ever written to the store it was meant for
-        store_key = hashlib.sha256(str(getattr(store, "url", repr(store))).encode()).hexdigest()[:16]
-        self.spool: Location | None = (None if spool_dir is None
-                                       else open_location(spool_dir).child(self.cluster_id, store_key))
+        self.spool = (None if spool_dir is None
+                      else ResultSpool(spool_dir, self.cluster_id, str(getattr(store, "url", repr(store)))))
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
@@ -218,7 +208,7 @@ class JobService:
             if cleaning is None:
                 job.lease = self.store.lease(job_id, job.run_id)
             existing = self.store.get(job_id)
-            spooled = self._spooled(job_id) if existing is None else []
+            spooled = self.spool.for_job(job_id) if existing is None and self.spool is not None else []
             if existing is None and spooled and not force:
                 raise JobAlreadyCompleted(
                     f"job {job_id!r} (cluster {self.cluster_id!r}) already has a result, spooled locally at "
@@ -227,7 +217,7 @@ class JobService:
                     f"{_rerun_hint(job_id, kind)}.", JobResultEntry(spooled[0][1], False, spooled[0][0]))
             for path, _ in spooled:  # forced: the spooled result of the older run goes
                 log.warning("job %s: forced re-run; deleting its spooled result %s", job_id, path)
-                self.spool.delete(path)  # type: ignore[union-attr]
+                self.spool.remove(path)  # type: ignore[union-attr]
             if cleaning is not None and (force or existing is None):
                 raise JobStoreError(f"job {job_id!r} finished and is still being cleaned up "
                                     f"({cleaning.result.steps_done}/{len(cleaning.result.cleanup)} steps done); wait "
@@ -415,9 +405,8 @@ class JobService:
         if self.spool is None:
             raise JobStoreError(f"job {result.job_id!r}: could not store its result after {failures} attempts, and "
                                 f"no spool dir is configured: {exc}") from exc
-        path = self.spool.path(f"{job_file_stem(result.job_id)}.{result.run_id}.json")
         try:
-            self.spool.write_atomic(path, result.to_json())  # staged, fsynced, renamed, dir fsynced
+            path = self.spool.put(result)
         except StewardError as spool_exc:
             raise JobStoreError(f"job {result.job_id!r}: could not store its result ({exc}) nor spool it locally "
                                 f"({spool_exc})") from spool_exc
@@ -425,64 +414,16 @@ class JobService:
                   failures, exc, path)
         return JobResultEntry(result, False, path)
 
-    def _spool_files(self) -> list[tuple[str, str]]:
-        """``(path, name)`` of every spooled result file; removes staged files left by a killed process."""
-        if self.spool is None:
-            return []
-        try:
-            names = sorted(os.listdir(self.spool.root))
-        except FileNotFoundError:
-            return []
-        out = []
-        for name in names:
-            path = self.spool.path(name)
-            if name.startswith("."):
-                with contextlib.suppress(OSError):
-                    st = os.lstat(path)
-                    if name.endswith(".tmp") and stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > SPOOL_TMP_AGE:
-                        os.unlink(path)
-                continue
-            if name.endswith(".json"):
-                out.append((path, name))
-        return out
-
-    def _read_spooled(self, path: str) -> JobResult:
-        from sparksteward.jobs.store import _read_regular  # the same non-blocking, no-follow read
-
-        try:
-            data = _read_regular(path)
-        except Exception as exc:  # noqa: BLE001 - a FIFO, a symlink, an I/O error
-            raise CorruptRecordError(f"spooled job result {path}: {exc}") from exc
-        if data is None:
-            raise FileNotFoundError(path)
-        return JobResult.from_json(data, path)
-
-    def _spooled(self, job_id: str) -> list[tuple[str, JobResult]]:
-        stem = job_file_stem(job_id)
-        out = []
-        for path, name in self._spool_files():
-            if name[: -len(".json")].rsplit(".", 1)[0] != stem:
-                continue
-            try:
-                result = self._read_spooled(path)
-            except (FileNotFoundError, StewardError):
-                continue
-            if result.job_id == job_id:
-                out.append((path, result))
-        return out
-
     def flush_spool(self) -> list[str]:
         """Write the results spooled by an earlier ``finish`` to the store (dirty; recovery then runs
         their cleanup and commits). A result whose job already has another run's entry is dropped, with
         a warning. Returns the job ids written; a store that still fails leaves the files for later."""
-        written = []
-        for path, _ in self._spool_files():
-            try:
-                result = self._read_spooled(path)
-            except FileNotFoundError:
-                continue
-            except StewardError as exc:
-                log.error("unreadable spooled job result %s, left in place: %s", path, exc)
+        written: list[str] = []
+        if self.spool is None:
+            return written
+        for path, result in self.spool.results():
+            if isinstance(result, StewardError):
+                log.error("unreadable spooled job result %s, left in place: %s", path, result)
                 continue
             if result.cluster_id != self.cluster_id:
                 continue
@@ -498,7 +439,7 @@ class JobService:
                 log.warning("job %s: the store still fails, keeping its spooled result %s: %s", result.job_id, path,
                             exc)
                 continue
-            self.spool.delete(path)  # type: ignore[union-attr]
+            self.spool.remove(path)
         return written
 
     # --- cleanup scheduling --------------------------------------------------------------------

@@ -58,10 +58,10 @@ from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidReco
                                  JobResultNotFoundError, JobStoreError, RunConflictError, StorageError)
 from sparksteward.ids import MAX_STEM_BYTES, is_hashed_filename, job_id_from_filename, job_id_to_filename, validate_id
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
-from sparksteward.storage import Location, fsync_dir, open_location
+from sparksteward.storage import Location, open_location
 
 __all__ = ["FileSystemJobResultStore", "InMemoryJobResultStore", "JobResultStore", "JobResultView",
-           "JobResultWriter", "Lease", "Listing", "MAX_STEM_BYTES", "job_file_stem", "open_store"]
+           "JobResultWriter", "Lease", "Listing", "MAX_STEM_BYTES", "job_file_stem", "open_store", "read_regular"]
 
 log = logging.getLogger("sparksteward.jobs.store")
 
@@ -392,7 +392,7 @@ class _Unreadable(Exception):
     """A local file that is not a regular file (reported, never read)."""
 
 
-def _read_regular(path: str) -> bytes | None:
+def read_regular(path: str) -> bytes | None:
     """The bytes of a local regular file; None if it does not exist. Never follows a symlink and never
     blocks (a FIFO is detected by ``fstat`` after a non-blocking open)."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -479,7 +479,7 @@ class FileSystemJobResultStore(_StoreBase):
         source = self.base.display(path)
         try:
             if self.base.is_local:
-                return _read_regular(path)
+                return read_regular(path)
             return self.base.read_bytes(path)
         except FileNotFoundError:
             return None
