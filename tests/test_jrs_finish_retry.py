@@ -178,3 +178,24 @@ def test_sigkill_during_finish_loses_no_acknowledged_result(s3, tmp_path):
         assert not _spooled(spool)
     print(f"\n12 SIGKILLs during finish(): {stats}")
     assert stats["acked"] > 0 and stats["spooled_at_kill"] > 0, stats
+
+
+def test_a_forced_rerun_over_a_spooled_result_carries_its_cleanup_over(tmp_path):
+    """No store outage needed: a spooled file as a killed driver's finish() left it."""
+    from sparksteward.jobs.result import JobStatus, StepState
+    from sparksteward.jobs.spool import ResultSpool
+
+    store = FileSystemJobResultStore(str(tmp_path / "jrs"))
+    target = tmp_path / "old-out"
+    target.mkdir()
+    spool_dir = str(tmp_path / "spool")
+    ResultSpool(spool_dir, "default", store.url).put(
+        JobResult(job_id="s", cluster_id="default", application_id=None, status=JobStatus.SUCCEEDED, start_time=1.0,
+                  end_time=2.0, cleanup=(StepState("delete_path", str(target)),), run_id="old"))
+    with JobService(store, policy=RetryPolicy.fixed(0.05), spool_dir=spool_dir) as svc:
+        with pytest.raises(JobAlreadyCompleted, match="spooled"):
+            svc.begin("s")
+        svc.begin("s", force=True)
+        entry = svc.finish("s", "SUCCEEDED", payload="new", wait=10)
+    assert entry.clean and entry.result.payload == "new" and [s.target for s in entry.result.cleanup] == [str(target)]
+    assert not target.exists() and not _spooled(tmp_path / "spool")

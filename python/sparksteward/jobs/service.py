@@ -215,13 +215,17 @@ class JobService:
                     f"{spooled[0][0]} because the store was unreachable when it finished; it is written to the store "
                     f"by the next recovery. It is not run again. To re-run it deliberately, "
                     f"{_rerun_hint(job_id, kind)}.", JobResultEntry(spooled[0][1], False, spooled[0][0]))
-            for path, _ in spooled:  # forced: the spooled result of the older run goes
-                log.warning("job %s: forced re-run; deleting its spooled result %s", job_id, path)
-                self.spool.remove(path)  # type: ignore[union-attr]
             if cleaning is not None and (force or existing is None):
                 raise JobStoreError(f"job {job_id!r} finished and is still being cleaned up "
                                     f"({cleaning.result.steps_done}/{len(cleaning.result.cleanup)} steps done); wait "
                                     f"for its result to be clean before running it again")
+            for path, old in spooled:  # forced: the older run's spooled result goes, its cleanup comes along
+                log.warning("job %s: forced re-run; deleting its spooled result %s and carrying over its %d cleanup "
+                            "steps", job_id, path, len(old.cleanup))
+                with self._cond:
+                    job.steps.extend(s for s in map(CleanupStep.of, old.cleanup) if s not in job.steps)
+                job.replaced.add(old.run_id)
+                self.spool.remove(path)  # type: ignore[union-attr]
             if existing is not None:
                 if not force:
                     raise _completed(job_id, self.cluster_id, kind, existing)
