@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from sparksteward.errors import ConfigError, JobResultNotFoundError, StewardErro
 from sparksteward.jobs.cleanup import RetryPolicy, StepRegistry
 from sparksteward.jobs.result import JobResultEntry
 from sparksteward.jobs.service import JobService
+from sparksteward.jobs.spool import SPOOL_DIR
 from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.tables import table
 
@@ -59,8 +61,11 @@ def _service(args: argparse.Namespace, attempts: int = 0, max_backoff: float = 3
     cfg = _config(args)
     store = _store(args)
     registry = StepRegistry(args.ha_path or cfg.effective_ha_path, cfg.cluster_id)
+    # this host's spool: results a driver here could not store are written to their store (only to it:
+    # the spool is kept per store) by `steward jobs cleanup`, as by the next driver
     return JobService(store, cluster_id=cfg.cluster_id, registry=registry,
-                      policy=RetryPolicy.exponential(initial_backoff, max(initial_backoff, max_backoff), attempts))
+                      policy=RetryPolicy.exponential(initial_backoff, max(initial_backoff, max_backoff), attempts),
+                      spool_dir=os.path.join(cfg.effective_state_dir, SPOOL_DIR))
 
 
 def _when(ts: float) -> str:
