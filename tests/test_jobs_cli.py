@@ -163,3 +163,21 @@ def test_the_installed_command_has_no_tracebacks(store_path):
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip() == "steward: error: no result for job 'nope'"
+
+
+def test_cleanup_stores_the_results_spooled_on_this_host_for_that_store(capsys, tmp_path, monkeypatch):
+    from sparksteward.jobs.result import JobStatus
+    from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    state = tmp_path / "xdg" / "spark-steward"
+    path = str(tmp_path / "jrs")
+    spooled = JobResult(job_id="spooled", cluster_id="default", application_id=None, status=JobStatus.SUCCEEDED,
+                        start_time=1.0, end_time=2.0, run_id="r1")
+    ResultSpool(str(state / SPOOL_DIR), "default", FileSystemJobResultStore(path).url).put(spooled)
+    ResultSpool(str(state / SPOOL_DIR), "default", "file:///another/store").put(spooled)
+    code, out, _ = run(capsys, "jobs", "cleanup", "--path", path, "--timeout", "10")
+    assert code == 0, out
+    assert FileSystemJobResultStore(path).get("spooled").clean
+    left = [p for p in (state / SPOOL_DIR).rglob("*.json")]
+    assert len(left) == 1  # the other store's result stays for its own store

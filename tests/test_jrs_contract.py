@@ -77,7 +77,8 @@ def result(job_id: str = "job-1", status: JobStatus | str = JobStatus.SUCCEEDED,
 
 
 def names(store) -> list[str]:
-    return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in store.base.listdir())
+    found = (i["name"].rstrip("/").rsplit("/", 1)[-1] for i in store.base.listdir())
+    return sorted(n for n in found if not n.startswith("."))  # not the store's lock and lease files
 
 
 # --- the contract ---------------------------------------------------------------------------
@@ -268,16 +269,12 @@ def test_unusual_job_ids_round_trip_without_escaping(stores, store, job_id):
     assert store.delete(job_id) and store.get(job_id) is None
 
 
-@pytest.mark.parametrize("job_id", ["../x", "a/b", "..", ".", "a\\b", "x\x00y", "", " ", "x" * 201, "\n",
-                                    "日" * 100, "/abs", "a/../../b"])
+@pytest.mark.parametrize("job_id", ["../x", "..", ".", "a\\b", "x\x00y", "", " ", "x" * 201, "\n",
+                                    "/abs", "a/../../b", "a/./b", "a//b", "trailing/"])
 def test_hostile_job_ids_are_rejected_everywhere(stores, store, job_id):
     store.create_dirty(result("bystander"))
-    if len(job_id) <= 200 and job_id.strip() and not any(c in job_id for c in "/\\\x00\n") and job_id not in (".", ".."):
-        with pytest.raises(InvalidIdError, match="too long"):  # a valid id whose file name would be too long
-            store.create_dirty(result(job_id))
-    else:
-        with pytest.raises(InvalidIdError):
-            result(job_id)
+    with pytest.raises(InvalidIdError):
+        result(job_id)
     for op in (store.get, store.mark_clean, store.delete):
         with pytest.raises(InvalidIdError):
             op(job_id)

@@ -23,7 +23,8 @@ Tree::
     └── JobStoreError                             JOB_STORE
         ├── JobResultExistsError (FileExistsError)   JOB_RESULT_EXISTS
         ├── JobAlreadyCompleted                      JOB_ALREADY_COMPLETED
-        └── JobResultNotFoundError (KeyError)        JOB_RESULT_NOT_FOUND
+        ├── JobResultNotFoundError (KeyError)        JOB_RESULT_NOT_FOUND
+        └── RunConflictError                         JOB_RUN_CONFLICT
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "JobStoreError",
     "MessageTooLargeError",
     "ProtocolError",
+    "RunConflictError",
     "RemoteError",
     "ShimBuildError",
     "StewardError",
@@ -184,6 +186,13 @@ class JobResultNotFoundError(JobStoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.message
+
+
+class RunConflictError(JobStoreError):
+    """The stored entry belongs to another run of the job (a forced re-run replaced it, or a run of
+    the job is live in another process); the write was refused."""
+
+    code = "JOB_RUN_CONFLICT"
 
 
 _BY_CODE: dict[str, type[StewardError]] = {}

@@ -18,20 +18,38 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from urllib.parse import quote, unquote
+
 from sparksteward.errors import InvalidIdError, JobAlreadyCompleted
-from sparksteward.ids import job_id_to_filename, validate_job_id
+from sparksteward.ids import validate_job_id
 
 if TYPE_CHECKING:
     from sparksteward.client import Steward
 
-__all__ = ["JobScope", "TAG_PREFIX", "job_tag"]
+__all__ = ["JobScope", "TAG_PREFIX", "job_id_from_tag", "job_tag"]
 
 TAG_PREFIX = "sparksteward-job-"
 
 
 def job_tag(job_id: str) -> str:
-    """The Spark job tag that attributes Spark jobs to ``job_id`` (no commas, reversible)."""
-    return TAG_PREFIX + job_id_to_filename(job_id).replace(",", "%2C")
+    """The Spark job tag that attributes Spark jobs to ``job_id``: the id percent-encoded once, so it
+    has no commas (Spark joins tags with them) and :func:`job_id_from_tag` reverses it exactly."""
+    return TAG_PREFIX + quote(validate_job_id(job_id), safe="")
+
+
+def job_id_from_tag(tag: str) -> str | None:
+    """The job id a Spark job tag names (``job_tag``'s output, possibly behind a SparkSession prefix
+    such as ``spark-session-<uuid>-thread-<uuid>-``), or None if the tag names no job."""
+    i = tag.find(TAG_PREFIX)
+    if i < 0:
+        return None
+    encoded = tag[i + len(TAG_PREFIX):]
+    try:
+        job_id = unquote(encoded, errors="strict")
+        validate_job_id(job_id)
+    except (InvalidIdError, UnicodeDecodeError):
+        return None
+    return job_id if quote(job_id, safe="") == encoded else None
 
 
 def _is_cancellation(exc: BaseException) -> bool:

@@ -12,6 +12,7 @@ S3 endpoints and credentials come from the usual environment (``AWS_ENDPOINT_URL
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import posixpath
@@ -104,42 +105,87 @@ class Location:
             os.makedirs(path or self.root, exist_ok=True)
         # object stores have no directories
 
-    def write_atomic(self, path: str, data: bytes) -> None:
-        """Write ``data`` to ``path`` so that readers see the old bytes or all of the new ones."""
+    def lexists(self, path: str) -> bool:
+        """Like :meth:`exists`, but a local symlink (even a dangling one or a loop) exists."""
+        if self.is_local:
+            return os.path.lexists(path)
+        return self.exists(path)
+
+    def version(self, path: str) -> str | None:
+        """The object's ETag on an object store (for :meth:`replace_if`); None locally or if missing."""
+        if self.is_local:
+            return None
         try:
-            if self.is_local:
-                d = os.path.dirname(path)
-                os.makedirs(d, exist_ok=True)
-                with _staged(d, os.path.basename(path)) as tmp:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
-            else:
-                self.fs.pipe_file(path, data)
+            self.fs.invalidate_cache(path)
+            info = self.fs.info(path)
+        except FileNotFoundError:
+            return None
         except Exception as exc:  # noqa: BLE001 - backends raise their own errors
-            raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
+            raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
+        etag = info.get("ETag") or info.get("etag")
+        return None if etag is None else str(etag)
 
-    def create_exclusive(self, path: str, data: bytes) -> bool:
-        """Create ``path`` with ``data`` unless it exists; return False if it already existed.
+    def write_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path`` so that readers see the old bytes or all of the new ones.
 
-        Local: staged temp file, then ``os.link`` (atomic, fails if the target exists). Object
-        stores: a conditional PUT (``If-None-Match: *``) where supported, else check-then-put.
+        Local: a staged temp file, fsynced, renamed over ``path``, then the directory fsynced, so the
+        new bytes survive a power loss once this returns.
         """
         try:
             if self.is_local:
                 d = os.path.dirname(path)
                 os.makedirs(d, exist_ok=True)
                 with _staged(d, os.path.basename(path)) as tmp:
-                    with open(tmp, "wb") as f:
-                        f.write(data)
-                        f.flush()
-                        os.fsync(f.fileno())
+                    _write_synced(tmp, data)
+                    os.replace(tmp, path)
+                fsync_dir(d)
+            else:
+                self.fs.pipe_file(path, data)
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+            raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
+
+    def replace_if(self, path: str, data: bytes, version: str | None) -> bool:
+        """Replace ``path`` only if it is still at ``version`` (:meth:`version`); False if it changed.
+
+        Object stores: a conditional PUT (``If-Match``). Local files have no versions: the caller holds
+        a lock, and this is :meth:`write_atomic`.
+        """
+        if self.is_local:
+            self.write_atomic(path, data)
+            return True
+        if version is None:
+            return False
+        try:
+            self.fs.pipe_file(path, data, IfMatch=version)
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and "condition" in str(exc):  # s3fs: 412 PreconditionFailed
+                return False
+            raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+            raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> bool:
+        """Create ``path`` with ``data`` unless it exists; return False if it already existed.
+
+        Local: staged temp file, fsynced, then ``os.link`` (atomic, fails if the target exists), then
+        the directory fsynced. Object stores: a conditional PUT (``If-None-Match: *``) where supported,
+        else check-then-put.
+        """
+        try:
+            if self.is_local:
+                d = os.path.dirname(path)
+                os.makedirs(d, exist_ok=True)
+                with _staged(d, os.path.basename(path)) as tmp:
+                    _write_synced(tmp, data)
                     try:
                         os.link(tmp, path)
                     except FileExistsError:
                         return False
+                fsync_dir(d)
                 return True
             if self.fs.exists(path):
                 return False
@@ -153,20 +199,45 @@ class Location:
         except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
 
+    def link_or_create(self, src: str, dst: str, data: bytes) -> bool:
+        """Make ``dst`` hold ``src``'s bytes (``data``) without ever replacing an existing ``dst``;
+        False if ``dst`` exists. Local: ``os.link`` then a directory fsync; object stores: a
+        conditional create of ``data``. ``src`` is left in place."""
+        if not self.is_local:
+            return self.create_exclusive(dst, data)
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise StorageError(f"cannot link {self.display(src)} to {self.display(dst)}: {exc}") from exc
+        fsync_dir(os.path.dirname(dst))
+        return True
+
     def rename(self, src: str, dst: str) -> None:
-        """Move ``src`` to ``dst`` (atomic locally; copy-then-delete on object stores)."""
+        """Move ``src`` to ``dst`` (atomic locally, then both directories fsynced; copy-then-delete on
+        object stores). Locally any kind of file moves, symlinks and FIFOs included."""
         try:
             if self.is_local:
                 os.replace(src, dst)
+                fsync_dir(os.path.dirname(dst))
+                if os.path.dirname(src) != os.path.dirname(dst):
+                    fsync_dir(os.path.dirname(src))
             else:
                 self.fs.mv(src, dst)
         except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot rename {self.display(src)} to {self.display(dst)}: {exc}") from exc
 
     def delete(self, path: str, recursive: bool = False) -> bool:
-        """Delete ``path``; a missing path is not an error (returns False). Idempotent."""
+        """Delete ``path``; a missing path is not an error (returns False). Idempotent. Locally the
+        parent directory is fsynced after the unlink, so the deletion is durable."""
         try:
-            self.fs.rm(path, recursive=recursive)
+            if self.is_local and not (recursive and os.path.isdir(path) and not os.path.islink(path)):
+                os.unlink(path)
+            else:
+                self.fs.rm(path, recursive=recursive)
+            if self.is_local:
+                fsync_dir(os.path.dirname(path.rstrip("/")) or "/")
             return True
         except FileNotFoundError:
             return False
@@ -175,6 +246,18 @@ class Location:
         finally:
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(path)
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    """Write a new local file and fsync it (its bytes are durable before it is renamed or linked)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:

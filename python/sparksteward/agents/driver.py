@@ -25,12 +25,10 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
 from sparksteward.errors import JobAlreadyCompleted, ProtocolError
-from sparksteward.ids import job_id_from_filename
 from sparksteward.jobs.cleanup import CleanupStep
 from sparksteward.jobs.service import JobService
-from sparksteward.jobscope import TAG_PREFIX
+from sparksteward.jobscope import job_id_from_tag
 from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
-from sparksteward.storage import fsync_dir
 from sparksteward.wire import Connection
 
 __all__ = ["DriverAgent"]
@@ -57,7 +55,6 @@ def _server_dir(state_dir: str) -> str:
             shutil.rmtree(entry, ignore_errors=True)
             swept.append(entry.name)
     if swept:
-        fsync_dir(root)
         log.info("swept %d local blob store(s) of dead driver agents: %s", len(swept), ", ".join(swept))
     path = tempfile.mkdtemp(prefix=f"server-{os.getpid()}-", dir=root)  # 0700
     OwnerRecord.current().write(path)
@@ -66,15 +63,7 @@ def _server_dir(state_dir: str) -> str:
 
 def _scoped_jobs(tags: list[str]) -> list[str]:
     """Job ids named by ``sparksteward-job-<id>`` tags (SparkSession tags carry a prefix)."""
-    found = []
-    for tag in tags:
-        i = tag.find(TAG_PREFIX)
-        if i >= 0:
-            try:
-                found.append(job_id_from_filename(tag[i + len(TAG_PREFIX):].replace("%2C", ",")))
-            except ValueError:
-                continue
-    return found
+    return [job_id for job_id in map(job_id_from_tag, tags) if job_id is not None]
 
 
 class DriverAgent(Agent):

@@ -26,6 +26,11 @@ clean). Step failures never raise to the caller: they are logged and kept in the
 cannot succeed in this process (an unknown kind, an invalid target) fails at once, without retries.
 One that exhausts its attempts also stops being retried. Either way the result stays dirty, for
 ``steward jobs cleanup`` to finish after the cause is fixed.
+
+Runs. Every save and the commit compare the result's ``run_id`` with the stored one (the store's
+compare-and-swap). When a forced re-run of the job id has replaced the entry, the older run's late
+write fails with :class:`~sparksteward.errors.RunConflictError`: the runner logs it and ends with
+``SUPERSEDED`` (the newer run carried the unfinished steps over), never overwriting the newer result.
 """
 
 from __future__ import annotations
@@ -42,14 +47,14 @@ from typing import Any
 import orjson
 
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultNotFoundError,
-                                 StewardError)
+                                 RunConflictError, StewardError)
 from sparksteward.ids import job_id_to_filename, validate_id, validate_job_id
 from sparksteward.jobs.result import JobResult, JobResultEntry, StepState
 from sparksteward.storage import open_location
 from sparksteward.clock import SystemClock
 
 __all__ = ["BlobJobDirCleanup", "CleanupOutcome", "CleanupRunner", "CleanupStep", "CleanupTask", "RetryPolicy",
-           "StepExecutor", "StepRegistry", "delete_path"]
+           "StepExecutor", "StepRegistry", "delete_path", "normalize_path_target", "protect_path"]
 
 log = logging.getLogger("sparksteward.jobs.cleanup")
 
@@ -116,27 +121,107 @@ _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")  # s3://..., file:///..., and
 
 
 def _is_relative_local(target: str) -> bool:
-    return not _SCHEME.match(target) and not os.path.isabs(os.path.expanduser(target))
+    return not _SCHEME.match(target) and not os.path.isabs(target)
+
+
+def _protected_dirs() -> list[str]:
+    """Local directories a cleanup step may never delete, nor any of their parents: the home dir and
+    the steward state dir (read when checking, so a changed ``HOME``/``XDG_STATE_HOME`` counts)."""
+    from sparksteward.config import default_state_dir  # config imports nothing of ours back
+
+    out = [os.path.expanduser("~"), str(default_state_dir())]
+    out.extend(_EXTRA_PROTECTED)
+    return [os.path.normpath(os.path.abspath(p)) for p in out if p]
+
+
+_EXTRA_PROTECTED: list[str] = []
+
+
+def protect_path(path: str) -> None:
+    """Refuse ``path`` (and its parents) as a cleanup target in this process, e.g. a configured state
+    dir outside the default location."""
+    if path and "://" not in path:
+        norm = os.path.normpath(os.path.abspath(os.path.expanduser(path)))
+        if norm not in _EXTRA_PROTECTED:
+            _EXTRA_PROTECTED.append(norm)
+
+
+def _refuse(target: str, rule: str) -> InvalidRecordError:
+    return InvalidRecordError(f"refusing to delete {target!r}: {rule}. Register the directory the job "
+                              f"wrote instead (an absolute path or URL without '.', '..' or '~')")
+
+
+def _split(target: str) -> tuple[str | None, str]:
+    """``(protocol or None for a plain local path, path)``; Hadoop's ``file:/x`` counts as ``file``."""
+    if "://" in target:
+        protocol, rest = target.split("://", 1)
+        return protocol.lower(), rest
+    m = _SCHEME.match(target)
+    if m and len(m.group(0)) > 2:  # 'file:/tmp/x' (not a Windows drive letter such as 'C:')
+        return target[: m.end() - 1].lower(), target[m.end():]
+    return None, target
+
+
+def normalize_path_target(target: str) -> str:
+    """Check a ``delete_path`` target and return its normal form; InvalidRecordError naming the rule.
+
+    Rules, checked on the text as given (nothing is resolved first): no ``~``; no ``.`` or ``..``
+    component; absolute (or a URL). Then the normal form (repeated and trailing slashes removed) must
+    not be a file-system root, a bucket (or any protocol's) root, the home dir, the steward state dir,
+    or a parent of one of them.
+    """
+    if target.startswith("~"):
+        raise _refuse(target, "a path starting with '~' depends on the user that runs the cleanup")
+    protocol, path = _split(target)
+    if path.startswith("~"):
+        raise _refuse(target, "a path starting with '~' depends on the user that runs the cleanup")
+    if any(part in (".", "..") for part in path.replace("\\", "/").split("/")):
+        raise _refuse(target, "it has a '.' or '..' component, which could point anywhere")
+    if protocol is None and not os.path.isabs(target):
+        raise InvalidRecordError(f"cleanup path {target!r} is relative; give an absolute path or a URL, because the "
+                                 f"cleanup may run in another process (the driver agent, a later driver)")
+    local = protocol in (None, "file", "local")
+    if local:
+        if protocol is not None and path and not path.startswith("/"):  # file://host/path is not local
+            raise _refuse(target, "a file:// URL must name an absolute local path (file:///dir)")
+        norm = "/" + "/".join(p for p in path.split("/") if p)
+        if norm == "/":
+            raise _refuse(target, "it is the root of the file system")
+        for protected in _protected_dirs():
+            if protected == norm or protected.startswith(norm.rstrip("/") + "/"):
+                raise _refuse(target, f"it is, or contains, a protected directory ({protected}: the home or the "
+                                      f"steward state dir)")
+        return norm if protocol is None else f"{protocol}://{norm}"
+    parts = [p for p in path.split("/") if p]
+    if len(parts) < 2:
+        raise _refuse(target, f"it is the root of a bucket or of the {protocol}:// file system")
+    return f"{protocol}://{'/'.join(parts)}"
 
 
 def check_path_target(target: str) -> None:
-    """Reject relative local paths: their meaning depends on the process that runs the step."""
-    if _is_relative_local(target):
-        raise InvalidRecordError(f"cleanup path {target!r} is relative; give an absolute path or a URL, because the "
-                                 f"cleanup may run in another process (the driver agent, a later driver)")
+    """Reject a ``delete_path`` target that :func:`normalize_path_target` refuses."""
+    normalize_path_target(target)
 
 
 def delete_path(target: str) -> None:
     """Delete a file or directory (recursively) at any fsspec URL or absolute path.
 
-    A missing path is success, so running it twice is fine. A file-system root or a whole bucket is
-    refused.
+    A missing path is success, so running it twice is fine. The target is checked again right before
+    deleting (:func:`normalize_path_target`), and for a local path its real path (symlinks resolved)
+    is checked too, so a target edited or swapped after it was recorded is still refused.
     """
-    check_path_target(target)
-    loc = open_location(target)
-    root = loc.root.strip("/")
-    if not root or (not loc.is_local and "/" not in root):
-        raise InvalidRecordError(f"refusing to delete {target!r}: it is the root of a file system or a bucket")
+    norm = normalize_path_target(target)
+    loc = open_location(norm)
+    if loc.is_local:
+        real = os.path.realpath(loc.root)
+        if real != loc.root:
+            try:
+                normalize_path_target(real)
+            except InvalidRecordError as exc:
+                raise _refuse(target, f"it resolves through a symbolic link to {real!r}, which is refused: {exc}") \
+                    from exc
+    elif "/" not in loc.root.strip("/"):
+        raise _refuse(target, "it is the root of a bucket")
     if loc.delete(loc.root, recursive=True):
         log.debug("deleted %s", target)
 
@@ -183,16 +268,17 @@ class StepRegistry:
                  blob_job_dir: StepExecutor | None = None) -> None:
         self._lock = threading.Lock()
         self._executors: dict[str, StepExecutor] = {}
-        self._validators: dict[str, Callable[[str], None]] = {}
-        self.register("delete_path", delete_path, validate=check_path_target)
-        self.register("spark_checkpoint_dir", delete_path, validate=check_path_target)
+        self._validators: dict[str, Callable[[str], Any]] = {}
+        self.register("delete_path", delete_path, validate=normalize_path_target)
+        self.register("spark_checkpoint_dir", delete_path, validate=normalize_path_target)
         self.register("blob_job_dir", blob_job_dir or BlobJobDirCleanup(ha_root, cluster_id), validate=validate_job_id)
 
-    def register(self, kind: str, executor: StepExecutor, *, validate: Callable[[str], None] | None = None) -> None:
+    def register(self, kind: str, executor: StepExecutor, *, validate: Callable[[str], Any] | None = None) -> None:
         """Run ``executor(target)`` for steps of ``kind`` (replacing any earlier one).
 
         ``validate(target)``, if given, is called when a step is added and raises
-        InvalidRecordError for targets that can never work.
+        InvalidRecordError for targets that can never work. If it returns a string, that is the
+        target's normal form, which :meth:`prepare` records instead.
         """
         CleanupStep(kind, "x")  # validates the kind
         if not callable(executor):
@@ -223,6 +309,14 @@ class StepRegistry:
             validator = self._validators.get(step.kind)
         if validator is not None:
             validator(step.target)
+
+    def prepare(self, step: CleanupStep) -> CleanupStep:
+        """Validate ``step`` (:meth:`validate`) and return it with its target in normal form."""
+        self._get(step.kind)
+        with self._lock:
+            validator = self._validators.get(step.kind)
+        normal = validator(step.target) if validator is not None else None
+        return CleanupStep(step.kind, normal) if isinstance(normal, str) and normal != step.target else step
 
     def run(self, step: CleanupStep | str, target: str | None = None) -> None:
         """Run one step: ``run(step)`` or ``run(kind, target)``. Raises whatever the executor raises."""
@@ -288,6 +382,7 @@ class CleanupOutcome(str, enum.Enum):
     GAVE_UP = "gave_up"  # some step failed for good or ran out of attempts; the result stays dirty
     STOPPED = "stopped"  # the runner was stopped (shutdown); the result stays dirty for the next driver
     GONE = "gone"  # the dirty result disappeared (deleted); nothing left to do
+    SUPERSEDED = "superseded"  # a newer (forced) run of the job id replaced this run's entry; nothing written
 
 
 class CleanupTask:
@@ -306,6 +401,19 @@ class CleanupTask:
         self.commit_failures = 0
         self.outcome: CleanupOutcome | None = None
         self.finished = threading.Event()
+        self.lease: Any = None  # the live run's store lease, released when the run ends
+        self.deferred = False  # a recovery waiting for a live run's lease (JobService)
+
+    def end(self, outcome: CleanupOutcome) -> None:
+        """Record how the run ended, release its lease and wake waiters (idempotent on the lease)."""
+        self.outcome = outcome
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            try:
+                lease.release()
+            except Exception:  # noqa: BLE001 - a lease file that cannot be removed is released by close anyway
+                log.warning("job %s: could not release its lease", self.job_id, exc_info=True)
+        self.finished.set()
 
     @property
     def job_id(self) -> str:
@@ -445,6 +553,9 @@ class CleanupRunner:
         except JobResultNotFoundError:
             self._gone(task)
             return True
+        except RunConflictError as exc:
+            self._superseded(task, exc)
+            return True
         except Exception as exc:  # noqa: BLE001 - a store outage must not stop the cleanup itself
             task.unsaved = True
             task.entry = JobResultEntry(task.result, False, task.entry.source)
@@ -456,9 +567,11 @@ class CleanupRunner:
             if task.unsaved:  # the committed file should show every step done
                 self.store.update_dirty(task.result)
                 task.unsaved = False
-            entry = self.store.mark_clean(task.job_id)
+            entry = self.store.mark_clean(task.job_id, task.result.run_id)
         except JobResultNotFoundError:
             return self._gone(task)
+        except RunConflictError as exc:
+            return self._superseded(task, exc)
         except CorruptRecordError as exc:
             log.error("job %s: cannot commit, the stored result is unreadable: %s", task.job_id, exc)
             return self._end(task, CleanupOutcome.GAVE_UP)
@@ -481,6 +594,9 @@ class CleanupRunner:
             current = self.store.get(task.job_id)
         except StewardError:
             current = None
+        run_id = task.result.run_id
+        if current is not None and run_id is not None and current.result.run_id not in (None, run_id):
+            return self._superseded(task, None, current)
         if current is not None and current.clean:
             task.entry = current
             log.info("job %s: already committed by another process", task.job_id)
@@ -488,10 +604,23 @@ class CleanupRunner:
         log.warning("job %s: its dirty result was deleted during cleanup; stopping", task.job_id)
         return self._end(task, CleanupOutcome.GONE)
 
+    def _superseded(self, task: CleanupTask, exc: Exception | None, current: JobResultEntry | None = None) -> None:
+        """A newer run of the job id owns the stored entry: stop without writing anything."""
+        if current is None:
+            try:
+                current = self.store.get(task.job_id)
+            except StewardError:
+                current = None
+        if current is not None:
+            task.entry = current
+        log.warning("job %s: run %s was superseded by run %s (a forced re-run); stopping its cleanup without "
+                    "writing. The newer run carries its unfinished steps%s", task.job_id, task.result.run_id,
+                    current.result.run_id if current is not None else "?", f" ({exc})" if exc else "")
+        return self._end(task, CleanupOutcome.SUPERSEDED)
+
     @staticmethod
     def _end(task: CleanupTask, outcome: CleanupOutcome) -> None:
-        task.outcome = outcome
-        task.finished.set()
+        task.end(outcome)
         return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from sparksteward.errors import ConfigError, JobResultNotFoundError, StewardErro
 from sparksteward.jobs.cleanup import RetryPolicy, StepRegistry
 from sparksteward.jobs.result import JobResultEntry
 from sparksteward.jobs.service import JobService
+from sparksteward.jobs.spool import SPOOL_DIR
 from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.tables import table
 
@@ -54,12 +56,16 @@ def _store(args: argparse.Namespace) -> FileSystemJobResultStore:
     return FileSystemJobResultStore(path, cfg.cluster_id)
 
 
-def _service(args: argparse.Namespace, attempts: int = 0, max_backoff: float = 30.0) -> JobService:
+def _service(args: argparse.Namespace, attempts: int = 0, max_backoff: float = 30.0,
+             initial_backoff: float = 1.0) -> JobService:
     cfg = _config(args)
     store = _store(args)
     registry = StepRegistry(args.ha_path or cfg.effective_ha_path, cfg.cluster_id)
+    # this host's spool: results a driver here could not store are written to their store (only to it:
+    # the spool is kept per store) by `steward jobs cleanup`, as by the next driver
     return JobService(store, cluster_id=cfg.cluster_id, registry=registry,
-                      policy=RetryPolicy.exponential(1.0, max(1.0, max_backoff), attempts))
+                      policy=RetryPolicy.exponential(initial_backoff, max(initial_backoff, max_backoff), attempts),
+                      spool_dir=os.path.join(cfg.effective_state_dir, SPOOL_DIR))
 
 
 def _when(ts: float) -> str:
@@ -122,9 +128,12 @@ def _show(args: argparse.Namespace) -> int:
 
 @_guard
 def _cleanup(args: argparse.Namespace) -> int:
-    svc = _service(args, attempts=args.attempts, max_backoff=min(args.timeout / 4, 3600.0))
+    if not args.initial_backoff > 0:
+        raise ConfigError(f"--initial-backoff {args.initial_backoff!r} must be a number of seconds > 0")
+    svc = _service(args, attempts=args.attempts, max_backoff=min(args.timeout / 4, 3600.0),
+                   initial_backoff=args.initial_backoff)
     with svc:
-        started = svc.recover(only=args.job_ids or None)
+        started = svc.recover(only=args.job_ids or None, defer_leased=False)  # a live run finishes its own
         if not started:
             print("no dirty job results" + (f" among {', '.join(args.job_ids)}" if args.job_ids else ""))
             return 0
@@ -205,6 +214,8 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("job_ids", nargs="*", metavar="JOB", help="only these jobs (default: every dirty result)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to keep retrying (default 300)")
     p.add_argument("--attempts", type=int, default=0, help="attempts per step (default: unlimited until --timeout)")
+    p.add_argument("--initial-backoff", type=float, default=1.0,
+                   help="seconds before the first retry of a failed step; doubles per failure (default 1)")
     p.set_defaults(func=_cleanup)
 
     p = jsub.add_parser("prune", help="delete clean results older than a duration")

@@ -200,6 +200,10 @@ class JobResult:
         Any JSON value the job set as its result (at most :data:`MAX_PAYLOAD_BYTES` encoded).
     cleanup
         The state of each cleanup step.
+    run_id
+        The identity of the run that wrote the result (random, one per ``begin``). Every update and
+        commit of a stored entry compares it, so an older run's cleanup never overwrites or commits
+        over a newer run of the same job id. None in records written before runs had identities.
     """
 
     job_id: str
@@ -212,12 +216,14 @@ class JobResult:
     failure: Failure | None = None
     payload: Any = None
     cleanup: tuple[StepState, ...] = ()
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
         validate_id(self.cluster_id, "cluster id")
         record = f"job result {self.job_id!r}"
         _check_str(record, "application_id", self.application_id, optional=True)
+        _check_str(record, "run_id", self.run_id, optional=True, empty=False)
         object.__setattr__(self, "status", JobStatus.parse(self.status))
         object.__setattr__(self, "start_time", _check_time(record, "start_time", self.start_time))
         object.__setattr__(self, "end_time", _check_time(record, "end_time", self.end_time))
@@ -261,6 +267,7 @@ class JobResult:
             "failure": None if self.failure is None else self.failure.to_dict(),
             "payload": self.payload,
             "cleanup": [s.to_dict() for s in self.cleanup],
+            "run_id": self.run_id,
         }
 
     @classmethod
@@ -276,6 +283,7 @@ class JobResult:
             failure=None if failure is None else Failure(failure["type"], failure["message"], failure.get("where", "")),
             payload=d.get("payload"),
             cleanup=tuple(StepState.from_dict(s) for s in d.get("cleanup") or ()),
+            run_id=d.get("run_id"),
         )
 
     def to_json(self) -> bytes:

@@ -6,6 +6,18 @@ the result dirty (synchronously, so it is durable and readable when ``finish`` r
 job's cleanup steps in the background with retries, then commits. ``recover`` finishes the dirty
 results that a previous driver for the same cluster id left behind.
 
+Runs. ``begin`` draws a random run id and takes the job's lease in the store (a job id runs once at a
+time, across processes on a local store); the lease is held until the run's cleanup ends. The run id
+goes into the result, and every update and commit of it is compare-and-swap on that id, so a forced
+re-run (a new run id) can never be overwritten or committed over by an older run's late writes, from
+this process, a ``steward jobs cleanup`` or another driver's recovery. ``recover`` skips jobs whose
+lease is held: a live run is finishing them.
+
+Storing the result. ``finish`` retries a failing store under the cleanup retry policy, for at most
+the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON,
+see :mod:`sparksteward.jobs.spool`) and ``finish`` returns it dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
+before anything else, and ``begin`` refuses a job id whose result is spooled.
+
 Cleanup runs on the service's own threads. One scheduler thread keeps the due time of every result
 being cleaned up. A few worker threads run one pass at a time, so a result waiting an hour for its
 next retry holds no thread. Nothing blocks the caller's thread on cleanup I/O (FLINK-27204). With a
@@ -21,18 +33,23 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
+from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobResultExistsError, JobStoreError,
+                                 StewardError, StorageError)
 from sparksteward.ids import validate_job_id
-from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry
+from sparksteward.jobs.cleanup import (CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry,
+                                       protect_path)
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
 from sparksteward.jobs.store import Listing, job_file_stem, open_store
+from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]
@@ -45,6 +62,11 @@ JOIN_GRACE = 2.0
 """Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
 
 
+def new_run_id() -> str:
+    """A fresh, random run id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
 @dataclass
 class _Running:
     job_id: str
@@ -55,6 +77,17 @@ class _Running:
     spark_jobs: dict[int, SparkJobOutcome] = field(default_factory=dict)
     dropped_spark_jobs: int = 0
     finishing: bool = False
+    run_id: str = ""
+    lease: Any = None
+    replaced: set[str | None] = field(default_factory=set)  # run ids this (forced) run superseded
+
+
+def _completed(job_id: str, cluster_id: str, kind: str, existing: JobResultEntry) -> JobAlreadyCompleted:
+    pending = "" if existing.clean else " Its cleanup has not finished yet; the driver finishes it."
+    return JobAlreadyCompleted(
+        f"job {job_id!r} (cluster {cluster_id!r}) already has a stored result: {existing.status.value}, "
+        f"{existing.state}, in {existing.source}.{pending} It is not run again. To re-run it deliberately, "
+        f"{_rerun_hint(job_id, kind)}.", existing)
 
 
 def _rerun_hint(job_id: str, kind: str) -> str:
@@ -84,13 +117,16 @@ class JobService:
         How long :meth:`close` waits for running cleanups by default.
     workers
         Threads that run cleanup passes.
+    spool_dir
+        A local directory where ``finish`` spools results the store would not take (None: no spool;
+        ``finish`` then raises after its retries).
 
     A context manager; :meth:`close` is idempotent.
     """
 
     def __init__(self, store: Any, *, cluster_id: str | None = None, registry: StepRegistry | None = None,
                  policy: RetryPolicy | None = None, retention: float = 0.0, clock: Any = None,
-                 shutdown_timeout: float = 30.0, workers: int = 4) -> None:
+                 shutdown_timeout: float = 30.0, workers: int = 4, spool_dir: str | None = None) -> None:
         self.store = store
         self.cluster_id = cluster_id or store.cluster_id
         if self.cluster_id != store.cluster_id:
@@ -105,13 +141,15 @@ class JobService:
         self._cond = threading.Condition(threading.RLock())
         self._running: dict[str, _Running] = {}
         self._tasks: dict[str, CleanupTask] = {}
-        self._heap: list[tuple[float, int, str]] = []
+        self._heap: list[tuple[float, int, CleanupTask]] = []
         self._seq = itertools.count()
-        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[CleanupTask | None] = queue.SimpleQueue()
         self._inflight = 0
         self._workers = max(1, workers)
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self.spool = (None if spool_dir is None
+                      else ResultSpool(spool_dir, self.cluster_id, str(getattr(store, "url", repr(store)))))
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
@@ -120,10 +158,12 @@ class JobService:
         ``blob_job_dir`` is the executor ``(job_id) -> None`` for ``blob_job_dir`` steps (the
         BlobServer's ``delete_job``); without it the HA blob directory is deleted directly.
         """
+        protect_path(cfg.effective_state_dir)
         store = open_store(cfg.effective_jrs_path, cfg.cluster_id, cfg.jrs_delete_on_commit)
         registry = StepRegistry(cfg.effective_ha_path, cfg.cluster_id, blob_job_dir=blob_job_dir)
         return cls(store, cluster_id=cfg.cluster_id, registry=registry, policy=RetryPolicy.from_config(cfg),
-                   retention=cfg.jrs_retention, clock=clock, shutdown_timeout=cfg.cleanup_shutdown_timeout)
+                   retention=cfg.jrs_retention, clock=clock, shutdown_timeout=cfg.cleanup_shutdown_timeout,
+                   spool_dir=os.path.join(cfg.effective_state_dir, SPOOL_DIR))
 
     def __repr__(self) -> str:
         return f"JobService({self.store!r})"
@@ -140,8 +180,8 @@ class JobService:
             ``force`` the old result is deleted (with a warning) and the cleanup steps it had not
             finished are carried over to this run.
         JobStoreError
-            If the job is already running in this service, or its previous run is still being
-            cleaned up here.
+            If the job is already running in this service or in another process (its lease is held),
+            or its previous run is still being cleaned up here.
         """
         validate_job_id(job_id)
         job_file_stem(job_id)
@@ -153,22 +193,44 @@ class JobService:
             if job_id in self._running:
                 raise JobStoreError(f"job {job_id!r} is already running in this application; a job id runs once "
                                     f"at a time")
-            job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now())
+            job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now(),
+                                                   run_id=new_run_id())
             cleaning = self._tasks.get(job_id)
+            if cleaning is not None and cleaning.deferred:  # only waiting for another run's lease
+                cleaning = None
         try:
+            if not force and cleaning is None:
+                # a completed job is refused before its lease is taken, so that recovery (which skips
+                # leased jobs) never mistakes this refused begin for a live run
+                existing = self.store.get(job_id)
+                if existing is not None:
+                    raise _completed(job_id, self.cluster_id, kind, existing)
+            if cleaning is None:
+                job.lease = self.store.lease(job_id, job.run_id)
             existing = self.store.get(job_id)
+            spooled = self.spool.for_job(job_id) if existing is None and self.spool is not None else []
+            if existing is None and spooled and not force:
+                raise JobAlreadyCompleted(
+                    f"job {job_id!r} (cluster {self.cluster_id!r}) already has a result, spooled locally at "
+                    f"{spooled[0][0]} because the store was unreachable when it finished; it is written to the store "
+                    f"by the next recovery. It is not run again. To re-run it deliberately, "
+                    f"{_rerun_hint(job_id, kind)}.", JobResultEntry(spooled[0][1], False, spooled[0][0]))
             if cleaning is not None and (force or existing is None):
                 raise JobStoreError(f"job {job_id!r} finished and is still being cleaned up "
                                     f"({cleaning.result.steps_done}/{len(cleaning.result.cleanup)} steps done); wait "
                                     f"for its result to be clean before running it again")
+            for path, old in spooled:  # forced: the older run's spooled result goes, its cleanup comes along
+                log.warning("job %s: forced re-run; deleting its spooled result %s and carrying over its %d cleanup "
+                            "steps", job_id, path, len(old.cleanup))
+                with self._cond:
+                    job.steps.extend(s for s in map(CleanupStep.of, old.cleanup) if s not in job.steps)
+                job.replaced.add(old.run_id)
+                self.spool.remove(path)  # type: ignore[union-attr]
             if existing is not None:
                 if not force:
-                    pending = "" if existing.clean else " Its cleanup has not finished yet; the driver finishes it."
-                    raise JobAlreadyCompleted(
-                        f"job {job_id!r} (cluster {self.cluster_id!r}) already has a stored result: "
-                        f"{existing.status.value}, {existing.state}, in {existing.source}.{pending} It is not "
-                        f"run again. To re-run it deliberately, {_rerun_hint(job_id, kind)}.", existing)
+                    raise _completed(job_id, self.cluster_id, kind, existing)
                 carried = [CleanupStep.of(s) for s in existing.result.cleanup if not s.done]
+                job.replaced.add(existing.result.run_id)
                 log.warning("job %s: forced re-run; deleting its stored %s %s result%s", job_id,
                             existing.status.value, existing.state,
                             f" and carrying over {len(carried)} unfinished cleanup steps" if carried else "")
@@ -178,8 +240,10 @@ class JobService:
         except BaseException:
             with self._cond:
                 self._running.pop(job_id, None)
+            if job.lease is not None:
+                job.lease.release()
             raise
-        log.info("job %s (%s) started", job_id, kind)
+        log.info("job %s (%s) started, run %s", job_id, kind, job.run_id)
 
     def set_application_id(self, job_id: str, application_id: str) -> None:
         with self._cond:
@@ -189,6 +253,12 @@ class JobService:
     def is_running(self, job_id: str) -> bool:
         with self._cond:
             return job_id in self._running
+
+    def run_id(self, job_id: str) -> str | None:
+        """The run id of ``job_id``'s live run in this service, or None."""
+        with self._cond:
+            job = self._running.get(job_id)
+            return None if job is None else job.run_id
 
     def running(self) -> list[str]:
         """Ids of the jobs begun and not yet finished."""
@@ -206,7 +276,7 @@ class JobService:
         """Add a step to run when the job finishes. InvalidRecordError if it can never run here."""
         if not isinstance(step, CleanupStep):
             step = CleanupStep.from_dict(step)
-        self.registry.validate(step)
+        step = self.registry.prepare(step)  # validated, target in normal form
         with self._cond:
             job = self._job(job_id)
             if step not in job.steps:
@@ -246,6 +316,10 @@ class JobService:
         does not wait. Returns the current entry: clean if the commit happened in time, else dirty
         with the steps' progress. If the service is closed, the result is written dirty and its
         cleanup left to the next driver.
+
+        A failing store is retried under the cleanup retry policy for at most the shutdown timeout;
+        then the result is spooled locally (the returned entry's ``source`` is the spool file) and
+        the next JobService stores it and runs its cleanup.
         """
         with self._cond:  # from here on no steps are added; a snapshot of what was recorded
             job = self._job(job_id)
@@ -256,8 +330,9 @@ class JobService:
             result = JobResult(
                 job_id=job_id, cluster_id=self.cluster_id, application_id=application_id,
                 status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
-                spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps))
-            entry = self.store.create_dirty(result)
+                spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps),
+                run_id=job.run_id)
+            entry, spooled = self._store_result(result, job.replaced)
         except BaseException:
             with self._cond:
                 job.finishing = False  # the caller may fix the cause and finish again
@@ -267,14 +342,109 @@ class JobService:
         if job.dropped_spark_jobs:
             log.warning("job %s: %d Spark jobs beyond the first %d were not recorded", job_id,
                         job.dropped_spark_jobs, MAX_SPARK_JOBS)
+        if spooled:
+            if job.lease is not None:
+                job.lease.release()
+            return entry
         log.info("job %s: %s; result written dirty to %s, %d cleanup steps", job_id, result.status.value,
                  entry.source, len(result.cleanup))
-        task = self._schedule(CleanupTask(result, entry.source))
-        if task is None:
+        task = CleanupTask(result, entry.source)
+        task.lease = job.lease
+        if self._schedule(task) is not task:
+            if job.lease is not None:
+                job.lease.release()
             return entry
         if wait is None or wait > 0:
             task.finished.wait(wait)
         return task.entry
+
+    def _store_result(self, result: JobResult, replaced: set[str | None] = frozenset()) -> tuple[JobResultEntry, bool]:
+        """Write ``result`` dirty, retrying store failures under the retry policy for at most the
+        shutdown timeout, then spool it. Returns ``(entry, spooled)``.
+
+        An entry of a run this forced run replaced, committed late by that run's cleanup (possible on
+        object stores, where a commit and the forced delete do not share a lock), is deleted again.
+        """
+        policy = self.runner.policy
+        deadline = self.clock.now() + self.shutdown_timeout
+        failures = 0
+        late_commits = 0
+        while True:
+            try:
+                return self.store.create_dirty(result), False
+            except JobResultExistsError:
+                mine = self._own_entry(result)  # an earlier attempt got through, but its reply did not
+                if mine is not None:
+                    return mine, False
+                try:
+                    existing = self.store.get(result.job_id)
+                except StewardError:
+                    existing = None
+                if existing is None or existing.result.run_id not in replaced or late_commits >= 3:
+                    raise
+                late_commits += 1
+                log.warning("job %s: run %s, which this forced run replaced, committed late (%s); deleting it again",
+                            result.job_id, existing.result.run_id, existing.source)
+                self.store.delete(result.job_id)
+            except CorruptRecordError:
+                raise
+            except (StorageError, OSError) as exc:
+                failures += 1
+                left = deadline - self.clock.now()
+                if policy.exhausted(failures) or left <= 0 or self._stop.is_set():
+                    return self._spool(result, exc, failures), True
+                delay = min(policy.delay(failures), left)
+                log.warning("job %s: could not store its result (attempt %d), retrying in %.3g s: %s",
+                            result.job_id, failures, delay, exc)
+                self.runner.wait(delay)
+
+    def _own_entry(self, result: JobResult) -> JobResultEntry | None:
+        try:
+            entry = self.store.get(result.job_id)
+        except StewardError:
+            return None
+        return entry if entry is not None and entry.result.run_id == result.run_id else None
+
+    def _spool(self, result: JobResult, exc: BaseException, failures: int) -> JobResultEntry:
+        if self.spool is None:
+            raise JobStoreError(f"job {result.job_id!r}: could not store its result after {failures} attempts, and "
+                                f"no spool dir is configured: {exc}") from exc
+        try:
+            path = self.spool.put(result)
+        except StewardError as spool_exc:
+            raise JobStoreError(f"job {result.job_id!r}: could not store its result ({exc}) nor spool it locally "
+                                f"({spool_exc})") from spool_exc
+        log.error("job %s: the store failed %d times (%s); result spooled to %s for the next driver", result.job_id,
+                  failures, exc, path)
+        return JobResultEntry(result, False, path)
+
+    def flush_spool(self) -> list[str]:
+        """Write the results spooled by an earlier ``finish`` to the store (dirty; recovery then runs
+        their cleanup and commits). A result whose job already has another run's entry is dropped, with
+        a warning. Returns the job ids written; a store that still fails leaves the files for later."""
+        written: list[str] = []
+        if self.spool is None:
+            return written
+        for path, result in self.spool.results():
+            if isinstance(result, StewardError):
+                log.error("unreadable spooled job result %s, left in place: %s", path, result)
+                continue
+            if result.cluster_id != self.cluster_id:
+                continue
+            try:
+                self.store.create_dirty(result)
+                written.append(result.job_id)
+                log.info("job %s: stored the result spooled at %s", result.job_id, path)
+            except JobResultExistsError:
+                if self._own_entry(result) is None:
+                    log.warning("job %s: the store holds another run's result; dropping the spooled result %s of "
+                                "run %s", result.job_id, path, result.run_id)
+            except StewardError as exc:
+                log.warning("job %s: the store still fails, keeping its spooled result %s: %s", result.job_id, path,
+                            exc)
+                continue
+            self.spool.remove(path)
+        return written
 
     # --- cleanup scheduling --------------------------------------------------------------------
     def _schedule(self, task: CleanupTask) -> CleanupTask | None:
@@ -283,10 +453,12 @@ class JobService:
                 log.warning("job %s: the job service is closed; its cleanup is left for the next driver", task.job_id)
                 return None
             current = self._tasks.get(task.job_id)
-            if current is not None:
+            if current is not None and current.deferred and not task.deferred:
+                current.end(CleanupOutcome.STOPPED)  # a recovery waiting for this run's lease: this run takes over
+            elif current is not None:
                 return current
             self._tasks[task.job_id] = task
-            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task.job_id))
+            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task))
             if not self._threads:
                 self._start_threads()
             self._cond.notify_all()
@@ -311,9 +483,9 @@ class JobService:
                     continue
                 delta = self._heap[0][0] - self.clock.now()
                 if delta <= 0:
-                    _, _, job_id = heapq.heappop(self._heap)
+                    _, _, task = heapq.heappop(self._heap)
                     self._inflight += 1
-                    self._queue.put(job_id)
+                    self._queue.put(task)
                     continue
                 if real or self._inflight:
                     self._cond.wait(min(delta, 60.0) if real else None)
@@ -322,31 +494,57 @@ class JobService:
 
     def _work(self) -> None:
         while True:
-            job_id = self._queue.get()
-            if job_id is None:
+            task = self._queue.get()
+            if task is None:
                 return
+            job_id = task.job_id
             with self._cond:
-                task = self._tasks.get(job_id)
-                if task is None:  # dropped by close()
+                if self._tasks.get(job_id) is not task:  # dropped by close(), or replaced by a live run's task
                     self._inflight -= 1
                     self._cond.notify_all()
                     continue
             try:
-                due = self.runner.run_pass(task)
+                due = self._resume(task) if task.deferred else self.runner.run_pass(task)
             except Exception:  # noqa: BLE001 - a bug must not kill the worker; retry the pass later
                 task.commit_failures += 1
                 log.exception("job %s: cleanup pass failed unexpectedly; retrying", job_id)
                 due = self.clock.now() + self.runner.policy.delay(task.commit_failures)
             with self._cond:
                 self._inflight -= 1
+                current = self._tasks.get(job_id) is task
                 if due is None or task.outcome is not None or self._stop.is_set():
                     if task.outcome is None:
-                        task.outcome = CleanupOutcome.STOPPED
-                        task.finished.set()
-                    self._tasks.pop(job_id, None)
-                else:
-                    heapq.heappush(self._heap, (due, next(self._seq), job_id))
+                        task.end(CleanupOutcome.STOPPED)
+                    if current:
+                        self._tasks.pop(job_id, None)
+                elif current:
+                    heapq.heappush(self._heap, (due, next(self._seq), task))
                 self._cond.notify_all()
+
+    def _resume(self, task: CleanupTask) -> float | None:
+        """A recovery deferred because a live run held the job's lease: poll the lease; once free, take
+        the job's current entry (a newer run's, if one was stored) and clean it up from now on."""
+        poll = max(0.05, min(self.runner.policy.initial, 1.0))
+        try:
+            if self.store.is_leased(task.job_id):
+                return self.clock.now() + poll
+            current = self.store.get(task.job_id)
+        except (StewardError, OSError) as exc:
+            log.warning("job %s: cannot check its lease or entry, retrying: %s", task.job_id, exc)
+            return self.clock.now() + poll
+        task.deferred = False
+        if current is None or current.clean:
+            task.entry = current or task.entry
+            log.info("job %s: the live run that held it has %s", task.job_id,
+                     "committed it" if current else "removed its result")
+            task.end(CleanupOutcome.COMMITTED if current else CleanupOutcome.GONE)
+            return None
+        if current.result != task.result:
+            task.result, task.entry = current.result, current
+            task.run_attempts = [0] * len(current.result.cleanup)
+        log.info("job %s: no live run holds it any more; finishing its cleanup (%d/%d steps done)", task.job_id,
+                 current.result.steps_done, len(current.result.cleanup))
+        return self.clock.now()
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every cleanup to end; True if none is left."""
@@ -359,15 +557,23 @@ class JobService:
             return sorted(self._tasks)
 
     # --- recovery, reads, retention ------------------------------------------------------------
-    def recover(self, only: Iterable[str] | None = None) -> list[str]:
+    def recover(self, only: Iterable[str] | None = None, *, defer_leased: bool = True) -> list[str]:
         """Finish what a previous driver left: start cleanup for every dirty result in the store
         (or for the ids in ``only``).
 
         Also removes stale dirty files next to clean ones (an interrupted object-store commit) and
-        logs unreadable files. The listing runs in the caller's thread, the cleanup in the
-        background. Returns the ids whose cleanup was started.
+        logs unreadable files. Results spooled by a ``finish`` that could not reach the store are
+        written first (:meth:`flush_spool`). A job whose lease is held (a live run in this or another
+        process) is not touched while it is held: with ``defer_leased`` its recovery waits for the
+        lease (the run may die, or fail before storing a result), else it is skipped. The listing runs
+        in the caller's thread, the cleanup in the background. Returns the ids whose cleanup was
+        started or deferred.
         """
         wanted = None if only is None else set(only)
+        try:
+            self.flush_spool()
+        except StewardError as exc:
+            log.warning("could not write spooled job results: %s", exc)
         listing = self.store.list(state="dirty")
         for path, why in listing.corrupt:
             log.error("unreadable job result %s: %s", path, why)
@@ -384,9 +590,22 @@ class JobService:
                 busy = entry.job_id in self._tasks
             if busy:
                 continue
-            log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
-                     entry.result.steps_done, len(entry.result.cleanup))
-            if self._schedule(CleanupTask(entry.result, entry.source)) is not None:
+            try:
+                leased = self.store.is_leased(entry.job_id)
+            except (StewardError, OSError) as exc:
+                log.warning("job %s: cannot tell whether it is running elsewhere, skipping it: %s", entry.job_id, exc)
+                continue
+            task = CleanupTask(entry.result, entry.source)
+            if leased:
+                log.info("job %s: a live run holds it; not recovering it%s", entry.job_id,
+                         " while it does" if defer_leased else "")
+                if not defer_leased:
+                    continue
+                task.deferred = True
+            else:
+                log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
+                         entry.result.steps_done, len(entry.result.cleanup))
+            if self._schedule(task) is task:
                 started.append(entry.job_id)
         return started
 
@@ -419,7 +638,9 @@ class JobService:
         if unfinished:
             log.warning("jobs %s were still running at shutdown; no result is stored for them", ", ".join(unfinished))
         timeout = self.shutdown_timeout if timeout is None else timeout
-        if not self.wait_idle(timeout):
+        with self._cond:  # recoveries still waiting for another process's live run are not waited for
+            idle = self._cond.wait_for(lambda: all(t.deferred for t in self._tasks.values()), timeout)
+        if not idle:
             log.warning("cleanup of %s did not finish within %.3g s; leaving the results dirty for the next driver "
                         "(or `steward jobs cleanup`)", ", ".join(self.cleaning()), timeout)
         self._stop.set()
@@ -436,9 +657,12 @@ class JobService:
         with self._cond:
             for task in self._tasks.values():
                 if task.outcome is None:
-                    task.outcome = CleanupOutcome.STOPPED
-                    task.finished.set()
+                    task.end(CleanupOutcome.STOPPED)
             self._tasks.clear()
+            leases = [job.lease for job in self._running.values() if job.lease is not None]
+        for lease in leases:  # jobs begun and never finished: no result, and their id is free again
+            lease.release()
+        with self._cond:
             self._heap.clear()
             self._cond.notify_all()
 

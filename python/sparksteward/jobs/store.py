@@ -5,23 +5,34 @@ Two implementations share one contract (``tests/test_jrs_contract.py``):
 - :class:`InMemoryJobResultStore`, for tests and ``spark.steward.jrs.storage-path=memory``;
 - :class:`FileSystemJobResultStore`, on any fsspec URL, laid out as::
 
-      <path>/<cluster-id>/<job>_DIRTY.json   created once and never overwritten by a create;
-                                             rewritten (stage, then rename) as cleanup steps progress
+      <path>/<cluster-id>/<job>_DIRTY.json   created exclusively; rewritten (stage, fsync, rename)
+                                             as cleanup steps progress, by the run that wrote it only
       <path>/<cluster-id>/<job>.json         after the commit (or deleted, with delete-on-commit)
       <path>/<cluster-id>/quarantine/        unreadable files moved aside by ``quarantine``
+      <path>/<cluster-id>/.lock              local stores: the lock every update and commit holds
+      <path>/<cluster-id>/.<job>.lease       local stores: locked while a run of the job is live
 
-Job ids are encoded into file names reversibly (:func:`sparksteward.ids.job_id_to_filename`); ids that
-could escape the directory, or whose encoded name is too long for a file system, are rejected with
-:class:`~sparksteward.errors.InvalidIdError`. The base directory is created lazily by the first
-write, and a missing directory lists as empty (FLINK-26494).
+Job ids are encoded into file names by :func:`sparksteward.ids.job_id_to_filename` (case-unique, bounded
+in length, reversible except for very long ids, whose names end in a hash). Every record stores its
+job id and every read checks it against the id asked for, so a name that a case-insensitive store
+resolves to another job's file is an error, never the other job's result. The base directory is
+created lazily by the first write, and a missing directory lists as empty (FLINK-26494).
 
-An object store's rename is a copy followed by a delete. If a commit dies between the two, both files
-exist: the clean one wins everywhere (``get``, ``list``), the listing reports the job in
-``Listing.stale``, and the next ``mark_clean`` (which recovery runs) removes the stale dirty file.
+Runs. Each run of a job id has a ``run_id`` stored in its record. ``update_dirty`` and ``mark_clean``
+are compare-and-swap on it: on a local store under an exclusive ``flock`` of ``.lock`` (released by
+the kernel if the process dies), on an object store with conditional writes (``If-Match`` on the
+ETag that was read, ``If-None-Match: *`` for creates). A write for another run raises
+:class:`~sparksteward.errors.RunConflictError`. A commit never replaces a clean file: it links (local)
+or conditionally creates (object store) the clean name, then deletes the dirty file; if a clean file
+is already there, the dirty one is deleted instead. A live run holds a lease (:meth:`lease`);
+recovery skips leased jobs (:meth:`is_leased`). Leases exist on local stores (``flock``, so a
+killed process releases them); object stores report no leases.
 
-Unreadable files (partial, unparsable, unknown version) raise
-:class:`~sparksteward.errors.CorruptRecordError` naming the file from ``get``; ``list`` reports them in
-``Listing.corrupt`` and carries on, and ``quarantine`` moves them aside.
+Unreadable files (partial, unparsable, unknown version, holding another job, or not a regular file:
+a FIFO, a symlink, a directory named like an entry) raise
+:class:`~sparksteward.errors.CorruptRecordError` naming the file from ``get``; ``list`` reports them
+in ``Listing.corrupt`` and carries on, and ``quarantine`` moves any of them aside. Local files are
+opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before reading, so nothing blocks.
 
 Thread-safety: every store serializes its operations with a re-entrant lock, so calls may come from
 any thread. They do block on I/O: callers that must stay responsive (the driver agent, FLINK-27204)
@@ -30,40 +41,40 @@ call them from their own worker threads, as :class:`~sparksteward.jobs.service.J
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
+import os
 import posixpath
+import stat
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultExistsError,
-                                 JobResultNotFoundError, StorageError)
-from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
+                                 JobResultNotFoundError, JobStoreError, RunConflictError, StorageError)
+from sparksteward.ids import MAX_STEM_BYTES, is_hashed_filename, job_id_from_filename, job_id_to_filename, validate_id
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
 from sparksteward.storage import Location, open_location
 
 __all__ = ["FileSystemJobResultStore", "InMemoryJobResultStore", "JobResultStore", "JobResultView",
-           "JobResultWriter", "Listing", "MAX_STEM_BYTES", "job_file_stem", "open_store"]
+           "JobResultWriter", "Lease", "Listing", "MAX_STEM_BYTES", "job_file_stem", "open_store", "read_regular"]
 
 log = logging.getLogger("sparksteward.jobs.store")
 
 DIRTY_SUFFIX = "_DIRTY.json"
 CLEAN_SUFFIX = ".json"
 QUARANTINE = "quarantine"
-MAX_STEM_BYTES = 200
-"""Longest encoded job id, in bytes: file names stay under the usual 255-byte limit with room for a
-quarantine suffix."""
+LOCK_NAME = ".lock"
+_HINT = "Move it aside with `steward jobs quarantine`, or delete it if the job may run again."
 
 
 def job_file_stem(job_id: str) -> str:
-    """The file-name stem of ``job_id``; rejects ids that are unsafe or encode too long."""
-    stem = job_id_to_filename(job_id)
-    if len(stem.encode()) > MAX_STEM_BYTES:
-        raise InvalidIdError(f"job id {job_id[:40]!r}... is too long: it encodes to a {len(stem.encode())}-byte file "
-                             f"name and the limit is {MAX_STEM_BYTES} (non-ASCII characters take 6 to 12 bytes "
-                             f"each). Use a shorter id")
-    return stem
+    """The file-name stem of ``job_id`` (at most :data:`MAX_STEM_BYTES` bytes); rejects unsafe ids."""
+    return job_id_to_filename(job_id)
 
 
 @dataclass(frozen=True)
@@ -75,15 +86,38 @@ class Listing:
     entries
         Readable entries, sorted by job id (one per job; a clean file wins over a stale dirty one).
     corrupt
-        ``(file, reason)`` for every file that could not be read as a job result.
+        ``(file, reason)`` for every file that could not be read as a job result; one bad file never
+        fails the whole listing.
     stale
-        Job ids that have a clean file and a leftover dirty file (a commit interrupted on an object
-        store); ``mark_clean`` removes the dirty file.
+        Job ids that have a clean file and a leftover dirty file (an interrupted commit); recovery,
+        ``mark_clean`` and ``prune`` delete the dirty file.
     """
 
     entries: tuple[JobResultEntry, ...] = ()
     corrupt: tuple[tuple[str, str], ...] = ()
     stale: tuple[str, ...] = ()
+
+
+class Lease:
+    """A live run's hold on its job id (see :meth:`FileSystemJobResultStore.lease`); ``release`` is
+    idempotent. The null lease (object stores) holds nothing."""
+
+    def __init__(self, job_id: str, release: Any = None) -> None:
+        self.job_id = job_id
+        self._release = release
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            fn, self._release = self._release, None
+        if fn is not None:
+            fn()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @runtime_checkable
@@ -105,6 +139,10 @@ class JobResultView(Protocol):
         """Every dirty entry: the results whose cleanup has not committed."""
         ...
 
+    def is_leased(self, job_id: str) -> bool:
+        """True if a live run holds ``job_id``'s lease."""
+        ...
+
 
 @runtime_checkable
 class JobResultWriter(Protocol):
@@ -117,11 +155,13 @@ class JobResultWriter(Protocol):
         ...
 
     def update_dirty(self, result: JobResult) -> JobResultEntry:
-        """Replace a dirty entry (cleanup progress); JobResultNotFoundError unless it is dirty."""
+        """Replace the dirty entry of ``result.run_id``; RunConflictError if another run's; JobResultNotFoundError
+        unless it is dirty."""
         ...
 
-    def mark_clean(self, job_id: str) -> JobResultEntry | None:
-        """Commit; no-op when already clean; None with delete-on-commit; JobResultNotFoundError if missing."""
+    def mark_clean(self, job_id: str, run_id: str | None = None) -> JobResultEntry | None:
+        """Commit (for ``run_id`` only, if given); no-op when already clean; None with delete-on-commit;
+        JobResultNotFoundError if missing; RunConflictError if the dirty entry is another run's."""
         ...
 
     def delete(self, job_id: str) -> bool:
@@ -129,11 +169,15 @@ class JobResultWriter(Protocol):
         ...
 
     def prune(self, older_than: float, now: float) -> list[str]:
-        """Delete clean entries that ended more than ``older_than`` seconds before ``now``."""
+        """Delete clean entries that ended more than ``older_than`` seconds before ``now``, and stale dirty files."""
         ...
 
     def quarantine(self, name: str) -> list[str]:
         """Move a file (by name) or a job's files aside; return where they went."""
+        ...
+
+    def lease(self, job_id: str, run_id: str) -> Lease:
+        """Hold ``job_id`` for a live run; JobStoreError if another live run holds it."""
         ...
 
     def close(self) -> None:
@@ -164,6 +208,15 @@ def _exists_error(job_id: str, entry: JobResultEntry) -> JobResultExistsError:
                                 f"{entry.source}; delete it first to store a new one")
 
 
+def _conflict(job_id: str, what: str, mine: str | None, theirs: str | None, where: str) -> RunConflictError:
+    return RunConflictError(f"job {job_id!r}: refusing to {what} for run {mine!r}: {where} belongs to run "
+                            f"{theirs!r} (a newer, forced run of the same job id replaced it). Nothing was written")
+
+
+def _same_run(stored: JobResult, run_id: str | None) -> bool:
+    return run_id is None or stored.run_id is None or stored.run_id == run_id
+
+
 class _StoreBase:
     """What both stores share: filters, pruning, the context-manager protocol."""
 
@@ -178,6 +231,9 @@ class _StoreBase:
     def _delete_clean(self, job_id: str) -> bool:
         raise NotImplementedError
 
+    def _delete_stale(self, job_id: str) -> bool:
+        return False
+
     def _check_cluster(self, result: JobResult) -> None:
         if result.cluster_id != self.cluster_id:
             raise InvalidRecordError(f"job result {result.job_id!r} belongs to cluster {result.cluster_id!r}, but "
@@ -187,15 +243,19 @@ class _StoreBase:
         return list(self.list(state="dirty").entries)
 
     def prune(self, older_than: float, now: float) -> list[str]:
-        """Delete clean entries whose end time is more than ``older_than`` seconds before ``now``.
+        """Delete clean entries whose end time is more than ``older_than`` seconds before ``now``, and
+        every stale dirty file lying next to a clean one.
 
         Dirty entries are never pruned: their cleanup has not finished.
         """
         if older_than < 0:
             raise InvalidRecordError(f"prune: older_than must be >= 0 seconds, not {older_than!r}")
         with self._lock:
-            victims = [e.job_id for e in self.list(state="clean", ended_before=now - older_than).entries]
-            pruned = [job_id for job_id in victims if self._delete_clean(job_id)]
+            listing = self.list(state="clean", ended_before=now - older_than)
+            for job_id in listing.stale:
+                if self._delete_stale(job_id):
+                    log.info("job %s: deleted a stale dirty file next to its committed result", job_id)
+            pruned = [e.job_id for e in listing.entries if self._delete_clean(e.job_id)]
         if pruned:
             log.info("pruned %d clean job results that ended more than %.0f s ago", len(pruned), older_than)
         return pruned
@@ -226,6 +286,7 @@ class InMemoryJobResultStore(_StoreBase):
         self.delete_on_commit = delete_on_commit
         self.url = "memory"
         self._entries: dict[str, JobResultEntry] = {}
+        self._leases: dict[str, str] = {}
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
@@ -264,15 +325,20 @@ class InMemoryJobResultStore(_StoreBase):
             if existing is None or existing.clean:
                 raise JobResultNotFoundError(f"job {result.job_id!r} has no dirty result to update "
                                              f"({'it is already clean' if existing else 'there is none'})")
+            if not _same_run(existing.result, result.run_id):
+                raise _conflict(result.job_id, "update the dirty result", result.run_id, existing.result.run_id,
+                                existing.source)
             entry = self._entries[result.job_id] = JobResultEntry(result, False, existing.source)
             return entry
 
-    def mark_clean(self, job_id: str) -> JobResultEntry | None:
+    def mark_clean(self, job_id: str, run_id: str | None = None) -> JobResultEntry | None:
         job_file_stem(job_id)
         with self._lock:
             existing = self._entries.get(job_id)
             if existing is None:
                 raise JobResultNotFoundError(f"job {job_id!r} has no result to mark clean in {self!r}")
+            if not _same_run(existing.result, run_id):
+                raise _conflict(job_id, "commit", run_id, existing.result.run_id, existing.source)
             if existing.clean:
                 return existing
             if self.delete_on_commit:
@@ -297,6 +363,61 @@ class InMemoryJobResultStore(_StoreBase):
     def quarantine(self, name: str) -> list[str]:
         raise JobResultNotFoundError(f"{name!r}: an in-memory store has no files to quarantine")
 
+    def lease(self, job_id: str, run_id: str) -> Lease:
+        job_file_stem(job_id)
+        with self._lock:
+            holder = self._leases.get(job_id)
+            if holder is not None:
+                raise JobStoreError(f"job {job_id!r} is running (run {holder!r}); a job id runs once at a time")
+            self._leases[job_id] = run_id
+
+        def release() -> None:
+            with self._lock:
+                if self._leases.get(job_id) == run_id:
+                    del self._leases[job_id]
+
+        return Lease(job_id, release)
+
+    def is_leased(self, job_id: str) -> bool:
+        with self._lock:
+            return job_id in self._leases
+
+
+def _stem_id(stem: str) -> str | None:
+    """The job id a stem encodes; None for a hashed stem (the record says); InvalidIdError if foreign."""
+    return None if is_hashed_filename(stem) else job_id_from_filename(stem)
+
+
+class _Unreadable(Exception):
+    """A local file that is not a regular file (reported, never read)."""
+
+
+def read_regular(path: str) -> bytes | None:
+    """The bytes of a local regular file; None if it does not exist. Never follows a symlink and never
+    blocks (a FIFO is detected by ``fstat`` after a non-blocking open)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise _Unreadable("is a symbolic link, not a regular file") from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a file")
+            raise _Unreadable(f"is {kind}, not a regular file")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
 
 class FileSystemJobResultStore(_StoreBase):
     """A JobResultStore in a directory of any fsspec file system. See the module docstring.
@@ -314,6 +435,8 @@ class FileSystemJobResultStore(_StoreBase):
         An already opened root (for tests and shared file systems); overrides ``url``.
     """
 
+    CAS_RETRIES = 5
+
     def __init__(self, url: str, cluster_id: str = "default", delete_on_commit: bool = False,
                  location: Location | None = None) -> None:
         self.cluster_id = validate_id(cluster_id, "cluster id")
@@ -329,93 +452,154 @@ class FileSystemJobResultStore(_StoreBase):
         stem = job_file_stem(job_id)
         return self.base.path(stem + DIRTY_SUFFIX), self.base.path(stem + CLEAN_SUFFIX)
 
-    def _read(self, path: str) -> JobResultEntry | None:
-        try:
-            data = self.base.read_bytes(path)
-        except FileNotFoundError:
-            return None
-        source = self.base.display(path)
-        return JobResultEntry(JobResult.from_json(data, source), not path.endswith(DIRTY_SUFFIX), source)
-
-    def _read_many(self, paths: list[str]) -> dict[str, bytes | Exception]:
-        if not self.base.is_local:
-            return self.base.read_many(paths)  # one concurrent batch on object stores
-        out: dict[str, bytes | Exception] = {}
-        for path in paths:  # plain reads: several times faster than fsspec's per-file open
+    @contextlib.contextmanager
+    def _locked(self, create: bool = False) -> Iterator[None]:
+        """This store's thread lock and, on a local store, an exclusive ``flock`` of ``.lock``: every
+        compare-and-swap runs under it, in this process and any other on the same store. Without
+        ``create``, a store whose directory does not exist yet (so holds nothing) is not created."""
+        with self._lock:
+            if not self.base.is_local or (not create and not os.path.isdir(self.base.root)):
+                yield
+                return
+            os.makedirs(self.base.root, exist_ok=True)
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
             try:
-                with open(path, "rb") as f:
-                    out[path] = f.read()
+                fd = os.open(os.path.join(self.base.root, LOCK_NAME), flags, 0o600)
             except OSError as exc:
-                out[path] = exc
-        return out
+                raise StorageError(f"cannot open the lock file of {self.url}: {exc}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                yield
+            finally:
+                os.close(fd)  # releases the flock
 
     # --- reads -------------------------------------------------------------------------------
+    def _load(self, path: str) -> bytes | None:
+        """A file's bytes, None if missing; CorruptRecordError for a file that is not a regular file."""
+        source = self.base.display(path)
+        try:
+            if self.base.is_local:
+                return read_regular(path)
+            return self.base.read_bytes(path)
+        except FileNotFoundError:
+            return None
+        except _Unreadable as exc:
+            raise CorruptRecordError(f"job result {source} {exc}. {_HINT}") from exc
+        except IsADirectoryError as exc:
+            raise CorruptRecordError(f"job result {source} is a directory, not a file. {_HINT}") from exc
+        except StorageError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"cannot read {source}: {exc}") from exc
+
+    def _parse(self, data: bytes, path: str, stem: str, job_id: str | None) -> JobResultEntry:
+        source = self.base.display(path)
+        result = JobResult.from_json(data, source)
+        if (job_id is not None and result.job_id != job_id) or job_file_stem(result.job_id) != stem:
+            wanted = f"{job_id!r}" if job_id is not None else "the job its name encodes"
+            raise CorruptRecordError(f"job result {source} holds job {result.job_id!r}, not {wanted} (a name clash "
+                                     f"on a case-insensitive store, or a file copied by hand). {_HINT}")
+        return JobResultEntry(result, not path.endswith(DIRTY_SUFFIX), source)
+
+    def _read(self, path: str, job_id: str) -> JobResultEntry | None:
+        data = self._load(path)
+        if data is None:
+            return None
+        return self._parse(data, path, job_file_stem(job_id), job_id)
+
     def get(self, job_id: str) -> JobResultEntry | None:
         dirty, clean = self._paths(job_id)
         with self._lock:
-            return self._read(clean) or self._read(dirty)
+            # dirty first: a commit creates the clean file before it deletes the dirty one, so a dirty
+            # file gone by now means the clean one exists (reading clean first could miss both)
+            dirty_entry = self._read(dirty, job_id)
+            return self._read(clean, job_id) or dirty_entry
 
     def _scan(self) -> tuple[dict[str, dict[bool, str]], list[tuple[str, str]]]:
-        """``{job_id: {clean?: path}}`` from one directory listing, and names that encode no job id."""
+        """``{stem: {clean?: path}}`` from one directory listing, and names that encode no job id."""
         files: dict[str, dict[bool, str]] = {}
         bad: list[tuple[str, str]] = []
-        for info in self.base.listdir():
-            path = info["name"].rstrip("/")
-            name = posixpath.basename(path)
-            if info.get("type") == "directory" or name.startswith(".") or not name.endswith(CLEAN_SUFFIX):
-                continue  # quarantine/, staged temp files, foreign files
+        if self.base.is_local:
+            try:
+                with os.scandir(self.base.root) as it:
+                    names = [(e.name, e.name == QUARANTINE and e.is_dir(follow_symlinks=False)) for e in it]
+            except FileNotFoundError:
+                names = []
+            except OSError as exc:
+                raise StorageError(f"cannot list {self.url}: {exc}") from exc
+        else:
+            names = [(posixpath.basename(i["name"].rstrip("/")),
+                      posixpath.basename(i["name"].rstrip("/")) == QUARANTINE and i.get("type") == "directory")
+                     for i in self.base.listdir()]
+        for name, is_quarantine in names:
+            if is_quarantine or name.startswith(".") or not name.endswith(CLEAN_SUFFIX):
+                continue  # quarantine/, the lock, leases, staged temp files, foreign files
+            path = self.base.path(name)
             is_dirty = name.endswith(DIRTY_SUFFIX)
             stem = name[: -len(DIRTY_SUFFIX if is_dirty else CLEAN_SUFFIX)]
             try:
-                job_id = job_id_from_filename(stem)
-            except (InvalidIdError, UnicodeDecodeError):
+                _stem_id(stem)
+            except InvalidIdError:
                 bad.append((self.base.display(path), f"the file name {name!r} does not encode a job id"))
                 continue
-            files.setdefault(job_id, {})[not is_dirty] = path
+            files.setdefault(stem, {})[not is_dirty] = path
         return files, bad
+
+    def _read_many(self, paths: list[str]) -> dict[str, bytes | Exception]:
+        if not self.base.is_local:
+            try:
+                return self.base.read_many(paths)  # one concurrent batch on object stores
+            except StorageError as exc:
+                return {p: exc for p in paths}
+        out: dict[str, bytes | Exception] = {}
+        for path in paths:
+            try:
+                data = self._load(path)
+                out[path] = FileNotFoundError(path) if data is None else data
+            except Exception as exc:  # noqa: BLE001 - reported per file
+                out[path] = exc
+        return out
 
     def list(self, *, state: str | None = None, status: JobStatus | str | None = None,
              ended_before: float | None = None) -> Listing:
         """Entries matching the filters; one directory listing, then one batch read (concurrent on
-        object stores) of just the files the ``state`` filter needs."""
+        object stores) of just the files the ``state`` filter needs. A file that cannot be read is
+        reported in ``corrupt`` with the reason; it never fails the whole listing."""
         _check_state(state)
         want = _status_filter(status)
         with self._lock:
             files, corrupt = self._scan()
-            stale = sorted(job_id for job_id, f in files.items() if len(f) == 2)
-            wanted: dict[str, tuple[str, bool]] = {}  # path -> (job id, clean)
-            for job_id, f in files.items():
+            wanted: dict[str, tuple[str, bool]] = {}  # path -> (stem, clean)
+            stale_stems = [stem for stem, f in files.items() if len(f) == 2]
+            for stem, f in files.items():
                 clean = True in f
-                if state is None or (state == "clean") == clean:
-                    wanted[f[clean]] = (job_id, clean)
+                if state is None or (state == "clean") == clean or (len(f) == 2 and is_hashed_filename(stem)):
+                    wanted[f[clean]] = (stem, clean)
             blobs = self._read_many(sorted(wanted)) if wanted else {}
-        entries = []
-        for path, (job_id, clean) in sorted(wanted.items()):
+        entries, ids = [], {}
+        for path, (stem, clean) in sorted(wanted.items()):
             data, source = blobs.get(path), self.base.display(path)
             if isinstance(data, FileNotFoundError):
                 continue  # removed since the listing (committed, pruned or deleted)
             if isinstance(data, Exception):
-                raise StorageError(f"cannot read {source} while listing {self.url}: {data}. Retry; if it "
-                                   f"persists, check the store's permissions") from data
+                reason = str(data) if isinstance(data, CorruptRecordError) else f"cannot read it: {data}"
+                corrupt.append((source, reason))
+                continue
             try:
-                result = JobResult.from_json(data, source)  # type: ignore[arg-type]
+                entry = self._parse(data, path, stem, _stem_id(stem))  # type: ignore[arg-type]
             except CorruptRecordError as exc:
                 corrupt.append((source, str(exc)))
                 continue
-            if result.job_id != job_id:
-                corrupt.append((source, f"the file holds job {result.job_id!r}, not {job_id!r} as its name says"))
-                continue
-            entry = JobResultEntry(result, clean, source)
-            if _matches(entry, None, want, ended_before):
+            ids[stem] = entry.job_id
+            if _matches(entry, state, want, ended_before):
                 entries.append(entry)
-        return Listing(tuple(entries), tuple(sorted(corrupt)), tuple(stale))
+        stale = sorted(ids.get(stem) or _stem_id(stem) or stem for stem in stale_stems)
+        return Listing(tuple(sorted(entries, key=lambda e: e.job_id)), tuple(sorted(corrupt)), tuple(stale))
 
     # --- writes ------------------------------------------------------------------------------
-    # Each write does as few requests as it can: on an object store, a missing key costs a HEAD and
-    # a LIST, so existence is checked once, and only where the answer changes what is written.
     def _existing(self, job_id: str, path: str) -> JobResultExistsError:
         try:
-            existing = self._read(path)
+            existing = self._read(path, job_id)
         except CorruptRecordError as exc:
             return JobResultExistsError(f"job {job_id!r} already has a result file that cannot be read: {exc}")
         if existing is None:  # gone again since we looked
@@ -424,13 +608,13 @@ class FileSystemJobResultStore(_StoreBase):
         return _exists_error(job_id, existing)
 
     def create_dirty(self, result: JobResult) -> JobResultEntry:
-        """Create ``<job>_DIRTY.json`` (staged, then linked without overwrite; a conditional PUT on
-        object stores). JobResultExistsError if the job has any file, readable or not."""
+        """Create ``<job>_DIRTY.json`` (staged, fsynced, then linked without overwrite; a conditional PUT
+        on object stores). JobResultExistsError if the job has any file, readable or not."""
         self._check_cluster(result)
         dirty, clean = self._paths(result.job_id)
         data = result.to_json()
-        with self._lock:
-            if self.base.exists(clean):
+        with self._locked(create=True):
+            if self.base.lexists(clean):
                 raise self._existing(result.job_id, clean)
             self.base.makedirs()
             if not self.base.create_exclusive(dirty, data):
@@ -438,33 +622,51 @@ class FileSystemJobResultStore(_StoreBase):
         log.debug("created %s", self.base.display(dirty))
         return JobResultEntry(result, False, self.base.display(dirty))
 
+    def _current_dirty(self, job_id: str, dirty: str, clean: str) -> tuple[JobResultEntry, str | None]:
+        """The dirty entry and its version (ETag on object stores, read first); JobResultNotFoundError if none."""
+        version = self.base.version(dirty)
+        entry = self._read(dirty, job_id)
+        if entry is None:
+            if self.base.lexists(clean):
+                raise JobResultNotFoundError(f"job {job_id!r} is already clean at {self.base.display(clean)}; its "
+                                             f"dirty result cannot be updated")
+            raise JobResultNotFoundError(f"job {job_id!r} has no dirty result to update at "
+                                         f"{self.base.display(dirty)}")
+        return entry, version
+
     def update_dirty(self, result: JobResult) -> JobResultEntry:
-        """Rewrite a dirty entry (stage, then rename; one PUT on object stores)."""
+        """Rewrite the dirty entry of ``result.run_id`` (compare-and-swap on the stored run id: under the
+        store's lock locally, ``If-Match`` on object stores). RunConflictError if it is another run's."""
         self._check_cluster(result)
         dirty, clean = self._paths(result.job_id)
-        with self._lock:
-            if not self.base.exists(dirty):
-                if self.base.exists(clean):
-                    raise JobResultNotFoundError(f"job {result.job_id!r} is already clean at "
-                                                 f"{self.base.display(clean)}; its dirty result cannot be updated")
-                raise JobResultNotFoundError(f"job {result.job_id!r} has no dirty result to update at "
-                                             f"{self.base.display(dirty)}")
-            self.base.write_atomic(dirty, result.to_json())
-        return JobResultEntry(result, False, self.base.display(dirty))
+        data = result.to_json()
+        for _ in range(self.CAS_RETRIES):
+            with self._locked():
+                current, version = self._current_dirty(result.job_id, dirty, clean)
+                if not _same_run(current.result, result.run_id):
+                    raise _conflict(result.job_id, "update the dirty result", result.run_id, current.result.run_id,
+                                    current.source)
+                if self.base.replace_if(dirty, data, version):
+                    return JobResultEntry(result, False, self.base.display(dirty))
+            log.debug("job %s: %s changed while it was updated; reading it again", result.job_id, dirty)
+        raise StorageError(f"job {result.job_id!r}: {self.base.display(dirty)} kept changing during "
+                           f"{self.CAS_RETRIES} conditional writes; retry")
 
-    def mark_clean(self, job_id: str) -> JobResultEntry | None:
-        """Commit: rename ``_DIRTY.json`` to ``.json`` (or delete it, with delete-on-commit).
+    def mark_clean(self, job_id: str, run_id: str | None = None) -> JobResultEntry | None:
+        """Commit: create ``.json`` without overwriting (a link locally, ``If-None-Match`` on object
+        stores), then delete ``_DIRTY.json`` (or only delete it, with delete-on-commit).
 
-        Already clean: a no-op. Missing: JobResultNotFoundError. A stale dirty file next to a clean
-        one (an interrupted object-store rename) holds the same bytes, so committing it again
-        simply completes that rename.
+        Already clean: a no-op, and a leftover dirty file next to the clean one is deleted (a clean
+        file is never replaced). Missing: JobResultNotFoundError. ``run_id`` given and the dirty
+        entry is another run's: RunConflictError.
         """
         dirty, clean = self._paths(job_id)
-        with self._lock:
+        with self._locked():
+            version = self.base.version(dirty)  # object stores: the dirty object's ETag, checked before deleting it
             try:
-                entry = self._read(dirty)  # a corrupt dirty file is not committed: it raises here
+                entry = self._read(dirty, job_id)  # a corrupt dirty file is not committed: it raises here
             except CorruptRecordError:
-                committed = self._read(clean)
+                committed = self._read(clean, job_id)
                 if committed is None:
                     raise
                 log.warning("job %s: removing the unreadable stale %s; the committed %s wins", job_id,
@@ -472,44 +674,84 @@ class FileSystemJobResultStore(_StoreBase):
                 self.base.delete(dirty)
                 return committed
             if entry is None:
-                committed = self._read(clean)
+                committed = self._read(clean, job_id)
                 if committed is None:
                     raise JobResultNotFoundError(f"job {job_id!r} has no result to mark clean in {self.url}")
+                if not _same_run(committed.result, run_id):
+                    raise _conflict(job_id, "commit", run_id, committed.result.run_id, committed.source)
                 return committed
+            if not _same_run(entry.result, run_id):
+                raise _conflict(job_id, "commit", run_id, entry.result.run_id, entry.source)
             if self.delete_on_commit:
                 self.base.delete(dirty)
                 return None
-            self.base.rename(dirty, clean)
+            data = entry.result.to_json()
+            if not self.base.link_or_create(dirty, clean, data):
+                committed = self._read(clean, job_id)
+                if self._late_older_commit(committed, entry) and self.base.replace_if(clean, data,
+                                                                                     self.base.version(clean)):
+                    log.warning("job %s: replaced %s, committed late by the older run %s, with run %s's result",
+                                job_id, self.base.display(clean), committed.result.run_id,  # type: ignore[union-attr]
+                                entry.result.run_id)
+                    self._delete_dirty_if(dirty, version)
+                    return JobResultEntry(entry.result, True, self.base.display(clean))
+                log.warning("job %s: a committed result already exists at %s; deleting the dirty %s instead of "
+                            "replacing it", job_id, self.base.display(clean), entry.source)
+                self._delete_dirty_if(dirty, version)
+                return committed
+            self._delete_dirty_if(dirty, version)
         return JobResultEntry(entry.result, True, self.base.display(clean))
+
+    def _late_older_commit(self, committed: JobResultEntry | None, entry: JobResultEntry) -> bool:
+        """On an object store (no lock between a commit and a forced re-run's delete), a clean entry of
+        another run next to this run's dirty one was committed late by an older run: a dirty entry is
+        only created when no clean one exists, and a forced re-run deletes the older run's files first."""
+        return (not self.base.is_local and committed is not None and entry.result.run_id is not None
+                and committed.result.run_id not in (None, entry.result.run_id))
+
+    def _delete_dirty_if(self, dirty: str, version: str | None) -> None:
+        """Delete the dirty file we committed; on an object store only if it is still the object we read
+        (a newer run may have replaced it meanwhile; its own commit deletes it then)."""
+        if not self.base.is_local and version is not None and self.base.version(dirty) not in (None, version):
+            log.warning("%s changed while it was committed (a newer run wrote it); leaving it",
+                        self.base.display(dirty))
+            return
+        self.base.delete(dirty)
 
     def delete(self, job_id: str) -> bool:
         paths = self._paths(job_id)
-        with self._lock:  # object stores delete missing keys silently: ask first, for the return value
-            present = [p for p in paths if self.base.exists(p)]
+        with self._locked():  # object stores delete missing keys silently: ask first, for the return value
+            present = [p for p in paths if self.base.lexists(p)]
             for path in present:
                 self.base.delete(path)
         return bool(present)
 
     def _delete_clean(self, job_id: str) -> bool:
         _, clean = self._paths(job_id)
-        with self._lock:
+        with self._locked():
             return self.base.delete(clean)
+
+    def _delete_stale(self, job_id: str) -> bool:
+        dirty, clean = self._paths(job_id)
+        with self._locked():
+            return self.base.lexists(clean) and self.base.delete(dirty)
 
     def quarantine(self, name: str) -> list[str]:
         """Move files to ``<cluster-id>/quarantine/``, so listings stop reporting them.
 
-        ``name`` is a file name in the store (``x_DIRTY.json``) or a job id (all of its files).
+        ``name`` is a file name in the store (``x_DIRTY.json``) or a job id (all of its files). Any
+        kind of file moves: a symlink (even a loop), a FIFO, a directory named like an entry.
         Returns the new locations.
         """
-        with self._lock:
+        with self._locked():
             paths: list[str] = []
             if name.endswith(CLEAN_SUFFIX) and "/" not in name and not name.startswith("."):
                 candidate = self.base.path(name)
-                if self.base.exists(candidate):
+                if self.base.lexists(candidate):
                     paths = [candidate]
             if not paths:
                 try:
-                    paths = [p for p in self._paths(name) if self.base.exists(p)]
+                    paths = [p for p in self._paths(name) if self.base.lexists(p)]
                 except InvalidIdError as exc:
                     raise InvalidIdError(f"{name!r} is neither a file of {self.url} nor a job id: {exc}") from exc
             if not paths:
@@ -520,12 +762,67 @@ class FileSystemJobResultStore(_StoreBase):
             for src in paths:
                 base = posixpath.basename(src)
                 dst = target.path(base)
-                if target.exists(dst):
+                if target.lexists(dst):
                     dst = target.path(f"{base}.{uuid.uuid4().hex[:8]}")
                 self.base.rename(src, dst)
                 log.warning("quarantined %s to %s", self.base.display(src), self.base.display(dst))
                 moved.append(self.base.display(dst))
             return moved
+
+    # --- leases --------------------------------------------------------------------------------
+    def _lease_path(self, job_id: str) -> str:
+        return os.path.join(self.base.root, f".{job_file_stem(job_id)}.lease")
+
+    def lease(self, job_id: str, run_id: str) -> Lease:
+        """Hold ``job_id`` for a live run: an exclusive ``flock`` of ``.<job>.lease`` on local stores,
+        released on :meth:`Lease.release` or when the process dies. JobStoreError if held elsewhere.
+        Object stores: a null lease (recovery cannot tell a live run there)."""
+        path = self._lease_path(job_id)
+        if not self.base.is_local:
+            return Lease(job_id)
+        os.makedirs(self.base.root, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while True:
+            fd = os.open(path, flags, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise JobStoreError(f"job {job_id!r} is running in another process (it holds {path}); a job id runs "
+                                    f"once at a time. Wait for it to finish") from None
+            try:  # the file we locked must still be the one at the path (a releaser may have unlinked it)
+                same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, run_id.encode())
+
+        def release() -> None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # while still locked: a waiter that opened this inode re-checks the path
+            os.close(fd)
+
+        return Lease(job_id, release)
+
+    def is_leased(self, job_id: str) -> bool:
+        """True if a live run holds ``job_id``'s lease (local stores; always False on object stores)."""
+        if not self.base.is_local:
+            return False
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(self._lease_path(job_id), flags)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        return False
 
 
 def open_store(url: str, cluster_id: str = "default",
