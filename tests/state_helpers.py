@@ -25,3 +25,22 @@ def store_url(request, tmp_path):
         return str(tmp_path / "checkpoints")
     s3 = request.getfixturevalue("_s3_server")
     return s3.url(f"chk-{uuid.uuid4().hex[:8]}")
+
+
+def checkpoint_backends(storage, backends, checkpoint_id, snap_root, known=frozenset()):
+    """Snapshot and upload every subtask's backend; write and return ``chk-<id>/_metadata``.
+
+    What the executor agents (async phase) and the coordinator will do, in one process.
+    """
+    from sparksteward.checkpoint.records import CheckpointMetadata
+
+    handles, uploaded = [], 0
+    for i, b in enumerate(backends):
+        snap = b.snapshot(snap_root / f"chk-{checkpoint_id}-{i}")
+        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=known)
+        handles.append(r.handle)
+        uploaded += r.bytes_uploaded
+    meta = CheckpointMetadata(storage.state, checkpoint_id, len(backends), backends[0].max_parallelism,
+                              tuple(handles), key_type=backends[0].key_type)
+    storage.write_metadata(meta)
+    return meta, uploaded
