@@ -29,7 +29,7 @@ import posixpath
 import re
 import shutil
 import uuid
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,8 +107,14 @@ class CheckpointStorage:
 
     # --- upload (async phase) ----------------------------------------------------------------
     def upload_snapshot(self, snapshot_dir: str | os.PathLike[str], subtask: int, key_groups: KeyGroupRange,
-                        known: Container[str] = frozenset(), cache: LocalFileCache | None = None) -> UploadResult:
-        """Upload the files of a local snapshot that ``known`` (checksums) lacks; return the handle."""
+                        known: Container[str] | Mapping[str, str] = frozenset(),
+                        cache: LocalFileCache | None = None) -> UploadResult:
+        """Upload the files of a local snapshot whose checksum ``known`` lacks; return the handle.
+
+        ``known`` holds the checksums the registry already has (the files of the base checkpoint).
+        As a mapping ``checksum -> path`` it also says where a known file lives, so a file of a
+        claimed or restored checkpoint keeps its path instead of being uploaded again.
+        """
         snapshot_dir = Path(snapshot_dir)
         files: list[FileHandle] = []
         uploaded: list[str] = []
@@ -116,11 +122,13 @@ class CheckpointStorage:
         for local in sorted(p for p in snapshot_dir.iterdir() if p.is_file()):
             checksum = hash_file(local).hex()
             size = local.stat().st_size
-            rel = shared_path(checksum)
-            files.append(FileHandle(name=local.name, path=rel, length=size, checksum=checksum))
             if checksum in known:
+                path = known[checksum] if isinstance(known, Mapping) else shared_path(checksum)
+                files.append(FileHandle(name=local.name, path=path, length=size, checksum=checksum))
                 reused += 1
                 continue
+            rel = shared_path(checksum)
+            files.append(FileHandle(name=local.name, path=rel, length=size, checksum=checksum))
             self._put(local, rel)
             uploaded.append(rel)
             sent += size
@@ -189,6 +197,15 @@ class CheckpointStorage:
         for info in self.location.listdir(self.location.path("shared")):
             name = posixpath.basename(info["name"].rstrip("/"))
             if not name.startswith("."):
+                out.add(posixpath.join("shared", name))
+        return out
+
+    def staged_files(self) -> set[str]:
+        """Relative paths of staged uploads left under ``shared/`` by a crash (local stores only)."""
+        out = set()
+        for info in self.location.listdir(self.location.path("shared")):
+            name = posixpath.basename(info["name"].rstrip("/"))
+            if name.startswith(".") and name.endswith(".tmp"):
                 out.add(posixpath.join("shared", name))
         return out
 
