@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
-from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRecordError, StewardError
 from sparksteward.state.keygroups import KeyType, key_group_range, validate_parallelism
@@ -92,7 +92,10 @@ class CheckpointCoordinator:
     # --- start -------------------------------------------------------------------------------
     def _recover(self) -> None:
         unreadable = []
-        for cid in self.storage.checkpoint_ids():
+        ids = self.storage.checkpoint_ids()
+        if self.storage.has_restored():  # the restore_from starting point, kept as checkpoint RESTORED (-1)
+            ids.insert(0, RESTORED)
+        for cid in ids:
             try:
                 meta = self.storage.read_metadata(cid)
             except StewardError as exc:
@@ -113,12 +116,19 @@ class CheckpointCoordinator:
     # --- queries -----------------------------------------------------------------------------
     @property
     def last_completed(self) -> int | None:
+        """The newest checkpoint completed by this state (not the restored starting point)."""
         with self._lock:
-            return max(self._completed) if self._completed else None
+            return max((c for c in self._completed if c != RESTORED), default=None)
 
     def retained(self) -> list[int]:
+        """Retained completed checkpoints; ``RESTORED`` (-1) while the restored starting point is kept."""
         with self._lock:
             return sorted(self._completed)
+
+    @property
+    def restored(self) -> CheckpointMetadata | None:
+        with self._lock:
+            return self._completed.get(RESTORED)
 
     def pending(self) -> list[int]:
         with self._lock:
@@ -238,7 +248,7 @@ class CheckpointCoordinator:
     def _protected(self) -> set[int]:
         keep = set(sorted(self._completed)[-self.num_retained:])
         keep.update(p.base_id for p in self._pending.values() if p.base_id is not None)
-        last = max(self._completed) if self._completed else None
+        last = self.last_completed
         if last is not None and (self._latest_begun is None or self._latest_begun <= last):
             # nothing newer has begun: a re-run of `last` may still come, and it needs last's base
             base = max((c for c in self._completed if c < last), default=None)

@@ -41,7 +41,8 @@ from sparksteward.ids import validate_id
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
 
-__all__ = ["METADATA_FILE", "CheckpointStorage", "RestoreStats", "UploadResult", "checkpoint_dir_name", "open_checkpoint"]
+__all__ = ["METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult", "checkpoint_dir_name",
+           "open_checkpoint"]
 
 log = logging.getLogger("sparksteward.checkpoint.storage")
 
@@ -49,8 +50,12 @@ METADATA_FILE = "_metadata"
 _CHK = re.compile(r"^chk-(\d+)$")
 
 
+RESTORED = -1  # the id under which a restored (restore_from) checkpoint is kept: ``restored/_metadata``
+
+
 def checkpoint_dir_name(checkpoint_id: int) -> str:
-    return f"chk-{checkpoint_id}"
+    """``chk-<N>``, or ``restored`` for the checkpoint a state was restored from."""
+    return "restored" if checkpoint_id == RESTORED else f"chk-{checkpoint_id}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,9 +167,9 @@ class CheckpointStorage:
     def metadata_path(self, checkpoint_id: int) -> str:
         return self.location.path(checkpoint_dir_name(checkpoint_id), METADATA_FILE)
 
-    def write_metadata(self, meta: CheckpointMetadata) -> str:
-        """Write ``chk-<N>/_metadata`` atomically; return its URL."""
-        path = self.metadata_path(meta.checkpoint_id)
+    def write_metadata(self, meta: CheckpointMetadata, as_id: int | None = None) -> str:
+        """Write ``chk-<N>/_metadata`` (or ``restored/_metadata`` for RESTORED) atomically; return its URL."""
+        path = self.metadata_path(meta.checkpoint_id if as_id is None else as_id)
         self.location.write_atomic(path, meta.to_bytes())
         return self.location.display(path)
 
@@ -187,6 +192,9 @@ class CheckpointStorage:
             if m and self.location.exists(self.metadata_path(int(m.group(1)))):
                 ids.append(int(m.group(1)))
         return sorted(ids)
+
+    def has_restored(self) -> bool:
+        return self.location.exists(self.metadata_path(RESTORED))
 
     def delete_checkpoint_dir(self, checkpoint_id: int) -> None:
         self.location.delete(self.location.path(checkpoint_dir_name(checkpoint_id)), recursive=True)
