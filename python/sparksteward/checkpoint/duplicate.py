@@ -140,14 +140,18 @@ class Duplicator:
     def _s3(self, pairs: list[tuple[str, str]]) -> None:
         loc = open_location(pairs[0][0])
         fs = loc.fs
-        for src, dst in pairs:
-            try:
-                fs.copy(src, dst)  # s3fs: CopyObject (multipart copy above 5 GB), no bytes through us
-            except FileNotFoundError as exc:
-                raise CheckpointNotFoundError(f"cannot duplicate {src}: it does not exist") from exc
-            except Exception as exc:  # noqa: BLE001 - backend errors become ours here
-                raise StorageError(f"cannot copy {src} to {dst} on the server: {exc}") from exc
-            self._count(server_side=1)
+        srcs = [fs._strip_protocol(s) for s, _ in pairs]
+        dsts = [fs._strip_protocol(d) for _, d in pairs]
+        try:
+            # s3fs: one CopyObject per file (multipart copy above 5 GB), issued concurrently; no bytes
+            # pass through this process
+            fs.copy(srcs, dsts, on_error="raise")
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"cannot duplicate {exc.filename or exc}: it does not exist") from exc
+        except Exception as exc:  # noqa: BLE001 - backend errors become ours here
+            raise StorageError(f"cannot copy {len(pairs)} files on the server ({srcs[0]} -> {dsts[0]}, ...): "
+                               f"{exc}") from exc
+        self._count(server_side=len(pairs))
 
     # --- any other pair -----------------------------------------------------------------------
     def _stream(self, src: str, dst: str) -> None:
