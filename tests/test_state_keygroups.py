@@ -41,6 +41,9 @@ def test_hash_and_key_group_match_spark_sql(key_type):
 def test_python_types_imply_spark_types():
     assert KeyType.of("x") is KeyType.STRING and KeyType.of(5) is KeyType.LONG and KeyType.of(b"") is KeyType.BINARY
     assert key_group(1, 128) == 50  # a Python int is a long, as in Spark's type inference
+    import numpy as np  # pandas hands numpy scalars to per-key functions
+
+    assert key_group(np.int64(42), 128) == 94 and key_group(np.int32(7), 128, "int") == 119
     with pytest.raises(StateEncodingError, match=r"key 1\.5 of type float cannot be a state key"):
         key_group(1.5, 128)
     with pytest.raises(StateEncodingError, match="not a valid int key"):

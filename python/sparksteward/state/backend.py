@@ -46,7 +46,8 @@ from sparksteward.state.encoding import (
 )
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_bytes, key_group_of_bytes
 
-__all__ = ["ListState", "LocalSnapshot", "MapState", "RocksDBStateBackend", "ValueState", "db_options"]
+__all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "LocalSnapshot", "MapState",
+           "RocksDBStateBackend", "ValueState", "db_options"]
 
 log = logging.getLogger("sparksteward.state.backend")
 
@@ -404,6 +405,34 @@ class ListState(_View):
 
     def clear(self, key: object) -> None:
         self.backend.db.delete(self._raw_key(key))
+
+    def bind(self, key: object) -> BoundListState:
+        return BoundListState(self, key)
+
+
+class BoundListState:
+    """A :class:`ListState` fixed to one key."""
+
+    __slots__ = ("_key", "_state")
+
+    def __init__(self, state: ListState, key: object) -> None:
+        self._state = state
+        self._key = key
+
+    def get(self) -> list[Any]:
+        return self._state.get(self._key)
+
+    def add(self, value: object) -> None:
+        self._state.add(self._key, value)
+
+    def add_all(self, values: Iterable[object]) -> None:
+        self._state.add_all(self._key, values)
+
+    def update(self, values: Iterable[object]) -> None:
+        self._state.update(self._key, values)
+
+    def clear(self) -> None:
+        self._state.clear(self._key)
 
 
 def _bounded_scan(db: rocksdict.Rdict, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]:

@@ -25,6 +25,7 @@ subtask ``g * P // M``.
 from __future__ import annotations
 
 import enum
+import numbers
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ class KeyType(str, enum.Enum):
             return cls.STRING
         if isinstance(key, (bytes, bytearray, memoryview)):
             return cls.BINARY
-        if isinstance(key, int) and not isinstance(key, bool):
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):  # int, numpy integers
             return cls.LONG
         raise StateEncodingError(
             f"key {key!r} of type {type(key).__name__} cannot be a state key: use a str, int or bytes key "
@@ -101,9 +102,9 @@ def key_bytes(key: object, key_type: KeyType | str | None = None) -> bytes:
             if not isinstance(key, (bytes, bytearray, memoryview)):
                 raise TypeError
             return bytes(key)
-        if isinstance(key, bool) or not isinstance(key, int):
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral):
             raise TypeError
-        return (_LONG if kt is KeyType.LONG else _INT).pack(key)
+        return (_LONG if kt is KeyType.LONG else _INT).pack(int(key))
     except (TypeError, struct.error, UnicodeEncodeError) as exc:
         raise StateEncodingError(
             f"key {key!r} ({type(key).__name__}) is not a valid {kt.value} key: "
