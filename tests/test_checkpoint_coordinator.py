@@ -27,9 +27,9 @@ M, P = 16, 2
 KEYS = [f"user-{i}" for i in range(20_000)]
 
 
-def _run_batch(coord, storage, tmp_path, checkpoint_id, batch, *, ack=True, attempt="a"):
+def _run_batch(coord, storage, tmp_path, checkpoint_id, batch, *, ack=True, attempt="a", begin=True):
     """What one batch does on every subtask: restore the base, count, snapshot, upload, ack."""
-    begun = coord.begin(checkpoint_id)
+    begun = coord.begin(checkpoint_id) if begin else coord.base(checkpoint_id)
     results = []
     for i in range(P):
         work = tmp_path / f"work-{checkpoint_id}-{attempt}-{i}"
@@ -200,3 +200,21 @@ def test_orphans_of_a_sigkilled_uploader_are_swept(tmp_path, store_url):
     restarted = CheckpointCoordinator(storage, P, M)
     assert storage.shared_files() == before and not storage.staged_files()
     assert restarted.swept >= 2
+
+
+def test_a_speculative_duplicate_ack_replaces_the_first_and_its_files_go(tmp_path, store_url):
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _, first = _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    _, second = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
+    coord.ack(0, second[0])  # a speculative copy of subtask 0 finished last
+    meta = coord.complete(0)
+    assert meta.subtasks[0] == second[0].handle
+    referenced = meta.physical_paths()
+    replaced = set(first[0].uploaded) - referenced
+    assert replaced and not replaced & storage.shared_files()  # the first copy's own files were deleted
+    # the speculative run's subtask-1 uploads were never reported (an agent that died): only a start sweeps them
+    assert storage.shared_files() - referenced <= set(second[1].uploaded)
+    CheckpointCoordinator(storage, P, M)
+    _assert_files_match_refs(coord, storage)
+    assert _counts(storage, meta, tmp_path, "spec") == _expected(BATCHES[:1])

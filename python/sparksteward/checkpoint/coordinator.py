@@ -180,6 +180,21 @@ class CheckpointCoordinator:
             known = {f.checksum: f.path for f in base.files()} if base else {}
             return BeginResult(checkpoint_id, base, known, rerun)
 
+    def base(self, checkpoint_id: int) -> BeginResult:
+        """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
+
+        What a task (a first, retried or speculative one) asks before it restores its subtask; only
+        the driver's ``begin`` starts an attempt.
+        """
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending: call begin first")
+            base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+            known = {f.checksum: f.path for f in base.files()} if base else {}
+            return BeginResult(checkpoint_id, base, known, pending.rerun)
+
     def ack(self, checkpoint_id: int, result: UploadResult | SubtaskHandle,
             uploaded: tuple[str, ...] = ()) -> None:
         """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint."""
