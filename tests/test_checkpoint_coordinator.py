@@ -14,9 +14,9 @@ import pytest
 
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.rescale import restore_subtask_backend
+from sparksteward.checkpoint.rescale import open_subtask, restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.errors import CheckpointError, CheckpointOrderError
+from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.testing.clock import FakeClock
@@ -31,14 +31,12 @@ def _run_batch(coord, storage, tmp_path, checkpoint_id, batch, *, ack=True, atte
     """What one batch does on every subtask: restore the base, count, snapshot, upload, ack."""
     begun = coord.begin(checkpoint_id) if begin else coord.base(checkpoint_id)
     results = []
-    for i in range(P):
+    p = coord.parallelism
+    for i in range(p):
         work = tmp_path / f"work-{checkpoint_id}-{attempt}-{i}"
         cache = LocalFileCache(tmp_path / f"cache-{i}")
-        if begun.base is None:
-            b = RocksDBStateBackend(work, key_group_range(M, P, i), M)
-        else:
-            b, _ = restore_subtask_backend(storage, begun.base, i, work, cache)
-        mine = [k for k in batch if subtask_for_key_group(M, P, key_group(k, M)) == i]
+        b, _ = open_subtask(storage, begun.base, p, i, work, cache, max_parallelism=M)
+        mine = [k for k in batch if subtask_for_key_group(M, p, key_group(k, M)) == i]
         s = b.value("count")
         s.put_many(mine, [(c or 0) + 1 for c in s.get_many(mine)])
         snap = b.snapshot(tmp_path / f"snap-{checkpoint_id}-{attempt}-{i}")
@@ -218,3 +216,30 @@ def test_a_speculative_duplicate_ack_replaces_the_first_and_its_files_go(tmp_pat
     CheckpointCoordinator(storage, P, M)
     _assert_files_match_refs(coord, storage)
     assert _counts(storage, meta, tmp_path, "spec") == _expected(BATCHES[:1])
+
+
+def test_restart_with_another_max_parallelism_or_key_type_is_refused(tmp_path, store_url):
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    coord.complete(0)
+    with pytest.raises(ParallelismError, match=r"state 'clicks' was checkpointed with max_parallelism=16 "
+                                               r"\(checkpoint 0\) and cannot be restored with max_parallelism=32"):
+        CheckpointCoordinator(storage, P, 32)
+    with pytest.raises(StateEncodingError, match="checkpointed with string keys .* cannot continue with long keys"):
+        CheckpointCoordinator(storage, P, M, key_type="long")
+    with pytest.raises(StateEncodingError, match="cast the key column to string"):
+        open_subtask(storage, coord.completed(0), P, 0, tmp_path / "x", LocalFileCache(tmp_path / "c"),
+                     max_parallelism=M, key_type="long")
+
+
+def test_a_new_parallelism_continues_the_same_state(tmp_path, store_url):
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    coord.complete(0)
+    wider = CheckpointCoordinator(storage, 5, M)  # the query restarted with parallelism 5
+    _run_batch(wider, storage, tmp_path, 1, BATCHES[1])
+    meta = wider.complete(1)
+    assert meta.parallelism == 5
+    assert _counts(storage, meta, tmp_path, "p5") == _expected(BATCHES[:2])

@@ -37,9 +37,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
+from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
 from sparksteward.clock import Clock, SystemClock
-from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRecordError, StewardError
+from sparksteward.errors import (
+    CheckpointError,
+    CheckpointOrderError,
+    InvalidRecordError,
+    StateEncodingError,
+    StewardError,
+)
 from sparksteward.state.keygroups import KeyType, key_group_range, validate_parallelism
 
 __all__ = ["BeginResult", "CheckpointCoordinator"]
@@ -102,6 +109,7 @@ class CheckpointCoordinator:
                 log.warning("checkpoint %d of %s is unreadable, keeping its files: %s", cid, self.storage.state, exc)
                 unreadable.append(cid)
                 continue
+            self._check_compatible(meta)
             self._completed[cid] = meta
             self._refs.update(meta.physical_paths())
         self._subsume()
@@ -112,6 +120,14 @@ class CheckpointCoordinator:
         if orphans:
             self.swept = self.storage.delete_files(orphans)
             log.info("swept %d orphaned files of %s", self.swept, self.storage.state)
+
+    def _check_compatible(self, meta: CheckpointMetadata) -> None:
+        check_max_parallelism(meta, self.max_parallelism)
+        if meta.key_type is not self.key_type:
+            raise StateEncodingError(
+                f"state {meta.state!r} was checkpointed with {meta.key_type.value} keys (checkpoint "
+                f"{meta.checkpoint_id}) and cannot continue with {self.key_type.value} keys: cast the key column "
+                f"to {meta.key_type.value}, or start a new state")
 
     # --- queries -----------------------------------------------------------------------------
     @property

@@ -27,11 +27,11 @@ import rocksdict
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.errors import ParallelismError
+from sparksteward.errors import ParallelismError, StateEncodingError
 from sparksteward.state.backend import DB_DIR, RocksDBStateBackend, db_options
-from sparksteward.state.keygroups import KeyGroupRange, key_group_range, validate_parallelism
+from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
 
-__all__ = ["RescaleStats", "check_max_parallelism", "overlapping_subtasks", "rebuild_subtask",
+__all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "rebuild_subtask",
            "restore_subtask_backend"]
 
 log = logging.getLogger("sparksteward.checkpoint.rescale")
@@ -63,6 +63,30 @@ def overlapping_subtasks(meta: CheckpointMetadata, new_range: KeyGroupRange) -> 
     """Old subtasks overlapping ``new_range``, largest overlap first (ties: lower index first)."""
     found = [(h, h.key_groups.overlap(new_range)) for h in meta.subtasks]
     return sorted(((h, n) for h, n in found if n > 0), key=lambda hn: (-hn[1], hn[0].subtask))
+
+
+def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
+                 workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int,
+                 key_type: KeyType | str = KeyType.STRING, compact: bool = False,
+                 ) -> tuple[RocksDBStateBackend, RescaleStats | None]:
+    """What a task does before it processes checkpoint N: open subtask ``index``'s DB in ``workdir``.
+
+    A new, empty DB when ``base`` is None (the first checkpoint of a new state); otherwise ``base``'s
+    files restored, rescaled when ``parallelism`` differs from the base's. A changed max parallelism or
+    key type is refused.
+    """
+    if base is None:
+        backend = RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
+                                      key_type, create=True)
+        return backend, None
+    check_max_parallelism(base, max_parallelism)
+    if KeyType.parse(key_type) is not base.key_type:
+        raise StateEncodingError(
+            f"state {base.state!r} was checkpointed with {base.key_type.value} keys (checkpoint "
+            f"{base.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
+            f"column to {base.key_type.value}")
+    return rebuild_subtask(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                           compact=compact)
 
 
 def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata, index: int,
