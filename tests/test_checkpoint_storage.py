@@ -168,3 +168,17 @@ def test_records_validate(tmp_path):
         CheckpointMetadata("s", 1, 2, 8, (h0,))
     meta = CheckpointMetadata("s", 1, 2, 8, (h0, SubtaskHandle(1, KeyGroupRange(4, 8), ())))
     assert CheckpointMetadata.from_bytes(meta.to_bytes(), "x") == meta
+
+
+def test_cache_evicts_least_recently_used_beyond_its_limit(two_checkpoints, tmp_path):
+    storage, r1, r2 = two_checkpoints
+    meta1 = storage.read_metadata(1)
+    limit = 200_000
+    cache = LocalFileCache(tmp_path / "cache", max_bytes=limit)
+    storage.restore_subtask(meta1, meta1.subtasks[0], tmp_path / "r1" / "db", cache)
+    assert cache.size <= max(limit, max(f.length for f in r1.handle.files))
+    with RocksDBStateBackend(tmp_path / "r1", ALL, M, create=False) as b:  # the DB kept its own links
+        assert sum(1 for _ in b.iter_raw()) == N_KEYS
+    (tmp_path / "cache" / ".x.tmp").write_bytes(b"partial")
+    again = LocalFileCache(tmp_path / "cache", max_bytes=limit)  # restart: leftovers go, sizes are rebuilt
+    assert not (tmp_path / "cache" / ".x.tmp").exists() and again.size == cache.size

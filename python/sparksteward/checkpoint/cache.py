@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -31,11 +32,42 @@ _CHUNK = 4 << 20
 class LocalFileCache:
     """Content-addressed files under ``root`` (created if missing; owned by the executor agent)."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], max_bytes: int | None = None) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
+        found = []
+        for p in self.root.iterdir():
+            if p.name.startswith("."):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()  # a download cut short by a crash
+                continue
+            st = p.stat()
+            found.append((st.st_mtime, p.name, st.st_size))
+        self._lru: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in sorted(found))
+
+    @property
+    def size(self) -> int:
+        with self._lock:
+            return sum(self._lru.values())
+
+    def _touch(self, checksum: str, size: int | None = None) -> None:
+        with self._lock:
+            if size is not None:
+                self._lru[checksum] = size
+            if checksum in self._lru:
+                self._lru.move_to_end(checksum)
+            if self.max_bytes is None:
+                return
+            total = sum(self._lru.values())
+            while total > self.max_bytes and len(self._lru) > 1:
+                victim, vsize = self._lru.popitem(last=False)
+                with contextlib.suppress(FileNotFoundError):
+                    self.path(victim).unlink()
+                total -= vsize
+                log.debug("evicted %s (%d bytes) from the checkpoint file cache", victim, vsize)
 
     def path(self, checksum: str) -> Path:
         return self.root / checksum
@@ -49,7 +81,10 @@ class LocalFileCache:
             log.warning("cached checkpoint file %s does not match its checksum; dropping it", p)
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
+            with self._lock:
+                self._lru.pop(checksum, None)
             return None
+        self._touch(checksum, p.stat().st_size)
         return p
 
     def adopt(self, local: Path, checksum: str) -> None:
@@ -59,6 +94,7 @@ class LocalFileCache:
             return
         try:
             os.link(local, p)
+            self._touch(checksum, p.stat().st_size)
         except FileExistsError:
             pass
         except OSError as exc:  # another file system: not worth a copy
@@ -108,6 +144,7 @@ class LocalFileCache:
                 raise on_mismatch(actual if size == length else f"{size} of {length} bytes")
             os.chmod(tmp, 0o444)
             os.replace(tmp, self.path(checksum))
+            self._touch(checksum, size)
             return size
         finally:
             with contextlib.suppress(FileNotFoundError):
