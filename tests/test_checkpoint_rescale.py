@@ -41,7 +41,7 @@ def _rescale(tmp_path, storage, meta, parallelism, checkpoint_id):
         cache = LocalFileCache(tmp_path / f"cache-{checkpoint_id}-{j}")  # one executor per subtask: honest counts
         b, st = rebuild_subtask(storage, meta, parallelism, j, tmp_path / f"w{checkpoint_id}-{j}", cache)
         backends.append(b)
-        stats.append(st)
+        stats.append((st, set(cache.entries())))  # what was actually downloaded
     new_meta, _ = checkpoint_backends(storage, backends, checkpoint_id, tmp_path / "snaps")
     return backends, stats, new_meta
 
@@ -72,13 +72,15 @@ def test_rescale_8_to_3_to_16_keeps_every_key_and_reads_only_overlaps(tmp_path, 
         backends, stats, new_meta = _rescale(tmp_path, storage, meta, parallelism, checkpoint_id)
         elapsed = time.perf_counter() - t
         print(f"\nrescale {meta.parallelism} -> {parallelism} of {N_KEYS} keys: {elapsed:.2f} s "
-              f"(incl. checkpoint), per subtask {[round(s.seconds, 2) for s in stats]}")
-        for j, st in enumerate(stats):
+              f"(incl. checkpoint), per subtask {[round(s.seconds, 2) for s, _ in stats]}")
+        for j, (st, downloaded) in enumerate(stats):
             new_range = key_group_range(M, parallelism, j)
             overlapping = {h.subtask for h, _ in overlapping_subtasks(meta, new_range)}
             assert {st.base, *st.ingested_from} == overlapping
             allowed = {f.path for h in meta.subtasks if h.subtask in overlapping for f in h.files}
             assert set(st.files_read) == allowed  # read every overlapping old DB, and nothing else
+            # the bytes that came over the wire: exactly the overlapping DBs' files
+            assert downloaded == {f.checksum for h in meta.subtasks if h.subtask in overlapping for f in h.files}
             others = {f.path for h in meta.subtasks if h.subtask not in overlapping for f in h.files} - allowed
             assert not set(st.files_read) & others
             assert st.files_downloaded <= len(allowed)
