@@ -10,7 +10,7 @@ import pytest
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.rescale import overlapping_subtasks, rebuild_subtask, restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.errors import ParallelismError
+from sparksteward.errors import CheckpointNotFoundError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
@@ -107,3 +107,19 @@ def test_changed_max_parallelism_is_refused(tmp_path, store_url):
     assert not (tmp_path / "n").exists()
     with pytest.raises(ParallelismError, match="parallelism=200 is out of range"):
         rebuild_subtask(storage, meta, 200, 0, tmp_path / "n", LocalFileCache(tmp_path / "c"))
+
+
+def test_a_failed_rescale_leaves_no_half_built_db(tmp_path, store_url):
+    storage = CheckpointStorage.open(store_url, "sums")
+    backends = [RocksDBStateBackend(tmp_path / f"w{i}", key_group_range(M, 2, i), M) for i in range(2)]
+    for b in backends:
+        keys = [f"k{i}" for i in range(3000) if key_group(f"k{i}", M) in b.key_groups]
+        b.value("s").put_many(keys, [1] * len(keys))
+    meta, _ = checkpoint_backends(storage, backends, 1, tmp_path / "snaps")
+    for b in backends:
+        b.close()
+    victim = next(f for f in meta.subtasks[1].files if f.name.endswith(".sst"))
+    storage.delete_files([victim.path])  # the second DB to ingest is missing a file
+    with pytest.raises(CheckpointNotFoundError, match=rf"{victim.name} .* subtask 1 is missing"):
+        rebuild_subtask(storage, meta, 1, 0, tmp_path / "new", LocalFileCache(tmp_path / "c"))
+    assert not (tmp_path / "new" / "db").exists()

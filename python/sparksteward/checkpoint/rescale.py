@@ -147,6 +147,7 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
                 shutil.rmtree(scratch, ignore_errors=True)
     except BaseException:
         backend.close()
+        shutil.rmtree(workdir / DB_DIR, ignore_errors=True)  # nothing half-built stays behind
         raise
     stats = RescaleStats(index, new_range, base.subtask, tuple(ingested), tuple(files_read), downloaded, keys,
                          time.perf_counter() - started)
