@@ -175,3 +175,16 @@ def test_a_sigkilled_owner_leaves_a_reopenable_dir_and_an_intact_snapshot(tmp_pa
     os.rename(tmp_path / "snap", tmp_path / "r" / "db")
     with RocksDBStateBackend(tmp_path / "r", ALL, M, create=False) as b:
         assert b.value("s").get_many([f"k{i}" for i in range(50000)]) == [1] * 50000
+
+
+@pytest.mark.parametrize("key_type,keys", [("string", ["", "a", "héllo", "x" * 300]), ("long", [0, -1, 2**62]),
+                                           ("int", [0, -7, 2**31 - 1]), ("binary", [b"", b"\x00\xff"])])
+def test_the_vectorized_key_path_encodes_exactly_like_the_single_key_path(tmp_path, key_type, keys):
+    with RocksDBStateBackend(tmp_path / "w", ALL, M, key_type) as b:
+        v = b.value("count")
+        assert v._raw_keys(keys) == [v._raw_key(k) for k in keys]
+    with RocksDBStateBackend(tmp_path / "w2", key_group_range(M, 64, 0), M, key_type) as b:
+        outside = [k for k in keys if key_group(k, M, key_type) not in b.key_groups]
+        if outside:
+            with pytest.raises(StateEncodingError, match="which this subtask does not own"):
+                b.value("count").get_many(outside)
