@@ -1,8 +1,9 @@
 """The ``steward`` command (also ``python -m sparksteward``).
 
 Subcommands: ``jar`` (print the shim jar's path, building it if needed), ``config`` (the option table),
-``jobs`` (the JobResultStore) and ``blobs`` (blob storage). Errors print one line naming the problem
-and exit with status 2; there are no tracebacks for expected failures.
+``jobs`` (the JobResultStore), ``blobs`` (blob storage) and ``checkpoints`` (keyed-state checkpoints).
+Errors print one line naming the problem and exit with status 2; there are no tracebacks for expected
+failures.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sparksteward.errors import StewardError
 
 __all__ = ["main"]
 
-_GROUPS = ("sparksteward.jobs.cli", "sparksteward.blob.cli")
+_GROUPS = ("sparksteward.jobs.cli", "sparksteward.blob.cli", "sparksteward.checkpoint.cli")
 
 
 def _cmd_jar(args: argparse.Namespace) -> int:

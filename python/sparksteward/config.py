@@ -218,6 +218,40 @@ OPTIONS: tuple[Option, ...] = (
            "result dirty for the next driver to finish.", check=_nonneg),
 )
 
+# --- keyed state and checkpoints (issue 8) ------------------------------------------------------
+OPTIONS = OPTIONS + (
+    Option("spark.steward.checkpoint.dir", "url", "",
+           "fsspec URL under which keyed-state checkpoints live, as <dir>/<cluster-id>/<state>/ "
+           "(chk-<N>/_metadata, shared/). Empty means <state-dir>/checkpoints. A keyed_state's "
+           "checkpoint_dir argument overrides it."),
+    Option("spark.steward.checkpoint.num-retained", "int", "1",
+           "Completed checkpoints kept per state. The base of the last completed checkpoint is also "
+           "kept until the next one begins, so a re-run batch can restore it.",
+           check=lambda v: v >= 1, allowed="an integer >= 1"),
+    Option("spark.steward.checkpoint.claim-mode", "str", "no_claim",
+           "How restore_from takes another state's checkpoint: no_claim duplicates its files (S3 "
+           "CopyObject, hard links: no bytes through the executors); claim references them without "
+           "copying, so they must be left alone.",
+           check=lambda v: v in ("no_claim", "claim"), allowed="no_claim or claim"),
+    Option("spark.steward.checkpoint.commit-timeout", "duration", "10min",
+           "How long commit(batch) waits for every subtask to acknowledge its upload before the "
+           "checkpoint is aborted.", check=_positive),
+    Option("spark.steward.checkpoint.upload-threads", "int", "4",
+           "Threads per executor agent that upload checkpoint files (the async phase).",
+           check=lambda v: 1 <= v <= 64, allowed="an integer from 1 to 64"),
+    Option("spark.steward.state.max-parallelism", "int", "128",
+           "Default number of key groups of a keyed state (its largest possible parallelism). It "
+           "cannot change once a state has a checkpoint.",
+           check=lambda v: 1 <= v <= 32768, allowed="an integer from 1 to 32768"),
+    Option("spark.steward.state.local-dir", "url", "",
+           "Local directory for the RocksDB working dirs, snapshots and the checkpoint file cache of "
+           "each executor agent. Empty means a fresh directory under the executor's local dirs, "
+           "deleted when the agent exits."),
+    Option("spark.steward.state.cache.max-size", "bytes", "10g",
+           "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
+           check=_positive),
+)
+
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 _BY_DEPRECATED: dict[str, Option] = {k: o for o in OPTIONS for k in o.deprecated_keys}
 

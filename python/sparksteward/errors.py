@@ -20,11 +20,19 @@ Tree::
     │   ├── CorruptRecordError (ValueError)       CORRUPT_RECORD
     │   └── ChecksumMismatchError                 CHECKSUM
     ├── BlobNotFoundError (FileNotFoundError)     BLOB_NOT_FOUND
-    └── JobStoreError                             JOB_STORE
-        ├── JobResultExistsError (FileExistsError)   JOB_RESULT_EXISTS
-        ├── JobAlreadyCompleted                      JOB_ALREADY_COMPLETED
-        ├── JobResultNotFoundError (KeyError)        JOB_RESULT_NOT_FOUND
-        └── RunConflictError                         JOB_RUN_CONFLICT
+    ├── JobStoreError                             JOB_STORE
+    │   ├── JobResultExistsError (FileExistsError)   JOB_RESULT_EXISTS
+    │   ├── JobAlreadyCompleted                      JOB_ALREADY_COMPLETED
+    │   ├── JobResultNotFoundError (KeyError)        JOB_RESULT_NOT_FOUND
+    │   └── RunConflictError                         JOB_RUN_CONFLICT
+    ├── StateError                                STATE
+    │   ├── StateEncodingError (ValueError)       STATE_ENCODING
+    │   ├── ParallelismError (ValueError)         PARALLELISM
+    │   └── StateBackendError                     STATE_BACKEND
+    └── CheckpointError                           CHECKPOINT
+        ├── CheckpointNotFoundError (FileNotFoundError)  CHECKPOINT_NOT_FOUND
+        ├── CheckpointCorruptError (ValueError)          CHECKPOINT_CORRUPT
+        └── CheckpointOrderError (ValueError)            CHECKPOINT_ORDER
 """
 
 from __future__ import annotations
@@ -35,6 +43,10 @@ __all__ = [
     "AgentUnavailableError",
     "AuthenticationError",
     "BlobNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointOrderError",
     "ChecksumMismatchError",
     "ConfigError",
     "CorruptRecordError",
@@ -45,10 +57,14 @@ __all__ = [
     "JobResultNotFoundError",
     "JobStoreError",
     "MessageTooLargeError",
+    "ParallelismError",
     "ProtocolError",
     "RunConflictError",
     "RemoteError",
     "ShimBuildError",
+    "StateBackendError",
+    "StateEncodingError",
+    "StateError",
     "StewardError",
     "StorageError",
     "error_from_code",
@@ -193,6 +209,55 @@ class RunConflictError(JobStoreError):
     the job is live in another process); the write was refused."""
 
     code = "JOB_RUN_CONFLICT"
+
+
+# --- keyed state and checkpoints (issue 8) ------------------------------------------------------
+class StateError(StewardError):
+    """A keyed-state operation failed."""
+
+    code = "STATE"
+
+
+class StateEncodingError(StateError, ValueError):
+    """A key or value cannot be encoded (or stored bytes cannot be decoded); the message names it."""
+
+    code = "STATE_ENCODING"
+
+
+class ParallelismError(StateError, ValueError):
+    """A parallelism or max parallelism is out of range, or the max parallelism changed on restore."""
+
+    code = "PARALLELISM"
+
+
+class StateBackendError(StateError):
+    """The local RocksDB of a subtask cannot be opened, written or snapshotted; the message names the dir."""
+
+    code = "STATE_BACKEND"
+
+
+class CheckpointError(StewardError):
+    """A checkpoint could not be written, read, restored or coordinated."""
+
+    code = "CHECKPOINT"
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint, its ``_metadata`` or one of its files does not exist."""
+
+    code = "CHECKPOINT_NOT_FOUND"
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A checkpoint record or file is unreadable, of a newer version, or does not match its checksum."""
+
+    code = "CHECKPOINT_CORRUPT"
+
+
+class CheckpointOrderError(CheckpointError, ValueError):
+    """A checkpoint id is used out of order (older than the last completed one, or not begun)."""
+
+    code = "CHECKPOINT_ORDER"
 
 
 _BY_CODE: dict[str, type[StewardError]] = {}

@@ -1,0 +1,171 @@
+"""Keyed-state layers below Spark (issue 8): sync phase, incremental checkpoints, restore, rescale and
+NO_CLAIM fast duplication, on 1M keys (``BENCH_KEYS``), without Spark.
+
+- sync phase: ``Checkpoint.create_checkpoint`` per subtask after a 1% update (p50, max);
+- incremental: bytes uploaded by the first checkpoint and by each next one after updating 1% of keys;
+- restore: one subtask's files into a cold cache (download) and a warm one (hard links);
+- rescale 8 -> 4 and 8 -> 3 -> 16 through ``rebuild_subtask`` (base DB + delete_range + SstFileWriter);
+- NO_CLAIM restore of a retained checkpoint into another state dir: fast duplication vs downloading
+  and re-uploading the same files, on file:// and on moto S3.
+
+moto serves S3 from this process on loopback, so S3 numbers measure the client path, not a real
+store. Single runs on a loaded 2-core machine: quote ratios measured side by side.
+Run: ``python benchmarks/bench_state_core.py``
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.rescale import rebuild_subtask
+from sparksteward.checkpoint.restore import restore_from
+from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
+
+KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))
+M, P = 128, 8
+MB = 1 << 20
+
+
+def checkpoint(coord, storage, backends, cid, snaps, stats):
+    begun = coord.begin(cid)
+    sync = []
+    uploaded = 0
+    for i, b in enumerate(backends):
+        snap = b.snapshot(snaps / f"{cid}-{i}")
+        sync.append(snap.sync_ms)
+        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known)
+        uploaded += r.bytes_uploaded
+        coord.ack(cid, r)
+        shutil.rmtree(snap.path)
+    meta = coord.complete(cid)
+    stats.append((cid, uploaded, sync))
+    return meta
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    root = Path(tempfile.mkdtemp(prefix="bench-state-"))
+    try:
+        run(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(root: Path) -> None:
+    storage = CheckpointStorage.open(str(root / "chk"), "bench")
+    coord = CheckpointCoordinator(storage, P, M)
+    backends = [RocksDBStateBackend(root / f"w{i}", key_group_range(M, P, i), M, "long") for i in range(P)]
+    by = [[] for _ in range(P)]
+    for k in range(KEYS):
+        by[subtask_for_key_group(M, P, key_group(k, M))].append(k)
+    t = time.perf_counter()
+    for b, ks in zip(backends, by):
+        b.value("agg").put_many(ks, [{"count": 1, "sum": k} for k in ks])
+    load_s = time.perf_counter() - t
+    print(f"load {KEYS:,} keys into {P} subtasks: {load_s:.1f} s ({KEYS / load_s:,.0f} keys/s, put_many)")
+
+    stats: list = []
+    meta = checkpoint(coord, storage, backends, 0, root / "snaps", stats)
+    step = max(1, KEYS // 100)
+    for cid in range(1, 6):
+        t = time.perf_counter()
+        for b, ks in zip(backends, by):
+            upd = ks[(cid * 7919) % max(1, len(ks) - len(ks) // 100):][: len(ks) // 100]
+            s = b.value("agg")
+            old = s.get_many(upd)
+            s.put_many(upd, [{"count": o["count"] + 1, "sum": o["sum"] + k} for o, k in zip(old, upd)])
+        meta = checkpoint(coord, storage, backends, cid, root / "snaps", stats)
+    sync_all = [ms for _, _, sync in stats[1:] for ms in sync]
+    print(f"sync phase after a 1% update, per subtask: p50 {statistics.median(sync_all):.1f} ms, "
+          f"max {max(sync_all):.1f} ms (first, full: max {max(stats[0][2]):.1f} ms)")
+    for cid, up, _ in stats:
+        print(f"  checkpoint {cid}: uploaded {up / MB:8.2f} MB")
+    total = meta.size
+    print(f"state size {total / MB:.1f} MB in {len(meta.files())} files; ~{step:,} keys updated per checkpoint")
+    for b in backends:
+        b.close()
+
+    # restore one subtask: cold (download) and warm (cache hit)
+    cache = LocalFileCache(root / "cache")
+    t = time.perf_counter()
+    storage.restore_subtask(meta, meta.subtasks[0], root / "r-cold" / "db", cache)
+    cold = time.perf_counter() - t
+    t = time.perf_counter()
+    storage.restore_subtask(meta, meta.subtasks[0], root / "r-warm" / "db", cache)
+    warm = time.perf_counter() - t
+    print(f"restore subtask 0 ({meta.subtasks[0].size / MB:.1f} MB): cold {cold * 1000:.0f} ms, "
+          f"warm (hard links) {warm * 1000:.0f} ms")
+
+    # rescale
+    for target in (4, 3):
+        t = time.perf_counter()
+        new = []
+        for j in range(target):
+            b, _ = rebuild_subtask(storage, meta, target, j, root / f"rs{target}-{j}", LocalFileCache(root / f"rc{target}"))
+            new.append(b)
+        el = time.perf_counter() - t
+        print(f"rescale {P} -> {target}: {el:.2f} s for {KEYS:,} keys (all new subtasks, one process)")
+        if target == 3:
+            s3 = CheckpointStorage.open(str(root / "chk"), "bench3")
+            c3 = CheckpointCoordinator(s3, 3, M)
+            meta3 = checkpoint(c3, s3, new, 0, root / "snaps3", [])
+            t = time.perf_counter()
+            for j in range(16):
+                b, _ = rebuild_subtask(s3, meta3, 16, j, root / f"rs16-{j}", LocalFileCache(root / "rc16"))
+                b.close()
+            print(f"rescale 3 -> 16: {time.perf_counter() - t:.2f} s")
+        for b in new:
+            b.close()
+
+    # NO_CLAIM restore: fast duplication vs download + re-upload
+    for label, url in (("file", str(root / "other")), ("s3", None)):
+        if url is None:
+            try:
+                from sparksteward.testing.s3 import local_s3
+            except ImportError:
+                continue
+            with local_s3() as s3:
+                bench_duplication(label, storage, meta, s3.url("src"), s3.url("dst"), root)
+        else:
+            bench_duplication(label, storage, meta, None, url, root)
+
+
+def bench_duplication(label, local_storage, meta, src_url, dst_url, root) -> None:
+    src = local_storage
+    if src_url is not None:  # put the checkpoint on that store first
+        src = CheckpointStorage.open(src_url, "bench")
+        Duplicator().duplicate([(local_storage.url_of(p), src.url_of(p)) for p in meta.physical_paths()])
+        src.write_metadata(meta)
+    dst = CheckpointStorage.open(dst_url, "copy")
+    dup = Duplicator()
+    t = time.perf_counter()
+    restore_from(src.url_of(f"chk-{meta.checkpoint_id}"), dst, max_parallelism=M, duplicator=dup)
+    fast = time.perf_counter() - t
+    slow_dst = CheckpointStorage.open(dst_url, "copy-slow")
+    t = time.perf_counter()
+    tmp = root / f"dl-{label}"
+    tmp.mkdir()
+    for p in meta.physical_paths():
+        local = tmp / p.split("/")[-1]
+        src.location.fs.get_file(src.location.path(*p.split("/")), str(local))
+        slow_dst._put(local, p)
+    slow = time.perf_counter() - t
+    print(f"NO_CLAIM restore on {label} ({meta.size / MB:.0f} MB): fast duplication {fast:.2f} s, "
+          f"{dup.bytes_streamed} B through the process; download + re-upload {slow:.2f} s "
+          f"({slow / fast:.1f}x slower)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

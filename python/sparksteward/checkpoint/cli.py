@@ -1,0 +1,161 @@
+"""``steward checkpoints ls|show|gc <dir>``: keyed-state checkpoints on any fsspec URL.
+
+- ``ls``: every state under ``<dir>/<cluster-id>/``, with its retained checkpoints, size and files;
+- ``show <state>``: one checkpoint (default: the latest) per subtask, or its ``_metadata`` as JSON;
+- ``gc <state>``: delete shared files no retained checkpoint references and staged uploads left by a
+  crash, if older than ``--min-age`` (default 1h, so uploads of a running query are never touched).
+  Nothing is deleted while any ``_metadata`` of the state is unreadable (it may be a newer version's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import posixpath
+import time
+from typing import Any
+
+import orjson
+
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
+from sparksteward.config import StewardConfig, parse_duration
+from sparksteward.errors import CheckpointError, ConfigError, StewardError
+from sparksteward.storage import open_location
+from sparksteward.tables import table
+
+__all__ = ["add_subcommands", "find_orphans"]
+
+MB = 1 << 20
+
+
+def _records(storage: CheckpointStorage) -> tuple[dict[int, CheckpointMetadata], list[str]]:
+    ids = storage.checkpoint_ids()
+    if storage.has_restored():
+        ids.insert(0, RESTORED)
+    records, unreadable = {}, []
+    for cid in ids:
+        try:
+            records[cid] = storage.read_metadata(cid)
+        except StewardError as exc:
+            unreadable.append(f"{checkpoint_dir_name(cid)}: {exc}")
+    return records, unreadable
+
+
+def _mtime(info: dict[str, Any]) -> float | None:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        v = info.get(key)
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, _dt.datetime):
+            return v.timestamp()
+    return None
+
+
+def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
+    """Relative paths under ``shared/`` that no retained checkpoint references, older than ``min_age``."""
+    records, unreadable = _records(storage)
+    if unreadable:
+        raise CheckpointError(f"not collecting garbage in {storage.url}: unreadable records "
+                              f"({'; '.join(unreadable)}). Fix or move them first")
+    referenced = set().union(*(m.physical_paths() for m in records.values())) if records else set()
+    out = []
+    for info in storage.location.listdir(storage.location.path("shared")):
+        name = posixpath.basename(info["name"].rstrip("/"))
+        rel = posixpath.join("shared", name)
+        if rel in referenced:
+            continue
+        mtime = _mtime(info)
+        if mtime is not None and now - mtime < min_age:
+            continue
+        out.append(rel)
+    return sorted(out)
+
+
+def _base(args: argparse.Namespace):
+    cluster = StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id}).cluster_id
+    return open_location(args.dir).child(cluster), cluster
+
+
+def _ls(args: argparse.Namespace) -> int:
+    base, _ = _base(args)
+    rows = []
+    for info in base.listdir():
+        name = posixpath.basename(info["name"].rstrip("/"))
+        if info.get("type") != "directory":
+            continue
+        storage = CheckpointStorage(base.child(name), name)
+        records, unreadable = _records(storage)
+        real = sorted(c for c in records if c != RESTORED)
+        latest = records[real[-1]] if real else None
+        shared = storage.shared_files()
+        rows.append([name, ",".join(map(str, real)) or "-", latest.parallelism if latest else "-",
+                     latest.max_parallelism if latest else "-",
+                     f"{latest.size / MB:.1f}" if latest else "-", len(shared),
+                     "yes" if RESTORED in records else "no", len(unreadable)])
+    print(f"{len(rows)} state(s) in {base.url}")
+    if rows:
+        print(table(rows, ["STATE", "CHECKPOINTS", "P", "MAX P", "LATEST MB", "SHARED FILES", "RESTORED",
+                           "UNREADABLE"]))
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    base, _ = _base(args)
+    storage = CheckpointStorage(base.child(args.state), args.state)
+    ids = storage.checkpoint_ids()
+    if args.id is None and not ids:
+        raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}")
+    meta = storage.read_metadata(ids[-1] if args.id is None else args.id)
+    if args.json:
+        print(orjson.dumps(meta.to_json(), option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(f"state {meta.state!r} checkpoint {meta.checkpoint_id}: parallelism {meta.parallelism}, max "
+          f"parallelism {meta.max_parallelism}, key type {meta.key_type.value}, {meta.size / MB:.2f} MB, "
+          f"{len(meta.files())} files")
+    print(table([[s.subtask, str(s.key_groups), len(s.files), f"{s.size / MB:.2f}", len(s.channel_state)]
+                 for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "MB", "CHANNEL STATE"]))
+    return 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    base, _ = _base(args)
+    storage = CheckpointStorage(base.child(args.state), args.state)
+    try:
+        min_age = parse_duration(args.min_age)
+    except ValueError:
+        raise ConfigError(f"--min-age {args.min_age!r} is not a duration such as 30s, 10min or 1h") from None
+    orphans = find_orphans(storage, min_age, time.time())
+    if args.dry_run:
+        print(f"{len(orphans)} orphaned file(s) in {storage.url} (dry run)")
+        for p in orphans:
+            print(p)
+        return 0
+    deleted = storage.delete_files(orphans)
+    print(f"deleted {deleted} orphaned file(s) in {storage.url}")
+    return 0
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("checkpoints", help="keyed-state checkpoints: ls, show, gc")
+    cmds = p.add_subparsers(dest="checkpoints_command", required=True)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("dir", help="the checkpoint dir (spark.steward.checkpoint.dir): a path or fsspec URL")
+        q.add_argument("--cluster-id", default="default")
+
+    q = cmds.add_parser("ls", help="states with their checkpoints, sizes and file counts")
+    common(q)
+    q.set_defaults(func=_ls)
+    q = cmds.add_parser("show", help="one checkpoint of a state, per subtask")
+    common(q)
+    q.add_argument("state")
+    q.add_argument("--id", type=int, default=None, help="checkpoint id (default: the latest)")
+    q.add_argument("--json", action="store_true", help="print the _metadata record")
+    q.set_defaults(func=_show)
+    q = cmds.add_parser("gc", help="delete shared files no retained checkpoint references")
+    common(q)
+    q.add_argument("state")
+    q.add_argument("--min-age", default="1h", help="only delete files older than this (default 1h)")
+    q.add_argument("--dry-run", action="store_true")
+    q.set_defaults(func=_gc)

@@ -1,0 +1,307 @@
+"""The checkpoint coordinator of one keyed state (Flink's CheckpointCoordinator), hosted by the driver
+agent. Spark-free: the agent feeds it ``begin``/``ack``/``complete``/``abort`` calls.
+
+Life of checkpoint ``N`` (one micro-batch)::
+
+    begin(N)              -> pending; returns the base (the last completed checkpoint before N) that
+                             every attempt of N restores, and the files that base already holds
+    ack(N, i, result)     <- subtask i's async phase is done: its handle and what it uploaded
+    complete(N)           -> all P acked: chk-N/_metadata is written atomically, N is completed,
+                             older checkpoints beyond num_retained are subsumed
+    abort(N)              -> pending dropped; files only N uploaded are deleted
+
+**Exactly-once rules.** ``begin(N)`` with ``N`` older than the last completed checkpoint is refused
+(:class:`~sparksteward.errors.CheckpointOrderError`). ``begin(N)`` with ``N`` equal to the last
+completed one is a re-run (the driver died after ``complete`` but before Spark recorded the batch):
+it restores the same base, and its ``complete`` keeps the first result. To make that possible the
+base of the last completed checkpoint is retained until a newer checkpoint begins ("keep N-1 until
+N+1 starts"), on top of the ``num_retained`` latest completed ones.
+
+**Files.** The coordinator counts references to shared files from retained checkpoints. Subsuming a
+checkpoint deletes its ``_metadata`` first and then the files whose count reached zero, so a crash in
+between leaves orphans, never a record pointing at deleted files. On start it rebuilds the counts
+from the retained ``_metadata`` files and sweeps every shared file none of them references (orphans
+of a crashed upload or subsumption), unless a record could not be read (then nothing is swept, so
+the files of a newer version's checkpoint are never touched). Absolute-URL files (a CLAIMed
+checkpoint of another state) are never deleted here.
+
+Thread-safe: one lock around every operation (the agent calls it from connection threads).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
+from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
+from sparksteward.clock import Clock, SystemClock
+from sparksteward.errors import (
+    CheckpointError,
+    CheckpointOrderError,
+    InvalidRecordError,
+    StateEncodingError,
+    StewardError,
+)
+from sparksteward.state.keygroups import KeyType, key_group_range, validate_parallelism
+
+__all__ = ["BeginResult", "CheckpointCoordinator"]
+
+log = logging.getLogger("sparksteward.checkpoint.coordinator")
+
+
+@dataclass(frozen=True, slots=True)
+class BeginResult:
+    """What every attempt of checkpoint ``checkpoint_id`` starts from."""
+
+    checkpoint_id: int
+    base: CheckpointMetadata | None       # None: start from an empty state
+    known: Mapping[str, str]              # checksum -> path of every file the base holds
+    rerun: bool                           # True: checkpoint_id already completed (a re-run)
+
+
+@dataclass
+class _Pending:
+    checkpoint_id: int
+    base_id: int | None
+    rerun: bool
+    acks: dict[int, SubtaskHandle] = field(default_factory=dict)
+    uploaded: set[str] = field(default_factory=set)
+
+
+class CheckpointCoordinator:
+    """Pending and completed checkpoints of one state, and the reference counts of its files."""
+
+    def __init__(self, storage: CheckpointStorage, parallelism: int, max_parallelism: int, *,
+                 key_type: KeyType | str = KeyType.STRING, num_retained: int = 1,
+                 clock: Clock | None = None) -> None:
+        validate_parallelism(parallelism, max_parallelism)
+        if isinstance(num_retained, bool) or not isinstance(num_retained, int) or num_retained < 1:
+            raise CheckpointError(f"num_retained={num_retained!r} must be an int >= 1")
+        self.storage = storage
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.key_type = KeyType.parse(key_type)
+        self.num_retained = num_retained
+        self.clock = clock or SystemClock()
+        self._lock = threading.RLock()
+        self._completed: dict[int, CheckpointMetadata] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._refs: Counter[str] = Counter()
+        self._latest_begun: int | None = None
+        self.swept: int = 0
+        self._recover()
+
+    # --- start -------------------------------------------------------------------------------
+    def _recover(self) -> None:
+        unreadable = []
+        ids = self.storage.checkpoint_ids()
+        if self.storage.has_restored():  # the restore_from starting point, kept as checkpoint RESTORED (-1)
+            ids.insert(0, RESTORED)
+        for cid in ids:
+            try:
+                meta = self.storage.read_metadata(cid)
+            except StewardError as exc:
+                log.warning("checkpoint %d of %s is unreadable, keeping its files: %s", cid, self.storage.state, exc)
+                unreadable.append(cid)
+                continue
+            self._check_compatible(meta)
+            self._completed[cid] = meta
+            self._refs.update(meta.physical_paths())
+        self._subsume()
+        if unreadable:
+            log.warning("not sweeping orphans of %s: checkpoints %s could not be read", self.storage.state, unreadable)
+            return
+        orphans = sorted(p for p in self.storage.shared_files() | self.storage.staged_files() if self._refs[p] == 0)
+        if orphans:
+            self.swept = self.storage.delete_files(orphans)
+            log.info("swept %d orphaned files of %s", self.swept, self.storage.state)
+
+    def _check_compatible(self, meta: CheckpointMetadata) -> None:
+        check_max_parallelism(meta, self.max_parallelism)
+        if meta.key_type is not self.key_type:
+            raise StateEncodingError(
+                f"state {meta.state!r} was checkpointed with {meta.key_type.value} keys (checkpoint "
+                f"{meta.checkpoint_id}) and cannot continue with {self.key_type.value} keys: cast the key column "
+                f"to {meta.key_type.value}, or start a new state")
+
+    # --- queries -----------------------------------------------------------------------------
+    @property
+    def last_completed(self) -> int | None:
+        """The newest checkpoint completed by this state (not the restored starting point)."""
+        with self._lock:
+            return max((c for c in self._completed if c != RESTORED), default=None)
+
+    def retained(self) -> list[int]:
+        """Retained completed checkpoints; ``RESTORED`` (-1) while the restored starting point is kept."""
+        with self._lock:
+            return sorted(self._completed)
+
+    @property
+    def restored(self) -> CheckpointMetadata | None:
+        with self._lock:
+            return self._completed.get(RESTORED)
+
+    def pending(self) -> list[int]:
+        with self._lock:
+            return sorted(self._pending)
+
+    def completed(self, checkpoint_id: int) -> CheckpointMetadata:
+        with self._lock:
+            try:
+                return self._completed[checkpoint_id]
+            except KeyError:
+                raise CheckpointError(f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not a "
+                                      f"retained completed checkpoint (retained: {sorted(self._completed)})") from None
+
+    def references(self, path: str) -> int:
+        with self._lock:
+            return self._refs[path]
+
+    # --- the protocol ------------------------------------------------------------------------
+    def begin(self, checkpoint_id: int) -> BeginResult:
+        """Start (or restart) checkpoint ``checkpoint_id``; return the base its attempts restore."""
+        if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 0:
+            raise CheckpointOrderError(f"checkpoint id {checkpoint_id!r} must be an int >= 0")
+        with self._lock:
+            last = self.last_completed
+            if last is not None and checkpoint_id < last:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is older than its last completed "
+                    f"checkpoint {last}: a batch that old cannot be applied again (its base is gone). Restart "
+                    f"the query from a Spark checkpoint that is not older than batch {last}")
+            rerun = checkpoint_id == last
+            base_id = max((c for c in self._completed if c < checkpoint_id), default=None)
+            if rerun:
+                recorded = self._completed[checkpoint_id].properties.get("base")
+                if recorded is not None and recorded not in self._completed:
+                    raise CheckpointOrderError(
+                        f"checkpoint {checkpoint_id} of state {self.storage.state!r} completed already and cannot "
+                        f"be re-run: its base checkpoint {recorded} was subsumed when checkpoint "
+                        f"{self._latest_begun} began")
+                base_id = recorded
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun)
+            else:  # a new attempt: earlier acks are replaced as the new ones arrive
+                pending.acks.clear()
+            if self._latest_begun is None or checkpoint_id > self._latest_begun:
+                self._latest_begun = checkpoint_id
+            self._subsume()
+            base = self._completed.get(base_id) if base_id is not None else None
+            known = {f.checksum: f.path for f in base.files()} if base else {}
+            return BeginResult(checkpoint_id, base, known, rerun)
+
+    def base(self, checkpoint_id: int) -> BeginResult:
+        """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
+
+        What a task (a first, retried or speculative one) asks before it restores its subtask; only
+        the driver's ``begin`` starts an attempt.
+        """
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending: call begin first")
+            base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+            known = {f.checksum: f.path for f in base.files()} if base else {}
+            return BeginResult(checkpoint_id, base, known, pending.rerun)
+
+    def ack(self, checkpoint_id: int, result: UploadResult | SubtaskHandle,
+            uploaded: tuple[str, ...] = ()) -> None:
+        """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint."""
+        handle = result.handle if isinstance(result, UploadResult) else result
+        uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending (never begun, "
+                    f"already completed or aborted): the ack of subtask {handle.subtask} is refused")
+            pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
+            if not 0 <= handle.subtask < self.parallelism:
+                raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
+                                         f"{self.parallelism}")
+            expected = key_group_range(self.max_parallelism, self.parallelism, handle.subtask)
+            if handle.key_groups != expected:
+                raise InvalidRecordError(
+                    f"subtask {handle.subtask} acked key groups {handle.key_groups}, expected {expected}")
+            pending.acks[handle.subtask] = handle
+
+    def complete(self, checkpoint_id: int) -> CheckpointMetadata:
+        """Complete a fully acked checkpoint: write ``_metadata`` atomically, then subsume."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                if checkpoint_id in self._completed:
+                    return self._completed[checkpoint_id]
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} was never begun (or was aborted)")
+            missing = sorted(set(range(self.parallelism)) - set(pending.acks))
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: subtasks "
+                    f"{missing} of {self.parallelism} have not acked (their task failed or is still uploading)")
+            if pending.rerun:  # the first result stands; this attempt's extra files go
+                meta = self._completed[checkpoint_id]
+                del self._pending[checkpoint_id]
+                self._delete_unreferenced(pending.uploaded)
+                return meta
+            meta = CheckpointMetadata(
+                state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,
+                max_parallelism=self.max_parallelism, key_type=self.key_type,
+                subtasks=tuple(pending.acks[i] for i in range(self.parallelism)), created_at=self.clock.now(),
+                properties={"base": pending.base_id})
+            self.storage.write_metadata(meta)
+            self._completed[checkpoint_id] = meta
+            self._refs.update(meta.physical_paths())
+            del self._pending[checkpoint_id]
+            self._delete_unreferenced(pending.uploaded)  # uploads of replaced attempts
+            self._subsume()
+            return meta
+
+    def abort(self, checkpoint_id: int) -> int:
+        """Drop a pending checkpoint and delete the files only it uploaded; return how many."""
+        with self._lock:
+            pending = self._pending.pop(checkpoint_id, None)
+            if pending is None:
+                return 0
+            deleted = self._delete_unreferenced(pending.uploaded)
+            self._subsume()
+            log.info("aborted checkpoint %d of %s; deleted %d files", checkpoint_id, self.storage.state, deleted)
+            return deleted
+
+    # --- retention ---------------------------------------------------------------------------
+    def _protected(self) -> set[int]:
+        keep = set(sorted(self._completed)[-self.num_retained:])
+        keep.update(p.base_id for p in self._pending.values() if p.base_id is not None)
+        last = self.last_completed
+        if last is not None and (self._latest_begun is None or self._latest_begun <= last):
+            # nothing newer has begun: a re-run of `last` may still come, and it needs last's base
+            base = max((c for c in self._completed if c < last), default=None)
+            if base is not None:
+                keep.add(base)
+        return keep
+
+    def _subsume(self) -> None:
+        keep = self._protected()
+        for cid in sorted(self._completed):
+            if cid in keep:
+                continue
+            meta = self._completed.pop(cid)
+            self.storage.delete_checkpoint_dir(cid)  # the record first, then its files
+            self._refs.subtract(meta.physical_paths())
+            gone = [p for p in meta.physical_paths() if self._refs[p] <= 0]
+            for p in gone:
+                del self._refs[p]
+            self._delete_unreferenced(gone)
+            log.info("subsumed checkpoint %d of %s", cid, self.storage.state)
+
+    def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
+        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
+        doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
+        return self.storage.delete_files(doomed) if doomed else 0

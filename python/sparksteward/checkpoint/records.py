@@ -1,0 +1,218 @@
+"""Checkpoint records: file handles, subtask handles and the versioned ``_metadata`` record.
+
+A checkpoint of one state is ``chk-<N>/_metadata``: a versioned JSON document. Layout (version 1)::
+
+    {
+      "version": 1,
+      "state": "clicks",
+      "checkpoint_id": 42,
+      "parallelism": 8,
+      "max_parallelism": 128,
+      "key_type": "string",
+      "created_at": 1763812345.123,          # seconds since the epoch
+      "subtasks": [
+        {"subtask": 0, "key_groups": [0, 16],
+         "files": [{"name": "000012.sst", "path": "shared/<32 hex>",
+                    "offset": 0, "length": 1234, "checksum": "<32 hex>"}, ...],
+         "channel_state": []},             # FLIP-76: in-flight data handles, same file-handle form
+        ...
+      ],
+      "properties": {}                      # free-form (restored-from, savepoint, ...)
+    }
+
+A :class:`FileHandle` is a *logical* file: the local ``name`` it takes in the DB directory, and the
+bytes ``[offset, offset + length)`` of the *physical* file at ``path``. Today every logical file is a
+whole physical file (``offset == 0``); FLIP-306 file merging packs many into one physical file
+without changing this record. ``path`` is relative to the state's checkpoint root (``shared/...``,
+``merged/...``) or an absolute URL (a CLAIMed file of another state). ``checksum`` is the xxh3-128 of
+the logical bytes, and shared files are named by it, because SST names repeat across lineages.
+
+``from_json`` rejects a newer version, unknown shapes and bad values with
+:class:`~sparksteward.errors.CheckpointCorruptError` naming the file.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from sparksteward.errors import CheckpointCorruptError, InvalidRecordError
+from sparksteward.state.keygroups import KeyGroupRange, KeyType, validate_parallelism
+
+__all__ = ["CheckpointMetadata", "FileHandle", "METADATA_VERSION", "SubtaskHandle"]
+
+METADATA_VERSION = 1
+_HEX32 = re.compile(r"^[0-9a-f]{32}$")
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
+
+
+@dataclass(frozen=True, slots=True)
+class FileHandle:
+    """One logical file: ``length`` bytes at ``offset`` of the physical file ``path``."""
+
+    name: str
+    path: str
+    length: int
+    checksum: str
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name) or self.name in (".", ".."):
+            raise InvalidRecordError(f"file name {self.name!r} is not a plain file name")
+        if not isinstance(self.path, str) or not self.path or (
+                "://" not in self.path and (self.path.startswith("/") or ".." in self.path.split("/"))):
+            raise InvalidRecordError(f"file path {self.path!r} must be relative to the checkpoint root, or a URL")
+        for label, v in (("length", self.length), ("offset", self.offset)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InvalidRecordError(f"file {self.name}: {label} {v!r} must be an int >= 0")
+        if not isinstance(self.checksum, str) or not _HEX32.match(self.checksum):
+            raise InvalidRecordError(f"file {self.name}: checksum {self.checksum!r} is not 32 lowercase hex digits")
+
+    @property
+    def is_segment(self) -> bool:
+        """True when the logical file is only part of its physical file (FLIP-306)."""
+        return self.offset != 0
+
+    @property
+    def is_relative(self) -> bool:
+        return "://" not in self.path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "offset": self.offset, "length": self.length,
+                "checksum": self.checksum}
+
+    @classmethod
+    def from_json(cls, d: Any) -> FileHandle:
+        if not isinstance(d, dict):
+            raise InvalidRecordError(f"file handle {d!r} is not an object")
+        return cls(name=d.get("name"), path=d.get("path"), length=d.get("length"), checksum=d.get("checksum"),
+                   offset=d.get("offset", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class SubtaskHandle:
+    """The state of one subtask in one checkpoint: its key groups and its files."""
+
+    subtask: int
+    key_groups: KeyGroupRange
+    files: tuple[FileHandle, ...]
+    channel_state: tuple[FileHandle, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.subtask, bool) or not isinstance(self.subtask, int) or self.subtask < 0:
+            raise InvalidRecordError(f"subtask index {self.subtask!r} must be an int >= 0")
+        object.__setattr__(self, "files", tuple(self.files))
+        object.__setattr__(self, "channel_state", tuple(self.channel_state))
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise InvalidRecordError(f"subtask {self.subtask} lists a file name twice: {sorted(names)}")
+        if self.files and "CURRENT" not in names:
+            raise InvalidRecordError(f"subtask {self.subtask} has files but no CURRENT: not a RocksDB snapshot")
+
+    @property
+    def size(self) -> int:
+        return sum(f.length for f in self.files) + sum(f.length for f in self.channel_state)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"subtask": self.subtask, "key_groups": self.key_groups.to_json(),
+                "files": [f.to_json() for f in self.files],
+                "channel_state": [f.to_json() for f in self.channel_state]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> SubtaskHandle:
+        if not isinstance(d, dict) or not isinstance(d.get("files"), list):
+            raise InvalidRecordError(f"subtask handle {str(d)[:80]!r} is not an object with a files list")
+        return cls(subtask=d.get("subtask"), key_groups=KeyGroupRange.from_json(d.get("key_groups")),
+                   files=tuple(FileHandle.from_json(f) for f in d["files"]),
+                   channel_state=tuple(FileHandle.from_json(f) for f in d.get("channel_state", [])))
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointMetadata:
+    """``chk-<N>/_metadata``: every subtask's handle for checkpoint ``checkpoint_id`` of ``state``."""
+
+    state: str
+    checkpoint_id: int
+    parallelism: int
+    max_parallelism: int
+    subtasks: tuple[SubtaskHandle, ...]
+    key_type: KeyType = KeyType.STRING
+    created_at: float = 0.0
+    properties: dict[str, Any] = field(default_factory=dict)
+    version: int = METADATA_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state, str) or not self.state:
+            raise InvalidRecordError(f"state name {self.state!r} must be a non-empty str")
+        if isinstance(self.checkpoint_id, bool) or not isinstance(self.checkpoint_id, int) or self.checkpoint_id < 0:
+            raise InvalidRecordError(f"checkpoint id {self.checkpoint_id!r} must be an int >= 0")
+        validate_parallelism(self.parallelism, self.max_parallelism)
+        object.__setattr__(self, "key_type", KeyType.parse(self.key_type))
+        object.__setattr__(self, "subtasks", tuple(sorted(self.subtasks, key=lambda s: s.subtask)))
+        if [s.subtask for s in self.subtasks] != list(range(self.parallelism)):
+            raise InvalidRecordError(
+                f"checkpoint {self.checkpoint_id} of {self.state!r} needs one handle per subtask "
+                f"0..{self.parallelism - 1}, got {[s.subtask for s in self.subtasks]}")
+        groups = [g for s in self.subtasks for g in (s.key_groups.start, s.key_groups.stop)]
+        if groups[0] != 0 or groups[-1] != self.max_parallelism or any(
+                groups[i] != groups[i + 1] for i in range(1, len(groups) - 1, 2)):
+            raise InvalidRecordError(
+                f"checkpoint {self.checkpoint_id} of {self.state!r}: subtask key groups "
+                f"{[str(s.key_groups) for s in self.subtasks]} do not tile [0, {self.max_parallelism})")
+
+    def files(self) -> list[FileHandle]:
+        """Every file handle of every subtask (state and channel state)."""
+        return [f for s in self.subtasks for f in (*s.files, *s.channel_state)]
+
+    def physical_paths(self) -> set[str]:
+        return {f.path for f in self.files()}
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.subtasks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "state": self.state, "checkpoint_id": self.checkpoint_id,
+                "parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
+                "key_type": self.key_type.value, "created_at": self.created_at,
+                "subtasks": [s.to_json() for s in self.subtasks], "properties": self.properties}
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_json(), option=orjson.OPT_INDENT_2)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> CheckpointMetadata:
+        """Parse ``_metadata`` read from ``source`` (named in every error)."""
+        try:
+            d = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise CheckpointCorruptError(f"{source} is not valid JSON ({exc}): the checkpoint is corrupt or "
+                                         f"partially written; restore an older checkpoint") from exc
+        if not isinstance(d, dict) or "version" not in d:
+            raise CheckpointCorruptError(f"{source} is not a spark-steward checkpoint record (no version)")
+        version = d["version"]
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise CheckpointCorruptError(f"{source} has version {version!r}, which is not an int")
+        if version > METADATA_VERSION:
+            raise CheckpointCorruptError(
+                f"{source} was written by a newer spark-steward (metadata version {version}; this one reads "
+                f"up to {METADATA_VERSION}): upgrade spark-steward to restore it")
+        if version < 1:
+            raise CheckpointCorruptError(f"{source} has unknown metadata version {version}")
+        try:
+            return cls(state=d["state"], checkpoint_id=d["checkpoint_id"], parallelism=d["parallelism"],
+                       max_parallelism=d["max_parallelism"], key_type=d.get("key_type", "string"),
+                       created_at=float(d.get("created_at", 0.0)),
+                       subtasks=tuple(SubtaskHandle.from_json(s) for s in d["subtasks"]),
+                       properties=dict(d.get("properties") or {}), version=version)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointCorruptError(f"{source} is not a valid checkpoint record: {exc}") from exc
+
+
+def shared_path(checksum: str) -> str:
+    """Where a content-addressed file lives, relative to the state's checkpoint root."""
+    return posixpath.join("shared", checksum)

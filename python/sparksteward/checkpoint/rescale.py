@@ -1,0 +1,171 @@
+"""Rescale keyed state: build new subtask ``j`` of parallelism ``P_new`` from a checkpoint taken at
+``P_old``, with the same max parallelism (Flink's ClipDB/IngestDB, without either API).
+
+1. **Base.** Restore the old DB whose key groups overlap ``j``'s range the most (its files only), then
+   ``delete_range`` everything outside ``j``'s range (``compact=True`` also drops the bytes).
+2. **Ingest.** For every other overlapping old DB: restore its files into a scratch dir, open it
+   read-only, read only the overlap with a bounded iterator into an ``SstFileWriter`` file, and ingest
+   that file. (rocksdict's ``ingest_external_file`` accepts only ``SstFileWriter`` files, so old SSTs
+   cannot be ingested directly.)
+
+Only the old subtasks whose key groups overlap ``j``'s range are read; :class:`RescaleStats` lists
+them and the files fetched, so tests can check it. Changing the max parallelism is refused, as in
+Flink: key groups are the unit of state, and a different count would move every key.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import rocksdict
+
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
+from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.errors import ParallelismError, StateEncodingError
+from sparksteward.state.backend import DB_DIR, RocksDBStateBackend, db_options
+from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
+
+__all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "rebuild_subtask",
+           "restore_subtask_backend"]
+
+log = logging.getLogger("sparksteward.checkpoint.rescale")
+
+
+@dataclass(frozen=True, slots=True)
+class RescaleStats:
+    subtask: int
+    key_groups: KeyGroupRange
+    base: int | None                        # the old subtask restored as the base DB
+    ingested_from: tuple[int, ...]          # old subtasks whose overlap was ingested
+    files_read: tuple[str, ...]             # handle paths of every old file materialised
+    files_downloaded: int
+    keys_ingested: int
+    seconds: float
+
+
+def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> None:
+    """Refuse a restore that changes the max parallelism, naming both values and the fix."""
+    if max_parallelism != meta.max_parallelism:
+        raise ParallelismError(
+            f"state {meta.state!r} was checkpointed with max_parallelism={meta.max_parallelism} "
+            f"(checkpoint {meta.checkpoint_id}) and cannot be restored with max_parallelism={max_parallelism}: "
+            f"the max parallelism fixes the key groups and cannot change. Keep "
+            f"max_parallelism={meta.max_parallelism} (any parallelism up to it works), or start a new state")
+
+
+def overlapping_subtasks(meta: CheckpointMetadata, new_range: KeyGroupRange) -> list[tuple[SubtaskHandle, int]]:
+    """Old subtasks overlapping ``new_range``, largest overlap first (ties: lower index first)."""
+    found = [(h, h.key_groups.overlap(new_range)) for h in meta.subtasks]
+    return sorted(((h, n) for h, n in found if n > 0), key=lambda hn: (-hn[1], hn[0].subtask))
+
+
+def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
+                 workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int,
+                 key_type: KeyType | str = KeyType.STRING, compact: bool = False,
+                 ) -> tuple[RocksDBStateBackend, RescaleStats | None]:
+    """What a task does before it processes checkpoint N: open subtask ``index``'s DB in ``workdir``.
+
+    A new, empty DB when ``base`` is None (the first checkpoint of a new state); otherwise ``base``'s
+    files restored, rescaled when ``parallelism`` differs from the base's. A changed max parallelism or
+    key type is refused.
+    """
+    if base is None:
+        backend = RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
+                                      key_type, create=True)
+        return backend, None
+    check_max_parallelism(base, max_parallelism)
+    if KeyType.parse(key_type) is not base.key_type:
+        raise StateEncodingError(
+            f"state {base.state!r} was checkpointed with {base.key_type.value} keys (checkpoint "
+            f"{base.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
+            f"column to {base.key_type.value}")
+    return rebuild_subtask(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                           compact=compact)
+
+
+def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata, index: int,
+                            workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None = None,
+                            parallelism: int | None = None, compact: bool = False,
+                            ) -> tuple[RocksDBStateBackend, RescaleStats]:
+    """Open subtask ``index``'s DB in ``workdir`` from ``meta``, rescaling if ``parallelism`` differs."""
+    parallelism = meta.parallelism if parallelism is None else parallelism
+    return rebuild_subtask(storage, meta, parallelism, index, workdir, cache,
+                           max_parallelism=max_parallelism, compact=compact)
+
+
+def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_parallelism: int, index: int,
+                    workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None = None,
+                    compact: bool = False) -> tuple[RocksDBStateBackend, RescaleStats]:
+    """Build subtask ``index`` of ``new_parallelism`` in ``workdir`` (which must hold no DB).
+
+    Returns the open backend (the caller closes it) and what was read.
+    """
+    started = time.perf_counter()
+    m = meta.max_parallelism if max_parallelism is None else max_parallelism
+    check_max_parallelism(meta, m)
+    validate_parallelism(new_parallelism, m)
+    new_range = key_group_range(m, new_parallelism, index)
+    workdir = Path(workdir)
+    overlaps = [(h, n) for h, n in overlapping_subtasks(meta, new_range) if h.files]
+    files_read: list[str] = []
+    downloaded = 0
+    keys = 0
+    if not overlaps:
+        backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=True)
+        return backend, RescaleStats(index, new_range, None, (), (), 0, 0, time.perf_counter() - started)
+
+    base, _ = overlaps[0]
+    st = storage.restore_subtask(meta, base, workdir / DB_DIR, cache)
+    files_read += [f.path for f in base.files]
+    downloaded += st.downloaded_files
+    backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=False)
+    try:
+        if base.key_groups != new_range:
+            backend.delete_outside(new_range, compact=compact)
+        ingested = []
+        for other, _ in overlaps[1:]:
+            scratch = workdir.parent / f".{workdir.name}.rescale-{other.subtask}-{uuid.uuid4().hex[:8]}"
+            try:
+                st = storage.restore_subtask(meta, other, scratch / DB_DIR, cache)
+                files_read += [f.path for f in other.files]
+                downloaded += st.downloaded_files
+                sst = scratch / "overlap.sst"
+                with RocksDBStateBackend(scratch, other.key_groups, m, meta.key_type, create=False,
+                                         read_only=True) as old:
+                    n = _write_sst(old, other.key_groups.intersect(new_range), sst)
+                if n:
+                    backend.ingest([sst])
+                    keys += n
+                ingested.append(other.subtask)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    except BaseException:
+        backend.close()
+        shutil.rmtree(workdir / DB_DIR, ignore_errors=True)  # nothing half-built stays behind
+        raise
+    stats = RescaleStats(index, new_range, base.subtask, tuple(ingested), tuple(files_read), downloaded, keys,
+                         time.perf_counter() - started)
+    log.info("rebuilt subtask %d %s of %s from old subtasks %s (base %d) in %.2f s", index, new_range,
+             meta.state, [base.subtask, *ingested], base.subtask, stats.seconds)
+    return backend, stats
+
+
+def _write_sst(old: RocksDBStateBackend, groups: KeyGroupRange, target: Path) -> int:
+    """Copy the entries of ``groups`` into one SstFileWriter file; return how many (0 writes nothing)."""
+    writer = None
+    n = 0
+    for k, v in old.iter_raw(groups):
+        if writer is None:
+            writer = rocksdict.SstFileWriter(options=db_options(create=False))
+            writer.open(str(target))
+        writer[k] = v
+        n += 1
+    if writer is not None:
+        writer.finish()
+    return n

@@ -1,0 +1,317 @@
+"""The checkpoint directory of one state, on any fsspec URL: uploads, ``_metadata`` and restores.
+
+Layout::
+
+    <checkpoint-dir>/<cluster-id>/<state>/
+      chk-<N>/_metadata          CheckpointMetadata (versioned JSON), written atomically
+      shared/<xxh3-128 hex>      files, named by content and shared by every checkpoint referencing them
+      merged/<uuid>              (FLIP-306, later) physical files holding several logical files
+
+**Upload (async phase).** :meth:`CheckpointStorage.upload_snapshot` hashes every file of a local
+snapshot and uploads to ``shared/<checksum>`` only those whose checksum the caller's registry does not
+already hold (incremental checkpoints). Local stores stage a temp file, fsync it and rename it; object
+stores use one PUT, which is all-or-nothing. Content addressing makes a re-upload of the same bytes
+harmless.
+
+**Restore.** :meth:`CheckpointStorage.restore_subtask` materialises a subtask's files in a local DB
+directory: immutable SSTs are hard-linked from the executor's :class:`LocalFileCache` (downloading only
+the missing ones), the small mutable files (CURRENT, MANIFEST, OPTIONS) are copied out of it. Every
+file is verified against its checksum; a mismatch or a missing file raises an error naming the file
+and the checkpoint, and leaves no half-restored directory behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import posixpath
+import re
+import shutil
+import uuid
+from collections.abc import Container, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparksteward.blob.key import hash_file
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
+from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
+from sparksteward.ids import validate_id
+from sparksteward.state.keygroups import KeyGroupRange
+from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
+
+__all__ = ["METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult", "checkpoint_dir_name",
+           "open_checkpoint"]
+
+log = logging.getLogger("sparksteward.checkpoint.storage")
+
+METADATA_FILE = "_metadata"
+_CHK = re.compile(r"^chk-(\d+)$")
+
+
+RESTORED = -1  # the id under which a restored (restore_from) checkpoint is kept: ``restored/_metadata``
+
+
+def checkpoint_dir_name(checkpoint_id: int) -> str:
+    """``chk-<N>``, or ``restored`` for the checkpoint a state was restored from."""
+    return "restored" if checkpoint_id == RESTORED else f"chk-{checkpoint_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class UploadResult:
+    """What one subtask's async phase produced: its handle, and what it put in ``shared/``."""
+
+    handle: SubtaskHandle
+    uploaded: tuple[str, ...]   # relative paths this attempt uploaded (abort deletes only these)
+    bytes_uploaded: int
+    files_reused: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreStats:
+    files: int
+    downloaded_files: int
+    downloaded_bytes: int
+    cached_files: int
+    fetched_paths: tuple[str, ...]
+
+
+def _is_immutable(name: str) -> bool:
+    return name.endswith(".sst") or name.endswith(".blob")
+
+
+class CheckpointStorage:
+    """The checkpoint root of one state. Thread-safe as far as the fsspec backend is."""
+
+    def __init__(self, location: Location, state: str) -> None:
+        self.location = location
+        self.state = state
+
+    @classmethod
+    def open(cls, checkpoint_dir: str, state: str, cluster_id: str = "default",
+             **storage_options: object) -> CheckpointStorage:
+        """``<checkpoint_dir>/<cluster_id>/<state>``."""
+        validate_id(state, "state name")
+        validate_id(cluster_id, "cluster id")
+        return cls(open_location(checkpoint_dir, **storage_options).child(cluster_id, state), state)
+
+    @property
+    def url(self) -> str:
+        return self.location.url
+
+    def url_of(self, path: str) -> str:
+        """The full URL of a handle path (relative paths are under this root)."""
+        return path if "://" in path else posixpath.join(self.location.url, path)
+
+    def _abs(self, path: str) -> tuple[Location, str]:
+        if "://" in path:
+            loc = open_location(path)
+            return loc, loc.root
+        return self.location, self.location.path(*path.split("/"))
+
+    # --- upload (async phase) ----------------------------------------------------------------
+    def upload_snapshot(self, snapshot_dir: str | os.PathLike[str], subtask: int, key_groups: KeyGroupRange,
+                        known: Container[str] | Mapping[str, str] = frozenset(),
+                        cache: LocalFileCache | None = None) -> UploadResult:
+        """Upload the files of a local snapshot whose checksum ``known`` lacks; return the handle.
+
+        ``known`` holds the checksums the registry already has (the files of the base checkpoint).
+        As a mapping ``checksum -> path`` it also says where a known file lives, so a file of a
+        claimed or restored checkpoint keeps its path instead of being uploaded again.
+        """
+        snapshot_dir = Path(snapshot_dir)
+        files: list[FileHandle] = []
+        uploaded: list[str] = []
+        sent = reused = 0
+        for local in sorted(p for p in snapshot_dir.iterdir() if p.is_file()):
+            checksum = hash_file(local).hex()
+            size = local.stat().st_size
+            if checksum in known:
+                path = known[checksum] if isinstance(known, Mapping) else shared_path(checksum)
+                files.append(FileHandle(name=local.name, path=path, length=size, checksum=checksum))
+                reused += 1
+                continue
+            rel = shared_path(checksum)
+            files.append(FileHandle(name=local.name, path=rel, length=size, checksum=checksum))
+            self._put(local, rel)
+            uploaded.append(rel)
+            sent += size
+            if cache is not None and _is_immutable(local.name):
+                cache.adopt(local, checksum)
+        handle = SubtaskHandle(subtask=subtask, key_groups=key_groups, files=tuple(files))
+        return UploadResult(handle, tuple(uploaded), sent, reused)
+
+    def _put(self, local: Path, rel: str) -> None:
+        loc = self.location
+        target = loc.path(*rel.split("/"))
+        try:
+            if loc.is_local:
+                directory = os.path.dirname(target)
+                os.makedirs(directory, exist_ok=True)
+                tmp = os.path.join(directory, f".{os.path.basename(target)}.{uuid.uuid4().hex[:8]}.tmp")
+                try:
+                    shutil.copyfile(local, tmp)
+                    fsync_file(tmp)
+                    os.replace(tmp, target)  # content-addressed: the same bytes either way
+                    fsync_dir(directory)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+            else:
+                loc.fs.put_file(str(local), target)  # one PUT (or multipart upload): all or nothing
+        except Exception as exc:  # noqa: BLE001 - backend errors become ours at this boundary
+            raise StorageError(f"cannot upload {local} to {loc.display(target)}: {exc}") from exc
+
+    # --- metadata ----------------------------------------------------------------------------
+    def metadata_path(self, checkpoint_id: int) -> str:
+        return self.location.path(checkpoint_dir_name(checkpoint_id), METADATA_FILE)
+
+    def write_metadata(self, meta: CheckpointMetadata, as_id: int | None = None) -> str:
+        """Write ``chk-<N>/_metadata`` (or ``restored/_metadata`` for RESTORED) atomically; return its URL."""
+        path = self.metadata_path(meta.checkpoint_id if as_id is None else as_id)
+        self.location.write_atomic(path, meta.to_bytes())
+        return self.location.display(path)
+
+    def read_metadata(self, checkpoint_id: int) -> CheckpointMetadata:
+        path = self.metadata_path(checkpoint_id)
+        source = self.location.display(path)
+        try:
+            data = self.location.read_bytes(path)
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"checkpoint {checkpoint_id} of state {self.state!r} has no {source}: it was never completed "
+                f"or has been subsumed") from exc
+        return CheckpointMetadata.from_bytes(data, source)
+
+    def checkpoint_ids(self) -> list[int]:
+        """Ids of the ``chk-<N>`` directories that hold a ``_metadata`` file, ascending."""
+        ids = []
+        for info in self.location.listdir():
+            m = _CHK.match(posixpath.basename(info["name"].rstrip("/")))
+            if m and self.location.exists(self.metadata_path(int(m.group(1)))):
+                ids.append(int(m.group(1)))
+        return sorted(ids)
+
+    def has_restored(self) -> bool:
+        return self.location.exists(self.metadata_path(RESTORED))
+
+    def delete_checkpoint_dir(self, checkpoint_id: int) -> None:
+        self.location.delete(self.location.path(checkpoint_dir_name(checkpoint_id)), recursive=True)
+
+    def shared_files(self) -> set[str]:
+        """Relative paths of every file under ``shared/`` (staged temp files excluded)."""
+        out = set()
+        for info in self.location.listdir(self.location.path("shared")):
+            name = posixpath.basename(info["name"].rstrip("/"))
+            if not name.startswith("."):
+                out.add(posixpath.join("shared", name))
+        return out
+
+    def staged_files(self) -> set[str]:
+        """Relative paths of staged uploads left under ``shared/`` by a crash (local stores only)."""
+        out = set()
+        for info in self.location.listdir(self.location.path("shared")):
+            name = posixpath.basename(info["name"].rstrip("/"))
+            if name.startswith(".") and name.endswith(".tmp"):
+                out.add(posixpath.join("shared", name))
+        return out
+
+    def delete_files(self, paths: list[str]) -> int:
+        """Delete relative paths under this root (never absolute URLs: those are not ours)."""
+        n = 0
+        for p in paths:
+            if "://" in p:
+                continue
+            if self.location.delete(self.location.path(*p.split("/"))):
+                n += 1
+        return n
+
+    # --- restore -----------------------------------------------------------------------------
+    def restore_subtask(self, meta: CheckpointMetadata, handle: SubtaskHandle, db_dir: str | os.PathLike[str],
+                        cache: LocalFileCache) -> RestoreStats:
+        """Materialise ``handle``'s files in ``db_dir`` (which must not exist), verified."""
+        db_dir = Path(db_dir)
+        if db_dir.exists():
+            raise StorageError(f"restore target {db_dir} already exists; restore into a new directory")
+        staging = db_dir.parent / f".{db_dir.name}.{uuid.uuid4().hex[:8]}.restoring"
+        staging.mkdir(parents=True)
+        downloaded = downloaded_bytes = cached = 0
+        fetched: list[str] = []
+        try:
+            for f in handle.files:
+                path, hit, n = self._fetch(meta, handle, f, cache)
+                if not hit:
+                    downloaded += 1
+                    downloaded_bytes += n
+                    fetched.append(f.path)
+                else:
+                    cached += 1
+                dest = staging / f.name
+                if _is_immutable(f.name):
+                    os.link(path, dest)
+                else:  # RocksDB rewrites CURRENT and appends to MANIFEST: never share their inode
+                    shutil.copyfile(path, dest)
+            os.replace(staging, db_dir)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        return RestoreStats(len(handle.files), downloaded, downloaded_bytes, cached, tuple(fetched))
+
+    def _fetch(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle,
+               cache: LocalFileCache) -> tuple[Path, bool, int]:
+        loc, path = self._abs(f.path)
+        what = (f"file {f.name} ({loc.display(path)}) of checkpoint {meta.checkpoint_id} of state "
+                f"{meta.state!r}, subtask {handle.subtask}")
+
+        def open_source():
+            try:
+                src = loc.fs.open(path, "rb")
+            except FileNotFoundError as exc:
+                raise CheckpointNotFoundError(
+                    f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc that did "
+                    f"not know it); restore an older checkpoint") from exc
+            except Exception as exc:  # noqa: BLE001
+                raise StorageError(f"cannot read {what}: {exc}") from exc
+            if f.offset:
+                src.seek(f.offset)
+            return src
+
+        def mismatch(actual: str) -> Exception:
+            return CheckpointCorruptError(
+                f"{what} is corrupt: expected checksum {f.checksum}, read {actual}; nothing was restored. "
+                f"Restore an older checkpoint")
+
+        try:
+            return cache.fetch(f.checksum, open_source, f.length, mismatch)
+        except (CheckpointCorruptError, CheckpointNotFoundError, StorageError):
+            raise
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(f"{what} is missing: {exc}") from exc
+
+
+def open_checkpoint(url: str) -> tuple[CheckpointStorage, CheckpointMetadata]:
+    """Open a retained checkpoint or savepoint for ``restore_from``.
+
+    ``url`` names a ``chk-<N>`` directory, its ``_metadata`` file, or a savepoint directory holding a
+    ``_metadata``. Returns the storage of the state root the checkpoint's relative paths resolve
+    against, and the parsed record. Anything else raises CheckpointNotFoundError naming ``url``.
+    """
+    text = url.rstrip("/")
+    if posixpath.basename(text) == METADATA_FILE:
+        text = posixpath.dirname(text)
+    loc = open_location(text)
+    meta_path = loc.path(METADATA_FILE)
+    try:
+        data = loc.read_bytes(meta_path)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+        raise CheckpointNotFoundError(
+            f"restore_from={url!r} is not a checkpoint: {loc.display(meta_path)} does not exist. Pass a "
+            f"retained checkpoint directory (<checkpoint-dir>/<cluster>/<state>/chk-<N>) or a savepoint "
+            f"directory") from exc
+    meta = CheckpointMetadata.from_bytes(data, loc.display(meta_path))
+    name = posixpath.basename(text)
+    parent = posixpath.dirname(text)
+    if _CHK.match(name):  # relative paths resolve against the state root, the parent of chk-<N>
+        return CheckpointStorage(open_location(parent), meta.state), meta
+    return CheckpointStorage(loc, meta.state), meta  # a savepoint is self-contained

@@ -1,0 +1,91 @@
+"""The async phase of checkpoints, off the task's critical path (hosted by the executor agent).
+
+A task hands its local snapshot to :meth:`SnapshotUploader.submit` and returns its rows at once. A
+pool of threads uploads the snapshot's new files (:meth:`CheckpointStorage.upload_snapshot`), deletes
+the local snapshot, and reports the :class:`UploadResult` to ``on_done`` (the agent acks it to the
+driver agent's coordinator) or the error to ``on_error`` (the agent reports the subtask failed, so
+the coordinator aborts the checkpoint).
+
+Thread-safe. ``close()`` waits for the uploads in flight (or cancels the queued ones with
+``cancel=True``), joins the threads, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Callable, Container, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
+from sparksteward.errors import CheckpointError
+from sparksteward.state.backend import LocalSnapshot
+
+__all__ = ["SnapshotUploader"]
+
+log = logging.getLogger("sparksteward.checkpoint.uploader")
+
+
+class SnapshotUploader:
+    """Uploads local snapshots with ``threads`` threads."""
+
+    def __init__(self, threads: int = 4, cache: LocalFileCache | None = None) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="steward-upload")
+        self._cache = cache
+        self._lock = threading.Lock()
+        self._closed = False
+        self._inflight: set[Future[UploadResult]] = set()
+
+    def submit(self, storage: CheckpointStorage, checkpoint_id: int, subtask: int, snapshot: LocalSnapshot,
+               known: Container[str] | Mapping[str, str] = frozenset(),
+               on_done: Callable[[int, UploadResult], None] | None = None,
+               on_error: Callable[[int, int, BaseException], None] | None = None) -> Future[UploadResult]:
+        """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``)."""
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("the snapshot uploader is closed")
+
+            def work() -> UploadResult:
+                try:
+                    result = storage.upload_snapshot(snapshot.path, subtask, snapshot.key_groups, known=known,
+                                                     cache=self._cache)
+                except BaseException as exc:
+                    log.warning("upload of checkpoint %d subtask %d of %s failed: %s", checkpoint_id, subtask,
+                                storage.state, exc)
+                    if on_error is not None:
+                        on_error(checkpoint_id, subtask, exc)
+                    raise
+                finally:
+                    shutil.rmtree(snapshot.path, ignore_errors=True)
+                if on_done is not None:
+                    on_done(checkpoint_id, result)
+                return result
+
+            fut = self._pool.submit(work)
+            self._inflight.add(fut)
+            fut.add_done_callback(self._forget)
+            return fut
+
+    def _forget(self, fut: Future[UploadResult]) -> None:
+        with self._lock:
+            self._inflight.discard(fut)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def close(self, cancel: bool = False) -> None:
+        """Finish (or with ``cancel`` drop the queued) uploads and join the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+
+    def __enter__(self) -> SnapshotUploader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,38 @@
+"""Keyed state: key groups, routing, the value encoding, the task-side RocksDB backend and the
+Arrow/pandas runners (issue 8). See ``docs/state.md``.
+
+Nothing here imports pyspark or ``agents/``; the Spark integration builds on these layers.
+"""
+
+from sparksteward.state.backend import (
+    BoundListState,
+    BoundMapState,
+    BoundValueState,
+    ListState,
+    LocalSnapshot,
+    MapState,
+    RocksDBStateBackend,
+    ValueState,
+)
+from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group, key_group_range, validate_parallelism
+from sparksteward.state.runner import KeyedStateAccess, KeyState, run_arrow, run_pandas
+
+__all__ = [
+    "BoundListState",
+    "BoundMapState",
+    "BoundValueState",
+    "KeyGroupRange",
+    "KeyState",
+    "KeyType",
+    "KeyedStateAccess",
+    "ListState",
+    "LocalSnapshot",
+    "MapState",
+    "RocksDBStateBackend",
+    "ValueState",
+    "key_group",
+    "key_group_range",
+    "run_arrow",
+    "run_pandas",
+    "validate_parallelism",
+]
