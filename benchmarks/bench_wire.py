@@ -18,6 +18,7 @@ from pathlib import Path
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
+from sparksteward import wire
 from sparksteward.wire import AgentServer, Connection, new_secret
 
 MB = 1 << 20
@@ -28,7 +29,10 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--body-mac", default="", help="force one body MAC (poly1305 or hmac-sha256)")
     args = ap.parse_args()
+    if args.body_mac:
+        wire.BODY_MACS = (args.body_mac,)
     secret = new_secret()
     with tempfile.TemporaryDirectory() as d:
         server = BlobServer(Path(d) / "server", VoidBlobStore(), timer=False)
@@ -48,7 +52,7 @@ def main() -> int:
             client.get_to_file(key, dest, "bench")
             rates.append(args.mb / (time.perf_counter() - t))
             dest.unlink()
-        print(f"loopback blob.get stream: {max(rates):,.0f} MB/s best of {args.runs} "
+        print(f"loopback blob.get stream ({getattr(conn, 'body_mac', 'no MAC')}): {max(rates):,.0f} MB/s best of {args.runs} "
               f"({', '.join(f'{r:,.0f}' for r in rates)}; {args.mb} MB, verified, into a file)")
         t = time.perf_counter()
         for _ in range(args.requests):

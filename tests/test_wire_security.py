@@ -20,6 +20,7 @@ from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
+from sparksteward import wire
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.conftest import wait_until
 
@@ -248,6 +249,13 @@ def test_relay_cannot_replay_a_frame(served):
     conn.close()
 
 
+@pytest.fixture(params=getattr(wire, "BODY_MACS", ("hmac-sha256",)))
+def body_mac(request, monkeypatch):
+    """Each body MAC this process knows: Poly1305 (with ``cryptography``) and the HMAC fallback."""
+    monkeypatch.setattr(wire, "BODY_MACS", (request.param,), raising=False)
+    return request.param
+
+
 def _blob_rig(tmp_path):
     secret = new_secret()
     blobs = BlobServer(tmp_path / "server", VoidBlobStore(), timer=False)
@@ -256,7 +264,7 @@ def _blob_rig(tmp_path):
     return secret, blobs, server
 
 
-def test_a_tampered_upload_body_byte_is_rejected(tmp_path):
+def test_a_tampered_upload_body_byte_is_rejected(tmp_path, body_mac):
     secret, blobs, server = _blob_rig(tmp_path)
     relay = Relay(server.endpoint)
     try:
@@ -275,7 +283,7 @@ def test_a_tampered_upload_body_byte_is_rejected(tmp_path):
         blobs.close()
 
 
-def test_a_tampered_download_body_byte_is_rejected(tmp_path):
+def test_a_tampered_download_body_byte_is_rejected(tmp_path, body_mac):
     secret, blobs, server = _blob_rig(tmp_path)
     with Connection.connect(server.endpoint, secret) as direct:
         key = BlobClient(lambda: direct).put_bytes(os.urandom(1 << 20), "job-d")
@@ -294,11 +302,12 @@ def test_a_tampered_download_body_byte_is_rejected(tmp_path):
         blobs.close()
 
 
-def test_frames_and_bodies_still_flow_through_an_honest_relay(tmp_path):
+def test_frames_and_bodies_still_flow_through_an_honest_relay(tmp_path, body_mac):
     secret, blobs, server = _blob_rig(tmp_path)
     relay = Relay(server.endpoint)
     try:
         conn = Connection.connect(relay.endpoint, secret, timeout=5)
+        assert getattr(conn, "body_mac", body_mac) == body_mac
         client = BlobClient(lambda: conn)
         data = os.urandom(3 << 20)
         key = client.put_bytes(data, "job-h")

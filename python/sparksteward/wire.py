@@ -66,6 +66,11 @@ from sparksteward.errors import (
     error_from_code,
 )
 
+try:  # optional: a 7x faster one-time MAC for bodies, used when both sides have it
+    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
+except ImportError:  # pragma: no cover - depends on the environment
+    _Poly1305 = None
+
 __all__ = ["AgentServer", "Connection", "Fields", "Handler", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE",
            "parse_endpoint"]
 
@@ -77,11 +82,14 @@ TAG_SIZE = 32
 NONCE_SIZE = 32
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
-_CHUNK = 1 << 20
-_SEND_CHUNK = 8 << 20
+_CHUNK = 4 << 20
+_PARALLEL_MAC = 1 << 20  # chunks at least this big are hashed on a helper thread
 _CLIENT_PROOF = b"sparksteward wire v2 client proof\0"
 _SERVER_PROOF = b"sparksteward wire v2 server proof\0"
 _SESSION_KEY = b"sparksteward wire v2 session key\0"
+
+#: Body MACs this process can compute, preferred first. The client offers them, the server picks.
+BODY_MACS: tuple[str, ...] = (("poly1305",) if _Poly1305 is not None else ()) + ("hmac-sha256",)
 
 Handler = Callable[["Connection", dict[str, Any]], "dict[str, Any] | None"]
 
@@ -108,6 +116,24 @@ def _nonce(value: object, peer: str) -> bytes:
     return nonce
 
 
+class _PolyMac:
+    """Poly1305 under a one-time key (each body's own key, derived from the session key, direction
+    and sequence number), padded to :data:`TAG_SIZE`."""
+
+    def __init__(self, key: bytes) -> None:
+        self._p = _Poly1305(key)
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._p.update(data)
+
+    def digest(self) -> bytes:
+        return self._p.finalize() + bytes(TAG_SIZE - 16)
+
+
+def _offer_text(offer: list[str]) -> bytes:
+    return ",".join(offer).encode()
+
+
 class Connection:
     """One framed socket; used by both sides. See the module docstring.
 
@@ -123,14 +149,16 @@ class Connection:
         self.unread_body = False
         self._limit = PRE_AUTH_LIMIT
         self._key: Any = None  # an HMAC object keyed with the session key, copied per frame or body
+        self.body_mac = "hmac-sha256"
         self._out, self._in = (b"S", b"C") if server_side else (b"C", b"S")
         self._send_seq = self._recv_seq = 0
         self._deadline: float | None = None
         self._timeout = sock.gettimeout()
 
     # --- session ---------------------------------------------------------------------------------
-    def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes) -> None:
+    def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes, body_mac: str) -> None:
         self._key = hmac.new(_derive(secret, _SESSION_KEY, server_nonce, client_nonce), digestmod="sha256")
+        self.body_mac = body_mac
         self._limit = self.max_message
         self._deadline = None
         self.sock.settimeout(self._timeout)
@@ -230,7 +258,8 @@ class Connection:
             self._send_seq += 1
         else:
             self._recv_seq += 1
-        return self._mac(direction, b"B", seq, size)
+        h = self._mac(direction, b"B", seq, size)
+        return _PolyMac(h.digest()) if self.body_mac == "poly1305" else h
 
     def _verify_body(self, h: Any, size: int) -> None:
         self.unread_body = False
@@ -255,16 +284,23 @@ class Connection:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else _Empty() as mm:
                 view = memoryview(mm)
                 try:
-                    pos, end = start, start + n
+                    end = start + n
                     if end > len(view):
                         raise ProtocolError(f"cannot send {n} bytes from offset {start} of a {len(view)}-byte file")
-                    while pos < end:
-                        k = min(_SEND_CHUNK, end - pos)
-                        sent = self.sock.sendfile(f, offset=pos, count=k)
-                        if sent != k:
-                            raise ProtocolError(f"sent {sent} of {k} bytes to {self.peer}")
-                        h.update(view[pos:pos + k])
-                        pos += k
+                    # HMAC on a second thread while the kernel sends (both release the GIL)
+                    hasher = None if isinstance(h, _PolyMac) else threading.Thread(
+                        target=h.update, args=(view[start:end],), name="steward-mac")
+                    if hasher is not None:
+                        hasher.start()
+                    try:
+                        sent = self.sock.sendfile(f, offset=start, count=n)
+                    finally:
+                        if hasher is not None:
+                            hasher.join()
+                    if hasher is None:
+                        h.update(view[start:end])
+                    if sent != n:
+                        raise ProtocolError(f"sent {sent} of {n} bytes to {self.peer}")
                 finally:
                     view.release()
         except (OSError, ProtocolError) as exc:
@@ -272,21 +308,13 @@ class Connection:
         self._sendall(h.digest())
 
     def recv_into_file(self, f: BinaryIO, n: int, on_chunk: Callable[[bytes], None] | None = None) -> None:
-        """Copy exactly ``n`` body bytes from the socket into ``f`` (``on_chunk`` sees each chunk), then
-        verify the body's tag; a body that does not verify raises AuthenticationError."""
-        h = self._body_mac(self._in, n)
-        buf = bytearray(min(_CHUNK, max(n, 1)))
-        view = memoryview(buf)
-        left = n
-        while left:
-            k = self._recv_into(view, min(left, len(buf)), n)
-            chunk = view[:k]
+        """Copy exactly ``n`` body bytes from the socket into ``f`` (``on_chunk`` sees each chunk); the
+        body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
+        reader = RawReader(self, n)
+        while len(chunk := reader.read(_CHUNK)):
             f.write(chunk)
-            h.update(chunk)
             if on_chunk is not None:
                 on_chunk(chunk)
-            left -= k
-        self._verify_body(h, n)
 
     # --- client side -----------------------------------------------------------------------------
     @classmethod
@@ -312,16 +340,19 @@ class Connection:
                     f"{WIRE_VERSION}: use the same spark-steward version on the driver, executors and clients")
             server_nonce = _nonce(challenge.get("nonce"), endpoint)
             client_nonce = secrets.token_bytes(NONCE_SIZE)
-            conn.send({"v": WIRE_VERSION, "op": "auth", "nonce": client_nonce.hex(),
-                       "mac": _derive(secret, _CLIENT_PROOF, server_nonce, client_nonce).hex()})
+            offer = list(BODY_MACS)
+            conn.send({"v": WIRE_VERSION, "op": "auth", "nonce": client_nonce.hex(), "body_macs": offer,
+                       "mac": _derive(secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()})
             reply = conn._check(conn.recv())
-            proof = reply.get("mac")
-            expected = _derive(secret, _SERVER_PROOF, server_nonce, client_nonce).hex()
-            if not isinstance(proof, str) or not hmac.compare_digest(proof.encode(), expected.encode()):
+            proof, body_mac = reply.get("mac"), reply.get("body_mac")
+            body_mac = body_mac if body_mac in offer else offer[-1]  # a bad choice fails the proof below
+            expected = _derive(secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()
+            if (not isinstance(proof, str) or reply.get("body_mac") not in offer
+                    or not hmac.compare_digest(proof.encode(), expected.encode())):
                 raise AuthenticationError(
                     f"the peer at {endpoint} did not prove that it knows the application secret, so it is "
                     f"not this application's agent (a wrong endpoint or an impostor); refusing to use it")
-            conn._start_session(secret, server_nonce, client_nonce)
+            conn._start_session(secret, server_nonce, client_nonce, body_mac)
         except (OSError, ValueError) as exc:
             sock.close()
             if isinstance(exc, StewardError):
@@ -385,32 +416,58 @@ class _Empty:
 
 
 class RawReader:
-    """A file-like ``read(n)`` over exactly ``size`` body bytes of a connection, into one reused
-    4 MiB buffer (the returned view is valid until the next read). The body's tag is verified before
-    the last chunk is returned, so a tampered body raises AuthenticationError instead of ending."""
+    """A file-like ``read(n)`` over exactly ``size`` body bytes of a connection (the returned view is
+    valid until the next read). The body's tag is verified before the last chunk is returned, so a
+    tampered body raises AuthenticationError instead of ending.
+
+    Two reused 4 MiB buffers alternate: the tag of one chunk is computed on a helper thread while
+    the caller writes that chunk and the next one arrives (hashing releases the GIL), so the MAC
+    costs little wall time.
+    """
 
     def __init__(self, conn: Connection, size: int) -> None:
         self.conn, self.size, self.left = conn, size, size
-        self._buf = bytearray(min(4 << 20, max(size, 1)))
+        n = min(4 << 20, max(size, 1))
+        self._bufs = [bytearray(n)] + ([bytearray(n)] if size > n else [])
+        self._turn = 0
         self._mac = conn._body_mac(conn._in, size)
+        self._hasher: threading.Thread | None = None
         self._verified = False
+
+    def _join(self) -> None:
+        if self._hasher is not None:
+            self._hasher.join()
+            self._hasher = None
+
+    def _finish(self) -> None:
+        self._join()
+        if not self._verified:
+            self._verified = True
+            self.conn._verify_body(self._mac, self.size)
 
     def read(self, n: int) -> memoryview | bytes:
         if self.left <= 0:
-            if not self._verified:
-                self._verified = True
-                self.conn._verify_body(self._mac, self.size)
+            self._finish()
             return b""
-        view = memoryview(self._buf)[: min(n, self.left, len(self._buf))]
+        buf = self._bufs[self._turn]
+        self._turn = (self._turn + 1) % len(self._bufs)
+        view = memoryview(buf)[: min(n, self.left, len(buf))]
         got = 0
-        while got < len(view):
-            got += self.conn._recv_into(view[got:], len(view) - got, self.size)
-        self._mac.update(view[:got])
+        try:
+            while got < len(view):
+                got += self.conn._recv_into(view[got:], len(view) - got, self.size)
+        finally:
+            self._join()  # the previous chunk is hashed (in order) before this one starts
+        chunk = view[:got]
         self.left -= got
+        if got >= _PARALLEL_MAC and not isinstance(self._mac, _PolyMac):
+            self._hasher = threading.Thread(target=self._mac.update, args=(chunk,), name="steward-mac")
+            self._hasher.start()
+        else:
+            self._mac.update(chunk)
         if self.left == 0:
-            self._verified = True
-            self.conn._verify_body(self._mac, self.size)
-        return view[:got]
+            self._finish()
+        return chunk
 
 
 _REQUIRED: Any = object()
@@ -614,17 +671,24 @@ class AgentServer:
                 raise ProtocolError(f"peer {conn.peer} sent no wire-version-{WIRE_VERSION} auth message; "
                                     f"use the same spark-steward version everywhere")
             client_nonce = _nonce(msg.get("nonce"), conn.peer)
-            expected = _derive(self._secret, _CLIENT_PROOF, server_nonce, client_nonce).hex()
+            offer = msg.get("body_macs")
+            if not isinstance(offer, list) or not all(isinstance(m, str) for m in offer) or len(offer) > 8:
+                raise ProtocolError(f"peer {conn.peer} sent no list of body MACs in its handshake")
+            expected = _derive(self._secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()
             if not hmac.compare_digest(mac.encode(), expected.encode()):
                 raise AuthenticationError("authentication failed: the peer does not know this application's secret")
-            conn.send({"ok": True, "mac": _derive(self._secret, _SERVER_PROOF, server_nonce, client_nonce).hex()})
+            body_mac = next((m for m in BODY_MACS if m in offer), None)
+            if body_mac is None:
+                raise ProtocolError(f"peer {conn.peer} offers body MACs {offer}; this agent knows {list(BODY_MACS)}")
+            conn.send({"ok": True, "body_mac": body_mac,
+                       "mac": _derive(self._secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()})
         except StewardError as exc:  # before OSError: AuthenticationError is a PermissionError too
             self._refuse(conn, exc)
             return False
         except OSError as exc:  # too slow, evicted, or gone
             log.debug("handshake with %s dropped: %s", conn.peer, exc)
             return False
-        conn._start_session(self._secret, server_nonce, client_nonce)
+        conn._start_session(self._secret, server_nonce, client_nonce, body_mac)
         return True
 
     def _refuse(self, conn: Connection, exc: StewardError) -> None:
