@@ -160,9 +160,8 @@ class DriverAgent(Agent):
     def _op_add_cleanup(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         job_id, step = f.job_id(), f.mapping("step")
-        kind = Fields({"op": f"{f.op} step", **step}).text("kind")
-        target = Fields({"op": f"{f.op} step", **step}).text("target")
-        self.jobs.add_cleanup_step(job_id, CleanupStep(kind, target))
+        sf = Fields({**step, "op": f"{f.op} step"})
+        self.jobs.add_cleanup_step(job_id, CleanupStep(sf.text("kind"), sf.text("target")))
         return {}
 
     def _op_finish(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
