@@ -261,9 +261,9 @@ class Connection:
         h = self._mac(direction, b"B", seq, size)
         return _PolyMac(h.digest()) if self.body_mac == "poly1305" else h
 
-    def _verify_body(self, h: Any, size: int) -> None:
+    def _verify_body(self, h: Any, size: int, tag: bytes | memoryview | None = None) -> None:
         self.unread_body = False
-        if not hmac.compare_digest(h.digest(), self.recv_exact(TAG_SIZE)):
+        if not hmac.compare_digest(h.digest(), self.recv_exact(TAG_SIZE) if tag is None else tag):
             raise self._fail(AuthenticationError(
                 f"the {size}-byte body from peer {self.peer} does not match its tag (tampered or corrupted "
                 f"in transit); it was discarded and the connection closed"))
@@ -272,14 +272,28 @@ class Connection:
         """Send ``data`` as a body (then its tag)."""
         h = self._body_mac(self._out, len(data))
         h.update(data)
-        self._sendall(data)
-        self._sendall(h.digest())
+        if len(data) < _PARALLEL_MAC:
+            self._sendall(bytes(data) + h.digest())
+        else:
+            self._sendall(data)
+            self._sendall(h.digest())
 
     def send_file(self, f: BinaryIO, n: int) -> None:
         """Send exactly ``n`` bytes of ``f`` from its current offset as a body: ``sendfile`` for the
         bytes, a tag computed over a read-only memory map of the same range (no copies)."""
         h = self._body_mac(self._out, n)
         start = f.tell()
+        if n < _PARALLEL_MAC:  # small: one read and one write beat a memory map and sendfile
+            try:
+                data = os.pread(f.fileno(), n, start)
+            except OSError as exc:
+                raise self._fail(exc) from None
+            if len(data) != n:
+                raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of {f.name!r}"))
+            h.update(data)
+            self._sendall(data + h.digest())
+            f.seek(start + n)
+            return
         try:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else _Empty() as mm:
                 view = memoryview(mm)
@@ -449,6 +463,12 @@ class RawReader:
         if self.left <= 0:
             self._finish()
             return b""
+        if self.left == self.size < min(n, _PARALLEL_MAC):  # small: body and tag in one receive
+            data = memoryview(self.conn.recv_exact(self.size + TAG_SIZE))
+            self._mac.update(data[:self.size])
+            self.left, self._verified = 0, True
+            self.conn._verify_body(self._mac, self.size, data[self.size:])
+            return data[:self.size]
         buf = self._bufs[self._turn]
         self._turn = (self._turn + 1) % len(self._bufs)
         view = memoryview(buf)[: min(n, self.left, len(buf))]
