@@ -317,6 +317,11 @@ def test_frames_and_bodies_still_flow_through_an_honest_relay(tmp_path, body_mac
         key2 = client.put_file(src, "job-h")
         client.get_to_file(key2, tmp_path / "back", "job-h")
         assert (tmp_path / "back").read_bytes() == data[:12345]
+        for size in (0, 1, (1 << 20) - 1, 1 << 20):  # empty, small and large paths on both sides
+            src.write_bytes(data[:size])
+            k = client.put_file(src, "job-h")
+            assert client.get_bytes(k, "job-h") == data[:size] == client.get_bytes(client.put_bytes(data[:size]))
+        assert client.list()  # the connection is still in step after every kind of body
     finally:
         relay.close()
         server.close()

@@ -280,7 +280,8 @@ class Connection:
 
     def send_file(self, f: BinaryIO, n: int) -> None:
         """Send exactly ``n`` bytes of ``f`` from its current offset as a body: ``sendfile`` for the
-        bytes, a tag computed over a read-only memory map of the same range (no copies)."""
+        bytes, a tag computed over a read-only memory map of the same range (no copies). Bodies under
+        1 MiB go out as one read and one write instead."""
         h = self._body_mac(self._out, n)
         start = f.tell()
         if n < _PARALLEL_MAC:  # small: one read and one write beat a memory map and sendfile
@@ -289,13 +290,14 @@ class Connection:
             except OSError as exc:
                 raise self._fail(exc) from None
             if len(data) != n:
-                raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of {f.name!r}"))
+                raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of "
+                                               f"{getattr(f, 'name', 'a file')!r}: it is shorter"))
             h.update(data)
             self._sendall(data + h.digest())
             f.seek(start + n)
             return
         try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if n else _Empty() as mm:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 view = memoryview(mm)
                 try:
                     end = start + n
@@ -417,16 +419,6 @@ class Connection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class _Empty:
-    """Stands in for the memory map of an empty body."""
-
-    def __enter__(self) -> bytes:
-        return b""
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 class RawReader:
