@@ -76,11 +76,11 @@ def test_ha_put_fsyncs_staged_file_and_dir_before_the_ack(rig, monkeypatch):
 def test_put_reply_says_stored_in_ha(rig):
     conn = rig._conn
     conn.send({"op": "blob.put", "job_id": "job-r", "size": 5, "type": "p"})
-    conn.sock.sendall(b"hello")
+    conn.send_body(b"hello")
     reply = conn._check(conn.recv())
     assert reply["ha"] is True and rig.ha.exists("job-r", BlobKey.parse(reply["key"]))
     conn.send({"op": "blob.put", "job_id": "job-r", "size": 5, "type": "t"})
-    conn.sock.sendall(b"hello")
+    conn.send_body(b"hello")
     assert conn._check(conn.recv())["ha"] is False
 
 

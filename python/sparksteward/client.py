@@ -18,29 +18,53 @@ from typing import Any
 from sparksteward.blob.broadcast import BroadcastHandle
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.payload import write_payload
-from sparksteward.errors import AgentUnavailableError, ConfigError, InvalidIdError, JobAlreadyCompleted, ProtocolError, StewardError
+from sparksteward.errors import AgentUnavailableError, ConfigError, InvalidIdError, JobAlreadyCompleted, StewardError
 from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
 
-__all__ = ["JobResults", "Steward"]
+__all__ = ["IDEMPOTENT_OPS", "JobResults", "Steward"]
 
 _CONF_PREFIX = f"spark.plugins.internal.conf.{PLUGIN_CLASS}."
 
 
+#: Ops the client may send again after a timeout or a dropped connection: they change nothing, or
+#: nothing that a repeat could change twice. Every other op (jobs.begin, jobs.finish,
+#: jobs.add_cleanup, blob.acquire, blob.release, blob.put, blob.put_path, blob.add_library,
+#: blob.delete_job, ...) is sent at most once: its outcome after a lost reply is unknown.
+IDEMPOTENT_OPS = frozenset({"health", "events", "jobs.get", "jobs.list", "blob.info", "blob.get", "blob.list",
+                            "blob.stats", "blob.libraries", "blob.cache_stats"})
+
+
+def _client_settings(conf: Any) -> dict[str, Any]:
+    """``timeout``, ``max_message`` and ``default_wait`` for a client, from a SparkConf's
+    ``spark.steward.rpc.timeout``, ``rpc.max-message-size`` and ``cleanup.shutdown-timeout``."""
+    from sparksteward.config import StewardConfig
+
+    cfg = StewardConfig.from_conf({k: v for k, v in conf.getAll() if k.startswith("spark.steward.")})
+    return {"timeout": cfg.rpc_timeout, "max_message": cfg.rpc_max_message_size,
+            "default_wait": cfg.cleanup_shutdown_timeout}
+
+
 class Steward:
-    """A client of the driver agent. Use :meth:`get` rather than the constructor."""
+    """A client of the driver agent. Use :meth:`get` rather than the constructor.
+
+    ``timeout`` is the socket timeout of a request (``spark.steward.rpc.timeout``); a request with a
+    ``wait`` gets the wait on top (``default_wait`` when the wait is null). After a timeout or a
+    dropped connection only :data:`IDEMPOTENT_OPS` are sent again, once.
+    """
 
     _instances: dict[str, Steward] = {}
     _instances_lock = threading.Lock()
 
     def __init__(self, endpoint: str, secret: str, *, spark: Any = None, timeout: float = 120.0,
-                 max_message: int = 16 << 20) -> None:
+                 max_message: int = 16 << 20, default_wait: float = 30.0) -> None:
         self.endpoint = endpoint
         self._secret = secret
         self._timeout = timeout
         self._max_message = max_message
+        self._default_wait = default_wait
         self._local = threading.local()
         self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
         self.spark = spark
@@ -74,7 +98,7 @@ class Steward:
                     f"spark-steward is not enabled in application {app_id}: build the session with "
                     f"sparksteward.configure(SparkSession.builder) or pass "
                     f"--conf spark.plugins={PLUGIN_CLASS} --jars \"$(steward jar)\"")
-            inst = cls(endpoint, secret, spark=spark)
+            inst = cls(endpoint, secret, spark=spark, **_client_settings(conf))
             cls._instances[app_id] = inst
             return inst
 
@@ -83,6 +107,9 @@ class Steward:
         if self._closed:
             raise AgentUnavailableError("this Steward client is closed")
         conn = getattr(self._local, "conn", None)
+        if conn is not None and conn.is_stale():  # broken, or closed by the agent while idle
+            self._drop()
+            conn = None
         if conn is None:
             conn = Connection.connect(self.endpoint, self._secret, timeout=self._timeout,
                                       max_message=self._max_message)
@@ -90,16 +117,51 @@ class Steward:
             self._conns.add(conn)
         return conn
 
+    def _op_timeout(self, op: str, fields: dict[str, Any]) -> float:
+        if "wait" not in fields:
+            return self._timeout
+        wait = fields["wait"]
+        if wait is None:
+            wait = self._default_wait
+        if isinstance(wait, (int, float)) and not isinstance(wait, bool) and 0 < wait < float("inf"):
+            return self._timeout + float(wait)
+        return self._timeout
+
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request to the driver agent; reconnects once if the connection dropped."""
-        try:
-            return self._conn().request(op, **fields)
-        except (ConnectionError, BrokenPipeError, TimeoutError):
-            self._drop()
-            return self._conn().request(op, **fields)
-        except ProtocolError:
-            self._drop()  # the agent closes a connection after a protocol violation
-            raise
+        """Send one request to the driver agent and return its reply.
+
+        A stale connection is replaced before sending. After a timeout or a connection lost
+        mid-request, an op in :data:`IDEMPOTENT_OPS` is sent once more on a new connection; any
+        other op raises :class:`AgentUnavailableError` saying it was not retried.
+        """
+        timeout = self._op_timeout(op, fields)
+        for attempt in (1, 2):
+            conn = self._conn()
+            try:
+                return conn.call(op, fields, timeout)
+            except (OSError, StewardError) as exc:
+                if not conn.broken:
+                    raise  # the agent's answer (an error reply): the connection is fine
+                self._drop()
+                if op not in IDEMPOTENT_OPS:
+                    raise AgentUnavailableError(
+                        f"{op} to the agent at {self.endpoint} got no reply ({type(exc).__name__}: {exc}); it "
+                        f"was not retried because {op} is not idempotent, so the agent may or may not have "
+                        f"applied it. Check the state (e.g. st.job_results.get) before trying again") from exc
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _pages(self, op: str, items: str, cursor_field: str, **fields: Any) -> list[Any]:
+        """Every item of a paged list op, following its ``next`` cursor."""
+        out: list[Any] = []
+        cursor = None
+        while True:
+            reply = self.request(op, **fields, **({cursor_field: cursor} if cursor is not None else {}))
+            out.extend(reply[items])
+            cursor = reply.get("next")
+            if cursor is None:
+                return out
 
     def _drop(self) -> None:
         conn = getattr(self._local, "conn", None)
@@ -114,7 +176,7 @@ class Steward:
 
     def events(self, type: str | None = None) -> list[dict[str, Any]]:  # noqa: A002 - protocol name
         """Recent Spark events the driver agent received (newest last), optionally of one type."""
-        return self.request("events", type=type)["events"]
+        return self._pages("events", "events", "after", type=type)
 
     # --- jobs (FLIP-194) ------------------------------------------------------------------------
     def job(self, job_id: str, *, force: bool = False, wait: float | None = None) -> JobScope:
@@ -147,7 +209,7 @@ class Steward:
     @property
     def blobs(self) -> BlobClient:
         """Low-level put/get/delete of permanent and transient blobs, with a job id."""
-        return BlobClient(self._conn)
+        return BlobClient(self._conn, request=self.request)
 
     def current_job(self) -> str:
         """The job new blobs belong to: the innermost ``st.job`` scope of this thread, else the
@@ -236,7 +298,7 @@ class JobResults:
         """Every readable entry of this cluster id, sorted by job id."""
         from sparksteward.jobs.result import JobResultEntry
 
-        return [JobResultEntry.from_dict(e) for e in self._steward.request("jobs.list")["entries"]]
+        return [JobResultEntry.from_dict(e) for e in self._steward._pages("jobs.list", "entries", "cursor")]
 
 
 def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:

@@ -175,7 +175,20 @@ OPTIONS: tuple[Option, ...] = (
            "Largest control message a peer may send on an agent socket; larger ones are refused.",
            check=_positive),
     Option("spark.steward.rpc.timeout", "duration", "120s",
-           "Socket timeout for requests between clients and agents.", check=_positive),
+           "Socket timeout for requests between clients and agents. A request that asks the agent to "
+           "wait (jobs.finish) gets its wait on top. After a timeout only idempotent requests "
+           "(health, events, gets and listings) are sent again.", check=_positive),
+    Option("spark.steward.rpc.handshake-timeout", "duration", "10s",
+           "Hard deadline for a new connection to an agent to complete its mutual authentication; "
+           "slower peers are disconnected.", check=_positive),
+    Option("spark.steward.rpc.max-pending-handshakes", "int", "64",
+           "How many connections may be authenticating at once. Unauthenticated connections never "
+           "hold a request slot; when this bound is full, a new connection evicts the oldest pending "
+           "one, so slow peers cannot lock clients out.", check=_positive, allowed="an integer > 0"),
+    Option("spark.steward.agent.events.max-bytes", "bytes", "4m",
+           "Size bound of each agent's buffer of recent Spark events (served by the events request); "
+           "the oldest events are dropped first. The buffer also holds at most 2000 events.",
+           check=_positive),
     Option("spark.steward.blob.storage-dir", "url", "",
            "Local directory of the BlobServer's store. Empty means a fresh directory under the "
            "state dir, deleted when the driver agent exits."),

@@ -10,6 +10,7 @@ Tree::
     ├── ConfigError (ValueError)                  CONFIG_INVALID
     ├── InvalidIdError (ValueError)               INVALID_ID
     ├── InvalidRecordError (ValueError)           INVALID_RECORD
+    ├── InvalidRequestError (ValueError)          INVALID_REQUEST
     ├── ProtocolError (ValueError)                PROTOCOL
     │   ├── AuthenticationError (PermissionError) AUTH_FAILED
     │   └── MessageTooLargeError                  TOO_LARGE
@@ -52,6 +53,7 @@ __all__ = [
     "CorruptRecordError",
     "InvalidIdError",
     "InvalidRecordError",
+    "InvalidRequestError",
     "JobAlreadyCompleted",
     "JobResultExistsError",
     "JobResultNotFoundError",
@@ -104,6 +106,14 @@ class InvalidRecordError(StewardError, ValueError):
     """A record (a job result, a cleanup step) was given a field value it cannot hold."""
 
     code = "INVALID_RECORD"
+
+
+class InvalidRequestError(StewardError, ValueError):
+    """A request field is missing or has the wrong type; the message names the op, field and value.
+
+    The connection stays usable (unless the request announced a body that was not read)."""
+
+    code = "INVALID_REQUEST"
 
 
 class ProtocolError(StewardError, ValueError):

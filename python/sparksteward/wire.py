@@ -1,30 +1,56 @@
-"""Authenticated, size-bounded local sockets between clients and agents.
+"""Authenticated, size-bounded sockets between clients and agents (wire version 2).
 
-Frames are a 4-byte big-endian length followed by one orjson object. A connection starts with a
-challenge: the server sends a random nonce, the client answers ``HMAC-SHA256(secret, nonce)``, and the
-server compares it in constant time (``hmac.compare_digest``). The secret itself never crosses the
-socket. Until a peer is authenticated its frames are bounded to :data:`PRE_AUTH_LIMIT` bytes; after
-that to ``max_message`` bytes. Bulk data (blob bodies) follows a frame as raw bytes of a length the
-frame announced.
+**Handshake** (both sides prove the per-application secret; it never crosses the socket)::
+
+    server -> client   {"v": 2, "op": "challenge", "nonce": Ns}
+    client -> server   {"v": 2, "op": "auth", "nonce": Nc, "mac": HMAC(secret, "client proof" | Ns | Nc)}
+    server -> client   {"ok": true, "mac": HMAC(secret, "server proof" | Ns | Nc)}
+
+The server compares the client's proof, the client compares the server's, both in constant time;
+a peer without the secret is refused either way with :class:`AuthenticationError`. Both then derive
+the session key ``K = HMAC(secret, "session key" | Ns | Nc)`` (distinct labels; nonces of 32 random
+bytes from each side, so a key is never reused across connections).
+
+**Frames** are a 4-byte big-endian length, one orjson object and, after the handshake, a 32-byte
+``HMAC-SHA256(K, direction | "F" | seq | payload)``. Each direction counts its own sequence numbers
+from 0, so a relay that passed one real handshake through can neither inject, replay, reorder nor
+reflect frames: the receiver closes the connection on the first tag that does not verify.
+**Bodies** (raw blob bytes of a length a frame announced) are followed by a 32-byte
+``HMAC-SHA256(K, direction | "B" | seq | size | bytes)``, computed over large chunks without copies;
+readers verify it before they hand the last chunk over, so a tampered body is never accepted. Bodies
+and frames share the sequence counter. Same-host blob copies hand over a file path and stay free of
+per-byte cost.
+
+**Bounds.** Until a peer is authenticated its frames are bounded to :data:`PRE_AUTH_LIMIT` bytes and
+the whole handshake to ``handshake_timeout`` seconds. Unauthenticated connections never hold one of
+the ``max_connections`` request slots: at most ``max_handshakes`` may be pending, and when that bound
+is full a new connection evicts the oldest pending one, so slow or silent peers cannot lock clients
+out. The accept loop never reads from a peer. Authenticated frames are bounded to ``max_message``;
+a reply over that bound becomes a ``TOO_LARGE`` error reply on a connection that stays usable.
 
 Requests are ``{"op": name, ...}``; replies are ``{"ok": true, ...}`` or
-``{"ok": false, "error": {"code", "message"}}``. A handler error never kills the server: it becomes
-an error reply and, for protocol violations, a closed connection.
+``{"ok": false, "error": {"code", "message"}}``. Handlers read their fields through :class:`Fields`,
+which refuses a wrong type with ``INVALID_REQUEST`` naming the op, the field, the value and what was
+expected. A handler error never kills the server; protocol violations, and errors of a request whose
+announced body was not read (:meth:`Connection.expect_body`), close the connection.
 
-Thread-safety: :class:`AgentServer` runs one daemon thread per connection, bounded by
-``max_connections``; handlers must be thread-safe. A :class:`Connection` is not thread-safe; use one
-per thread.
+Thread-safety: :class:`AgentServer` runs one daemon thread per connection; handlers must be
+thread-safe. A :class:`Connection` is not thread-safe; use one per thread.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
+import mmap
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
@@ -33,20 +59,37 @@ import orjson
 from sparksteward.errors import (
     AgentUnavailableError,
     AuthenticationError,
+    InvalidRequestError,
     MessageTooLargeError,
     ProtocolError,
     StewardError,
     error_from_code,
 )
 
-__all__ = ["AgentServer", "Connection", "Handler", "PRE_AUTH_LIMIT", "RawReader", "parse_endpoint"]
+try:  # optional: a 7x faster one-time MAC for bodies, used when both sides have it
+    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
+except ImportError:  # pragma: no cover - depends on the environment
+    _Poly1305 = None
+
+__all__ = ["AgentServer", "Connection", "Fields", "Handler", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE",
+           "parse_endpoint"]
 
 log = logging.getLogger("sparksteward.wire")
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 PRE_AUTH_LIMIT = 1024
+TAG_SIZE = 32
+NONCE_SIZE = 32
 _LEN = struct.Struct(">I")
-_CHUNK = 1 << 20
+_SEQ = struct.Struct(">Q")
+_CHUNK = 4 << 20
+_PARALLEL_MAC = 1 << 20  # chunks at least this big are hashed on a helper thread
+_CLIENT_PROOF = b"sparksteward wire v2 client proof\0"
+_SERVER_PROOF = b"sparksteward wire v2 server proof\0"
+_SESSION_KEY = b"sparksteward wire v2 session key\0"
+
+#: Body MACs this process can compute, preferred first. The client offers them, the server picks.
+BODY_MACS: tuple[str, ...] = (("poly1305",) if _Poly1305 is not None else ()) + ("hmac-sha256",)
 
 Handler = Callable[["Connection", dict[str, Any]], "dict[str, Any] | None"]
 
@@ -59,39 +102,122 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _mac(secret: str, nonce: bytes) -> str:
-    return hmac.new(secret.encode(), nonce, "sha256").hexdigest()
+def _derive(secret: str, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.digest(secret.encode(), label + server_nonce + client_nonce, "sha256")
+
+
+def _nonce(value: object, peer: str) -> bytes:
+    try:
+        nonce = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        nonce = b""
+    if len(nonce) != NONCE_SIZE:
+        raise ProtocolError(f"peer {peer} sent no valid {NONCE_SIZE}-byte nonce in its handshake")
+    return nonce
+
+
+class _PolyMac:
+    """Poly1305 under a one-time key (each body's own key, derived from the session key, direction
+    and sequence number), padded to :data:`TAG_SIZE`."""
+
+    def __init__(self, key: bytes) -> None:
+        self._p = _Poly1305(key)
+
+    def update(self, data: bytes | memoryview) -> None:
+        self._p.update(data)
+
+    def digest(self) -> bytes:
+        return self._p.finalize() + bytes(TAG_SIZE - 16)
+
+
+def _offer_text(offer: list[str]) -> bytes:
+    return ",".join(offer).encode()
 
 
 class Connection:
-    """One framed socket; used by both sides."""
+    """One framed socket; used by both sides. See the module docstring.
 
-    def __init__(self, sock: socket.socket, max_message: int, peer: str = "") -> None:
+    ``broken`` turns true when a send or receive failed part-way (timeout, reset, bad tag): the
+    stream can no longer be trusted, so clients drop the connection and open a new one.
+    """
+
+    def __init__(self, sock: socket.socket, max_message: int, peer: str = "", *, server_side: bool = False) -> None:
         self.sock = sock
         self.max_message = max_message
         self.peer = peer
+        self.broken = False
+        self.unread_body = False
         self._limit = PRE_AUTH_LIMIT
+        self._key: Any = None  # an HMAC object keyed with the session key, copied per frame or body
+        self.body_mac = "hmac-sha256"
+        self._out, self._in = (b"S", b"C") if server_side else (b"C", b"S")
+        self._send_seq = self._recv_seq = 0
+        self._deadline: float | None = None
+        self._timeout = sock.gettimeout()
 
-    # --- framing -----------------------------------------------------------------------------
+    # --- session ---------------------------------------------------------------------------------
+    def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes, body_mac: str) -> None:
+        self._key = hmac.new(_derive(secret, _SESSION_KEY, server_nonce, client_nonce), digestmod="sha256")
+        self.body_mac = body_mac
+        self._limit = self.max_message
+        self._deadline = None
+        self.sock.settimeout(self._timeout)
+
+    def _mac(self, direction: bytes, kind: bytes, seq: int, size: int = -1) -> Any:
+        h = self._key.copy()
+        h.update(direction + kind + _SEQ.pack(seq) + (_SEQ.pack(size) if size >= 0 else b""))
+        return h
+
+    def _fail(self, exc: BaseException) -> BaseException:
+        self.broken = True
+        return exc
+
+    # --- framing ---------------------------------------------------------------------------------
+    def _frame(self, body: bytes) -> bytes:
+        """Length prefix, ``body`` and (after the handshake) its tag; advances the send sequence."""
+        if self._key is None:
+            return _LEN.pack(len(body)) + body
+        h = self._mac(self._out, b"F", self._send_seq)
+        h.update(body)
+        self._send_seq += 1
+        return b"".join((_LEN.pack(len(body)), body, h.digest()))
+
+    def _sendall(self, data: bytes | memoryview) -> None:
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:
+            raise self._fail(exc) from None
+
     def send(self, msg: dict[str, Any]) -> None:
+        """Send one frame; a message over ``max_message`` raises MessageTooLargeError and sends nothing."""
         body = orjson.dumps(msg)
         if len(body) > self.max_message:
             raise MessageTooLargeError(
                 f"message of {len(body)} bytes exceeds spark.steward.rpc.max-message-size ({self.max_message})")
-        self.sock.sendall(_LEN.pack(len(body)) + body)
+        self._sendall(self._frame(body))
 
     def recv(self) -> dict[str, Any]:
+        """Receive one frame, verify its tag and parse it."""
         (length,) = _LEN.unpack(self.recv_exact(_LEN.size))
         if length > self._limit:
-            raise MessageTooLargeError(
-                f"peer {self.peer} announced a {length}-byte message; the limit is {self._limit} bytes")
-        body = self.recv_exact(length)
+            raise self._fail(MessageTooLargeError(
+                f"peer {self.peer} announced a {length}-byte message; the limit is {self._limit} bytes"))
+        data = self.recv_exact(length + (TAG_SIZE if self._key is not None else 0))
+        body = memoryview(data)[:length]
+        if self._key is not None:
+            h = self._mac(self._in, b"F", self._recv_seq)
+            h.update(body)
+            if not hmac.compare_digest(h.digest(), data[length:]):
+                raise self._fail(AuthenticationError(
+                    f"peer {self.peer} sent a frame whose tag does not verify (injected, replayed, reordered "
+                    f"or corrupted in transit); closing the connection"))
+            self._recv_seq += 1
         try:
             msg = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
-            raise ProtocolError(f"peer {self.peer} sent a message that is not JSON") from exc
+            raise self._fail(ProtocolError(f"peer {self.peer} sent a message that is not JSON")) from exc
         if not isinstance(msg, dict):
-            raise ProtocolError(f"peer {self.peer} sent a JSON {type(msg).__name__}, not an object")
+            raise self._fail(ProtocolError(f"peer {self.peer} sent a JSON {type(msg).__name__}, not an object"))
         return msg
 
     def recv_exact(self, n: int) -> bytes:
@@ -99,65 +225,180 @@ class Connection:
         view = memoryview(buf)
         got = 0
         while got < n:
-            k = self.sock.recv_into(view[got:], n - got)
-            if k == 0:
-                raise ProtocolError(f"peer {self.peer} closed the connection after {got} of {n} bytes")
-            got += k
+            got += self._recv_into(view[got:], n - got, n)
         return bytes(buf)
 
+    def _recv_into(self, view: memoryview, want: int, total: int) -> int:
+        try:
+            if self._deadline is not None:
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the handshake with {self.peer} did not finish in time")
+                self.sock.settimeout(left)
+            k = self.sock.recv_into(view, want)
+        except OSError as exc:
+            raise self._fail(exc) from None
+        if k == 0:
+            raise self._fail(ProtocolError(f"peer {self.peer} closed the connection in the middle of "
+                                           f"{total} bytes"))
+        return k
+
+    # --- bodies ----------------------------------------------------------------------------------
+    def expect_body(self) -> None:
+        """Declare (server side, first thing in a handler) that this request is followed by a body:
+        if the handler fails before reading it, the server closes the connection rather than parse
+        the body as requests."""
+        self.unread_body = True
+
+    def _body_mac(self, direction: bytes, size: int) -> Any:
+        if self._key is None:
+            raise ProtocolError("bodies are only sent on authenticated connections")
+        seq = self._send_seq if direction == self._out else self._recv_seq
+        if direction == self._out:
+            self._send_seq += 1
+        else:
+            self._recv_seq += 1
+        h = self._mac(direction, b"B", seq, size)
+        return _PolyMac(h.digest()) if self.body_mac == "poly1305" else h
+
+    def _verify_body(self, h: Any, size: int, tag: bytes | memoryview | None = None) -> None:
+        self.unread_body = False
+        if not hmac.compare_digest(h.digest(), self.recv_exact(TAG_SIZE) if tag is None else tag):
+            raise self._fail(AuthenticationError(
+                f"the {size}-byte body from peer {self.peer} does not match its tag (tampered or corrupted "
+                f"in transit); it was discarded and the connection closed"))
+
+    def send_body(self, data: bytes | memoryview) -> None:
+        """Send ``data`` as a body (then its tag)."""
+        h = self._body_mac(self._out, len(data))
+        h.update(data)
+        if len(data) < _PARALLEL_MAC:
+            self._sendall(bytes(data) + h.digest())
+        else:
+            self._sendall(data)
+            self._sendall(h.digest())
+
+    def send_file(self, f: BinaryIO, n: int) -> None:
+        """Send exactly ``n`` bytes of ``f`` from its current offset as a body: ``sendfile`` for the
+        bytes, a tag computed over a read-only memory map of the same range (no copies). Bodies under
+        1 MiB go out as one read and one write instead."""
+        h = self._body_mac(self._out, n)
+        start = f.tell()
+        if n < _PARALLEL_MAC:  # small: one read and one write beat a memory map and sendfile
+            try:
+                data = os.pread(f.fileno(), n, start)
+            except OSError as exc:
+                raise self._fail(exc) from None
+            if len(data) != n:
+                raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of "
+                                               f"{getattr(f, 'name', 'a file')!r}: it is shorter"))
+            h.update(data)
+            self._sendall(data + h.digest())
+            f.seek(start + n)
+            return
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                view = memoryview(mm)
+                try:
+                    end = start + n
+                    if end > len(view):
+                        raise ProtocolError(f"cannot send {n} bytes from offset {start} of a {len(view)}-byte file")
+                    # HMAC on a second thread while the kernel sends (both release the GIL)
+                    hasher = None if isinstance(h, _PolyMac) else threading.Thread(
+                        target=h.update, args=(view[start:end],), name="steward-mac")
+                    if hasher is not None:
+                        hasher.start()
+                    try:
+                        sent = self.sock.sendfile(f, offset=start, count=n)
+                    finally:
+                        if hasher is not None:
+                            hasher.join()
+                    if hasher is None:
+                        h.update(view[start:end])
+                    if sent != n:
+                        raise ProtocolError(f"sent {sent} of {n} bytes to {self.peer}")
+                finally:
+                    view.release()
+        except (OSError, ProtocolError) as exc:
+            raise self._fail(exc) from None
+        self._sendall(h.digest())
+
     def recv_into_file(self, f: BinaryIO, n: int, on_chunk: Callable[[bytes], None] | None = None) -> None:
-        """Copy exactly ``n`` raw bytes from the socket into ``f``; ``on_chunk`` sees each chunk."""
-        buf = bytearray(min(_CHUNK, max(n, 1)))
-        view = memoryview(buf)
-        left = n
-        while left:
-            k = self.sock.recv_into(view, min(left, len(buf)))
-            if k == 0:
-                raise ProtocolError(f"peer {self.peer} closed the connection with {left} of {n} bytes unsent")
-            chunk = view[:k]
+        """Copy exactly ``n`` body bytes from the socket into ``f`` (``on_chunk`` sees each chunk); the
+        body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
+        reader = RawReader(self, n)
+        while len(chunk := reader.read(_CHUNK)):
             f.write(chunk)
             if on_chunk is not None:
                 on_chunk(chunk)
-            left -= k
 
-    def send_file(self, f: BinaryIO, n: int) -> None:
-        """Send exactly ``n`` bytes of ``f`` from its current offset, with ``sendfile`` where possible."""
-        sent = self.sock.sendfile(f, offset=f.tell(), count=n)
-        if sent != n:
-            raise ProtocolError(f"sent {sent} of {n} bytes to {self.peer}")
-
-    # --- client side -------------------------------------------------------------------------
+    # --- client side -----------------------------------------------------------------------------
     @classmethod
     def connect(cls, endpoint: str, secret: str, *, timeout: float = 120.0,
                 max_message: int = 16 << 20) -> Connection:
-        """Connect to an agent and authenticate; raise AgentUnavailableError or AuthenticationError."""
+        """Connect to an agent and authenticate both ways (the whole handshake within ``timeout``);
+        raise AgentUnavailableError, or AuthenticationError if either side lacks the secret."""
         host, port = parse_endpoint(endpoint)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as exc:
             raise AgentUnavailableError(
                 f"cannot reach the spark-steward agent at {endpoint}: {exc}. Is the plugin enabled "
                 f"(spark.plugins=sparksteward.shim.StewardPlugin) and the session running?") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = cls(sock, max_message, endpoint)
+        conn._deadline = time.monotonic() + timeout
         try:
             challenge = conn.recv()
-            nonce = bytes.fromhex(str(challenge.get("nonce", "")))
-            conn.send({"v": WIRE_VERSION, "op": "auth", "mac": _mac(secret, nonce)})
-            reply = conn.recv()
-            conn._check(reply)
+            if challenge.get("op") != "challenge" or challenge.get("v") != WIRE_VERSION:
+                raise ProtocolError(
+                    f"the agent at {endpoint} speaks wire version {challenge.get('v')!r}, this client "
+                    f"{WIRE_VERSION}: use the same spark-steward version on the driver, executors and clients")
+            server_nonce = _nonce(challenge.get("nonce"), endpoint)
+            client_nonce = secrets.token_bytes(NONCE_SIZE)
+            offer = list(BODY_MACS)
+            conn.send({"v": WIRE_VERSION, "op": "auth", "nonce": client_nonce.hex(), "body_macs": offer,
+                       "mac": _derive(secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()})
+            reply = conn._check(conn.recv())
+            proof, body_mac = reply.get("mac"), reply.get("body_mac")
+            body_mac = body_mac if body_mac in offer else offer[-1]  # a bad choice fails the proof below
+            expected = _derive(secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()
+            if (not isinstance(proof, str) or reply.get("body_mac") not in offer
+                    or not hmac.compare_digest(proof.encode(), expected.encode())):
+                raise AuthenticationError(
+                    f"the peer at {endpoint} did not prove that it knows the application secret, so it is "
+                    f"not this application's agent (a wrong endpoint or an impostor); refusing to use it")
+            conn._start_session(secret, server_nonce, client_nonce, body_mac)
         except (OSError, ValueError) as exc:
             sock.close()
             if isinstance(exc, StewardError):
                 raise
             raise AgentUnavailableError(f"handshake with the agent at {endpoint} failed: {exc}") from exc
-        conn._limit = max_message
         return conn
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply; an error reply raises the matching StewardError."""
-        self.send({"op": op, **fields})
-        return self._check(self.recv())
+        return self.call(op, fields)
+
+    def call(self, op: str, fields: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """:meth:`request` with an explicit socket ``timeout`` for this round trip."""
+        if timeout is not None:
+            self.sock.settimeout(timeout)
+        try:
+            self.send({"op": op, **fields})
+            return self._check(self.recv())
+        finally:
+            if timeout is not None and not self.broken:
+                self.sock.settimeout(self._timeout)
+
+    def is_stale(self) -> bool:
+        """True if this idle connection cannot be used: it broke, the peer closed it, or the peer sent
+        something unasked. Never blocks; call it before reusing a cached connection."""
+        if self.broken or self.sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
 
     @staticmethod
     def _check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +408,7 @@ class Connection:
         raise error_from_code(str(err.get("code", "REMOTE")), str(err.get("message", "unknown error")))
 
     def close(self) -> None:
+        self.broken = True
         try:
             self.sock.close()
         except OSError:
@@ -180,52 +422,191 @@ class Connection:
 
 
 class RawReader:
-    """A file-like ``read(n)`` over exactly ``size`` raw bytes of a connection, into one reused
-    4 MiB buffer (the returned view is valid until the next read)."""
+    """A file-like ``read(n)`` over exactly ``size`` body bytes of a connection (the returned view is
+    valid until the next read). The body's tag is verified before the last chunk is returned, so a
+    tampered body raises AuthenticationError instead of ending.
+
+    Two reused 4 MiB buffers alternate: the tag of one chunk is computed on a helper thread while
+    the caller writes that chunk and the next one arrives (hashing releases the GIL), so the MAC
+    costs little wall time.
+    """
 
     def __init__(self, conn: Connection, size: int) -> None:
-        self.conn, self.left = conn, size
-        self._buf = bytearray(min(4 << 20, max(size, 1)))
+        self.conn, self.size, self.left = conn, size, size
+        n = min(4 << 20, max(size, 1))
+        self._bufs = [bytearray(n)] + ([bytearray(n)] if size > n else [])
+        self._turn = 0
+        self._mac = conn._body_mac(conn._in, size)
+        self._hasher: threading.Thread | None = None
+        self._verified = False
+
+    def _join(self) -> None:
+        if self._hasher is not None:
+            self._hasher.join()
+            self._hasher = None
+
+    def _finish(self) -> None:
+        self._join()
+        if not self._verified:
+            self._verified = True
+            self.conn._verify_body(self._mac, self.size)
 
     def read(self, n: int) -> memoryview | bytes:
         if self.left <= 0:
+            self._finish()
             return b""
-        view = memoryview(self._buf)[: min(n, self.left, len(self._buf))]
+        if self.left == self.size < min(n, _PARALLEL_MAC):  # small: body and tag in one receive
+            data = memoryview(self.conn.recv_exact(self.size + TAG_SIZE))
+            self._mac.update(data[:self.size])
+            self.left, self._verified = 0, True
+            self.conn._verify_body(self._mac, self.size, data[self.size:])
+            return data[:self.size]
+        buf = self._bufs[self._turn]
+        self._turn = (self._turn + 1) % len(self._bufs)
+        view = memoryview(buf)[: min(n, self.left, len(buf))]
         got = 0
-        while got < len(view):
-            k = self.conn.sock.recv_into(view[got:])
-            if not k:
-                raise ProtocolError(f"peer {self.conn.peer} closed the connection with {self.left - got} bytes unsent")
-            got += k
+        try:
+            while got < len(view):
+                got += self.conn._recv_into(view[got:], len(view) - got, self.size)
+        finally:
+            self._join()  # the previous chunk is hashed (in order) before this one starts
+        chunk = view[:got]
         self.left -= got
-        return view[:got]
+        if got >= _PARALLEL_MAC and not isinstance(self._mac, _PolyMac):
+            self._hasher = threading.Thread(target=self._mac.update, args=(chunk,), name="steward-mac")
+            self._hasher.start()
+        else:
+            self._mac.update(chunk)
+        if self.left == 0:
+            self._finish()
+        return chunk
+
+
+_REQUIRED: Any = object()
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class Fields:
+    """Typed access to one request's fields, for op handlers.
+
+    Each getter returns the field's value or raises :class:`InvalidRequestError` naming the op,
+    the field, the value and the expected type. A field with a ``default`` may be missing or null.
+    """
+
+    def __init__(self, req: dict[str, Any]) -> None:
+        self.req = req
+        self.op = str(req.get("op"))
+
+    def _get(self, name: str, default: Any) -> tuple[bool, Any]:
+        value = self.req.get(name)
+        if value is None:
+            if default is _REQUIRED:
+                self._bad(name, value, "a value" if name in self.req else "this field, which is required")
+            return False, default
+        return True, value
+
+    def _bad(self, name: str, value: object, expected: str) -> None:
+        shown = _show(value) if name in self.req else "(missing)"
+        raise InvalidRequestError(f"{self.op}: field {name!r} = {shown} is not valid: expected {expected}")
+
+    def text(self, name: str, *, default: Any = _REQUIRED, choices: tuple[str, ...] = (),
+             max_len: int = 1 << 16) -> Any:
+        present, value = self._get(name, default)
+        if present:
+            if not isinstance(value, str) or len(value) > max_len:
+                self._bad(name, value, f"a string of at most {max_len} characters")
+            if choices and value not in choices:
+                self._bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
+        return value
+
+    def flag(self, name: str, *, default: Any = _REQUIRED) -> Any:
+        present, value = self._get(name, default)
+        if present and not isinstance(value, bool):
+            self._bad(name, value, "a JSON boolean (true or false)")
+        return value
+
+    def integer(self, name: str, *, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None) -> Any:
+        present, value = self._get(name, default)
+        if present and (not isinstance(value, int) or isinstance(value, bool)
+                        or (lo is not None and value < lo) or (hi is not None and value > hi)):
+            self._bad(name, value, f"an integer{_range(lo, hi)}")
+        return value
+
+    def number(self, name: str, *, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None) -> Any:
+        present, value = self._get(name, default)
+        if present:
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or (lo is not None and value < lo) or (hi is not None and value > hi)):
+                self._bad(name, value, f"a finite number{_range(lo, hi)}")
+            value = float(value)
+        return value
+
+    def mapping(self, name: str, *, default: Any = _REQUIRED) -> Any:
+        present, value = self._get(name, default)
+        if present and not isinstance(value, dict):
+            self._bad(name, value, "a JSON object")
+        return value
+
+    def job_id(self, name: str = "job_id", *, nullable: bool = False) -> Any:
+        """A job id, validated; the field must be present, and may be null only if ``nullable``."""
+        from sparksteward.ids import validate_job_id
+
+        if name not in self.req:
+            self._bad(name, None, "a job id" + (" or null" if nullable else ""))
+        value = self.req[name]
+        if value is None:
+            if not nullable:
+                self._bad(name, value, "a job id (this op needs one)")
+            return None
+        if not isinstance(value, str):
+            self._bad(name, value, "a job id string" + (" or null" if nullable else ""))
+        return validate_job_id(value)
+
+
+def _range(lo: float | None, hi: float | None) -> str:
+    if lo is not None and hi is not None:
+        return f" from {lo} to {hi}"
+    if lo is not None:
+        return f" >= {lo}"
+    return f" <= {hi}" if hi is not None else ""
 
 
 class AgentServer:
     """A TCP server that authenticates every connection and dispatches requests to handlers.
 
     ``handlers`` maps an op name to ``handler(conn, request) -> reply dict``. A handler that streams
-    raw bytes itself returns None after sending its reply frame.
+    raw bytes itself returns None after sending its reply frame. See the module docstring for the
+    bounds (``max_connections`` authenticated, ``max_handshakes`` pending, ``handshake_timeout``).
     """
 
     def __init__(self, bind_host: str, port: int, secret: str, handlers: dict[str, Handler], *,
-                 max_message: int = 16 << 20, max_connections: int = 64, timeout: float = 120.0) -> None:
+                 max_message: int = 16 << 20, max_connections: int = 64, timeout: float = 120.0,
+                 handshake_timeout: float = 10.0, max_handshakes: int = 64) -> None:
         if not secret:
             raise AuthenticationError("refusing to start an agent socket without an application secret")
         self._secret = secret
         self._handlers = dict(handlers)
         self._max_message = max_message
         self._timeout = timeout
+        self._handshake_timeout = handshake_timeout
+        self._max_handshakes = max(1, max_handshakes)
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._pending: dict[socket.socket, float] = {}  # unauthenticated, oldest first
         self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._closed = False
         self.auth_failures = 0
+        self.handshakes_dropped = 0
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((bind_host, port))
-        self._sock.listen(128)
+        self._sock.listen(512)
         self.host, self.port = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._accept_loop, name="steward-accept", daemon=True)
         self._thread.start()
@@ -239,56 +620,92 @@ class AgentServer:
                 sock, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._slots.acquire(timeout=self._timeout):
-                sock.close()
-                continue
-            threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
-                             name="steward-conn", daemon=True).start()
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                while len(self._pending) >= self._max_handshakes:  # evict the oldest, never refuse the new
+                    oldest = next(iter(self._pending))
+                    del self._pending[oldest]
+                    self.handshakes_dropped += 1
+                    _shutdown(oldest)
+                self._pending[sock] = time.monotonic()
+                self._conns.add(sock)
+                t = threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
+                                     name="steward-conn", daemon=True)
+                self._threads.add(t)
+            t.start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
-        with self._lock:
-            self._conns.add(sock)
-        conn = Connection(sock, self._max_message, peer)
+        slot = False
+        sock.settimeout(self._timeout)
+        conn = Connection(sock, self._max_message, peer, server_side=True)
         try:
-            sock.settimeout(self._timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if not self._authenticate(conn):
+            ok = self._authenticate(conn)
+            with self._lock:
+                evicted = self._pending.pop(sock, None) is None
+            if not ok or evicted or self._closed:
                 return
+            if not self._slots.acquire(timeout=self._timeout):
+                conn.send({"ok": False, "error": AgentUnavailableError(
+                    f"the agent already serves its maximum number of connections; retry later").to_wire()})
+                return
+            slot = True
             while not self._closed:
                 try:
                     req = conn.recv()
-                except ProtocolError:
-                    return  # peer went away between requests
+                except ProtocolError as exc:
+                    if isinstance(exc, AuthenticationError):
+                        log.warning("closing the connection from %s: %s", peer, exc)
+                    return  # peer went away between requests, or sent a frame that does not verify
                 if not self._dispatch(conn, req):
                     return
         except (OSError, StewardError) as exc:
             log.debug("connection from %s ended: %s", peer, exc)
         finally:
             with self._lock:
+                self._pending.pop(sock, None)
                 self._conns.discard(sock)
+                self._threads.discard(threading.current_thread())
             conn.close()
-            self._slots.release()
+            if slot:
+                self._slots.release()
 
     def _authenticate(self, conn: Connection) -> bool:
-        nonce = secrets.token_bytes(32)
-        conn.send({"v": WIRE_VERSION, "op": "challenge", "nonce": nonce.hex()})
+        conn._deadline = time.monotonic() + self._handshake_timeout
+        server_nonce = secrets.token_bytes(NONCE_SIZE)
         try:
+            conn.send({"v": WIRE_VERSION, "op": "challenge", "nonce": server_nonce.hex()})
             msg = conn.recv()
-        except StewardError as exc:
+            mac = msg.get("mac")
+            if msg.get("op") != "auth" or msg.get("v") != WIRE_VERSION or not isinstance(mac, str):
+                raise ProtocolError(f"peer {conn.peer} sent no wire-version-{WIRE_VERSION} auth message; "
+                                    f"use the same spark-steward version everywhere")
+            client_nonce = _nonce(msg.get("nonce"), conn.peer)
+            offer = msg.get("body_macs")
+            if not isinstance(offer, list) or not all(isinstance(m, str) for m in offer) or len(offer) > 8:
+                raise ProtocolError(f"peer {conn.peer} sent no list of body MACs in its handshake")
+            expected = _derive(self._secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()
+            if not hmac.compare_digest(mac.encode(), expected.encode()):
+                raise AuthenticationError("authentication failed: the peer does not know this application's secret")
+            body_mac = next((m for m in BODY_MACS if m in offer), None)
+            if body_mac is None:
+                raise ProtocolError(f"peer {conn.peer} offers body MACs {offer}; this agent knows {list(BODY_MACS)}")
+            conn.send({"ok": True, "body_mac": body_mac,
+                       "mac": _derive(self._secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()})
+        except StewardError as exc:  # before OSError: AuthenticationError is a PermissionError too
             self._refuse(conn, exc)
             return False
-        mac = msg.get("mac")
-        if msg.get("op") != "auth" or not isinstance(mac, str) or not hmac.compare_digest(
-                mac.encode(), _mac(self._secret, nonce).encode()):
-            self._refuse(conn, AuthenticationError(
-                "authentication failed: the peer does not know this application's secret"))
+        except OSError as exc:  # too slow, evicted, or gone
+            log.debug("handshake with %s dropped: %s", conn.peer, exc)
             return False
-        conn._limit = self._max_message
-        conn.send({"ok": True})
+        conn._start_session(self._secret, server_nonce, client_nonce, body_mac)
         return True
 
     def _refuse(self, conn: Connection, exc: StewardError) -> None:
-        self.auth_failures += 1
+        if isinstance(exc, AuthenticationError):
+            self.auth_failures += 1
         log.warning("refused connection from %s: %s", conn.peer, exc)
         try:
             conn.send({"ok": False, "error": exc.to_wire()})
@@ -299,19 +716,29 @@ class AgentServer:
         """Run one request; return False if the connection must close."""
         op = req.get("op")
         handler = self._handlers.get(op) if isinstance(op, str) else None
+        conn.unread_body = False
         try:
             if handler is None:
                 raise ProtocolError(f"unknown request op {op!r}; known: {', '.join(sorted(self._handlers))}")
             reply = handler(conn, req)
         except StewardError as exc:
+            if conn.broken:
+                return False
             conn.send({"ok": False, "error": exc.to_wire()})
-            return not isinstance(exc, ProtocolError)
+            return not isinstance(exc, ProtocolError) and not conn.unread_body
         except Exception as exc:  # a bug in a handler must not take the agent down
             log.exception("request %r from %s failed", op, conn.peer)
+            if conn.broken:
+                return False
             conn.send({"ok": False, "error": {"code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}})
-            return True
+            return not conn.unread_body
         if reply is not None:
-            conn.send({"ok": True, **reply})
+            try:
+                conn.send({"ok": True, **reply})
+            except MessageTooLargeError as exc:
+                conn.send({"ok": False, "error": MessageTooLargeError(
+                    f"the reply to {op} was not sent: {exc}. Ask for less (a smaller limit; list and "
+                    f"events replies page with a cursor) or raise the setting").to_wire()})
         return True
 
     @property
@@ -319,28 +746,34 @@ class AgentServer:
         return f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        """Stop accepting, close every connection and join the accept thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        """Stop accepting, close every connection and join the threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _shutdown(self._sock)
         self._sock.close()
         with self._lock:
             for s in list(self._conns):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+                _shutdown(s)
+            threads = list(self._threads)
         self._thread.join(timeout=5)
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(timeout=5)
 
     def __enter__(self) -> AgentServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def new_secret() -> str:

@@ -23,7 +23,9 @@ def executor_connection(root: str | None = None) -> Connection:
     global _cached
     with _lock:
         if _cached is not None and _cached[0] == os.getpid():
-            return _cached[1]
+            if not _cached[1].is_stale():
+                return _cached[1]
+            _cached[1].close()  # the agent dropped it while idle, or a stream broke: connect again
         if root is None:
             from pyspark import SparkFiles
 

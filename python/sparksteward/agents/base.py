@@ -23,12 +23,14 @@ import threading
 import time
 from typing import Any, BinaryIO
 
+import orjson
+
 from sparksteward import protocol
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
 from sparksteward.clock import SystemClock
 from sparksteward.storage import set_default_options
-from sparksteward.wire import AgentServer, Connection
+from sparksteward.wire import AgentServer, Connection, Fields
 
 __all__ = ["Agent", "run_agent"]
 
@@ -52,10 +54,16 @@ class Agent:
         self.state = "starting"
         self.lock = threading.Lock()
         self.events_seen: collections.Counter[str] = collections.Counter()
-        self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECENT_EVENTS)
+        # (sequence number, encoded size, event), oldest first; bounded in count and in bytes
+        self.recent: collections.deque[tuple[int, int, dict[str, Any]]] = collections.deque()
+        self._recent_bytes = 0
+        self._event_seq = 0
+        self.events_dropped = 0
         self.server = AgentServer(hello["bind_host"], hello["port"], self.secret,
                                   {"health": self._op_health, "events": self._op_events},
-                                  max_message=self.cfg.rpc_max_message_size, timeout=self.cfg.rpc_timeout)
+                                  max_message=self.cfg.rpc_max_message_size, timeout=self.cfg.rpc_timeout,
+                                  handshake_timeout=self.cfg.rpc_handshake_timeout,
+                                  max_handshakes=self.cfg.rpc_max_pending_handshakes)
 
     @property
     def advertised_endpoint(self) -> str:
@@ -68,9 +76,19 @@ class Agent:
     # --- events ------------------------------------------------------------------------------
     def handle(self, msg: dict[str, Any]) -> None:
         kind = msg["type"]
+        size = len(orjson.dumps(msg))
+        limit = self.cfg.agent_events_max_bytes
         with self.lock:
             self.events_seen[kind] += 1
-            self.recent.append(msg)
+            self._event_seq += 1
+            if size > limit:
+                self.events_dropped += 1
+            else:
+                self.recent.append((self._event_seq, size, msg))
+                self._recent_bytes += size
+                while len(self.recent) > _RECENT_EVENTS or self._recent_bytes > limit:
+                    self._recent_bytes -= self.recent.popleft()[1]
+                    self.events_dropped += 1
         handler = getattr(self, f"on_{kind}", None)
         if handler is not None:
             handler(msg)
@@ -81,16 +99,31 @@ class Agent:
             seen = dict(self.events_seen)
         return {"role": self.role, "state": self.state, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
-                "auth_failures": self.server.auth_failures, **self.health_details()}
+                "auth_failures": self.server.auth_failures, "handshakes_dropped": self.server.handshakes_dropped,
+                "events_dropped": self.events_dropped, **self.health_details()}
 
     def health_details(self) -> dict[str, Any]:
         return {}
 
     def _op_events(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        kind = req.get("type")
+        f = Fields(req)
+        kind = f.text("type", default=None)
+        limit = f.integer("limit", default=1000, lo=1, hi=100_000)
+        after = f.integer("after", default=0, lo=0)
+        budget = self.cfg.rpc_max_message_size // 2
+        out: list[dict[str, Any]] = []
+        used, last, more = 0, None, False
         with self.lock:
-            events = [e for e in self.recent if kind is None or e["type"] == kind]
-        return {"events": events}
+            for seq, size, event in self.recent:
+                if seq <= after or (kind is not None and event["type"] != kind):
+                    continue
+                if len(out) >= limit or (out and used + size > budget):
+                    more = True
+                    break
+                out.append(event)
+                used += size
+                last = seq
+        return {"events": out, "next": last if more else None}
 
     def close(self) -> None:
         """Stop serving and release what the agent owns. Subclasses extend; must stay idempotent."""

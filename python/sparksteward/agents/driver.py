@@ -21,15 +21,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
-from sparksteward.errors import JobAlreadyCompleted, ProtocolError
+from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.cleanup import CleanupStep
+from sparksteward.jobs.result import JobStatus
 from sparksteward.jobs.service import JobService
 from sparksteward.jobscope import job_id_from_tag
 from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
-from sparksteward.wire import Connection
+from sparksteward.wire import Connection, Fields
 
 __all__ = ["DriverAgent"]
 
@@ -37,6 +40,7 @@ log = logging.getLogger("sparksteward.agent.driver")
 
 #: Staged HA files older than this are leftovers of killed uploads (no upload takes an hour to stage).
 _STAGED_MAX_AGE = 3600.0
+_MAX_WAIT = 7 * 86400.0  # the longest jobs.finish may ask to wait for its commit
 
 
 def _server_dir(state_dir: str) -> str:
@@ -154,35 +158,54 @@ class DriverAgent(Agent):
 
     # --- requests ----------------------------------------------------------------------------
     def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        job_id = req.get("job_id")
+        f = Fields(req)
+        job_id, force = f.job_id(), f.flag("force", default=False)
         try:
-            self.jobs.begin(job_id, application_id=self.app_id, force=bool(req.get("force")))  # type: ignore[arg-type]
+            self.jobs.begin(job_id, application_id=self.app_id, force=force)
         except JobAlreadyCompleted as exc:
             return {"started": False, "message": str(exc), "entry": exc.entry.to_dict()}
-        self.jobs.add_cleanup_step(job_id, CleanupStep("blob_job_dir", job_id))  # type: ignore[arg-type]
+        self.jobs.add_cleanup_step(job_id, CleanupStep("blob_job_dir", job_id))
         return {"started": True}
 
     def _op_add_cleanup(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        step = req.get("step")
-        if not isinstance(step, dict):
-            raise ProtocolError("jobs.add_cleanup needs a step {kind, target}")
-        self.jobs.add_cleanup_step(str(req.get("job_id")), CleanupStep(step.get("kind"), step.get("target")))  # type: ignore[arg-type]
+        f = Fields(req)
+        job_id, step = f.job_id(), f.mapping("step")
+        sf = Fields({**step, "op": f"{f.op} step"})
+        self.jobs.add_cleanup_step(job_id, CleanupStep(sf.text("kind"), sf.text("target")))
         return {}
 
     def _op_finish(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        wait = req.get("wait")
-        wait = self.cfg.cleanup_shutdown_timeout if wait is None else float(wait)
-        entry = self.jobs.finish(str(req.get("job_id")), str(req.get("status")), failure=req.get("failure"),
-                                 payload=req.get("payload"), wait=wait)
+        f = Fields(req)
+        job_id, status = f.job_id(), JobStatus.parse(f.text("status", max_len=32))
+        failure = f.mapping("failure", default=None)
+        wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
+        wait = self.cfg.cleanup_shutdown_timeout if wait is None else wait
+        entry = self.jobs.finish(job_id, status, failure=failure, payload=req.get("payload"), wait=wait)
         return {"entry": entry.to_dict()}
 
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        entry = self.jobs.get(str(req.get("job_id")))
+        entry = self.jobs.get(Fields(req).job_id())
         return {"entry": None if entry is None else entry.to_dict()}
 
     def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        limit = f.integer("limit", default=1000, lo=1, hi=100_000)
+        cursor = f.text("cursor", default=None)
         listing = self.jobs.store.list()
-        return {"entries": [e.to_dict() for e in listing.entries], "corrupt": listing.corrupt}
+        page, used, more, last = [], 0, False, None
+        for e in listing.entries:  # sorted by job id
+            if cursor is not None and e.job_id <= cursor:
+                continue
+            d = e.to_dict()
+            size = len(orjson.dumps(d))
+            if len(page) >= limit or (page and used + size > self.cfg.rpc_max_message_size // 2):
+                more = True
+                break
+            page.append(d)
+            used += size
+            last = e.job_id
+        return {"entries": page, "corrupt": listing.corrupt if cursor is None else [],
+                "next": last if more else None}
 
     def close(self) -> None:
         super().close()

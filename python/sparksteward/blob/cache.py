@@ -46,7 +46,7 @@ from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
 from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
-from sparksteward.wire import Connection, RawReader
+from sparksteward.wire import Connection, Fields, RawReader
 
 __all__ = ["BlobCache", "sweep_dead_caches"]
 
@@ -344,17 +344,13 @@ class BlobCache:
         server.add_handler("blob.cache_stats", lambda conn, req: {"stats": dict(self.stats)})
 
     def _op_open(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        tid = req.get("task_attempt_id")
-        job_id = req.get("job_id")
-        if job_id is not None:
-            from sparksteward.ids import validate_job_id
-
-            validate_job_id(job_id)
-        path = self.open(job_id, BlobKey.parse(req.get("key")), int(tid) if isinstance(tid, int) else None)
+        f = Fields(req)
+        job_id, key = f.job_id(nullable=True), BlobKey.parse(f.text("key", max_len=64))
+        path = self.open(job_id, key, f.integer("task_attempt_id", default=None, lo=0))
         return {"path": str(path)}
 
     def _op_release_task(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        self.release_task(int(req.get("task_attempt_id", -1)))
+        self.release_task(Fields(req).integer("task_attempt_id", lo=0))
         return {}
 
     def _op_libraries(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:

@@ -16,20 +16,29 @@ from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType, Hasher
 from sparksteward.blob.store import verified_copy
-from sparksteward.errors import ChecksumMismatchError
+from sparksteward.errors import ChecksumMismatchError, ProtocolError, StewardError
 from sparksteward.wire import Connection, RawReader
 
 __all__ = ["BlobClient"]
 
 
 class BlobClient:
-    """Blob operations over ``conn()`` (a callable returning this thread's Connection)."""
+    """Blob operations over ``conn()`` (a callable returning this thread's Connection).
 
-    def __init__(self, conn: Callable[[], Connection]) -> None:
+    ``request(op, **fields)`` sends the small control requests; :class:`~sparksteward.client.Steward`
+    passes its own, which retries only idempotent ops. Streams use ``conn()`` directly; a stream that
+    fails part-way leaves its connection marked broken, so the next ``conn()`` opens a new one.
+    """
+
+    def __init__(self, conn: Callable[[], Connection],
+                 request: Callable[..., dict[str, Any]] | None = None) -> None:
         self._conn = conn
+        self._request_fn = request
         self._incoming: str | None = None
 
     def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+        if self._request_fn is not None:
+            return self._request_fn(op, **fields)
         return self._conn().request(op, **fields)
 
     @property
@@ -50,42 +59,66 @@ class BlobClient:
                               type=(BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value, move=move)
         return BlobKey.parse(reply["key"])
 
+    def _put(self, size: int, job_id: str | None, permanent: bool, send_body: Callable[[Connection], None]) -> BlobKey:
+        conn = self._conn()
+        try:
+            conn.send({"op": "blob.put", "job_id": job_id, "size": size,
+                       "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
+            try:
+                send_body(conn)
+            except OSError as exc:
+                # the agent may have refused the header and closed the connection: its reply says why
+                try:
+                    reply = conn.recv()
+                except (OSError, StewardError):
+                    raise exc from None
+                Connection._check(reply)
+                raise
+            return BlobKey.parse(Connection._check(conn.recv())["key"])
+        except BaseException:
+            conn.broken = True  # the stream's state is unknown: never reuse this connection
+            raise
+
     def put_file(self, path: str | os.PathLike[str], job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
         """Store a local file by streaming it (works from any host)."""
-        conn = self._conn()
         size = os.path.getsize(path)
-        conn.send({"op": "blob.put", "job_id": job_id, "size": size,
-                   "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
         with open(path, "rb") as f:
-            conn.send_file(f, size)
-        return BlobKey.parse(Connection._check(conn.recv())["key"])
+            return self._put(size, job_id, permanent, lambda conn: conn.send_file(f, size))
 
     def put_bytes(self, data: bytes, job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
         """Store ``data`` (streamed from memory)."""
-        conn = self._conn()
-        conn.send({"op": "blob.put", "job_id": job_id, "size": len(data),
-                   "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
-        conn.sock.sendall(data)
-        return BlobKey.parse(Connection._check(conn.recv())["key"])
+        return self._put(len(data), job_id, permanent, lambda conn: conn.send_body(data))
 
     def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, RawReader]:
         key = BlobKey.parse(str(key))
         conn = self._conn()
-        conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
-        return key, RawReader(conn, int(Connection._check(conn.recv())["size"]))
+        try:
+            conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
+            return key, RawReader(conn, int(Connection._check(conn.recv())["size"]))
+        except (OSError, ProtocolError):
+            conn.broken = True
+            raise
 
     def get_to_file(self, key: BlobKey | str, dest: str | os.PathLike[str], job_id: str | None = None) -> int:
         """Download a blob into ``dest`` (verified, then renamed into place); return its size."""
         key, reader = self._open_stream(key, job_id)
-        return verified_copy(reader, Path(dest), key, "BlobServer")
+        try:
+            return verified_copy(reader, Path(dest), key, "BlobServer")
+        except BaseException:
+            reader.conn.broken = reader.conn.broken or reader.left > 0 or not reader._verified
+            raise
 
     def get_bytes(self, key: BlobKey | str, job_id: str | None = None) -> bytes:
         """Download a blob into memory, verified."""
         key, reader = self._open_stream(key, job_id)
         parts, h = [], Hasher()
-        while len(chunk := reader.read(1 << 22)):
-            h.update(chunk)
-            parts.append(bytes(chunk))
+        try:
+            while len(chunk := reader.read(1 << 22)):
+                h.update(chunk)
+                parts.append(bytes(chunk))
+        except BaseException:
+            reader.conn.broken = True
+            raise
         if h.digest() != key.digest:
             raise ChecksumMismatchError(f"blob {key} from the BlobServer does not match its key")
         return b"".join(parts)

@@ -49,7 +49,7 @@ from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, Invali
 from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
 from sparksteward.libraries import validate_library_name
-from sparksteward.wire import AgentServer, Connection
+from sparksteward.wire import AgentServer, Connection, Fields
 
 __all__ = ["BlobServer"]
 
@@ -71,6 +71,14 @@ BOOT_ID = _boot_id()
 _DELETED_JOBS_KEPT = 4096
 
 Ref = tuple["str | None", BlobKey]
+
+
+def _key(f: Fields) -> BlobKey:
+    return BlobKey.parse(f.text("key", max_len=64))
+
+
+def _btype(f: Fields) -> BlobType:
+    return BlobType(f.text("type", default="t", choices=("p", "t")))
 
 
 def _job(value: object) -> str | None:
@@ -380,23 +388,29 @@ class BlobServer:
         return {"incoming": str(self.incoming), "pid": os.getpid()}
 
     def _op_put(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        key, size = self.receive(conn, req.get("job_id"), BlobType(req.get("type", "t")), req.get("size"))
+        conn.expect_body()  # a refused header closes the connection: its body is never parsed as requests
+        f = Fields(req)
+        job_id, btype, size = f.job_id(nullable=True), _btype(f), f.integer("size", lo=0)
+        key, size = self.receive(conn, job_id, btype, size)
         return {"key": str(key), "size": size, "ha": self.in_ha(key)}
 
     def _op_put_path(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        src = Path(os.path.realpath(str(req.get("path"))))
+        f = Fields(req)
+        path, job_id, btype, move = f.text("path"), f.job_id(nullable=True), _btype(f), f.flag("move", default=False)
+        src = Path(os.path.realpath(path))
         if src.parent != self.incoming.resolve() or not src.is_file():
             raise InvalidIdError(f"blob.put_path takes a file directly in {self.incoming} (ask blob.info), "
-                                 f"not {req.get('path')!r}")
-        key, size = self.put_file(src, req.get("job_id"), BlobType(req.get("type", "t")), move=bool(req.get("move")))
+                                 f"not {path!r}")
+        key, size = self.put_file(src, job_id, btype, move=move)
         return {"key": str(key), "size": size, "ha": self.in_ha(key)}
 
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> None:
-        key = BlobKey.parse(req.get("key"))
-        path = self.ensure_local(req.get("job_id"), key)
+        fields = Fields(req)
+        key, job_id, boot_id = _key(fields), fields.job_id(nullable=True), fields.text("boot_id", default=None)
+        path = self.ensure_local(job_id, key)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if req.get("boot_id") and req.get("boot_id") == BOOT_ID:
+            if boot_id and boot_id == BOOT_ID:
                 # same kernel: the caller copies the file in-kernel (copy_file_range); no socket copy
                 conn.send({"ok": True, "size": size, "path": str(path)})
                 self.stats["served"] += 1
@@ -409,13 +423,15 @@ class BlobServer:
         return None
 
     def _op_acquire(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        return {"refs": self.acquire(req.get("job_id"), BlobKey.parse(req.get("key")))}
+        f = Fields(req)
+        return {"refs": self.acquire(f.job_id(nullable=True), _key(f))}
 
     def _op_release(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        return {"refs": self.release(req.get("job_id"), BlobKey.parse(req.get("key")))}
+        f = Fields(req)
+        return {"refs": self.release(f.job_id(nullable=True), _key(f))}
 
     def _op_delete_job(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        self.delete_job(req.get("job_id"))
+        self.delete_job(Fields(req).job_id(nullable=True))
         return {}
 
     def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -440,9 +456,10 @@ class BlobServer:
         return {"stats": dict(self.stats)}
 
     def _op_add_library(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        key = BlobKey.parse(req.get("key"))
-        self.ensure_local(req.get("job_id"), key)
-        return {"version": self.add_library(req.get("job_id"), key, str(req.get("name")))}
+        f = Fields(req)
+        key, job_id, name = _key(f), f.job_id(nullable=True), f.text("name", max_len=255)
+        self.ensure_local(job_id, key)
+        return {"version": self.add_library(job_id, key, name)}
 
     def _op_libraries(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         libs = self.libraries()
