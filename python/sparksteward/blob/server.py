@@ -457,7 +457,7 @@ class BlobServer:
 
     def _op_add_library(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        key, job_id, name = _key(f), f.job_id(nullable=True), f.text("name", max_len=255)
+        key, job_id, name = _key(f), f.job_id(nullable=True), f.text("name", max_len=4096)  # validate_library_name bounds it
         self.ensure_local(job_id, key)
         return {"version": self.add_library(job_id, key, name)}
 
