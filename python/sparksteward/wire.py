@@ -66,7 +66,7 @@ from sparksteward.errors import (
     error_from_code,
 )
 
-try:  # optional: a 7x faster one-time MAC for bodies, used when both sides have it
+try:  # a declared dependency; if it cannot be imported, bodies fall back to HMAC-SHA256
     from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
 except ImportError:  # pragma: no cover - depends on the environment
     _Poly1305 = None
