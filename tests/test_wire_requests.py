@@ -231,3 +231,30 @@ def test_steward_get_takes_the_rpc_timeout_from_the_spark_conf():
     from sparksteward.client import _client_settings
 
     assert _client_settings(Conf())["timeout"] == 7.0
+
+
+def test_workers_and_executor_side_connections_use_the_rpc_timeout(tmp_path):
+    """Python workers read the socket timeout from the rendezvous record; the cache and its job sweeper
+    take ``spark.steward.rpc.timeout`` too (issue 7 item 8), instead of a hard-coded one."""
+    from sparksteward import worker
+    from sparksteward.blob.cache import BlobCache
+    from sparksteward.blob.job_sweeper import CacheJobSweeper
+    from sparksteward.rendezvous import Rendezvous
+
+    secret = new_secret()
+    with AgentServer("127.0.0.1", 0, secret, {"health": lambda conn, req: {}}) as server:
+        Rendezvous(tmp_path).publish(server.endpoint, secret, "7", timeout=7.5)
+        worker._cached = None
+        conn = worker.executor_connection(str(tmp_path))
+        try:
+            assert conn.sock.gettimeout() == 7.5 and conn.request("health")["ok"]
+        finally:
+            conn.close()
+            worker._cached = None
+        cache = BlobCache(tmp_path / "cache", VoidBlobStore(), server.endpoint, secret, rpc_timeout=3.0)
+        sweeper = CacheJobSweeper(cache, server.endpoint, secret, start=False, timeout=3.0)
+        try:
+            assert cache.rpc_timeout == 3.0 and sweeper._timeout == 3.0
+        finally:
+            sweeper.close()
+            cache.close()

@@ -32,14 +32,15 @@ class Rendezvous:
         self.dir = Path(root) / ".sparksteward"
         self.path = self.dir / "executor-agent.json"
 
-    def publish(self, endpoint: str, secret: str, executor_id: str) -> None:
+    def publish(self, endpoint: str, secret: str, executor_id: str, timeout: float = 120.0) -> None:
         """Write the record: private dir (0700, never a symlink), staged file created with
         ``O_CREAT|O_EXCL|O_NOFOLLOW`` and mode 0600 whatever the umask, fsynced, renamed into place (a
-        rename replaces a symlink planted at the final name instead of following it)."""
+        rename replaces a symlink planted at the final name instead of following it). ``timeout`` is
+        the socket timeout workers use (``spark.steward.rpc.timeout``)."""
         private_dir(self.dir)
         tmp = self.dir / f".executor-agent.{uuid.uuid4().hex}.tmp"
         body = orjson.dumps({"version": _VERSION, "endpoint": endpoint, "secret": secret,
-                             "pid": os.getpid(), "executor_id": executor_id})
+                             "pid": os.getpid(), "executor_id": executor_id, "timeout": float(timeout)})
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             with os.fdopen(fd, "wb") as f:

@@ -31,6 +31,8 @@ def executor_connection(root: str | None = None) -> Connection:
 
             root = SparkFiles.getRootDirectory()
         rec = Rendezvous(root).read()
-        conn = Connection.connect(str(rec["endpoint"]), str(rec["secret"]))
+        timeout = rec.get("timeout")
+        conn = Connection.connect(str(rec["endpoint"]), str(rec["secret"]),
+                                  timeout=float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 120.0)
         _cached = (os.getpid(), conn)
         return conn

@@ -40,11 +40,12 @@ class ExecutorAgent(Agent):
         sweep_dead_caches(self.rendezvous.dir, keep=cache_dir)  # caches of killed or restarted agents
         self.cache = BlobCache(cache_dir, ha, hello.get("driver_endpoint"),
                                self.secret, max_size=self.cfg.blob_cache_max_size,
-                               fetch_retries=self.cfg.blob_fetch_retries)
+                               fetch_retries=self.cfg.blob_fetch_retries, rpc_timeout=self.cfg.rpc_timeout)
         self.cache.register_handlers(self.server)
         endpoint = hello.get("driver_endpoint")
-        self.sweeper = CacheJobSweeper(self.cache, endpoint, self.secret) if endpoint else None
-        self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id)
+        self.sweeper = CacheJobSweeper(self.cache, endpoint, self.secret, timeout=self.cfg.rpc_timeout) \
+            if endpoint else None
+        self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id, timeout=self.cfg.rpc_timeout)
 
     def on_task_succeeded(self, msg: dict[str, Any]) -> None:
         self.cache.release_task(msg["task_attempt_id"])

@@ -80,6 +80,7 @@ class BlobCache:
 
     def __init__(self, cache_dir: str | Path, ha: Any, server_endpoint: str | None, secret: str, *,
                  max_size: int = 10 << 30, fetch_retries: int = 5, same_host: bool | None = None,
+                 rpc_timeout: float = 120.0,
                  boot_id: str | None = None, clock: Clock | None = None, rng: random.Random | None = None,
                  initial_backoff: float = 0.1, max_backoff: float = 5.0) -> None:
         self.dir = private_dir(Path(cache_dir))
@@ -91,6 +92,7 @@ class BlobCache:
         self._secret = secret
         self.max_size = max_size
         self.retries = fetch_retries
+        self.rpc_timeout = rpc_timeout
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._key_locks = KeyedLocks()
@@ -156,7 +158,8 @@ class BlobCache:
             if attempt:
                 self._clock.sleep(self._retry_delay(attempt))
             try:
-                with Connection.connect(self.endpoint, self._secret) as conn:  # type: ignore[arg-type]
+                with Connection.connect(self.endpoint, self._secret,  # type: ignore[arg-type]
+                                        timeout=self.rpc_timeout) as conn:
                     self._get_from_server(conn, job_id, key, dest)
                 self.stats["transfers"] += 1
                 return
@@ -356,7 +359,7 @@ class BlobCache:
     def _op_libraries(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         if not self.endpoint:
             return {"version": 0, "paths": []}
-        with Connection.connect(self.endpoint, self._secret) as c:
+        with Connection.connect(self.endpoint, self._secret, timeout=self.rpc_timeout) as c:
             reply = c.request("blob.libraries")
         return {"version": reply["version"], "paths": self.library_paths(reply["libraries"])}
 

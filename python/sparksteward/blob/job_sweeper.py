@@ -28,12 +28,14 @@ log = logging.getLogger("sparksteward.blob.job_sweeper")
 class CacheJobSweeper:
     """See the module docstring. A context manager."""
 
-    def __init__(self, cache: Any, endpoint: str, secret: str, *, interval: float = 1.0, start: bool = True) -> None:
+    def __init__(self, cache: Any, endpoint: str, secret: str, *, interval: float = 1.0, start: bool = True,
+                 timeout: float = 30.0) -> None:
         if interval <= 0:
             raise ValueError(f"the cache sweep interval must be positive, not {interval!r}")
         self.cache = cache
         self.endpoint = endpoint
         self._secret = secret
+        self._timeout = timeout
         self.interval = interval
         self._conn: Connection | None = None
         self._lock = threading.Lock()  # one sweep at a time, on one connection
@@ -50,7 +52,7 @@ class CacheJobSweeper:
                 return []
             try:
                 if self._conn is None:
-                    self._conn = Connection.connect(self.endpoint, self._secret, timeout=30.0)
+                    self._conn = Connection.connect(self.endpoint, self._secret, timeout=self._timeout)
                 deleted = self._conn.request("blob.deleted_jobs", job_ids=jobs)["deleted"]
             except (StewardError, OSError, KeyError):
                 self._drop_connection()
