@@ -19,8 +19,8 @@ import sys
 import tempfile
 import time
 
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
-from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.tables import table
 from sparksteward.testing.s3 import local_s3
 

@@ -22,8 +22,9 @@ import time
 import orjson
 
 from sparksteward.errors import StewardError
-from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
+from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobs.store import open_store
 from sparksteward.storage import set_default_options
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from sparksteward.blob.key import BlobKey, BlobType, hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.cli import main
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
 
 
 def test_ls_and_gc(tmp_path, capsys):

@@ -20,10 +20,13 @@ import orjson
 import pytest
 
 from sparksteward.errors import InvalidRecordError
-from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupStep, RetryPolicy, StepRegistry, delete_path
+from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
+from sparksteward.jobs.pathguard import delete_path
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.jobs.steps import CleanupStep, StepRegistry
 from sparksteward.storage import Location
 from sparksteward.testing.clock import FakeClock
 

@@ -26,8 +26,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
+from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobs.store import open_store
 from sparksteward.testing.s3 import local_s3
 

@@ -15,11 +15,12 @@ import orjson
 import pytest
 
 from sparksteward.errors import StewardError
-from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy, StepRegistry
 from sparksteward.jobs.cli import add_subcommands
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import Failure, JobResult
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.jobs.steps import CleanupStep, StepRegistry
 from sparksteward.testing.clock import FakeClock
 
 

@@ -133,7 +133,7 @@ def test_checkpoint_dir_and_app_job_are_cleaned_at_application_end(state, tmp_pa
         rdd.count()
         app_id = spark.sparkContext.applicationId
         assert any(ckpt.iterdir()), "Spark wrote checkpoint files"
-    from sparksteward.jobs.store import FileSystemJobResultStore
+    from sparksteward.jobs.fs_store import FileSystemJobResultStore
 
     store = FileSystemJobResultStore(str(state / "job-results"))
     entry = wait_until(lambda: (e := store.get(app_id)) and e.clean and e, timeout=10, what="clean app job result")

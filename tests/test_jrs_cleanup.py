@@ -20,11 +20,14 @@ import pytest
 
 from sparksteward.config import StewardConfig
 from sparksteward.errors import InvalidRecordError, JobAlreadyCompleted, JobStoreError
-from sparksteward.jobs.cleanup import (BlobJobDirCleanup, CleanupOutcome, CleanupRunner, CleanupStep, RetryPolicy,
-                                       StepRegistry, delete_path)
+from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
+from sparksteward.jobs.pathguard import delete_path
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore, InMemoryJobResultStore
+from sparksteward.jobs.steps import BlobJobDirCleanup, CleanupStep, StepRegistry
+from sparksteward.jobs.store import InMemoryJobResultStore
 from sparksteward.testing.clock import FakeClock
 from sparksteward.testing.s3 import local_s3
 from tests.conftest import wait_until

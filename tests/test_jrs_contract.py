@@ -16,9 +16,9 @@ import pytest
 
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultExistsError,
                                  JobResultNotFoundError)
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import Failure, JobResult, JobStatus, SparkJobOutcome, StepState
-from sparksteward.jobs.store import (FileSystemJobResultStore, InMemoryJobResultStore, JobResultStore, JobResultView,
-                                     JobResultWriter)
+from sparksteward.jobs.store import InMemoryJobResultStore, JobResultStore, JobResultView, JobResultWriter
 from sparksteward.testing.clock import FakeClock
 from sparksteward.testing.s3 import local_s3
 

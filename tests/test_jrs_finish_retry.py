@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 
 from sparksteward.errors import JobAlreadyCompleted
-from sparksteward.jobs.cleanup import CleanupStep, RetryPolicy
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.jobs.steps import CleanupStep
 from sparksteward.storage import open_location
 from sparksteward.testing.s3 import local_s3
 from tests.conftest import wait_until

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from sparksteward.errors import CorruptRecordError
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.testing.clock import FakeClock
 
 DEADLINE = 10.0

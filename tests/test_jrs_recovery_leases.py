@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from sparksteward.errors import JobAlreadyCompleted
-from sparksteward.jobs.cleanup import RetryPolicy
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
-from sparksteward.jobs.store import FileSystemJobResultStore
 
 
 def _dirty(store, target: Path, run_id: str = "r1") -> None:

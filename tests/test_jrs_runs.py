@@ -11,8 +11,8 @@ from dataclasses import replace
 import pytest
 
 from sparksteward.errors import JobStoreError, RunConflictError
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import StepState
-from sparksteward.jobs.store import FileSystemJobResultStore
 from tests.test_jrs_contract import names, needs_files, result, s3, stores, store  # noqa: F401 - fixtures
 
 
@@ -79,7 +79,8 @@ def test_a_live_run_holds_its_lease_across_processes(stores, store):
 
 
 def test_the_runner_of_a_superseded_run_stops_without_writing(store, caplog, tmp_path):
-    from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, RetryPolicy
+    from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
+    from sparksteward.jobs.retry import RetryPolicy
     from sparksteward.testing.clock import FakeClock
 
     target = tmp_path / "old-out"

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
-from sparksteward.jobs.store import FileSystemJobResultStore
 from sparksteward.storage import open_location
 
 

@@ -5,6 +5,11 @@ directory plus ``os.replace`` (or ``os.link`` for create-if-absent). On an objec
 already all-or-nothing, so the object is written in place; "create if absent" uses a conditional PUT
 where the store supports it and an existence check otherwise.
 
+Local files that a store lists and reads back are read with :func:`read_regular`: opened with
+``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before reading, so a symlink, a FIFO or a
+directory named like a record is reported (:class:`NotRegularFileError`) instead of followed or
+blocked on.
+
 S3 endpoints and credentials come from the usual environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...), so agents started by Spark see the same store as the user's driver.
 """
@@ -16,6 +21,7 @@ import errno
 import logging
 import os
 import posixpath
+import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -26,7 +32,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from sparksteward.errors import StorageError
 
-__all__ = ["Location", "fsync_dir", "fsync_file", "open_location"]
+__all__ = ["Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location", "read_regular"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -282,6 +288,40 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     except OSError:  # some file systems (tmpfs on old kernels) refuse fsync on a directory
         pass
+    finally:
+        os.close(fd)
+
+
+class NotRegularFileError(Exception):
+    """A local file that is not a regular file (reported, never read); the message says what it is.
+
+    Not a :class:`~sparksteward.errors.StewardError`: callers translate it at their boundary (the
+    JobResultStore into a ``CorruptRecordError`` naming the file)."""
+
+
+def read_regular(path: str) -> bytes | None:
+    """The bytes of a local regular file; None if it does not exist. Never follows a symlink and never
+    blocks (a FIFO is detected by ``fstat`` after a non-blocking open)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise NotRegularFileError("is a symbolic link, not a regular file") from exc
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a file")
+            raise NotRegularFileError(f"is {kind}, not a regular file")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

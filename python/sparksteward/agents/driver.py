@@ -27,9 +27,9 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
 from sparksteward.errors import JobAlreadyCompleted
-from sparksteward.jobs.cleanup import CleanupStep
 from sparksteward.jobs.result import JobStatus
 from sparksteward.jobs.service import JobService
+from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobscope import job_id_from_tag
 from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
 from sparksteward.wire import Connection, Fields

@@ -7,7 +7,7 @@ from typing import Any
 
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.config import StewardConfig
-from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.tables import table
 
 __all__ = ["add_subcommands"]

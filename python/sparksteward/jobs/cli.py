@@ -18,11 +18,12 @@ import orjson
 
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import ConfigError, JobResultNotFoundError, StewardError, StorageError
-from sparksteward.jobs.cleanup import RetryPolicy, StepRegistry
+from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResultEntry
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.spool import SPOOL_DIR
-from sparksteward.jobs.store import FileSystemJobResultStore
+from sparksteward.jobs.steps import StepRegistry
 from sparksteward.tables import table
 
 __all__ = ["add_subcommands"]

@@ -45,11 +45,13 @@ from typing import Any
 from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobResultExistsError, JobStoreError,
                                  StewardError, StorageError)
 from sparksteward.ids import validate_job_id
-from sparksteward.jobs.cleanup import (CleanupOutcome, CleanupRunner, CleanupStep, CleanupTask, RetryPolicy, StepRegistry,
-                                       protect_path)
+from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupTask
+from sparksteward.jobs.pathguard import protect_path
 from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
-from sparksteward.jobs.store import Listing, job_file_stem, open_store
+from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
+from sparksteward.jobs.steps import CleanupStep, StepRegistry
+from sparksteward.jobs.store import Listing, job_file_stem, open_store
 from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]

@@ -28,8 +28,7 @@ from collections.abc import Iterator
 from sparksteward.errors import CorruptRecordError, StewardError
 from sparksteward.ids import job_id_to_filename
 from sparksteward.jobs.result import JobResult
-from sparksteward.jobs.store import read_regular
-from sparksteward.storage import open_location
+from sparksteward.storage import open_location, read_regular
 
 __all__ = ["ResultSpool", "SPOOL_DIR", "STAGED_MAX_AGE"]
 
