@@ -58,7 +58,8 @@ def _kill_uploader_at_random(state: Path, ha_url: str, seed: int) -> tuple[Path,
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         acked = []
-        for line in proc.stdout.read().splitlines():
+        # The kill can cut the last line short: only a whole line ("ACK job key\n") is an acknowledgement.
+        for line in proc.stdout.read().split("\n")[:-1]:
             _, job, key = line.split()
             acked.append((job, BlobKey.parse(key)))
         return Path(first[1]), acked
