@@ -179,3 +179,28 @@ def test_reply_lines_decode():
     bad = protocol.decode(protocol.encode_reply(4, code="BLOB_NOT_FOUND", message="m"))
     assert bad["error"] == {"code": "BLOB_NOT_FOUND", "message": "m"}
     assert orjson.loads(protocol.encode_reply(5, {}))["ok"] is True
+
+
+def test_blobs_put_uploads_once_and_prints_a_url_executors_open(cluster, tmp_path, capsys):
+    from sparksteward.cli import main
+
+    jar = tmp_path / "udf-2.jar"
+    jar.write_bytes(os.urandom(70_000))
+    assert main(["blobs", "put", str(jar), "--ha", str(tmp_path / "ha")]) == 0
+    out, err = capsys.readouterr()
+    url = BlobUrl.parse(out.strip())
+    assert url.cluster_id == "default" and url.job_id is None and url.name == "udf-2.jar" and "uploaded" in err
+    (stored,) = (tmp_path / "ha").rglob(str(url.key))
+    first = stored.stat()
+    assert main(["blobs", "put", str(jar), "--ha", str(tmp_path / "ha")]) == 0  # same content: nothing sent
+    out2, err2 = capsys.readouterr()
+    assert out2 == out and "0 bytes transferred" in err2
+    assert (stored.stat().st_ino, stored.stat().st_mtime_ns) == (first.st_ino, first.st_mtime_ns)
+    opened = _open(cluster.executor.endpoint, cluster.secret, str(url))  # any application of the cluster
+    assert Path(opened["path"]).read_bytes() == jar.read_bytes()
+    assert Path(_open(cluster.driver.endpoint, cluster.secret, str(url))["path"]).read_bytes() == jar.read_bytes()
+    assert main(["blobs", "put", str(jar), "--ha", str(tmp_path / "ha"), "--cluster-id", "other"]) == 0
+    other = capsys.readouterr().out.strip()
+    with pytest.raises(BlobScopeError, match="cluster id 'default'"):
+        _open(cluster.executor.endpoint, cluster.secret, other)
+    assert main(["blobs", "put", str(tmp_path / "missing.jar"), "--ha", str(tmp_path / "ha")]) == 2
