@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -133,6 +134,37 @@ def test_corrupt_ha_copy_is_served_by_the_server_and_the_scoped_job_end_deletes_
         assert a.get("ha_fetches", 0) == b.get("ha_fetches", 0), "a corrupt HA copy was accepted"
     wait_until(lambda: not list(ha.rglob(key)) and not list(server_store.rglob(key)), timeout=2,
                what=f"the scoped job's jar {key} to leave HA and the driver's store")
+
+
+def test_add_file_and_a_url_put_ahead_of_time_and_a_foreign_scope(env):
+    from sparksteward.blob.url import BlobUrl, app_scope
+    from sparksteward.cli import main
+    from sparksteward.wire import new_secret
+
+    spark, tmp, ha = env
+    st = Steward.get(spark)
+    f = tmp / "lookup.txt"
+    f.write_text("steward-file-content\n")
+    url = st.add_file(f)
+
+    def read(_):
+        from pyspark import SparkFiles
+
+        with open(SparkFiles.get("lookup.txt")) as fh:
+            yield fh.read()
+
+    assert set(spark.sparkContext.parallelize(range(4), 4).mapPartitions(read).collect()) == {f.read_text()}
+    # put ahead of time by the CLI into the HA store this application uses (tied to its job, so that
+    # the application's end deletes it): cluster-scoped, readable by any application of the cluster
+    rows = tmp / "ahead.txt"
+    rows.write_text("".join(f"r{i}\n" for i in range(100)))
+    out = subprocess.run([sys.executable, "-m", "sparksteward", "blobs", "put", str(rows), "--ha", str(ha),
+                          "--job", st.current_job()], check=True, capture_output=True, text=True).stdout.strip()
+    assert out.startswith("steward://cluster-") and spark.read.text(out).count() == 100
+    parsed = BlobUrl.parse(url)
+    foreign = str(BlobUrl(app_scope(new_secret()), parsed.job_id, parsed.key, parsed.name))
+    with pytest.raises(Exception, match="belongs to another application"):
+        spark.read.text(foreign).count()
 
 
 def test_both_copies_corrupt_fail_the_task_naming_the_key_and_every_source(env):
