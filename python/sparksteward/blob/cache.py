@@ -348,12 +348,13 @@ class BlobCache:
     def _op_open_file(self, conn: Connection | None, req: dict[str, Any]) -> dict[str, Any]:
         """Open a ``steward://`` URL of this application (or its cluster) through the cache: the verified
         local copy's path and size. ``conn`` is None when the shim asks over the agent's pipes."""
-        url = BlobUrl.parse(Fields(req).text("url", max_len=4096))
-        url.check_scope(self._secret, getattr(self.ha, "cluster_id", None))
+        text = Fields(req).text("url", max_len=4096)
         try:
+            url = BlobUrl.parse(text)
+            url.check_scope(self._secret, getattr(self.ha, "cluster_id", None))
             path = self.open(url.job_id, url.key)
-        except (StewardError, OSError) as exc:
-            log.error("cannot open %s: %s", url, exc)
+        except (StewardError, OSError) as exc:  # into the executor log; the caller's task fails with it
+            log.error("cannot open %s: %s", text, exc)
             raise
         self.stats["file_opens"] += 1
         return {"path": str(path), "size": path.stat().st_size}
