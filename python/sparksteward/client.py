@@ -34,7 +34,7 @@ _CONF_PREFIX = f"spark.plugins.internal.conf.{PLUGIN_CLASS}."
 #: jobs.add_cleanup, blob.acquire, blob.release, blob.put, blob.put_path, blob.add_library,
 #: blob.delete_job, ...) is sent at most once: its outcome after a lost reply is unknown.
 IDEMPOTENT_OPS = frozenset({"health", "events", "jobs.get", "jobs.list", "blob.info", "blob.get", "blob.list",
-                            "blob.stats", "blob.libraries", "blob.cache_stats"})
+                            "blob.stats", "blob.libraries", "blob.cache_stats", "blob.open_file"})
 
 
 def _client_settings(conf: Any) -> dict[str, Any]:
@@ -262,6 +262,47 @@ class Steward:
         key = blobs.put_path(staged, job, permanent=True, move=True)
         self.request("blob.add_library", job_id=job, key=str(key), name=name)
         return str(key)
+
+    # --- jars and files through steward:// URLs (issue 11, decision 0009) -----------------------
+    def _put_file_url(self, path: str | os.PathLike[str], what: str) -> str:
+        from sparksteward.blob.url import BlobUrl, app_scope, validate_file_name
+
+        name = validate_file_name(os.path.basename(os.fspath(path)))
+        if not os.path.isfile(path):
+            raise InvalidIdError(f"{what} {os.fspath(path)!r} is not a file")
+        blobs = self.blobs
+        fd, staged = blobs.staging_file()
+        os.close(fd)
+        try:
+            shutil.copyfile(path, staged)
+            job = self.current_job()
+            key = blobs.put_path(staged, job, permanent=True, move=True)
+        finally:
+            if os.path.exists(staged):
+                os.unlink(staged)
+        return str(BlobUrl(app_scope(self._secret), job, key, name))
+
+    def add_jar(self, path: str | os.PathLike[str]) -> str:
+        """Upload a jar as a permanent blob of the current job (HA when configured) and add it to Spark
+        with ``sc.addJar`` as a ``steward://`` URL, which executors fetch once each through their BlobCache,
+        verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
+        ``st.job`` for the whole application). Returns the URL."""
+        url = self._put_file_url(path, "jar")
+        if self.spark is not None:
+            self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
+            # the driver needs the classes too (spark.udf.registerJavaFunction loads them here): the
+            # driver agent's verified copy joins the session's class loader (no steward: URL handler)
+            local = self.request("blob.open_file", url=url)["path"]
+            jvm = self.spark.sparkContext._jvm
+            self.spark._jsparkSession.sharedState().jarClassLoader().addURL(jvm.java.io.File(local).toURI().toURL())
+        return url
+
+    def add_file(self, path: str | os.PathLike[str]) -> str:
+        """Like :meth:`add_jar`, for ``sc.addFile`` (tasks read it with ``SparkFiles.get(name)``)."""
+        url = self._put_file_url(path, "file")
+        if self.spark is not None:
+            self.spark.sparkContext.addFile(url)
+        return url
 
     @property
     def job_results(self) -> JobResults:

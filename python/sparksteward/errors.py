@@ -21,6 +21,7 @@ Tree::
     │   ├── CorruptRecordError (ValueError)       CORRUPT_RECORD
     │   └── ChecksumMismatchError                 CHECKSUM
     ├── BlobNotFoundError (FileNotFoundError)     BLOB_NOT_FOUND
+    ├── BlobScopeError (PermissionError)          BLOB_SCOPE
     ├── JobStoreError                             JOB_STORE
     │   ├── JobResultExistsError (FileExistsError)   JOB_RESULT_EXISTS
     │   ├── JobAlreadyCompleted                      JOB_ALREADY_COMPLETED
@@ -44,6 +45,7 @@ __all__ = [
     "AgentUnavailableError",
     "AuthenticationError",
     "BlobNotFoundError",
+    "BlobScopeError",
     "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -178,6 +180,12 @@ class BlobNotFoundError(StewardError, FileNotFoundError):
     """No good copy of a blob exists in any source."""
 
     code = "BLOB_NOT_FOUND"
+
+
+class BlobScopeError(StewardError, PermissionError):
+    """A ``steward://`` URL names another application's or another cluster's blob scope."""
+
+    code = "BLOB_SCOPE"
 
 
 class JobStoreError(StewardError):

@@ -41,9 +41,12 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "task_succeeded": _TASK,
     "task_failed": {**_TASK, "reason": (_S,)},
     "shutdown": {"time": (_I,), "reason": (_S,)},
+    # shim -> agent request over the pipes, answered by one "reply" line with the same id (decision 0009)
+    "open_file": {"id": (_I,), "url": (_S,)},
     # agent -> shim
     "ready": {"role": (_S,), "pid": (_I,), "endpoint": (_S,), "shutdown_grace_ms": (_I,)},
     "fatal": {"role": (_S,), "code": (_S,), "message": (_S,)},
+    "reply": {"id": (_I,), "ok": (bool,)},
 }
 
 
@@ -85,3 +88,11 @@ def encode_ready(role: str, pid: int, endpoint: str, shutdown_grace_ms: int) -> 
 def encode_fatal(role: str, code: str, message: str) -> bytes:
     """The ``fatal`` line an agent prints before exiting when it cannot start."""
     return _encode("fatal", role=role, code=code, message=message)
+
+
+def encode_reply(request_id: int, reply: dict[str, Any] | None = None, *, code: str = "", message: str = "") -> bytes:
+    """The ``reply`` line answering a shim request (``open_file``): ``ok`` with the reply's fields, or
+    an error ``{"code", "message"}`` when ``reply`` is None."""
+    if reply is not None:
+        return _encode("reply", id=request_id, ok=True, **reply)
+    return _encode("reply", id=request_id, ok=False, error={"code": code, "message": message})

@@ -1,7 +1,8 @@
 """Switching the plugin on from Python: :func:`configure` for a ``SparkSession.builder``.
 
 Like delta's ``configure_spark_with_delta_pip``, it appends to what the user already set instead of
-overwriting it: the shim jar is added to ``spark.jars`` and the plugin class to ``spark.plugins``.
+overwriting it: the shim jar is added to ``spark.jars`` and the plugin class to ``spark.plugins``, and
+``spark.hadoop.fs.steward.impl`` names the shim's ``steward://`` FileSystem unless already set.
 It must run before the first SparkSession of the process starts its JVM, since jars on the driver
 class path cannot be added later.
 """
@@ -14,7 +15,11 @@ from typing import Any
 
 from sparksteward.protocol import PLUGIN_CLASS
 
-__all__ = ["PLUGIN_CLASS", "configure"]
+__all__ = ["FS_CLASS", "FS_IMPL_KEY", "PLUGIN_CLASS", "configure"]
+
+#: The shim's read-only Hadoop FileSystem for ``steward://`` URLs, and the setting that enables it.
+FS_CLASS = "sparksteward.shim.StewardFileSystem"
+FS_IMPL_KEY = "spark.hadoop.fs.steward.impl"
 
 
 def _append(existing: str | None, item: str) -> str:
@@ -45,6 +50,9 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     jar_path = str(jar or shim_jar())
     builder = builder.config("spark.jars", _append(options.get("spark.jars"), jar_path))
     builder = builder.config("spark.plugins", _append(options.get("spark.plugins"), PLUGIN_CLASS))
+    if not options.get(FS_IMPL_KEY):
+        # steward:// URLs (st.add_jar, st.add_file, `steward blobs put`) through the shim's FileSystem
+        builder = builder.config(FS_IMPL_KEY, FS_CLASS)
     if not options.get("spark.python.daemon.module"):
         # workers fork from our daemon, which installs the finder for st.add_library() libraries
         builder = builder.config("spark.python.daemon.module", "sparksteward.daemon")

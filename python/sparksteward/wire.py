@@ -614,6 +614,10 @@ class AgentServer:
     def add_handler(self, op: str, handler: Handler) -> None:
         self._handlers[op] = handler
 
+    def handler(self, op: str) -> Handler | None:
+        """The handler of ``op``, for requests that arrive by another channel (the shim's pipes)."""
+        return self._handlers.get(op)
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:

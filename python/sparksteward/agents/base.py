@@ -125,9 +125,46 @@ class Agent:
                 last = seq
         return {"events": out, "next": last if more else None}
 
+    # --- requests from the shim over the pipes (decision 0009) --------------------------------------
+    #: ops the shim may call over the pipes; each runs the socket op's own handler
+    PIPE_OPS = {"open_file": "blob.open_file"}
+
+    def attach_stdout(self, out: BinaryIO) -> None:
+        """Where ``reply`` lines go (the shim's end of the agent's stdout)."""
+        self._stdout, self._stdout_lock = out, threading.Lock()
+
+    def on_open_file(self, msg: dict[str, Any]) -> None:
+        # on a pool thread: a fetch must not hold up the event loop (task events, shutdown)
+        with self.lock:
+            if getattr(self, "_pipe_pool", None) is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._pipe_pool = ThreadPoolExecutor(8, thread_name_prefix="steward-pipe")
+            self._pipe_pool.submit(self._answer_pipe, msg)
+
+    def _answer_pipe(self, msg: dict[str, Any]) -> None:
+        op = self.PIPE_OPS[msg["type"]]
+        handler = self.server.handler(op)
+        try:
+            if handler is None:
+                raise ProtocolError(f"the {self.role} agent does not serve {op}")
+            line = protocol.encode_reply(msg["id"], handler(None, {**msg, "op": op}))  # type: ignore[arg-type]
+        except StewardError as exc:
+            line = protocol.encode_reply(msg["id"], code=exc.code, message=str(exc))
+        except Exception as exc:  # noqa: BLE001 - the shim must get an answer, never wait for one
+            log.exception("%s for the shim failed", op)
+            line = protocol.encode_reply(msg["id"], code="INTERNAL", message=f"{type(exc).__name__}: {exc}")
+        out = getattr(self, "_stdout", None)
+        if out is not None:
+            with self._stdout_lock:
+                _write(out, line)
+
     def close(self) -> None:
         """Stop serving and release what the agent owns. Subclasses extend; must stay idempotent."""
         self.state = "stopped"
+        pool = getattr(self, "_pipe_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
         self.server.close()
 
 
@@ -170,6 +207,7 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
         return 2
 
     agent.state = "running"
+    agent.attach_stdout(stdout)
     _write(stdout, protocol.encode_ready(role, os.getpid(), agent.advertised_endpoint,
                                          agent.shutdown_grace_ms()))
     log.info("%s agent %d ready on %s", role, os.getpid(), agent.server.endpoint)

@@ -91,7 +91,7 @@ class DriverAgent(Agent):
         self.ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)
         self.blobs = BlobServer(_server_dir(self.cfg.effective_state_dir), self.ha,
                                 retention=self.cfg.blob_retention_interval, max_size=self.cfg.blob_max_size,
-                                clock=self.clock)
+                                clock=self.clock, secret=self.secret)
         self.blobs.register_handlers(self.server)
         self.jobs.registry.register("blob_job_dir", self.blobs.delete_job)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)

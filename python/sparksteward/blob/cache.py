@@ -42,6 +42,7 @@ from sparksteward.blob.key import BlobKey, hash_file
 from sparksteward.blob.locks import KeyedLocks
 from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name, verified_copy
+from sparksteward.blob.url import BlobUrl
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
@@ -345,6 +346,21 @@ class BlobCache:
         server.add_handler("blob.release_task", self._op_release_task)
         server.add_handler("blob.libraries", self._op_libraries)
         server.add_handler("blob.cache_stats", lambda conn, req: {"stats": dict(self.stats)})
+        server.add_handler("blob.open_file", self._op_open_file)
+
+    def _op_open_file(self, conn: Connection | None, req: dict[str, Any]) -> dict[str, Any]:
+        """Open a ``steward://`` URL of this application (or its cluster) through the cache: the verified
+        local copy's path and size. ``conn`` is None when the shim asks over the agent's pipes."""
+        text = Fields(req).text("url", max_len=4096)
+        try:
+            url = BlobUrl.parse(text)
+            url.check_scope(self._secret, getattr(self.ha, "cluster_id", None))
+            path = self.open(url.job_id, url.key)
+        except (StewardError, OSError) as exc:  # into the executor log; the caller's task fails with it
+            log.error("cannot open %s: %s", text, exc)
+            raise
+        self.stats["file_opens"] += 1
+        return {"path": str(path), "size": path.stat().st_size}
 
     def _op_open(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)

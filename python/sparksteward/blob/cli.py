@@ -1,11 +1,20 @@
-"""``steward blobs ls|gc`` on an HA blob storage path."""
+"""``steward blobs ls|gc|put`` on an HA blob storage path."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
+from sparksteward.blob.key import BlobKey, BlobType, hash_file
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
+from sparksteward.blob.url import BlobUrl, cluster_scope, validate_file_name
+from sparksteward.errors import InvalidIdError
+from sparksteward.ids import validate_job_id
 from sparksteward.config import StewardConfig
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.tables import table
@@ -61,6 +70,29 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _put(args: argparse.Namespace) -> int:
+    """Upload a file ahead of time as a permanent blob and print its cluster-scoped steward:// URL."""
+    src = Path(args.file)
+    name = validate_file_name(src.name)
+    if not src.is_file():
+        raise InvalidIdError(f"{args.file!r} is not a file")
+    job = None if args.job is None else validate_job_id(args.job)
+    store, cfg = _store(args)
+    with tempfile.TemporaryDirectory(prefix="steward-put-") as tmp:
+        copy = Path(tmp) / name  # hash and upload the same bytes, even if the file changes meanwhile
+        shutil.copyfile(src, copy)
+        key = BlobKey(BlobType.PERMANENT, hash_file(copy))
+        if store.exists(job, key):
+            print(f"{key} is already stored in {store.base.display(store.base.root)} (job {job_dir_name(job)}): "
+                  "0 bytes transferred", file=sys.stderr)
+        else:
+            store.put(job, key, copy)
+            print(f"uploaded {name} ({_size(os.path.getsize(copy))}) as {key} to "
+                  f"{store.base.display(store.base.root)} (job {job_dir_name(job)})", file=sys.stderr)
+    print(BlobUrl(cluster_scope(cfg.cluster_id), job, key, name))
+    return 0
+
+
 def add_subcommands(sub: Any) -> None:
     """Add ``blobs`` with ``ls`` and ``gc`` to the ``steward`` parser."""
     blobs = sub.add_parser("blobs", help="inspect and collect blobs in an HA storage path")
@@ -79,3 +111,12 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--include-unowned", action="store_true", help="also delete blobs that belong to no job")
     p.add_argument("--dry-run", action="store_true", help="only say what would be deleted")
     p.set_defaults(func=_gc)
+    p = bsub.add_parser("put", help="upload a jar or file ahead of time; print its steward:// URL (for --jars, "
+                                    "--files, spark.jars)")
+    p.add_argument("file")
+    p.add_argument("--ha", "--path", dest="path", required=True,
+                   help="the HA blob storage path or fsspec URL the applications use (spark.steward.blob.ha.storage-path)")
+    p.add_argument("--cluster-id", default="default", help="the applications' spark.steward.cluster-id")
+    p.add_argument("--job", help="tie the blob to this job id: the job's end deletes it (default: no job; kept "
+                                 "until `steward blobs gc --include-unowned`)")
+    p.set_defaults(func=_put)

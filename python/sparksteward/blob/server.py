@@ -45,7 +45,8 @@ from typing import Any
 from sparksteward.blob.key import BlobKey, BlobType, Hasher, hash_file
 from sparksteward.blob.locks import KeyedLocks
 from sparksteward.blob.store import job_dir_name
-from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
+from sparksteward.blob.url import BlobUrl
+from sparksteward.errors import BlobNotFoundError, ConfigError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
 from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
 from sparksteward.libraries import validate_library_name
@@ -103,8 +104,10 @@ class BlobServer:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
     def __init__(self, local_dir: str | Path, ha: Any, *, retention: float = 1800.0, max_size: int = 16 << 30,
-                 clock: Any = None, timer: bool = True) -> None:
+                 clock: Any = None, timer: bool = True, secret: str | None = None) -> None:
         self.dir = Path(local_dir)
+        #: the application secret, only to recognize this application's steward:// URLs (blob.open_file)
+        self.secret = secret
         self.incoming = self.dir / "@incoming"
         self.incoming.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
@@ -380,7 +383,7 @@ class BlobServer:
                "blob.get": self._op_get, "blob.acquire": self._op_acquire, "blob.release": self._op_release,
                "blob.delete_job": self._op_delete_job, "blob.list": self._op_list, "blob.stats": self._op_stats,
                "blob.add_library": self._op_add_library, "blob.libraries": self._op_libraries,
-               "blob.deleted_jobs": self._op_deleted_jobs}
+               "blob.deleted_jobs": self._op_deleted_jobs, "blob.open_file": self._op_open_file}
         for op, fn in ops.items():
             server.add_handler(op, fn)
 
@@ -451,6 +454,18 @@ class BlobServer:
         if not isinstance(job_ids, list):
             raise InvalidIdError(f"blob.deleted_jobs takes a list of job ids in 'job_ids', not {job_ids!r}")
         return {"deleted": self.deleted_jobs([_job(j) for j in job_ids])}
+
+    def _op_open_file(self, conn: Connection | None, req: dict[str, Any]) -> dict[str, Any]:
+        """A ``steward://`` URL of this application (or its cluster): the verified local copy in this
+        server's store (refilled from HA), for the driver's own reads (``addJar`` checks it exists)."""
+        url = BlobUrl.parse(Fields(req).text("url", max_len=4096))
+        if self.secret is None:
+            raise ConfigError("this BlobServer was made without the application secret: it cannot check the "
+                              "scope of steward:// URLs (pass secret= to BlobServer)")
+        url.check_scope(self.secret, getattr(self.ha, "cluster_id", None))
+        path = self.ensure_local(url.job_id, url.key)
+        self.stats["file_opens"] += 1
+        return {"path": str(path), "size": path.stat().st_size}
 
     def _op_stats(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         return {"stats": dict(self.stats)}

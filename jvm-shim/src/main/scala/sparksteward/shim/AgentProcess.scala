@@ -2,10 +2,10 @@ package sparksteward.shim
 
 import java.io.{BufferedReader, IOException, InputStreamReader, OutputStream}
 import java.nio.charset.StandardCharsets.UTF_8
-import java.util.concurrent.{ArrayBlockingQueue, CountDownLatch, TimeUnit}
+import java.util.concurrent.{ArrayBlockingQueue, CompletableFuture, ConcurrentHashMap, CountDownLatch, TimeUnit}
 import java.util.concurrent.atomic.{AtomicBoolean, AtomicLong}
 
-import com.fasterxml.jackson.databind.ObjectMapper
+import com.fasterxml.jackson.databind.{JsonNode, ObjectMapper}
 import org.slf4j.LoggerFactory
 
 /** What the agent answered on stdout: `ready` or `fatal` (docs/protocol.md), or why it could not. */
@@ -16,7 +16,7 @@ final case class Failed(message: String) extends AgentAnswer
 
 object AgentAnswer {
   val DefaultGraceMs = 35000L
-  private val mapper = new ObjectMapper()
+  val mapper = new ObjectMapper()
 
   /** Parse one stdout line; None for lines that are not a v1 `ready`/`fatal`. Never throws. */
   def parse(line: String): Option[AgentAnswer] =
@@ -52,6 +52,8 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
   @volatile private var reader: Thread = _
   @volatile private var replay: Vector[String] = Vector.empty // sent again after hello to a restarted agent
 
+  private val pending = new ConcurrentHashMap[Long, CompletableFuture[JsonNode]]()
+  private val requestIds = new AtomicLong(0)
   private val writer = new Thread(() => supervise(), s"steward-$role-agent")
   writer.setDaemon(true)
 
@@ -71,6 +73,32 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     if (answered.await(timeoutMs, TimeUnit.MILLISECONDS)) answer
     else Failed(s"the $role agent did not report ready within $timeoutMs ms " +
       s"(spark.steward.agent.start-timeout); look at the $logName for its stderr")
+
+  /** One request over the pipes (decision 0009): `kind` with `fields` and a fresh `id` on stdin, answered
+   *  by the `reply` line with that id on stdout. Returns the reply; throws IOException after `timeoutMs`, or
+   *  at once if the agent exits. Blocks the calling thread only. */
+  def call(kind: String, timeoutMs: Long, fields: (String, Any)*): JsonNode = {
+    val id = requestIds.incrementAndGet()
+    val reply = new CompletableFuture[JsonNode]()
+    pending.put(id, reply)
+    try {
+      if (stopping.get() || !queue.offer(Messages.encode(kind, (("id" -> id) +: fields): _*), timeoutMs,
+          TimeUnit.MILLISECONDS)) throw new IOException(s"the spark-steward $role agent is stopping or not keeping up")
+      reply.get(timeoutMs, TimeUnit.MILLISECONDS)
+    } catch {
+      case _: java.util.concurrent.TimeoutException => throw new IOException(s"the spark-steward $role agent did " +
+        s"not answer $kind within $timeoutMs ms (spark.steward.fs.timeout); look at the $logName")
+      case e: java.util.concurrent.ExecutionException => throw e.getCause
+    } finally pending.remove(id)
+  }
+
+  private def completeReply(line: String): Unit = try {
+    val node = AgentAnswer.mapper.readTree(line)
+    if (node.path("type").asText() == "reply") Option(pending.get(node.path("id").asLong(-1))).foreach(_.complete(node))
+  } catch { case _: Exception => log.warn(s"$role agent: unreadable reply line: $line") }
+
+  private def failPending(why: String): Unit =
+    pending.values.forEach(f => f.completeExceptionally(new IOException(why)))
 
   private def setAnswer(a: AgentAnswer): Unit = { answer = a; answered.countDown() }
 
@@ -94,13 +122,15 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     val in = new BufferedReader(new InputStreamReader(p.getInputStream, UTF_8))
     var line = in.readLine()
     while (line != null) {
-      AgentAnswer.parse(line) match {
+      if (line.contains("\"reply\"")) completeReply(line)
+      else AgentAnswer.parse(line) match {
         case Some(a) => setAnswer(a)
         case None => log.debug(s"$role agent: $line")
       }
       line = in.readLine()
     }
   } catch { case _: IOException => () }
+  finally failPending(s"the spark-steward $role agent exited before answering; look at the $logName")
 
   private def supervise(): Unit = try {
     var restarts = 0

@@ -67,6 +67,7 @@ class StewardDriverPlugin extends DriverPlugin {
       StewardPlugin.agentConf(conf))
     agent = StewardPlugin.agent(conf, "driver", hello)
     agent.start()
+    StewardFileSystem.register("driver", agent)
     sc.addSparkListener(new StewardListener(agent, sc))
     Map("endpoint" -> s"$host:$port", "secret" -> secret).asJava
   }
@@ -82,7 +83,7 @@ class StewardDriverPlugin extends DriverPlugin {
     }
   }
 
-  override def shutdown(): Unit = if (agent != null) agent.stop()
+  override def shutdown(): Unit = if (agent != null) { StewardFileSystem.unregister("driver"); agent.stop() }
 }
 
 class StewardExecutorPlugin extends ExecutorPlugin {
@@ -102,6 +103,7 @@ class StewardExecutorPlugin extends ExecutorPlugin {
       StewardPlugin.agentConf(ctx.conf()))
     agent = StewardPlugin.agent(ctx.conf(), "executor", hello)
     agent.start()
+    StewardFileSystem.register("executor", agent)
   }
 
   private def task(kind: String, reason: => Option[String] = None): Unit = try {
@@ -123,5 +125,5 @@ class StewardExecutorPlugin extends ExecutorPlugin {
     case other => other.toErrorString
   }))
 
-  override def shutdown(): Unit = if (agent != null) agent.stop()
+  override def shutdown(): Unit = if (agent != null) { StewardFileSystem.unregister("executor"); agent.stop() }
 }

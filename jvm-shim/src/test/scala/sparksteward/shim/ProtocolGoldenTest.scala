@@ -22,7 +22,9 @@ object ProtocolGoldenTest {
       "task_start" -> Messages.task("task_start", 1700000001500L, 17L, 4, 0, 2, 0),
       "task_succeeded" -> Messages.task("task_succeeded", 1700000001600L, 17L, 4, 0, 2, 0),
       "task_failed" -> Messages.task("task_failed", 1700000001700L, 18L, 4, 0, 3, 1, Some("java.lang.RuntimeException: x")),
-      "shutdown" -> Messages.shutdown(1700000006000L, "plugin shutdown"))
+      "shutdown" -> Messages.shutdown(1700000006000L, "plugin shutdown"),
+      "open_file" -> Messages.encode("open_file", "id" -> 7L,
+        "url" -> "steward://app-0123456789abcdef/app-20261122-0001/p-00112233445566778899aabbccddeeff/udf.jar"))
     val checks = encoded.map { case (name, line) =>
       (s"encode $name", line == golden(name), s"\n  got:    $line\n  golden: ${golden(name)}")
     } ++ Seq(
@@ -31,6 +33,8 @@ object ProtocolGoldenTest {
         "spark.steward.blob.retention.interval=-5s: must be a duration >= 0, such as 30min")), ""),
       ("escape control characters, keep the rest raw", Messages.shutdown(0L, "\b\f\r\t\u001f\\ \u00e9\u20ac") ==
         "{\"v\":1,\"type\":\"shutdown\",\"time\":0,\"reason\":\"\\b\\f\\r\\t\\u001f\\\\ \u00e9\u20ac\"}", ""),
+      ("reply carries the path", AgentAnswer.mapper.readTree(golden("reply")).path("path").asText().endsWith(
+        "/p-00112233445566778899aabbccddeeff") && AgentAnswer.parse(golden("reply")).isEmpty, ""),
       ("ignore other lines", AgentAnswer.parse("not json").isEmpty && AgentAnswer.parse("{\"v\":2,\"type\":\"ready\"}").isEmpty, ""))
     checks.foreach { case (name, ok, detail) => println(s"${if (ok) "ok  " else "FAIL"} $name${if (ok) "" else detail}") }
     val failed = checks.count(!_._2)

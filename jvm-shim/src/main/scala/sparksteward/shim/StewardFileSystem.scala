@@ -1,0 +1,82 @@
+package sparksteward.shim
+
+import java.io.{FileNotFoundException, IOException}
+import java.net.URI
+import java.util.function.BiFunction
+
+import org.apache.hadoop.conf.Configuration
+import org.apache.hadoop.fs.{FSDataInputStream, FSDataOutputStream, FileStatus, FileSystem, Path}
+import org.apache.hadoop.fs.permission.FsPermission
+import org.apache.hadoop.util.Progressable
+
+/** A read-only Hadoop FileSystem for `steward://<scope>/<job>/<key>/<file name>` (decision 0009). It only
+ *  forwards: the agent of this JVM (the executor's, else the driver's) opens the blob, verified, through its
+ *  BlobCache or BlobServer store and names a local file, which is then read with the raw local FS. Scope
+ *  checks, fetching and verification all happen in the agent. */
+class StewardFileSystem extends FileSystem {
+  private var root: URI = _
+  private var timeoutMs = 300000L
+
+  override def getScheme: String = "steward"
+  override def initialize(name: URI, conf: Configuration): Unit = {
+    super.initialize(name, conf)
+    setConf(conf)
+    root = URI.create(s"steward://${name.getAuthority}/")
+    timeoutMs = conf.getLong("fs.steward.timeout-ms", timeoutMs)
+  }
+  override def getUri: URI = root
+
+  /** (local path, size) of the verified blob behind `f`. */
+  private def local(f: Path): (Path, Long) = {
+    val url = makeQualified(f).toString
+    val reply = AgentAnswer.mapper.readTree(StewardFileSystem.channel().apply(url, timeoutMs))
+    if (!reply.path("ok").asBoolean(false)) {
+      val code = reply.path("error").path("code").asText()
+      val msg = s"spark-steward cannot open $url: ${reply.path("error").path("message").asText()} [$code]"
+      throw (if (code == "BLOB_NOT_FOUND" || code == "INVALID_ID") new FileNotFoundException(msg) else new IOException(msg))
+    }
+    (new Path(reply.path("path").asText()), reply.path("size").asLong())
+  }
+
+  override def open(f: Path, bufferSize: Int): FSDataInputStream = {
+    val raw = FileSystem.getLocal(getConf).getRawFileSystem
+    raw.open(local(f)._1, bufferSize)
+  }
+  override def getFileStatus(f: Path): FileStatus = {
+    val size = local(f)._2
+    new FileStatus(size, false, 1, size, 0L, makeQualified(f))
+  }
+  override def listStatus(f: Path): Array[FileStatus] = Array(getFileStatus(f))
+
+  private def readOnly(f: Path) = new IOException(s"$f: steward:// is read-only; upload with st.add_jar, " +
+    "st.add_file or `steward blobs put`")
+  override def create(f: Path, p: FsPermission, o: Boolean, b: Int, r: Short, s: Long, pr: Progressable):
+    FSDataOutputStream = throw readOnly(f)
+  override def append(f: Path, b: Int, p: Progressable): FSDataOutputStream = throw readOnly(f)
+  override def rename(src: Path, dst: Path): Boolean = throw readOnly(src)
+  override def delete(f: Path, recursive: Boolean): Boolean = throw readOnly(f)
+  override def mkdirs(f: Path, p: FsPermission): Boolean = throw readOnly(f)
+  override def setWorkingDirectory(dir: Path): Unit = ()
+  override def getWorkingDirectory: Path = new Path(root)
+}
+
+object StewardFileSystem {
+  /** The channel lives in the system properties as a JDK type, so a FileSystem loaded by another class
+   *  loader than the plugin's (Hadoop's Configuration may use another) still finds it. */
+  private def key(role: String) = s"sparksteward.fs.channel.$role"
+
+  /** Called by the plugins: requests for this JVM go to `agent` (an executor's agent wins over the driver's). */
+  def register(role: String, agent: AgentProcess): Unit =
+    System.getProperties.put(key(role), new BiFunction[String, java.lang.Long, String] {
+      override def apply(url: String, timeoutMs: java.lang.Long): String =
+        AgentAnswer.mapper.writeValueAsString(agent.call("open_file", timeoutMs, "url" -> url))
+    })
+
+  def unregister(role: String): Unit = System.getProperties.remove(key(role))
+
+  private[shim] def channel(): BiFunction[String, java.lang.Long, String] =
+    Seq("executor", "driver").map(r => System.getProperties.get(key(r))).collectFirst {
+      case f: BiFunction[_, _, _] => f.asInstanceOf[BiFunction[String, java.lang.Long, String]]
+    }.getOrElse(throw new IOException("no spark-steward agent runs in this JVM: enable the plugin " +
+      s"(spark.plugins=${classOf[StewardPlugin].getName}) to read steward:// URLs"))
+}
