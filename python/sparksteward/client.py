@@ -304,6 +304,25 @@ class Steward:
             self.spark.sparkContext.addFile(url)
         return url
 
+    # --- keyed state (issue 8) ------------------------------------------------------------------
+    def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
+                    checkpoint_dir: str | None = None, num_retained: int | None = None) -> Any:
+        """A :class:`~sparksteward.state.keyed.KeyedState` named ``name`` keyed by column ``key``, with
+        ``parallelism`` subtasks over ``max_parallelism`` key groups (default
+        ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
+        ``spark.steward.checkpoint.dir``), keeping ``num_retained`` completed checkpoints."""
+        from sparksteward.state.keyed import KeyedState
+        from sparksteward.state.keygroups import validate_parallelism
+
+        conf = self.spark.sparkContext.getConf() if self.spark is not None else None
+        if max_parallelism is None:
+            max_parallelism = int(conf.get("spark.steward.state.max-parallelism", "128")) if conf else 128
+        if num_retained is None:
+            num_retained = int(conf.get("spark.steward.checkpoint.num-retained", "1")) if conf else 1
+        validate_parallelism(parallelism, max_parallelism)
+        return KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
+                          checkpoint_dir=checkpoint_dir, num_retained=num_retained)
+
     @property
     def job_results(self) -> JobResults:
         """Read access to the JobResultStore: ``st.job_results.get(job_id)``, ``.list()``."""

@@ -26,6 +26,7 @@ import orjson
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
+from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
 from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.result import JobStatus
 from sparksteward.jobs.service import JobService
@@ -94,6 +95,9 @@ class DriverAgent(Agent):
                                 clock=self.clock, secret=self.secret)
         self.blobs.register_handlers(self.server)
         self.jobs.registry.register("blob_job_dir", self.blobs.delete_job)
+        self.states = StateService(default_checkpoint_dir(self.cfg), self.cfg.cluster_id,
+                                   commit_timeout=self.cfg.checkpoint_commit_timeout)  # keyed state (issue 8)
+        self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()
         for op, fn in {"jobs.begin": self._op_begin, "jobs.add_cleanup": self._op_add_cleanup,

@@ -17,6 +17,7 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.cache import BlobCache, sweep_dead_caches
 from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
+from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.owner import private_dir
 from sparksteward.rendezvous import Rendezvous
 
@@ -45,6 +46,10 @@ class ExecutorAgent(Agent):
         endpoint = hello.get("driver_endpoint")
         self.sweeper = CacheJobSweeper(self.cache, endpoint, self.secret, timeout=self.cfg.rpc_timeout) \
             if endpoint else None
+        self.states = SubtaskService(self.cfg.state_local_dir or self.rendezvous.dir, endpoint, self.secret,
+                                     upload_threads=self.cfg.checkpoint_upload_threads,
+                                     cache_max_bytes=self.cfg.state_cache_max_size)  # keyed state (issue 8)
+        self.states.register_handlers(self.server)
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id, timeout=self.cfg.rpc_timeout)
 
     def on_task_succeeded(self, msg: dict[str, Any]) -> None:
@@ -62,6 +67,7 @@ class ExecutorAgent(Agent):
         if self.sweeper is not None:
             self.sweeper.close()
         self.cache.close()
+        self.states.close()
 
 
 if __name__ == "__main__":

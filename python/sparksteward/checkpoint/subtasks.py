@@ -1,0 +1,177 @@
+"""The executor agent's side of keyed state: working dirs, the local file cache, the uploader, and the
+``state.*`` ops the Python workers call (issue 8).
+
+A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
+
+    state.open      name, checkpoint_id, subtask -> token, workdir, snapshot dir
+                    (the agent asks the driver agent for the base of checkpoint N, restores the
+                    subtask into a fresh working dir from its LocalFileCache, and closes the DB)
+    ... opens the DB in workdir, runs the user function, takes the sync-phase snapshot ...
+    state.upload    token -> the snapshot is queued on the SnapshotUploader; when it is uploaded the
+                    agent acks the driver agent's coordinator (or reports the failure); the working
+                    dir is deleted at once
+    state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
+
+The agent owns everything under its ``state-<pid>-*`` root (an owner file marks it): it deletes the
+root on exit, and at start it sweeps the roots of agents proven dead on this host (SIGKILL included).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from sparksteward.blob.cache import sweep_dead_caches
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.rescale import open_subtask
+from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
+from sparksteward.checkpoint.uploader import SnapshotUploader
+from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError
+from sparksteward.owner import OwnerRecord, private_dir
+from sparksteward.state.backend import LocalSnapshot
+from sparksteward.state.keygroups import key_group_range
+from sparksteward.wire import AgentServer, Connection, Fields
+
+__all__ = ["STATE_DIR_PREFIX", "SubtaskService"]
+
+log = logging.getLogger("sparksteward.checkpoint.subtasks")
+
+STATE_DIR_PREFIX = "state-"
+
+
+@dataclass(frozen=True, slots=True)
+class _Open:
+    name: str
+    checkpoint_id: int
+    subtask: int
+    workdir: Path
+    snapshot: Path
+    storage: CheckpointStorage
+    known: dict[str, str]
+    key_groups: Any
+
+
+class SubtaskService:
+    """Working dirs, cache and uploads of one executor's keyed-state subtasks."""
+
+    def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
+                 cache_max_bytes: int | None = None) -> None:
+        parent = private_dir(Path(parent))
+        sweep_dead_caches(parent, prefix=STATE_DIR_PREFIX)
+        self.root = Path(tempfile.mkdtemp(prefix=f"{STATE_DIR_PREFIX}{os.getpid()}-", dir=parent))
+        OwnerRecord.current().write(self.root)
+        self.cache = LocalFileCache(self.root / "cache", max_bytes=cache_max_bytes)
+        self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
+        self._driver_endpoint = driver_endpoint
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._open: dict[str, _Open] = {}
+        self._closed = False
+
+    def register_handlers(self, server: AgentServer) -> None:
+        for op, fn in {"state.open": self._op_open, "state.upload": self._op_upload,
+                       "state.release": self._op_release}.items():
+            server.add_handler(op, fn)
+
+    def _driver(self, op: str, **fields: Any) -> dict[str, Any]:
+        if not self._driver_endpoint:
+            raise AgentUnavailableError("this executor agent has no driver endpoint: keyed state needs the "
+                                        "driver agent (is the plugin enabled on the driver?)")
+        with Connection.connect(self._driver_endpoint, self._secret) as conn:
+            return conn.request(op, **fields)
+
+    # --- ops ---------------------------------------------------------------------------------
+    def _op_open(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        name = f.text("name", max_len=200)
+        cid = f.integer("checkpoint_id", lo=0)
+        subtask = f.integer("subtask", lo=0)
+        base = self._driver("state.base", name=name, checkpoint_id=cid)
+        p, m = base["parallelism"], base["max_parallelism"]
+        if subtask >= p:
+            raise InvalidRequestError(f"{f.op}: subtask {subtask} is out of range for parallelism {p}")
+        storage = CheckpointStorage.open(base["checkpoint_dir"], name, base["cluster_id"])
+        meta = None if base["base"] is None else CheckpointMetadata.from_bytes(
+            orjson.dumps(base["base"]), f"the base of checkpoint {cid} of {name}")
+        token = uuid.uuid4().hex
+        workdir = self.root / "work" / token
+        backend, _ = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                  key_type=base["key_type"])
+        backend.close()
+        opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
+                       dict(base["known"]), key_group_range(m, p, subtask))
+        with self._lock:
+            if self._closed:
+                shutil.rmtree(workdir, ignore_errors=True)
+                raise CheckpointError("the executor agent is shutting down")
+            self._open[token] = opened
+        return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
+                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"]}
+
+    def _take(self, f: Fields) -> _Open:
+        token = f.text("token", max_len=64)
+        with self._lock:
+            opened = self._open.pop(token, None)
+        if opened is None:
+            raise InvalidRequestError(f"{f.op}: no open subtask with token {token!r} (released already?)")
+        return opened
+
+    def _op_upload(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        opened = self._take(f)
+        sync_ms = f.number("sync_ms", default=0.0, lo=0)
+        shutil.rmtree(opened.workdir, ignore_errors=True)
+        if not opened.snapshot.is_dir():
+            raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
+        snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms)
+
+        def done(cid: int, result: UploadResult) -> None:
+            try:
+                self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
+                             uploaded=list(result.uploaded))
+            except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
+                log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
+
+        def failed(cid: int, subtask: int, exc: BaseException) -> None:
+            try:
+                self._driver("state.fail", name=opened.name, checkpoint_id=cid, subtask=subtask,
+                             message=f"{type(exc).__name__}: {exc}")
+            except Exception as exc2:  # noqa: BLE001
+                log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
+
+        self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
+                             on_done=done, on_error=failed)
+        return {}
+
+    def _op_release(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        token = f.text("token", max_len=64)
+        with self._lock:
+            opened = self._open.pop(token, None)
+        if opened is not None:
+            shutil.rmtree(opened.workdir, ignore_errors=True)
+            shutil.rmtree(opened.snapshot, ignore_errors=True)
+        return {"released": opened is not None}
+
+    def open_subtasks(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def close(self) -> None:
+        """Finish the uploads in flight, then delete the root. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.uploader.close()
+        shutil.rmtree(self.root, ignore_errors=True)

@@ -1,0 +1,233 @@
+"""``KeyedState``: Flink-style keyed state for PySpark DataFrames (issue 8), from the user's driver.
+
+::
+
+    ks = st.keyed_state("counts", key="user", parallelism=4)
+    out = ks.apply(batch_df, fn, "user string, n long", checkpoint_id=7)   # lazy
+    out.write...                                                          # the action
+    ks.commit(7)                                                          # chk-7/_metadata
+    ks.read()                                                             # DataFrame (key, value)
+
+``apply_arrow``/``apply`` begin checkpoint N on the driver agent, route every row to its subtask
+(``repartitionById`` on pyspark >= 4.1, the routing values on 4.0; see :mod:`.routing`) and run
+``mapInArrow``. Each task asks its executor agent to restore the base of N for its subtask (the last
+completed checkpoint before N: every attempt of N, a retried task or a second action included, starts
+from the same state), runs the user function, takes the sync-phase snapshot and hands it to the
+executor agent, which uploads it and acks the driver agent's coordinator. ``commit(N)`` waits for the
+P acks and completes N. pyspark is imported lazily.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+
+from sparksteward.errors import StateEncodingError, StateError
+
+__all__ = ["KeyedState"]
+
+_SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
+_ROUTE_COL = "__steward_subtask"
+
+
+def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
+    """``(StructType, pyarrow.Schema)`` of a StructType or DDL string."""
+    from pyspark.sql.types import StructType
+
+    if isinstance(schema, str):
+        struct = spark.createDataFrame([], schema).schema
+    elif isinstance(schema, StructType):
+        struct = schema
+    else:
+        raise StateError(f"schema {schema!r} must be a pyspark StructType or a DDL string like 'k string, n long'")
+    try:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        return struct, to_arrow_schema(struct)
+    except Exception as exc:  # noqa: BLE001
+        raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
+
+
+def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
+                form: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import TaskContext
+
+        from sparksteward.state.backend import RocksDBStateBackend
+        from sparksteward.state.keygroups import key_group_range
+        from sparksteward.state.runner import run_arrow, run_pandas
+        from sparksteward.worker import executor_connection
+
+        ctx = TaskContext.get()
+        subtask = ctx.partitionId()
+        conn = executor_connection()
+        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask)
+        token = opened["token"]
+        uploaded = False
+        try:
+            p, m = opened["parallelism"], opened["max_parallelism"]
+            backend = RocksDBStateBackend(opened["workdir"], key_group_range(m, p, subtask), m, opened["key_type"],
+                                          create=False)
+            try:
+                runner = run_arrow if form == "arrow" else run_pandas
+                cleaned = (b.drop_columns([_ROUTE_COL]) if _ROUTE_COL in b.schema.names else b for b in batches)
+                yield from runner(cleaned, key, fn, backend, schema)
+                snap = backend.snapshot(opened["snapshot"])  # the sync phase
+            finally:
+                backend.close()
+            conn.request("state.upload", token=token, sync_ms=snap.sync_ms)  # the async phase starts
+            uploaded = True
+        finally:
+            if not uploaded:
+                try:
+                    conn.request("state.release", token=token)
+                except Exception:  # noqa: BLE001 - the task's own error matters more
+                    pass
+
+    return run
+
+
+class KeyedState:
+    """A keyed state of this application (see the module docstring). Use ``Steward.keyed_state``."""
+
+    def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
+                 key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1) -> None:
+        if not isinstance(key, str) or not key:
+            raise StateEncodingError(f"key={key!r} must name the key column")
+        self._st = steward
+        self.name = name
+        self.key = key
+        self.parallelism = parallelism
+        self.max_parallelism = max_parallelism
+        self.checkpoint_dir = checkpoint_dir
+        self.num_retained = num_retained
+        self.key_type = key_type
+        self._registered = False
+        self.last_checkpoint_id: int | None = None  # the id the latest apply began
+
+    # --- driver agent ------------------------------------------------------------------------
+    def _register(self, key_type: str) -> None:
+        if self.key_type is not None and self.key_type != key_type:
+            raise StateEncodingError(
+                f"key column {self.key!r} of this DataFrame is {key_type}, but keyed state {self.name!r} has "
+                f"{self.key_type} keys: cast the column to {self.key_type}")
+        self.key_type = key_type
+        if not self._registered:
+            self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
+                             parallelism=self.parallelism, max_parallelism=self.max_parallelism,
+                             key_type=key_type, num_retained=self.num_retained)
+            self._registered = True
+
+    def _key_type_of(self, df: Any) -> str:
+        fields = {f.name: f for f in df.schema.fields}
+        if self.key not in fields:
+            raise StateEncodingError(f"key column {self.key!r} of keyed state {self.name!r} does not exist; the "
+                                     f"DataFrame has columns {list(fields)}")
+        type_name = type(fields[self.key].dataType).__name__
+        if type_name not in _SPARK_KEY_TYPES:
+            raise StateEncodingError(
+                f"key column {self.key!r} of keyed state {self.name!r} has type "
+                f"{fields[self.key].dataType.simpleString()}, which cannot be a key: cast it to string, bigint, "
+                f"int or binary")
+        return _SPARK_KEY_TYPES[type_name]
+
+    def info(self) -> dict[str, Any]:
+        """Last completed, retained and pending checkpoints, and the latest completed ``_metadata``."""
+        if not self._registered:
+            raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
+        return self._st.request("state.info", name=self.name)
+
+    # --- the batch API -----------------------------------------------------------------------
+    def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
+        """``fn(keys, rows: pyarrow.Table, state) -> pyarrow.Table | None`` per input batch; lazy."""
+        return self._apply(df, fn, schema, checkpoint_id, "arrow")
+
+    def apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
+        """``fn(key, rows: pandas.DataFrame, state) -> pandas.DataFrame | None`` per key; lazy."""
+        return self._apply(df, fn, schema, checkpoint_id, "pandas")
+
+    def _apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str) -> Any:
+        from pyspark.sql import functions as F
+
+        from sparksteward.state.routing import route_sql, subtask_sql
+
+        if not callable(fn):
+            raise StateError(f"fn={fn!r} must be a function")
+        self._register(self._key_type_of(df))
+        struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
+        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id)
+        cid = begun["checkpoint_id"]
+        p = self.parallelism
+        routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
+        if hasattr(routed, "repartitionById"):
+            routed = routed.repartitionById(p, _ROUTE_COL)
+        else:
+            routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
+        self.last_checkpoint_id = cid
+        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form), struct)
+
+    def commit(self, checkpoint_id: int | None = None, wait: float | None = None) -> int:
+        """Wait for every subtask's ack of ``checkpoint_id`` (default: the newest pending one) and
+        complete it; older checkpoints are subsumed. Returns the id. On a failed upload, or when
+        ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
+        aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
+        reply = self._st.request("state.commit", name=self.name, checkpoint_id=checkpoint_id, wait=wait)
+        return reply["checkpoint_id"]
+
+    def abort(self, checkpoint_id: int) -> int:
+        """Drop pending checkpoint ``checkpoint_id`` and delete the files only it uploaded."""
+        return self._st.request("state.abort", name=self.name, checkpoint_id=checkpoint_id)["deleted"]
+
+    def read(self) -> Any:
+        """A DataFrame ``(key, value)`` of the latest completed checkpoint's default value state;
+        ``value`` is JSON text."""
+        info = self.info()
+        spark = self._st.spark
+        from pyspark.sql.types import StringType, StructField, StructType
+
+        key_sql = {"string": "string", "long": "bigint", "int": "int", "binary": "binary"}[self.key_type or "string"]
+        schema = StructType([StructField("key", spark.createDataFrame([], f"k {key_sql}").schema[0].dataType),
+                             StructField("value", StringType())])
+        meta = info["latest"]
+        if meta is None:
+            return spark.createDataFrame([], schema)
+        rows = _read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
+        return spark.createDataFrame(rows, schema)
+
+
+def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any]) -> list[tuple[Any, str]]:
+    """Every (key, JSON value) of the default value state of a completed checkpoint (on the driver)."""
+    from sparksteward.checkpoint.cache import LocalFileCache
+    from sparksteward.checkpoint.records import CheckpointMetadata
+    from sparksteward.checkpoint.rescale import restore_subtask_backend
+    from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.state.encoding import KIND_VALUE, decode_value, split_key
+    from sparksteward.state.keygroups import _INT, _LONG, KeyType
+    from sparksteward.state.runner import DEFAULT_STATE
+
+    storage = CheckpointStorage.open(checkpoint_dir, name, cluster_id)
+    meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
+    decode_key = {KeyType.STRING: lambda b: b.decode("utf-8"), KeyType.BINARY: bytes,
+                  KeyType.LONG: lambda b: _LONG.unpack(b)[0], KeyType.INT: lambda b: _INT.unpack(b)[0]}[meta.key_type]
+    tmp = tempfile.mkdtemp(prefix="steward-read-")
+    rows: list[tuple[Any, str]] = []
+    try:
+        cache = LocalFileCache(f"{tmp}/cache")
+        for handle in meta.subtasks:
+            backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
+            try:
+                for raw_key, raw_value in backend.iter_raw():
+                    _, kind, state_name, kb, _ = split_key(raw_key)
+                    if kind == KIND_VALUE and state_name == DEFAULT_STATE:
+                        rows.append((decode_key(kb), orjson.dumps(decode_value(raw_value)).decode()))
+            finally:
+                backend.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows

@@ -1,0 +1,122 @@
+"""The state.* ops of the driver and executor agents over real authenticated sockets, without Spark
+(issue 8): a task's open -> snapshot -> upload -> ack -> commit, commit waiting for late acks, a
+failed upload aborting the checkpoint, and requests with bad fields refused by name."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.errors import CheckpointError, InvalidRequestError, StewardError
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
+from sparksteward.wire import AgentServer, Connection, new_secret
+
+P, M = 2, 8
+
+
+@pytest.fixture(autouse=True)
+def guarded_rmtree(tmp_path, monkeypatch):
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        p = Path(path).resolve()
+        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
+            raise AssertionError(f"rmtree outside tmp_path: {p}")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # read()'s scratch dir
+
+
+@pytest.fixture
+def rig(tmp_path):
+    secret = new_secret()
+    driver = AgentServer("127.0.0.1", 0, secret, {})
+    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30)
+    states.register_handlers(driver)
+    executor = AgentServer("127.0.0.1", 0, secret, {})
+    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
+    subtasks.register_handlers(executor)
+    dconn = Connection.connect(driver.endpoint, secret)
+    econn = Connection.connect(executor.endpoint, secret)
+    dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
+                  key_type="string", num_retained=1)
+    yield dconn, econn, subtasks, tmp_path
+    dconn.close()
+    econn.close()
+    subtasks.close()
+    executor.close()
+    driver.close()
+
+
+def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> None:
+    opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
+    backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
+    try:
+        vs = backend.value("value")
+        for k, d in delta.items():
+            vs.update(k, (vs.get(k) or 0) + d)
+        snap = backend.snapshot(opened["snapshot"])
+    finally:
+        backend.close()
+    econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+
+
+def split(delta: dict[str, int]) -> list[dict[str, int]]:
+    parts: list[dict[str, int]] = [{} for _ in range(P)]
+    for k, v in delta.items():
+        parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
+    return parts
+
+
+def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
+    dconn, econn, subtasks, tmp = rig
+    keys = {f"k{i}": i for i in range(10)}
+    assert dconn.request("state.begin", name="s", checkpoint_id=None)["checkpoint_id"] == 0
+    for i, part in enumerate(split(keys)):
+        run_task(econn, 0, i, part)
+    assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0
+    # checkpoint 1, applied twice (a retried batch): both attempts start from checkpoint 0
+    for _ in range(2):
+        for i, part in enumerate(split(keys)):
+            run_task(econn, 1, i, part)
+    meta = dconn.request("state.commit", name="s", checkpoint_id=None, wait=30)["metadata"]
+    assert meta["checkpoint_id"] == 1 and meta["properties"]["base"] == 0
+    assert subtasks.open_subtasks() == 0
+    assert not any((subtasks.root / "work").iterdir())
+    # the values are those of exactly two applications
+    from sparksteward.state.keyed import _read_values
+
+    got = dict(_read_values(str(tmp / "chk"), "s", "c1", meta))
+    assert {k: int(v) for k, v in got.items()} == {k: 2 * v for k, v in keys.items()}
+
+
+def test_commit_times_out_and_aborts_when_a_subtask_never_acks(rig):
+    dconn, econn, subtasks, tmp = rig
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    run_task(econn, 0, 0, {"a": 1} if subtask_for_key_group(M, P, key_group("a", M)) == 0 else {"b": 1})
+    with pytest.raises(CheckpointError, match=r"subtasks \[1\] of 2 have not acked.*aborted"):
+        dconn.request("state.commit", name="s", checkpoint_id=0, wait=1)
+    assert dconn.request("state.info", name="s")["pending"] == []
+    assert not (tmp / "chk" / "c1" / "s" / "chk-0").exists()
+
+
+def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
+    dconn, econn, subtasks, tmp = rig
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    opened = econn.request("state.open", name="s", checkpoint_id=0, subtask=1)
+    assert Path(opened["workdir"]).is_dir()
+    assert econn.request("state.release", token=opened["token"])["released"] is True
+    assert not Path(opened["workdir"]).exists()
+    with pytest.raises(InvalidRequestError, match="state.begin: field 'checkpoint_id' = 'x'"):
+        dconn.request("state.begin", name="s", checkpoint_id="x")
+    with pytest.raises(InvalidRequestError, match="state.open: subtask 5 is out of range for parallelism 2"):
+        econn.request("state.open", name="s", checkpoint_id=0, subtask=5)
+    with pytest.raises(StewardError, match="keyed state 'nope' is not registered"):
+        dconn.request("state.info", name="nope")
