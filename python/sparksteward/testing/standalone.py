@@ -7,7 +7,8 @@ With ``isolated=True`` the Worker (and so its executors, their Python workers an
 executor agents) runs in its own mount namespace (``unshare --mount --propagation private``) where
 
 - ``/tmp`` is a fresh tmpfs, and so is every directory in ``hide`` (e.g. the spark-steward state dir),
-  so the executor sees none of the driver's files there;
+  so the executor sees none of the driver's files there; only the installed software (this checkout,
+  the Python environment, Spark) stays visible where it lives under /tmp, as on any real host;
 - ``/proc/sys/kernel/random/boot_id`` is a bind mount of a file holding another uuid, so the executor
   believes it runs under another kernel.
 
@@ -28,6 +29,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 import uuid
@@ -55,9 +57,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _namespace_script(hide: Sequence[str], boot_id: str, then: str) -> str:
-    """The shell run inside the new mount namespace: tmpfs over /tmp and ``hide``, fake boot id, then ``then``."""
-    lines = ["set -e", "mount -t tmpfs -o mode=1777 tmpfs /tmp"]
+def _software_paths() -> list[str]:
+    """Paths under /tmp that hold the software every host has installed (this checkout's code, the
+    Python environment, Spark): a CI checkout or a venv may live under /tmp, and the "other host" must
+    still run the same installed software. The driver's files there stay hidden."""
+    import sparksteward
+
+    candidates = [str(spark_home()), sys.prefix, os.path.dirname(os.path.realpath(sys.executable)),
+                  str(Path(sparksteward.__file__).resolve().parents[2]),
+                  *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    under_tmp = sorted({os.path.realpath(c) for c in candidates if os.path.realpath(c).startswith("/tmp/")})
+    return [c for c in under_tmp if not any(c.startswith(o + "/") for o in under_tmp if o != c)]
+
+
+def _namespace_script(hide: Sequence[str], boot_id: str, then: str, keep: Sequence[str] = ()) -> str:
+    """The shell run inside the new mount namespace: tmpfs over /tmp and ``hide``, fake boot id, then ``then``.
+
+    Each path in ``keep`` (under /tmp) is bind-mounted through a private staging tmpfs back to the same
+    path on the new /tmp, so installed software stays visible while everything else under /tmp goes."""
+    lines = ["set -e"]
+    if keep:
+        lines.append("mount -t tmpfs -o mode=0700 tmpfs /mnt")
+        lines += [f"mkdir -p /mnt/keep{i} && mount --bind {shlex.quote(k)} /mnt/keep{i}" for i, k in enumerate(keep)]
+    lines.append("mount -t tmpfs -o mode=1777 tmpfs /tmp")
+    lines += [f"mkdir -p {shlex.quote(k)} && mount --bind /mnt/keep{i} {shlex.quote(k)}" for i, k in enumerate(keep)]
     for d in hide:
         if not os.path.realpath(d).startswith("/tmp/") and os.path.isdir(d):
             lines.append(f"mount -t tmpfs -o mode=0755 tmpfs {shlex.quote(d)}")
@@ -127,7 +150,8 @@ class StandaloneCluster:
                     raise RuntimeError(f"cannot isolate the worker: {unavailable}")
                 work = "/tmp/work"
                 script = _namespace_script(list(hide), self.worker_boot_id,
-                                           f"mkdir -p {work} && exec " + shlex.join([*worker, "--work-dir", work]))
+                                           f"mkdir -p {work} && exec " + shlex.join([*worker, "--work-dir", work]),
+                                           keep=_software_paths())
                 cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
             else:
                 cmd = [*worker, "--work-dir", str(self.work_dir / "worker")]
