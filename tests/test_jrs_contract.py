@@ -17,7 +17,7 @@ import pytest
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultExistsError,
                                  JobResultNotFoundError)
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
-from sparksteward.jobs.result import Failure, JobResult, JobStatus, SparkJobOutcome, StepState
+from sparksteward.jobs.result import Failure, FinalCheckpoint, JobResult, JobStatus, SparkJobOutcome, StepState
 from sparksteward.jobs.store import InMemoryJobResultStore, JobResultStore, JobResultView, JobResultWriter
 from sparksteward.testing.clock import FakeClock
 from sparksteward.testing.s3 import local_s3
@@ -407,6 +407,23 @@ def test_record_round_trips_through_versioned_json():
     assert doc["result"]["failure"] == {"type": "builtins.ValueError", "message": "bad row", "where": "etl.py:3 in main"}
     assert JobResult.from_json(data, "x") == r
     assert hash(r.spark_jobs[0]) == hash(SparkJobOutcome(1, "failed", "boom"))
+
+
+def test_final_checkpoints_round_trip_and_older_records_read_as_none():
+    chk = FinalCheckpoint("clicks", 7, "s3://bkt/chk/default/clicks/chk-7")
+    r = result()
+    with_chk = JobResult.from_dict({**r.to_dict(), "checkpoints": [chk.to_dict()]})
+    assert with_chk.checkpoints == (chk,)
+    assert JobResult.from_json(with_chk.to_json(), "x") == with_chk
+    older = r.to_dict()
+    del older["checkpoints"]  # written before results kept final checkpoints
+    assert JobResult.from_dict(older).checkpoints == ()
+    for bad, match in (({"state": "", "checkpoint_id": 1, "path": "p"}, "state"),
+                       ({"state": "s", "checkpoint_id": -1, "path": "p"}, "checkpoint_id"),
+                       ({"state": "s", "checkpoint_id": True, "path": "p"}, "checkpoint_id"),
+                       ("nope", "final checkpoint")):
+        with pytest.raises(InvalidRecordError, match=match):
+            JobResult.from_dict({**r.to_dict(), "checkpoints": [bad]})
 
 
 @pytest.mark.parametrize("change, match", [

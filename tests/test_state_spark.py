@@ -150,3 +150,27 @@ def test_bad_key_column_is_named(spark, st, dirs):
     ks = st.keyed_state("badtype", key="v", parallelism=2, max_parallelism=8, checkpoint_dir=str(dirs / "chk"))
     with pytest.raises(StateEncodingError, match=r"key column 'v' .* has type double.*cast it"):
         ks.apply(df, count_sum, SCHEMA)
+
+
+def test_a_scoped_job_records_the_final_checkpoint_of_each_state(spark, st, dirs):
+    """FLIP-194 keeps a job's final checkpoint with its result: the JobResultStore entry of a nightly
+    batch job names each keyed state it committed and the last completed checkpoint, restorable by path."""
+    from sparksteward.checkpoint.storage import open_checkpoint
+
+    ks = st.keyed_state("nightly", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"))
+    batches = make_batches(7, count=2)
+    with st.job("nightly-2026-11-22") as job:
+        for b in batches:
+            ks.apply(spark.createDataFrame(b), count_sum, SCHEMA).count()  # checkpoint_id=None: the next id
+            ks.commit()
+        job.set_result({"batches": len(batches)})
+    entry = st.job_results.get("nightly-2026-11-22")
+    [final] = entry.result.checkpoints
+    assert (final.state, final.checkpoint_id) == ("nightly", 1)
+    assert final.path.endswith("/nightly/chk-1")
+    _, meta = open_checkpoint(final.path)
+    assert meta.checkpoint_id == 1
+    outside = st.keyed_state("outside", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(dirs / "chk"))
+    outside.apply(spark.createDataFrame(batches[0]), count_sum, SCHEMA).count()
+    outside.commit()  # outside any scope: nothing recorded, nothing raised
+    assert [c.state for c in st.job_results.get("nightly-2026-11-22").result.checkpoints] == ["nightly"]

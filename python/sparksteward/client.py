@@ -221,6 +221,12 @@ class Steward:
             self._app_job = self.health()["app_job_id"]
         return self._app_job
 
+    def current_scope(self) -> Any:
+        """The innermost ``st.job`` scope of this thread (a :class:`~sparksteward.jobscope.JobScope`),
+        or None outside any scope."""
+        objects = getattr(self._local, "scope_objects", None)
+        return objects[-1] if objects else None
+
     def broadcast(self, obj: Any) -> BroadcastHandle:
         """Store ``obj`` once (content-addressed) and return a small handle whose ``.value`` works in
         tasks and on the driver; numpy/arrow buffers are zero-copy in workers."""

@@ -71,6 +71,7 @@ class JobScope:
         self.tag = job_tag(job_id)
         self.entry: Any = None
         self._payload: Any = None
+        self._checkpoints: dict[str, dict[str, Any]] = {}  # state name -> its last completed checkpoint
         self._active = False
 
     def __enter__(self) -> JobScope:
@@ -83,6 +84,7 @@ class JobScope:
         self._sc().addJobTag(self.tag)
         scopes = getattr(self.steward._local, "scope", None) or []
         self.steward._local.scope = [*scopes, self.job_id]
+        self.steward._local.scope_objects = [*(getattr(self.steward._local, "scope_objects", None) or []), self]
         return self
 
     def _sc(self) -> Any:
@@ -108,6 +110,11 @@ class JobScope:
             raise InvalidIdError(f"job result payload must be JSON-serializable: {exc}") from exc
         self._payload = payload
 
+    def note_checkpoint(self, state: str, checkpoint_id: int, path: str) -> None:
+        """Record that keyed state ``state`` completed ``checkpoint_id`` (at ``path``) in this job; the
+        job's result keeps the last one per state (``KeyedState.commit`` calls this)."""
+        self._checkpoints[state] = {"state": state, "checkpoint_id": int(checkpoint_id), "path": str(path)}
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         if not self._active:
@@ -115,6 +122,8 @@ class JobScope:
         self._active = False
         scopes = getattr(self.steward._local, "scope", None) or []
         self.steward._local.scope = [j for j in scopes if j != self.job_id]
+        objects = getattr(self.steward._local, "scope_objects", None) or []
+        self.steward._local.scope_objects = [s for s in objects if s is not self]
         try:
             self._sc().removeJobTag(self.tag)
         except Exception:  # the context may already be stopped; the result still matters
@@ -129,7 +138,8 @@ class JobScope:
             failure = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
                        "message": str(exc)[:4000], "where": where}
         reply = self.steward.request("jobs.finish", job_id=self.job_id, status=status, failure=failure,
-                                     payload=self._payload, wait=self.wait)
+                                     payload=self._payload, wait=self.wait,
+                                     checkpoints=list(self._checkpoints.values()))
         from sparksteward.jobs.result import JobResultEntry
 
         self.entry = JobResultEntry.from_dict(reply["entry"])

@@ -27,8 +27,8 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
 from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
-from sparksteward.errors import JobAlreadyCompleted
-from sparksteward.jobs.result import JobStatus
+from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
+from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobscope import job_id_from_tag
@@ -184,7 +184,13 @@ class DriverAgent(Agent):
         failure = f.mapping("failure", default=None)
         wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
         wait = self.cfg.cleanup_shutdown_timeout if wait is None else wait
-        entry = self.jobs.finish(job_id, status, failure=failure, payload=req.get("payload"), wait=wait)
+        raw = req.get("checkpoints") or []
+        if not isinstance(raw, list) or len(raw) > MAX_CHECKPOINTS:
+            raise InvalidRequestError(f"{f.op}: checkpoints must be a list of at most {MAX_CHECKPOINTS} "
+                                      f"{{state, checkpoint_id, path}} objects")
+        checkpoints = tuple(FinalCheckpoint.from_dict(c) for c in raw)
+        entry = self.jobs.finish(job_id, status, failure=failure, payload=req.get("payload"), wait=wait,
+                                 checkpoints=checkpoints)
         return {"entry": entry.to_dict()}
 
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:

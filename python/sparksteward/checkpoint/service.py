@@ -29,7 +29,7 @@ from typing import Any
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.records import SubtaskHandle
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError
 from sparksteward.ids import validate_id
 from sparksteward.wire import AgentServer, Connection, Fields
@@ -201,7 +201,8 @@ class StateService:
                                               f"({deleted} uploaded files deleted). Apply the batch again "
                                               f"with the same checkpoint_id") from None
                     self._cond.wait(min(left, 1.0))
-        return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained()}
+        return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained(),
+                "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid))}
 
     def _op_abort(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)

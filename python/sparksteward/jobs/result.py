@@ -9,7 +9,12 @@ A stored file holds ``{"version": 1, "result": {...}}``::
                 "failure": null,
                 "payload": {"rows": 42},
                 "cleanup": [{"kind": "delete_path", "target": "s3://bkt/tmp/x", "state": "done",
-                             "attempts": 1, "last_error": null, "next_attempt_at": null}]}}
+                             "attempts": 1, "last_error": null, "next_attempt_at": null}],
+                "checkpoints": [{"state": "clicks", "checkpoint_id": 7,
+                                 "path": "s3://bkt/chk/default/clicks/chk-7"}]}}
+
+``checkpoints`` (absent in older records, read as empty) keeps each keyed state's final checkpoint of the
+job, as FLIP-194 keeps a job's final checkpoint with its result.
 
 :meth:`JobResult.from_json` rejects unknown versions and malformed input with
 :class:`~sparksteward.errors.CorruptRecordError` naming the file. Every record validates its fields in
@@ -29,7 +34,7 @@ import orjson
 from sparksteward.errors import CorruptRecordError, InvalidRecordError
 from sparksteward.ids import validate_id, validate_job_id
 
-__all__ = ["Failure", "JobResult", "JobResultEntry", "JobStatus", "MAX_PAYLOAD_BYTES", "MAX_SPARK_JOBS",
+__all__ = ["Failure", "FinalCheckpoint", "JobResult", "JobResultEntry", "JobStatus", "MAX_PAYLOAD_BYTES", "MAX_SPARK_JOBS",
            "STEP_STATES", "SparkJobOutcome", "StepState", "VERSION", "decode_result", "encode_result"]
 
 VERSION = 1
@@ -38,6 +43,8 @@ MAX_SPARK_JOBS = 1000
 """Spark jobs kept per result; later ones are counted by the service but not recorded."""
 MAX_PAYLOAD_BYTES = 1 << 20
 """Largest encoded user payload. Keep big results elsewhere and store their path."""
+MAX_CHECKPOINTS = 1000
+"""Keyed states whose final checkpoint a result records."""
 STEP_STATES = ("pending", "done", "failed")
 
 
@@ -107,6 +114,34 @@ class SparkJobOutcome:
         if isinstance(d, (list, tuple)) and len(d) == 3:  # the compact form, also accepted
             return cls(*d)
         return cls(d["id"], d["outcome"], d.get("reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class FinalCheckpoint:
+    """The last checkpoint a job completed for one keyed state (FLIP-194 keeps it with the result).
+
+    ``state`` is the keyed state's name, ``checkpoint_id`` the id of its last completed checkpoint in the
+    job, and ``path`` the URL of that checkpoint's directory (``.../chk-N``), which ``restore_from`` takes.
+    """
+
+    state: str
+    checkpoint_id: int
+    path: str
+
+    def __post_init__(self) -> None:
+        _check_str("final checkpoint", "state", self.state, empty=False)
+        _check_str("final checkpoint", "path", self.path, empty=False)
+        if isinstance(self.checkpoint_id, bool) or not isinstance(self.checkpoint_id, int) or self.checkpoint_id < 0:
+            raise _fail("final checkpoint", f"checkpoint_id must be an integer >= 0, not {self.checkpoint_id!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"state": self.state, "checkpoint_id": self.checkpoint_id, "path": self.path}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> FinalCheckpoint:
+        if not isinstance(d, dict):
+            raise _fail("final checkpoint", f"expected {{state, checkpoint_id, path}}, not {d!r}")
+        return cls(d.get("state"), d.get("checkpoint_id"), d.get("path"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +252,7 @@ class JobResult:
     payload: Any = None
     cleanup: tuple[StepState, ...] = ()
     run_id: str | None = None
+    checkpoints: tuple[FinalCheckpoint, ...] = ()
 
     def __post_init__(self) -> None:
         validate_job_id(self.job_id)
@@ -227,13 +263,16 @@ class JobResult:
         object.__setattr__(self, "status", JobStatus.parse(self.status))
         object.__setattr__(self, "start_time", _check_time(record, "start_time", self.start_time))
         object.__setattr__(self, "end_time", _check_time(record, "end_time", self.end_time))
-        for name, typ in (("spark_jobs", SparkJobOutcome), ("cleanup", StepState)):
+        for name, typ in (("spark_jobs", SparkJobOutcome), ("cleanup", StepState),
+                          ("checkpoints", FinalCheckpoint)):
             items = getattr(self, name)
             if not isinstance(items, (tuple, list)) or not all(isinstance(i, typ) for i in items):
                 raise _fail(record, f"{name} must be a sequence of {typ.__name__}, not {items!r}")
             object.__setattr__(self, name, tuple(items))
         if len(self.spark_jobs) > MAX_SPARK_JOBS:
             raise _fail(record, f"{len(self.spark_jobs)} spark jobs; at most {MAX_SPARK_JOBS} are kept")
+        if len(self.checkpoints) > MAX_CHECKPOINTS:
+            raise _fail(record, f"{len(self.checkpoints)} final checkpoints; at most {MAX_CHECKPOINTS} are kept")
         if self.failure is not None and not isinstance(self.failure, Failure):
             raise _fail(record, f"failure must be a Failure or None, not {self.failure!r}")
         try:
@@ -268,6 +307,7 @@ class JobResult:
             "payload": self.payload,
             "cleanup": [s.to_dict() for s in self.cleanup],
             "run_id": self.run_id,
+            "checkpoints": [c.to_dict() for c in self.checkpoints],
         }
 
     @classmethod
@@ -284,6 +324,7 @@ class JobResult:
             payload=d.get("payload"),
             cleanup=tuple(StepState.from_dict(s) for s in d.get("cleanup") or ()),
             run_id=d.get("run_id"),
+            checkpoints=tuple(FinalCheckpoint.from_dict(c) for c in d.get("checkpoints") or ()),
         )
 
     def to_json(self) -> bytes:

@@ -47,7 +47,8 @@ from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobRes
 from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupTask
 from sparksteward.jobs.pathguard import protect_path
-from sparksteward.jobs.result import MAX_SPARK_JOBS, Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome
+from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, JobResult, JobResultEntry,
+                                      JobStatus, SparkJobOutcome)
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.jobs.steps import CleanupStep, StepRegistry
@@ -311,12 +312,14 @@ class JobService:
                 job.dropped_spark_jobs += 1
 
     def finish(self, job_id: str, status: JobStatus | str, *, failure: Failure | dict[str, str] | None = None,
-               payload: Any = None, wait: float | None = None) -> JobResultEntry:
+               payload: Any = None, wait: float | None = None,
+               checkpoints: tuple[FinalCheckpoint, ...] = ()) -> JobResultEntry:
         """Write the job's result dirty, start its cleanup, and wait up to ``wait`` seconds for the commit.
 
         ``wait=None`` waits until the cleanup commits, gives up or the service closes; ``wait=0``
         does not wait. Returns the current entry: clean if the commit happened in time, else dirty
-        with the steps' progress. If the service is closed, the result is written dirty and its
+        with the steps' progress. ``checkpoints`` records each keyed state's last completed checkpoint
+        in the job. If the service is closed, the result is written dirty and its
         cleanup left to the next driver.
 
         A failing store is retried under the cleanup retry policy for at most the shutdown timeout;
@@ -333,7 +336,7 @@ class JobService:
                 job_id=job_id, cluster_id=self.cluster_id, application_id=application_id,
                 status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
                 spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps),
-                run_id=job.run_id)
+                run_id=job.run_id, checkpoints=tuple(checkpoints))
             entry, spooled = self._store_result(result, job.replaced)
         except BaseException:
             with self._cond:

@@ -178,6 +178,9 @@ class KeyedState:
         ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
         aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
         reply = self._st.request("state.commit", name=self.name, checkpoint_id=checkpoint_id, wait=wait)
+        scope = self._st.current_scope()
+        if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
+            scope.note_checkpoint(self.name, reply["checkpoint_id"], reply["path"])
         return reply["checkpoint_id"]
 
     def abort(self, checkpoint_id: int) -> int:
