@@ -163,7 +163,7 @@ object StewardExecutorPlugin {
     if (early.isEmpty) {
       val env = SparkEnv.get
       if (env != null && env.executorId != "driver") {
-        val prefix = s"spark.plugins.internalconf.${classOf[StewardPlugin].getName}."
+        val prefix = s"spark.plugins.internal.conf.${classOf[StewardPlugin].getName}."
         env.conf.getOption(prefix + "endpoint").foreach { endpoint =>
           val a = newAgent(env.conf, env.executorId, localHost(), Some(endpoint),
             env.conf.get(prefix + "secret", ""))
