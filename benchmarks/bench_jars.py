@@ -10,7 +10,9 @@ random padding):
 - ``steward``: the jar is uploaded ahead of time with :func:`sparksteward.blob.cli.put` (what
   ``steward blobs put <jar> --ha <url>`` runs; not timed, like building the jar) and its steward:// URL
   goes into ``spark.jars``, with ``spark.steward.blob.ha.storage-path`` set to the same store: every
-  executor's BlobCache fetches it from HA (moto S3), verified, and Spark reads the verified copy.
+  executor's BlobCache fetches it from HA (moto S3), verified, and Spark reads the verified copy. The
+  executor starts its agent before its plugin for this (Spark fetches start-time jars first), and the
+  shim must be on the executors' class path (``spark.executor.extraClassPath``, set for both ways).
 - ``add_jar`` (runtime, for reference): no jar at start; ``st.add_jar`` uploads it to HA (timed) and
   calls ``sc.addJar``; executors fetch it from HA when their first task of the query starts.
 
@@ -22,6 +24,9 @@ while it constructs its ``Executor``, i.e. after it registered and before it can
 fetch lies inside this interval for both ways; so do the first tasks and their class loading, which
 cost the same for both. For ``add_jar`` the interval starts at the ``st.add_jar`` call instead (both
 executors are up by then), so it includes the upload to HA.
+
+Both ways put the local jar on the driver's SQL class loader, untimed (``registerJavaFunction`` loads the
+class there; client-mode ``spark-submit --jars`` puts it on the driver's class path).
 
 **The driver's bytes**: for steward the driver's BlobServer counters (``bytes_served``, plus
 ``served_local`` files handed to same-host caches), which must be 0 with HA set. Spark's file server
