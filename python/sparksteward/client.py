@@ -342,11 +342,14 @@ class Steward:
             raise StateError(f"restore_from={restore_from!r} must be the path of a retained checkpoint "
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
-        self.request("state.check", name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism,
-                     restore_from=restore_from, claim_mode=mode)
-        return KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
-                          checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
-                          claim_mode=mode)
+        checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
+                               max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode)
+        ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
+                        checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
+                        claim_mode=mode)
+        if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
+            ks._register(checked["key_type"])
+        return ks
 
     @property
     def job_results(self) -> JobResults:

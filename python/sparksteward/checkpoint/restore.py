@@ -6,7 +6,9 @@
 - **CLAIM**: nothing is copied; the restored record points at the source's files by absolute URL and
   this state takes ownership of them (and of the source's ``_metadata``): once later checkpoints
   subsume them, its coordinator deletes them (only files the claimed checkpoint listed, never anything
-  else of the source). The source state must not be run again.
+  else of the source). The source state must not be run again, and its other checkpoints may share
+  claimed files (incremental checkpoints do), so they are not restorable afterwards either: claim
+  only a state you are done with, as in Flink.
 - **Savepoint**: a self-contained copy of a checkpoint at any URL (``<url>/_metadata`` and
   ``<url>/shared/...``), made by the same duplication, restorable elsewhere.
 

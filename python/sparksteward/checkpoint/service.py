@@ -122,6 +122,12 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
             if st is not None:
+                if source and st.restore is None:
+                    note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
+                            f"application")
+                    log.warning("%s", note)
+                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                            "restore": {"action": "ignored", "source": source, "note": note}}
                 c = st.coordinator
                 if (checkpoint_dir, parallelism, max_parallelism, key_type) != (
                         st.checkpoint_dir, c.parallelism, c.max_parallelism, c.key_type.value):
@@ -283,12 +289,15 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
         if st is not None:  # open in this application: register settles the rest
-            return {"registered": True, "last_completed": st.coordinator.last_completed}
+            return {"registered": True, "last_completed": st.coordinator.last_completed,
+                    "key_type": st.coordinator.key_type.value}
         storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
         own = storage.checkpoint_ids()
         if own:
-            check_max_parallelism(storage.read_metadata(own[-1]), max_parallelism)
-            return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if source else None}
+            latest = storage.read_metadata(own[-1])
+            check_max_parallelism(latest, max_parallelism)
+            return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if source else None,
+                    "key_type": latest.key_type.value}
         if source:
             src, meta = open_checkpoint(source)
             check_max_parallelism(meta, max_parallelism)

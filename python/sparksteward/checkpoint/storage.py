@@ -306,7 +306,7 @@ def _fix(meta: CheckpointMetadata) -> str:
     """What to do about a bad file of ``meta``: for a restored starting point, restore another one."""
     source = meta.properties.get("restored_from")
     if source:
-        return (f"it was restored from {source}: start the state again with restore_from= another retained "
+        return (f"It was restored from {source}: start the state again with restore_from= another retained "
                 f"checkpoint or a savepoint")
     return "Restore an older checkpoint"
 

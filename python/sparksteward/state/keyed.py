@@ -20,8 +20,9 @@ from the same state), runs the user function, takes the sync-phase snapshot and 
 executor agent, which uploads it and acks the driver agent's coordinator. ``commit(N)`` waits for the
 P acks and completes N. pyspark is imported lazily.
 
-``restore_from`` is restored by the driver agent when the state is registered (its first apply) and
-has no checkpoint of its own: NO_CLAIM duplicates the files into this state's directory (S3
+``restore_from`` is restored by the driver agent when the state is registered (by
+``Steward.keyed_state`` itself, which knows the key type from the checkpoint) and has no checkpoint
+of its own: NO_CLAIM duplicates the files into this state's directory (S3
 CopyObject, hard links; no bytes through the executors or the driver), CLAIM takes them over in
 place. If the state already has checkpoints, ``restore_from`` is ignored and a warning logged
 (``restore_info`` says so): the latest checkpoint of the state itself wins, as in Flink.
