@@ -3,6 +3,8 @@ CLAIM without copying, savepoints, and the errors for bad sources; on file:// an
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
@@ -21,6 +23,22 @@ from sparksteward.errors import (
 
 from tests.state_helpers import _s3_server, store_url  # noqa: F401 - fixtures
 from tests.test_checkpoint_coordinator import BATCHES, M, P, _counts, _expected, _run_batch
+
+
+@pytest.fixture(autouse=True)
+def deletes_stay_in_tmp_path(tmp_path, monkeypatch):
+    """Whatever the code under test deletes locally must be under tmp_path (claimed files included)."""
+    from sparksteward.storage import Location
+
+    real = Location.delete
+
+    def delete(self, path, recursive=False):
+        if self.is_local:
+            p = os.path.realpath(path)
+            assert p.startswith(os.path.realpath(tmp_path) + os.sep), f"delete outside tmp_path: {p}"
+        return real(self, path, recursive)
+
+    monkeypatch.setattr(Location, "delete", delete)
 
 
 @pytest.fixture
@@ -214,3 +232,16 @@ def test_restore_into_a_state_with_checkpoints_is_refused_and_a_new_source_repla
     restored = dst.read_metadata(-1)
     assert restored.properties["restored_from"].endswith("chk-0") and restored.properties["claim_mode"] == "no_claim"
     assert _counts(dst, restored, tmp_path, "r") == _expected(BATCHES[:1])
+
+
+def test_a_pinned_checkpoint_outlives_subsumption_until_unpinned(tmp_path, store_url, source):
+    src, meta = source
+    coord = CheckpointCoordinator(src, P, M)
+    assert coord.pin(1) == meta
+    for n in (2, 3):
+        _run_batch(coord, src, tmp_path / "p", n, BATCHES[n])
+        coord.complete(n)
+    assert 1 in coord.retained() and src.read_metadata(1) == meta
+    assert _counts(src, meta, tmp_path, "pinned") == _expected(BATCHES[:2])  # its files are all there
+    coord.unpin(1)
+    assert 1 not in coord.retained() and 1 not in src.checkpoint_ids()

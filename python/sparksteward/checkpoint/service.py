@@ -122,12 +122,6 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
             if st is not None:
-                if source and st.restore is None:
-                    note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
-                            f"application")
-                    log.warning("%s", note)
-                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                            "restore": {"action": "ignored", "source": source, "note": note}}
                 c = st.coordinator
                 if (checkpoint_dir, parallelism, max_parallelism, key_type) != (
                         st.checkpoint_dir, c.parallelism, c.max_parallelism, c.key_type.value):
@@ -135,6 +129,12 @@ class StateService:
                         f"keyed state {name!r} is already open in this application with checkpoint_dir="
                         f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                         f"key type {c.key_type.value}; open it with the same settings or use another name")
+                if source and (st.restore is None or st.restore.get("source") != source):
+                    note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
+                            f"application")
+                    log.warning("%s", note)
+                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                            "restore": {"action": "ignored", "source": source, "note": note}}
             else:
                 storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
                 restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
