@@ -46,7 +46,7 @@ from sparksteward.errors import (
 from sparksteward.state.keygroups import KeyType
 from sparksteward.storage import open_location
 
-__all__ = ["ClaimMode", "restore_from", "write_savepoint"]
+__all__ = ["ClaimMode", "check_sources", "restore_from", "write_savepoint"]
 
 log = logging.getLogger("sparksteward.checkpoint.restore")
 
