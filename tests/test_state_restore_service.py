@@ -82,3 +82,12 @@ def test_register_restores_keeps_replaces_and_ignores(tmp_path, driver, source):
     assert reply["restore"]["action"] == "restored" and reply["restore"]["checkpoint_id"] == 1
     with pytest.raises(CheckpointError, match="keyed state 'nothing' has no completed checkpoint"):
         conn.request("state.savepoint", name="nothing", url=str(tmp_path / "sp2"))
+
+
+def test_savepoint_of_a_state_not_open_in_this_application(tmp_path, driver, source):
+    conn = driver()
+    sp = str(tmp_path / "sp-a")
+    saved = conn.request("state.savepoint", name="a", url=sp, checkpoint_dir=None)
+    assert saved["checkpoint_id"] == 1 and saved["bytes_streamed"] == 0
+    reply = register(conn, "d", restore_from=sp)
+    assert reply["restore"]["action"] == "restored" and reply["restore"]["source_state"] == "a"
