@@ -71,3 +71,20 @@ def test_an_application_scoped_url_is_refused_with_the_fix(tmp_path, jar, capsys
     app_url = str(BlobUrl(app_scope("some secret"), None, url.key, url.name))
     code, said = _get(app_url, ha, tmp_path / "out.jar", capsys)
     assert code == 2 and app_url in said and "steward blobs put" in said, said
+
+
+def test_configure_hands_the_ha_path_to_the_file_system(tmp_path):
+    from pyspark.sql import SparkSession
+
+    import sparksteward
+
+    ha = str(tmp_path / "ha")
+    builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", ha)
+    options = sparksteward.configure(builder, jar=tmp_path / "shim.jar")._options
+    assert options["spark.hadoop.fs.steward.ha.storage-path"] == ha
+    # set by the user: kept; no HA store: nothing to hand over
+    builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", ha) \
+        .config("spark.hadoop.fs.steward.ha.storage-path", "s3://other")
+    assert sparksteward.configure(builder, jar="x.jar")._options["spark.hadoop.fs.steward.ha.storage-path"] == "s3://other"
+    builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", "none")
+    assert "spark.hadoop.fs.steward.ha.storage-path" not in sparksteward.configure(builder, jar="x.jar")._options
