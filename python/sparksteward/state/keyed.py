@@ -110,6 +110,7 @@ class KeyedState:
         self.key_type = key_type
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
+        self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
 
     # --- driver agent ------------------------------------------------------------------------
     def _register(self, key_type: str) -> None:
@@ -119,9 +120,10 @@ class KeyedState:
                 f"{self.key_type} keys: cast the column to {self.key_type}")
         self.key_type = key_type
         if not self._registered:
-            self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
-                             parallelism=self.parallelism, max_parallelism=self.max_parallelism,
-                             key_type=key_type, num_retained=self.num_retained)
+            reply = self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
+                                     parallelism=self.parallelism, max_parallelism=self.max_parallelism,
+                                     key_type=key_type, num_retained=self.num_retained)
+            self.rescaled_from = reply.get("rescaled_from")
             self._registered = True
 
     def _key_type_of(self, df: Any) -> str:
@@ -138,7 +140,10 @@ class KeyedState:
         return _SPARK_KEY_TYPES[type_name]
 
     def info(self) -> dict[str, Any]:
-        """Last completed, retained and pending checkpoints, and the latest completed ``_metadata``."""
+        """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
+        parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
+        its subtasks uploaded and reused, and each subtask's ``restores`` entry (the old subtasks and
+        files it read, the bytes it downloaded; rescaled ones ingested from several old subtasks)."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._st.request("state.info", name=self.name)
@@ -161,7 +166,8 @@ class KeyedState:
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
-        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id)
+        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id,
+                                 parallelism=self.parallelism)
         cid = begun["checkpoint_id"]
         p = self.parallelism
         routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
