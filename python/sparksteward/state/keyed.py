@@ -193,9 +193,15 @@ class KeyedState:
         """Drop pending checkpoint ``checkpoint_id`` and delete the files only it uploaded."""
         return self._st.request("state.abort", name=self.name, checkpoint_id=checkpoint_id)["deleted"]
 
-    def read(self) -> Any:
+    def read(self, distributed: bool = False) -> Any:
         """A DataFrame ``(key, value)`` of the latest completed checkpoint's default value state;
-        ``value`` is JSON text."""
+        ``value`` is JSON text.
+
+        By default the driver restores every subtask and the rows are in the DataFrame (fine for
+        small states). With ``distributed=True`` the DataFrame is lazy: one task per subtask of the
+        checkpoint restores and decodes it on an executor, so large states never pass through the
+        driver. Run its actions before that checkpoint is subsumed (``num_retained`` commits later).
+        """
         info = self.info()
         spark = self._st.spark
         from pyspark.sql.types import StringType, StructField, StructType
@@ -206,12 +212,39 @@ class KeyedState:
         meta = info["latest"]
         if meta is None:
             return spark.createDataFrame([], schema)
+        if distributed:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            n = len(meta["subtasks"])
+            fn = _read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta, to_arrow_schema(schema))
+            return spark.range(0, n, 1, n).mapInArrow(fn, schema)
         rows = _read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
         return spark.createDataFrame(rows, schema)
 
 
-def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any]) -> list[tuple[Any, str]]:
-    """Every (key, JSON value) of the default value state of a completed checkpoint (on the driver)."""
+def _read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+             arrow_schema: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The ``mapInArrow`` function of a distributed read: each input row is a subtask index."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for index in batch.column(0).to_pylist():
+                rows = _read_values(checkpoint_dir, name, cluster_id, meta_json, subtasks=[index])
+                for start in range(0, len(rows), 65536):
+                    chunk = rows[start:start + 65536]
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array([r[0] for r in chunk], arrow_schema.field(0).type),
+                         pa.array([r[1] for r in chunk], arrow_schema.field(1).type)], schema=arrow_schema)
+
+    return run
+
+
+def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+                 subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
+    """Every (key, JSON value) of the default value state of a completed checkpoint (of the given
+    ``subtasks``, default all), restored into a scratch dir of this process."""
     from sparksteward.checkpoint.cache import LocalFileCache
     from sparksteward.checkpoint.records import CheckpointMetadata
     from sparksteward.checkpoint.rescale import restore_subtask_backend
@@ -229,6 +262,8 @@ def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dic
     try:
         cache = LocalFileCache(f"{tmp}/cache")
         for handle in meta.subtasks:
+            if subtasks is not None and handle.subtask not in subtasks:
+                continue
             backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
             try:
                 for raw_key, raw_value in backend.iter_raw():
