@@ -132,6 +132,8 @@ def test_restart_with_another_parallelism_and_a_change_between_batches_rescale(t
         assert app.register(5)["rescaled_from"] == 2
         with pytest.raises(ParallelismError, match=r"now has parallelism 5 .* routes rows to 2 subtasks"):
             app.d.request("state.begin", name="s", checkpoint_id=3, parallelism=2)  # the old object
+        with pytest.raises(ParallelismError, match=r"routed to 2 subtasks, but the state now has parallelism 5"):
+            app.e.request("state.open", name="s", checkpoint_id=3, subtask=0, parallelism=2)  # its lazy output
         reply = app.batch(3, 5, {"k1": 7})
         assert_read_only_overlaps(reply["stats"], meta2, 5)
         expected["k1"] += 7

@@ -3,7 +3,8 @@
 
 A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
 
-    state.open      name, checkpoint_id, subtask -> token, workdir, snapshot dir, restore
+    state.open      name, checkpoint_id, subtask, parallelism (the task's routing: refused when the state
+                    was rescaled since) -> token, workdir, snapshot dir, restore
                     (the agent asks the driver agent for the base of checkpoint N, restores the
                     subtask into a fresh working dir from its LocalFileCache, rescaling it when the
                     base has another parallelism, and closes the DB; ``restore`` says which old
@@ -39,7 +40,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.checkpoint.uploader import SnapshotUploader
-from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError
+from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError, ParallelismError
 from sparksteward.owner import OwnerRecord, private_dir
 from sparksteward.state.backend import LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
@@ -100,8 +101,14 @@ class SubtaskService:
         name = f.text("name", max_len=200)
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
+        routed = f.integer("parallelism", default=None, lo=1)
         base = self._driver("state.base", name=name, checkpoint_id=cid)
         p, m = base["parallelism"], base["max_parallelism"]
+        if routed is not None and routed != p:
+            raise ParallelismError(
+                f"the rows of checkpoint {cid} of keyed state {name!r} were routed to {routed} subtasks, but the "
+                f"state now has parallelism {p} (it was opened again with another parallelism): apply the batch "
+                f"again with the KeyedState of the latest st.keyed_state(...) call")
         if subtask >= p:
             raise InvalidRequestError(f"{f.op}: subtask {subtask} is out of range for parallelism {p}")
         storage = CheckpointStorage.open(base["checkpoint_dir"], name, base["cluster_id"])

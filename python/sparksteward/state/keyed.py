@@ -53,7 +53,7 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
 
 
 def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
-                form: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+                form: str, parallelism: int | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
@@ -67,7 +67,8 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
         ctx = TaskContext.get()
         subtask = ctx.partitionId()
         conn = executor_connection()
-        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask)
+        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
+                              parallelism=parallelism)
         token = opened["token"]
         uploaded = False
         try:
@@ -176,7 +177,7 @@ class KeyedState:
         else:
             routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
         self.last_checkpoint_id = cid
-        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form), struct)
+        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct)
 
     def commit(self, checkpoint_id: int | None = None, wait: float | None = None) -> int:
         """Wait for every subtask's ack of ``checkpoint_id`` (default: the newest pending one) and
