@@ -15,6 +15,13 @@ completed checkpoint before N: every attempt of N, a retried task or a second ac
 from the same state), runs the user function, takes the sync-phase snapshot and hands it to the
 executor agent, which uploads it and acks the driver agent's coordinator. ``commit(N)`` waits for the
 P acks and completes N. pyspark is imported lazily.
+
+**Rescale.** ``st.keyed_state(name, ..., parallelism=P2)`` with the state's max parallelism, in a new
+application or between batches of this one, makes the next checkpoint's tasks rebuild their subtasks
+from the last checkpoint's (``rebuild_subtask``: each reads only the old subtasks overlapping its key
+groups; ``info()["checkpoints"]`` reports what each read). A KeyedState object made before that is
+refused from then on; another max parallelism is refused with
+:class:`~sparksteward.errors.ParallelismError`.
 """
 
 from __future__ import annotations
