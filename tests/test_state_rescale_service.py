@@ -156,6 +156,9 @@ def test_max_parallelism_change_is_refused_naming_both_values(tmp_path):
         with pytest.raises(ParallelismError, match=r"has max_parallelism=16 and cannot be opened with "
                                                     r"max_parallelism=32.*Keep max_parallelism=16"):
             app.register(2, max_parallelism=32)
+        with pytest.raises(ParallelismError, match=r"has max_parallelism=16 and cannot be opened with "
+                                                    r"max_parallelism=32"):
+            app.d.request("state.check", name="s", checkpoint_dir=None, max_parallelism=32)
     finally:
         app.close()
     app = App(tmp_path, "b")  # a restart with another max parallelism

@@ -189,10 +189,9 @@ def test_a_max_parallelism_change_is_refused(spark):
     ks = st.keyed_state("fixed", key="k", parallelism=2, max_parallelism=64, checkpoint_dir=str(root / "fixed"))
     ks.apply_arrow(df, add_counts, SCHEMA, checkpoint_id=0).write.format("noop").mode("overwrite").save()
     ks.commit(0, wait=60)
-    other = st.keyed_state("fixed", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=str(root / "fixed"))
     with pytest.raises(ParallelismError, match=r"keyed state 'fixed' has max_parallelism=64 and cannot be opened "
                                                 r"with max_parallelism=32.*Keep max_parallelism=64"):
-        other.apply_arrow(df, add_counts, SCHEMA, checkpoint_id=1)
+        st.keyed_state("fixed", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=str(root / "fixed"))
     # a parallelism-only change is accepted; the object with the old parallelism is then refused
     again = st.keyed_state("fixed", key="k", parallelism=4, max_parallelism=64, checkpoint_dir=str(root / "fixed"))
     again.apply_arrow(df, add_counts, SCHEMA, checkpoint_id=1).write.format("noop").mode("overwrite").save()
