@@ -5,7 +5,6 @@ function aborting the checkpoint and leaving nothing of it. Run under the Spark 
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
