@@ -312,11 +312,21 @@ class Steward:
 
     # --- keyed state (issue 8) ------------------------------------------------------------------
     def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
-                    checkpoint_dir: str | None = None, num_retained: int | None = None) -> Any:
+                    checkpoint_dir: str | None = None, num_retained: int | None = None,
+                    restore_from: str | None = None, claim_mode: str | None = None) -> Any:
         """A :class:`~sparksteward.state.keyed.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
-        ``spark.steward.checkpoint.dir``), keeping ``num_retained`` completed checkpoints."""
+        ``spark.steward.checkpoint.dir``), keeping ``num_retained`` completed checkpoints.
+
+        ``restore_from`` (a retained ``.../chk-<N>`` directory of another state, or a savepoint) is the
+        starting point of a state that has no checkpoint of its own, taken by ``claim_mode``
+        (``"no_claim"``: fast duplication, the default ``spark.steward.checkpoint.claim-mode``;
+        ``"claim"``: in place, the source becomes this state's). A state that has checkpoints ignores
+        it with a warning. A changed ``max_parallelism`` and a ``restore_from`` that cannot be restored
+        are refused here, before anything is written."""
+        from sparksteward.checkpoint.restore import ClaimMode
+        from sparksteward.errors import StateError
         from sparksteward.state.keyed import KeyedState
         from sparksteward.state.keygroups import validate_parallelism
 
@@ -325,9 +335,21 @@ class Steward:
             max_parallelism = int(conf.get("spark.steward.state.max-parallelism", "128")) if conf else 128
         if num_retained is None:
             num_retained = int(conf.get("spark.steward.checkpoint.num-retained", "1")) if conf else 1
+        if claim_mode is None:
+            claim_mode = conf.get("spark.steward.checkpoint.claim-mode", "no_claim") if conf else "no_claim"
+        mode = ClaimMode.parse(claim_mode).value
+        if restore_from is not None and (not isinstance(restore_from, str) or not restore_from):
+            raise StateError(f"restore_from={restore_from!r} must be the path of a retained checkpoint "
+                             f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
-        return KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
-                          checkpoint_dir=checkpoint_dir, num_retained=num_retained)
+        checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
+                               max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode)
+        ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
+                        checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
+                        claim_mode=mode)
+        if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
+            ks._register(checked["key_type"])
+        return ks
 
     @property
     def job_results(self) -> JobResults:

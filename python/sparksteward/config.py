@@ -242,9 +242,10 @@ OPTIONS = OPTIONS + (
            "kept until the next one begins, so a re-run batch can restore it.",
            check=lambda v: v >= 1, allowed="an integer >= 1"),
     Option("spark.steward.checkpoint.claim-mode", "str", "no_claim",
-           "How restore_from takes another state's checkpoint: no_claim duplicates its files (S3 "
-           "CopyObject, hard links: no bytes through the executors); claim references them without "
-           "copying, so they must be left alone.",
+           "Default claim_mode of keyed_state(restore_from=...): no_claim duplicates the checkpoint's "
+           "files into the new state (S3 CopyObject, hard links: no bytes through the executors); "
+           "claim takes them over in place without copying, and deletes them once later checkpoints "
+           "subsume them, so the source state must not be used again.",
            check=lambda v: v in ("no_claim", "claim"), allowed="no_claim or claim"),
     Option("spark.steward.checkpoint.commit-timeout", "duration", "10min",
            "How long commit(batch) waits for every subtask to acknowledge its upload before the "

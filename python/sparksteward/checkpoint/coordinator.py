@@ -26,18 +26,30 @@ checkpoint deletes its ``_metadata`` first and then the files whose count reache
 between leaves orphans, never a record pointing at deleted files. On start it rebuilds the counts
 from the retained ``_metadata`` files and sweeps every shared file none of them references (orphans
 of a crashed upload or subsumption), unless a record could not be read (then nothing is swept, so
-the files of a newer version's checkpoint are never touched). Absolute-URL files (a CLAIMed
-checkpoint of another state) are never deleted here. A late ack (of a replaced or aborted attempt,
-after its checkpoint completed or was aborted) is refused and its uploads are deleted once nothing
-is pending: an upload of a pending attempt, not acked yet, may hold the same content (files are
-named by content), so while one is pending the deletion waits for it to complete or abort.
+the files of a newer version's checkpoint are never touched).
+
+**Late acks.** A late ack (of a replaced or aborted attempt, after its checkpoint completed or was
+aborted) is refused and its uploads are deleted once nothing is pending: an upload of a pending
+attempt, not acked yet, may hold the same content (files are named by content), so while one is
+pending the deletion waits for it to complete or abort.
+
+**Claimed files.** Absolute-URL files come from a CLAIMed checkpoint of another state
+(``restored/_metadata`` with ``claim_mode: claim``); this state owns exactly the files that record
+lists. Every checkpoint that still references some of them records them in its ``claimed`` property,
+so ownership survives the subsumption of ``restored/`` and a restart. When the restored record is
+subsumed, the source's ``_metadata`` it claimed is deleted (a record never points at deleted files);
+when the last retained checkpoint referencing a claimed file is subsumed, the file is deleted. Any
+other absolute URL is never deleted here. A crash between the two leaves claimed files behind (they
+are outside this state's directory, so the start-up sweep does not see them).
 
 Thread-safe: one lock around every operation (the agent calls it from connection threads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -100,6 +112,8 @@ class CheckpointCoordinator:
         self._pending: dict[int, _Pending] = {}
         self._refs: Counter[str] = Counter()
         self._latest_begun: int | None = None
+        self._claimed: set[str] = set()   # absolute URLs this state owns (CLAIM)
+        self._pins: Counter[int] = Counter()  # checkpoints a savepoint is copying
         self._aborted: set[int] = set()       # aborted ids not begun again by the driver
         self._late: set[str] = set()          # uploads of refused late acks, deleted once nothing is pending
         self.swept: int = 0
@@ -121,6 +135,7 @@ class CheckpointCoordinator:
             self._check_compatible(meta)
             self._completed[cid] = meta
             self._refs.update(meta.physical_paths())
+            self._claimed.update(_claimed_by(meta))
         self._subsume()
         if unreadable:
             log.warning("not sweeping orphans of %s: checkpoints %s could not be read", self.storage.state, unreadable)
@@ -170,6 +185,25 @@ class CheckpointCoordinator:
     def references(self, path: str) -> int:
         with self._lock:
             return self._refs[path]
+
+    def claimed(self) -> set[str]:
+        """The absolute URLs this state took over with CLAIM and has not deleted yet."""
+        with self._lock:
+            return set(self._claimed)
+
+    def pin(self, checkpoint_id: int) -> CheckpointMetadata:
+        """Keep completed checkpoint ``checkpoint_id`` (and its files) until :meth:`unpin`; return it."""
+        with self._lock:
+            meta = self.completed(checkpoint_id)
+            self._pins[checkpoint_id] += 1
+            return meta
+
+    def unpin(self, checkpoint_id: int) -> None:
+        with self._lock:
+            self._pins[checkpoint_id] -= 1
+            if self._pins[checkpoint_id] <= 0:
+                del self._pins[checkpoint_id]
+            self._subsume()
 
     # --- the protocol ------------------------------------------------------------------------
     def begin(self, checkpoint_id: int, *, by_task: bool = False) -> BeginResult:
@@ -275,11 +309,15 @@ class CheckpointCoordinator:
                 self._delete_unreferenced(pending.uploaded)
                 self._delete_late()
                 return meta
+            subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
+            properties: dict[str, object] = {"base": pending.base_id}
+            claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
+            if claimed:
+                properties["claimed"] = claimed
             meta = CheckpointMetadata(
                 state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,
                 max_parallelism=self.max_parallelism, key_type=self.key_type,
-                subtasks=tuple(pending.acks[i] for i in range(self.parallelism)), created_at=self.clock.now(),
-                properties={"base": pending.base_id})
+                subtasks=subtasks, created_at=self.clock.now(), properties=properties)
             self.storage.write_metadata(meta)
             self._completed[checkpoint_id] = meta
             self._refs.update(meta.physical_paths())
@@ -324,6 +362,7 @@ class CheckpointCoordinator:
     # --- retention ---------------------------------------------------------------------------
     def _protected(self) -> set[int]:
         keep = set(sorted(self._completed)[-self.num_retained:])
+        keep.update(self._pins)
         keep.update(p.base_id for p in self._pending.values() if p.base_id is not None)
         last = self.last_completed
         if last is not None and (self._latest_begun is None or self._latest_begun <= last):
@@ -340,6 +379,8 @@ class CheckpointCoordinator:
                 continue
             meta = self._completed.pop(cid)
             self.storage.delete_checkpoint_dir(cid)  # the record first, then its files
+            if cid == RESTORED and meta.properties.get("claim_mode") == "claim":
+                self._delete_claimed_record(meta)
             self._refs.subtract(meta.physical_paths())
             gone = [p for p in meta.physical_paths() if self._refs[p] <= 0]
             for p in gone:
@@ -350,4 +391,34 @@ class CheckpointCoordinator:
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
         in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
         doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
-        return self.storage.delete_files(doomed) if doomed else 0
+        n = self.storage.delete_files(doomed) if doomed else 0
+        claimed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and p in self._claimed)
+        if claimed:
+            n += self.storage.delete_claimed(claimed)
+            self._claimed.difference_update(claimed)
+            log.info("deleted %d claimed files of %s no retained checkpoint references", len(claimed),
+                     self.storage.state)
+        return n
+
+    def _delete_claimed_record(self, meta: CheckpointMetadata) -> None:
+        """Delete the source ``_metadata`` a subsumed CLAIM restore took over (its files go as their
+        references drop), so the source never lists files this state deletes."""
+        url = meta.properties.get("claimed_metadata")
+        if not isinstance(url, str) or "://" not in url or not url.endswith("/_metadata"):
+            return
+        self.storage.delete_claimed([url])
+        log.info("deleted the claimed record %s of %s", url, self.storage.state)
+        parent = url.split("://", 1)[1].rsplit("/", 1)[0] if url.startswith("file://") else None
+        if parent:
+            with contextlib.suppress(OSError):
+                os.rmdir(parent)  # the empty chk-N directory, locally (object stores have none)
+
+
+def _claimed_by(meta: CheckpointMetadata) -> set[str]:
+    """The absolute URLs a record says this state owns: every file of a CLAIMed restored record, and
+    the ``claimed`` list of a later checkpoint (only URLs the record itself references)."""
+    absolute = {p for p in meta.physical_paths() if "://" in p}
+    if meta.properties.get("claim_mode") == "claim" and "restored_from" in meta.properties:
+        return absolute
+    listed = meta.properties.get("claimed")
+    return absolute & set(listed) if isinstance(listed, list) else set()

@@ -53,8 +53,9 @@ def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> Non
     """Refuse a restore that changes the max parallelism, naming both values and the fix."""
     if max_parallelism != meta.max_parallelism:
         raise ParallelismError(
-            f"state {meta.state!r} was checkpointed with max_parallelism={meta.max_parallelism} "
-            f"(checkpoint {meta.checkpoint_id}) and cannot be restored with max_parallelism={max_parallelism}: "
+            f"Changing max_parallelism is refused: state {meta.state!r} was checkpointed with "
+            f"max_parallelism={meta.max_parallelism} (checkpoint {meta.checkpoint_id}) and cannot be restored "
+            f"with max_parallelism={max_parallelism}: "
             f"the max parallelism fixes the key groups and cannot change. Keep "
             f"max_parallelism={meta.max_parallelism} (any parallelism up to it works), or start a new state")
 

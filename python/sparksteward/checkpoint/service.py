@@ -3,8 +3,16 @@
 
 Ops (every request names its state with ``name``)::
 
-    state.register  checkpoint_dir, parallelism, max_parallelism, key_type, num_retained
-                    -> the coordinator (created once per name; a second register must agree)
+    state.check     checkpoint_dir, max_parallelism, restore_from, claim_mode (before the first apply):
+                    refuses a changed max parallelism of the state's own checkpoints, and a
+                    restore_from that is not a usable checkpoint, without writing anything
+    state.register  checkpoint_dir, parallelism, max_parallelism, key_type, num_retained,
+                    restore_from, claim_mode
+                    -> the coordinator (created once per name; a second register must agree). When
+                    the state has no checkpoint of its own, restore_from is restored first (NO_CLAIM
+                    duplication or CLAIM, see checkpoint/restore.py); when it has, restore_from is
+                    ignored with a logged note: the state's latest checkpoint wins, as in Flink
+    state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one) -> id, rerun
     state.base      checkpoint_id -> the base every attempt restores (begins N if it is not pending:
                     a second action on a lazy output after commit re-runs N from the same base; an
@@ -14,7 +22,7 @@ Ops (every request names its state with ``name``)::
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes;
                     on a failure or when the wait runs out the checkpoint is aborted and an error raised
     state.abort     checkpoint_id -> files deleted
-    state.info      -> last completed, retained, pending, the latest completed metadata
+    state.info      -> last completed, retained, pending, the latest completed metadata, restore
 
 Thread-safe: requests run on connection threads; one condition guards the acks and failures.
 """
@@ -29,9 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.records import SubtaskHandle
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
-from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError
+from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name, open_checkpoint
+from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError, StewardError
 from sparksteward.ids import validate_id
 from sparksteward.wire import AgentServer, Connection, Fields
 
@@ -48,6 +59,7 @@ class _State:
     coordinator: CheckpointCoordinator
     checkpoint_dir: str
     failures: dict[int, list[str]] = field(default_factory=dict)
+    restore: dict[str, Any] | None = None  # what register did with restore_from
 
 
 class StateService:
@@ -64,7 +76,8 @@ class StateService:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
                        "state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
                        "state.commit": self._op_commit, "state.abort": self._op_abort,
-                       "state.info": self._op_info}.items():
+                       "state.info": self._op_info, "state.check": self._op_check,
+                       "state.savepoint": self._op_savepoint}.items():
             server.add_handler(op, fn)
 
     # --- helpers -----------------------------------------------------------------------------
@@ -105,6 +118,8 @@ class StateService:
         max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
         key_type = f.text("key_type", max_len=16)
         num_retained = f.integer("num_retained", default=1, lo=1, hi=10_000)
+        source = f.text("restore_from", default=None, max_len=4096) or None
+        claim_mode = self._claim_mode(f)
         with self._cond:
             st = self._states.get(name)
             if st is not None:
@@ -115,14 +130,61 @@ class StateService:
                         f"keyed state {name!r} is already open in this application with checkpoint_dir="
                         f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                         f"key type {c.key_type.value}; open it with the same settings or use another name")
+                if source and (st.restore is None or st.restore.get("source") != source):
+                    note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
+                            f"application")
+                    log.warning("%s", note)
+                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                            "restore": {"action": "ignored", "source": source, "note": note}}
             else:
                 storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+                restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
                 coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
                                               num_retained=num_retained)
-                st = self._states[name] = _State(coord, checkpoint_dir)
+                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore)
                 log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
                          max_parallelism, key_type, storage.url)
-        return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url}
+        return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                "restore": st.restore}
+
+    @staticmethod
+    def _claim_mode(f: Fields) -> ClaimMode:
+        value = f.text("claim_mode", default=None, max_len=32) or ClaimMode.NO_CLAIM.value
+        return ClaimMode.parse(value)
+
+    @staticmethod
+    def _restore(storage: CheckpointStorage, source: str, mode: ClaimMode, max_parallelism: int,
+                 key_type: str) -> dict[str, Any]:
+        """restore_from for a state being registered: ignored (with a note) when it has checkpoints of
+        its own; a no-op when its restored starting point already came from ``source`` in ``mode``."""
+        own = storage.checkpoint_ids()
+        if own:
+            note = (f"restore_from={source!r} is ignored: state {storage.state!r} already has checkpoint "
+                    f"{own[-1]} of its own, and a state continues from its latest checkpoint. Use a new state "
+                    f"name to start from {source!r}")
+            log.warning("%s", note)
+            return {"action": "ignored", "source": source, "note": note, "last_completed": own[-1]}
+        if storage.has_restored():
+            try:
+                props = storage.read_metadata(RESTORED).properties
+            except StewardError:
+                props = {}
+            if props.get("restored_from") == source and props.get("claim_mode") == mode.value:
+                log.info("state %s continues from its restored starting point %s", storage.state, source)
+                return {"action": "kept", "source": source, "claim_mode": mode.value}
+        dup = Duplicator()
+        started = time.monotonic()
+        meta = restore_from(source, storage, max_parallelism=max_parallelism, claim_mode=mode, key_type=key_type,
+                            duplicator=dup)
+        stats = dup.stats
+        out = {"action": "restored", "source": source, "claim_mode": mode.value,
+               "checkpoint_id": meta.checkpoint_id, "source_state": meta.properties.get("source_state"),
+               "files": len({f.path for f in meta.files()}), "bytes": meta.size,
+               "copied_server_side": stats.server_side, "linked": stats.linked,
+               "kernel_copied": stats.kernel_copied, "streamed": stats.streamed,
+               "bytes_streamed": stats.bytes_streamed, "seconds": round(time.monotonic() - started, 3)}
+        log.info("state %s restored from %s (%s): %s", storage.state, source, mode.value, out)
+        return out
 
     def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -214,6 +276,80 @@ class StateService:
             st.failures.pop(cid, None)
         return {"deleted": deleted}
 
+    def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        name = f.text("name", max_len=200)
+        try:
+            validate_id(name, "state name")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        checkpoint_dir = f.text("checkpoint_dir", default=None) or self.default_checkpoint_dir
+        max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
+        source = f.text("restore_from", default=None, max_len=4096) or None
+        mode = self._claim_mode(f)
+        with self._cond:
+            st = self._states.get(name)
+        if st is not None:  # open in this application: register settles the rest
+            return {"registered": True, "last_completed": st.coordinator.last_completed,
+                    "key_type": st.coordinator.key_type.value}
+        storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+        own = storage.checkpoint_ids()
+        if own:
+            latest = storage.read_metadata(own[-1])
+            check_max_parallelism(latest, max_parallelism)
+            return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if source else None,
+                    "key_type": latest.key_type.value}
+        if source:
+            src, meta = open_checkpoint(source)
+            check_max_parallelism(meta, max_parallelism)
+            check_sources(src, meta, source)
+            return {"registered": False, "last_completed": None, "restore_from": mode.value,
+                    "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value}
+        return {"registered": False, "last_completed": None, "restore_from": None}
+
+    def _op_savepoint(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        name = f.text("name", max_len=200)
+        url = f.text("url", max_len=4096)
+        with self._cond:
+            st = self._states.get(name)
+            if st is not None:
+                c = st.coordinator
+                latest = c.last_completed
+                latest = latest if latest is not None else (RESTORED if c.restored is not None else None)
+                if latest is None:
+                    raise CheckpointError(f"keyed state {name!r} has no completed checkpoint yet: commit one "
+                                          f"before taking a savepoint")
+                meta = c.pin(latest)  # kept (with its files) while the copy runs, even if commits subsume it
+                storage = c.storage
+        if st is None:  # not open in this application: the latest checkpoint on storage
+            try:
+                validate_id(name, "state name")
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            checkpoint_dir = f.text("checkpoint_dir", default=None) or self.default_checkpoint_dir
+            storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+            own = storage.checkpoint_ids()
+            latest = own[-1] if own else (RESTORED if storage.has_restored() else None)
+            if latest is None:
+                raise CheckpointError(f"keyed state {name!r} has no completed checkpoint in {storage.url}: "
+                                      f"commit one before taking a savepoint")
+            meta = storage.read_metadata(latest)
+        dup = Duplicator()
+        try:
+            path = write_savepoint(storage, meta, url, dup,
+                                   source=storage.location.display(storage.metadata_path(latest)))
+        finally:
+            if st is not None:
+                with self._cond:
+                    st.coordinator.unpin(latest)
+        log.info("savepoint of %s checkpoint %d written to %s (%d files copied on the server, %d linked, %d B "
+                 "streamed)", name, meta.checkpoint_id, path, dup.stats.server_side, dup.stats.linked,
+                 dup.stats.bytes_streamed)
+        return {"url": url, "metadata": path, "checkpoint_id": meta.checkpoint_id,
+                "files": len({f.path for f in meta.files()}), "bytes": meta.size,
+                "bytes_streamed": dup.stats.bytes_streamed}
+
     def _op_info(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         _, st = self._state(f)
@@ -224,7 +360,7 @@ class StateService:
             meta = c.completed(latest).to_json() if latest is not None else None
             return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
-                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id}
+                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore}
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

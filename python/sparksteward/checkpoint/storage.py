@@ -227,6 +227,18 @@ class CheckpointStorage:
                 n += 1
         return n
 
+    def delete_claimed(self, urls: list[str]) -> int:
+        """Delete absolute-URL files this state took over with CLAIM (the coordinator decides which:
+        only files a claimed checkpoint listed). Relative paths are refused here."""
+        n = 0
+        for url in urls:
+            if "://" not in url:
+                raise StorageError(f"delete_claimed takes absolute URLs, not {url!r}")
+            loc = open_location(url)
+            if loc.delete(loc.root):
+                n += 1
+        return n
+
     # --- restore -----------------------------------------------------------------------------
     def restore_subtask(self, meta: CheckpointMetadata, handle: SubtaskHandle, db_dir: str | os.PathLike[str],
                         cache: LocalFileCache) -> RestoreStats:
@@ -270,7 +282,7 @@ class CheckpointStorage:
             except FileNotFoundError as exc:
                 raise CheckpointNotFoundError(
                     f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc that did "
-                    f"not know it); restore an older checkpoint") from exc
+                    f"not know it); {_fix(meta)}") from exc
             except Exception as exc:  # noqa: BLE001
                 raise StorageError(f"cannot read {what}: {exc}") from exc
             if f.offset:
@@ -280,7 +292,7 @@ class CheckpointStorage:
         def mismatch(actual: str) -> Exception:
             return CheckpointCorruptError(
                 f"{what} is corrupt: expected checksum {f.checksum}, read {actual}; nothing was restored. "
-                f"Restore an older checkpoint")
+                f"{_fix(meta)}")
 
         try:
             return cache.fetch(f.checksum, open_source, f.length, mismatch)
@@ -288,6 +300,15 @@ class CheckpointStorage:
             raise
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{what} is missing: {exc}") from exc
+
+
+def _fix(meta: CheckpointMetadata) -> str:
+    """What to do about a bad file of ``meta``: for a restored starting point, restore another one."""
+    source = meta.properties.get("restored_from")
+    if source:
+        return (f"It was restored from {source}: start the state again with restore_from= another retained "
+                f"checkpoint or a savepoint")
+    return "Restore an older checkpoint"
 
 
 def open_checkpoint(url: str) -> tuple[CheckpointStorage, CheckpointMetadata]:

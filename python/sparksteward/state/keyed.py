@@ -7,6 +7,10 @@
     out.write...                                                          # the action
     ks.commit(7)                                                          # chk-7/_metadata
     ks.read()                                                             # DataFrame (key, value)
+    ks.savepoint("s3://bkt/savepoints/counts-1")                          # self-contained copy
+
+    st.keyed_state("counts2", key="user", parallelism=4,                  # start from another state's
+                   restore_from="s3://.../counts/chk-7", claim_mode="no_claim")  # checkpoint (or savepoint)
 
 ``apply_arrow``/``apply`` begin checkpoint N on the driver agent, route every row to its subtask
 (``repartitionById`` on pyspark >= 4.1, the routing values on 4.0; see :mod:`.routing`) and run
@@ -15,6 +19,13 @@ completed checkpoint before N: every attempt of N, a retried task or a second ac
 from the same state), runs the user function, takes the sync-phase snapshot and hands it to the
 executor agent, which uploads it and acks the driver agent's coordinator. ``commit(N)`` waits for the
 P acks and completes N. pyspark is imported lazily.
+
+``restore_from`` is restored by the driver agent when the state is registered (by
+``Steward.keyed_state`` itself, which knows the key type from the checkpoint) and has no checkpoint
+of its own: NO_CLAIM duplicates the files into this state's directory (S3
+CopyObject, hard links; no bytes through the executors or the driver), CLAIM takes them over in
+place. If the state already has checkpoints, ``restore_from`` is ignored and a warning logged
+(``restore_info`` says so): the latest checkpoint of the state itself wins, as in Flink.
 
 ``process(fn, schema, sink=...)`` returns the ``foreachBatch`` function that does all of it for
 micro-batch N: apply with ``checkpoint_id=N``, persist the output and run the state stage once on
@@ -105,7 +116,8 @@ class KeyedState:
     """A keyed state of this application (see the module docstring). Use ``Steward.keyed_state``."""
 
     def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
-                 key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1) -> None:
+                 key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1,
+                 restore_from: str | None = None, claim_mode: str = "no_claim") -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -116,6 +128,11 @@ class KeyedState:
         self.checkpoint_dir = checkpoint_dir
         self.num_retained = num_retained
         self.key_type = key_type
+        self.restore_from = restore_from
+        self.claim_mode = claim_mode
+        #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
+        #: duplication counts), once the first apply registered the state; None without restore_from
+        self.restore_info: dict[str, Any] | None = None
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
 
@@ -127,10 +144,14 @@ class KeyedState:
                 f"{self.key_type} keys: cast the column to {self.key_type}")
         self.key_type = key_type
         if not self._registered:
-            self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
-                             parallelism=self.parallelism, max_parallelism=self.max_parallelism,
-                             key_type=key_type, num_retained=self.num_retained)
+            reply = self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
+                                     parallelism=self.parallelism, max_parallelism=self.max_parallelism,
+                                     key_type=key_type, num_retained=self.num_retained,
+                                     restore_from=self.restore_from, claim_mode=self.claim_mode)
             self._registered = True
+            self.restore_info = reply.get("restore")
+            if self.restore_info and self.restore_info.get("action") == "ignored":
+                log.warning("%s", self.restore_info["note"])
 
     def _key_type_of(self, df: Any) -> str:
         fields = {f.name: f for f in df.schema.fields}
@@ -259,6 +280,18 @@ class KeyedState:
     def abort(self, checkpoint_id: int) -> int:
         """Drop pending checkpoint ``checkpoint_id`` and delete the files only it uploaded."""
         return self._st.request("state.abort", name=self.name, checkpoint_id=checkpoint_id)["deleted"]
+
+    def savepoint(self, url: str) -> str:
+        """Write a self-contained copy of the latest completed checkpoint to ``url`` (any fsspec URL)
+        and return ``url``; ``st.keyed_state(..., restore_from=url)`` restores it anywhere.
+
+        The driver agent duplicates the files (S3 CopyObject, hard links; no bytes through the
+        executors) to ``<url>/shared/`` and writes ``<url>/_metadata`` last: a savepoint exists whole
+        or not at all. A ``url`` that already holds a savepoint is refused."""
+        if not isinstance(url, str) or not url:
+            raise StateError(f"savepoint url={url!r} must be a path or an fsspec URL such as s3://bucket/savepoints/x")
+        self._st.request("state.savepoint", name=self.name, url=url, checkpoint_dir=self.checkpoint_dir)
+        return url
 
     def read(self) -> Any:
         """A DataFrame ``(key, value)`` of the latest completed checkpoint's default value state;

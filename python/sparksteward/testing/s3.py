@@ -3,6 +3,15 @@
 ``with local_s3() as s3:`` starts ``moto.server.ThreadedMotoServer`` on a free loopback port, creates
 a bucket, and exports ``AWS_ENDPOINT_URL`` and dummy credentials so that s3fs in this process and in
 every child process (agents started by Spark) talk to it. The environment is restored on exit.
+
+Every request the server answers is logged (:attr:`LocalS3.requests`, a list of :class:`S3Request`):
+its S3 operation, key and the body bytes in and out, so a test can count what crossed the wire, for
+example that a restore issued only ``CopyObject`` requests and no object bytes moved::
+
+    mark = s3.mark()
+    ...                                   # the work under test (any process)
+    reqs = s3.requests_since(mark)
+    assert sum(r.bytes_in + r.bytes_out for r in reqs if r.op in ("GetObject", "PutObject")) == 0
 """
 
 from __future__ import annotations
@@ -11,11 +20,13 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import unquote
 
-__all__ = ["LocalS3", "local_s3"]
+__all__ = ["LocalS3", "S3Request", "local_s3"]
 
 _ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -24,11 +35,120 @@ _ENV = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class S3Request:
+    """One request the server answered: ``op`` is the S3 operation (``GetObject``, ``PutObject``,
+    ``CopyObject``, ``HeadObject``, ``DeleteObject``, ``DeleteObjects``, ``ListObjects``, ...);
+    ``bytes_in``/``bytes_out`` are the request and response body sizes."""
+
+    op: str
+    method: str
+    bucket: str
+    key: str
+    copy_source: str
+    status: int
+    bytes_in: int
+    bytes_out: int
+
+
+def _op_of(method: str, key: str, query: str, copy_source: str) -> str:
+    params = {q.split("=", 1)[0] for q in query.split("&") if q}
+    if "uploadId" in params or "uploads" in params:
+        if method == "PUT":
+            return "UploadPartCopy" if copy_source else "UploadPart"
+        return {"POST": "MultipartUpload", "DELETE": "AbortMultipartUpload"}.get(method, "Multipart")
+    if not key:
+        if method == "POST" and "delete" in params:
+            return "DeleteObjects"
+        return {"GET": "ListObjects", "HEAD": "HeadBucket", "PUT": "CreateBucket",
+                "DELETE": "DeleteBucket"}.get(method, method)
+    if method == "PUT":
+        return "CopyObject" if copy_source else "PutObject"
+    return {"GET": "GetObject", "HEAD": "HeadObject", "DELETE": "DeleteObject"}.get(method, method)
+
+
+class _CountingInput:
+    def __init__(self, stream) -> None:  # noqa: ANN001
+        self._stream = stream
+        self.count = 0
+
+    def read(self, *args):  # noqa: ANN002, ANN201
+        data = self._stream.read(*args)
+        self.count += len(data)
+        return data
+
+    def readline(self, *args):  # noqa: ANN002, ANN201
+        data = self._stream.readline(*args)
+        self.count += len(data)
+        return data
+
+    def __iter__(self):  # noqa: ANN204
+        for line in self._stream:
+            self.count += len(line)
+            yield line
+
+
+class _RequestLog:
+    """WSGI middleware recording every S3 request (thread-safe)."""
+
+    def __init__(self, app, log: list[S3Request], lock: threading.Lock) -> None:  # noqa: ANN001
+        self._app = app
+        self._log = log
+        self._lock = lock
+
+    def __call__(self, environ, start_response):  # noqa: ANN001, ANN204
+        counting = _CountingInput(environ["wsgi.input"])
+        environ["wsgi.input"] = counting
+        status: list[int] = [0]
+
+        def start(status_line, headers, exc_info=None):  # noqa: ANN001, ANN202
+            status[0] = int(status_line.split(" ", 1)[0])
+            return start_response(status_line, headers, exc_info)
+
+        chunks = list(self._app(environ, start))
+        method = environ.get("REQUEST_METHOD", "")
+        path = unquote(environ.get("PATH_INFO", "")).lstrip("/")
+        bucket, _, key = path.partition("/")
+        copy_source = unquote(environ.get("HTTP_X_AMZ_COPY_SOURCE", ""))
+        op = _op_of(method, key, environ.get("QUERY_STRING", ""), copy_source)
+        with self._lock:
+            self._log.append(S3Request(op, method, bucket, key, copy_source, status[0], counting.count,
+                                       sum(len(c) for c in chunks)))
+        return chunks
+
+
+def _logging_server(port: int, log: list[S3Request], lock: threading.Lock):  # noqa: ANN202
+    from moto.server import ThreadedMotoServer
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    class Server(ThreadedMotoServer):
+        def _server_entry(self) -> None:
+            app = _RequestLog(DomainDispatcherApplication(create_backend_app), log, lock)
+            self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return Server(ip_address="127.0.0.1", port=port, verbose=False)
+
+
 @dataclass
 class LocalS3:
     endpoint: str
     bucket: str
     server: object = None
+    requests: list[S3Request] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def mark(self) -> int:
+        """A position in :attr:`requests`, for :meth:`requests_since`."""
+        with self._lock:
+            return len(self.requests)
+
+    def requests_since(self, mark: int) -> list[S3Request]:
+        """The requests answered since ``mark`` (to this bucket)."""
+        with self._lock:
+            return [r for r in self.requests[mark:] if r.bucket == self.bucket]
 
     def stop(self) -> None:
         """Make the endpoint unreachable (objects are kept: moto's state lives in this process)."""
@@ -36,10 +156,8 @@ class LocalS3:
 
     def restart(self) -> None:
         """Serve again on the same port, with the same objects."""
-        from moto.server import ThreadedMotoServer
-
         port = int(self.endpoint.rsplit(":", 1)[1])
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        self.server = _logging_server(port, self.requests, self._lock)
         self.server.start()
 
     def url(self, *parts: str) -> str:
@@ -65,18 +183,16 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
     moto keeps its buckets in this process across servers, so the default bucket name is unique.
     """
     bucket = bucket or f"steward-test-{uuid.uuid4().hex[:8]}"
-    from moto.server import ThreadedMotoServer
-
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
 
     port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
+    s3 = LocalS3(f"http://127.0.0.1:{port}", bucket)
+    s3.server = _logging_server(port, s3.requests, s3._lock)
+    s3.server.start()  # type: ignore[attr-defined]
+    endpoint = s3.endpoint
     saved = {k: os.environ.get(k) for k in (*_ENV, "AWS_ENDPOINT_URL")}
     os.environ.update(_ENV)
     os.environ["AWS_ENDPOINT_URL"] = endpoint
-    s3 = LocalS3(endpoint, bucket, server)
     try:
         s3.filesystem().mkdir(bucket)
         yield s3
