@@ -19,7 +19,7 @@ from sparksteward.config import StewardConfig
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.tables import table
 
-__all__ = ["add_subcommands"]
+__all__ = ["add_subcommands", "put"]
 
 
 def _store(args: argparse.Namespace) -> tuple[FileSystemBlobStore, StewardConfig]:
@@ -70,14 +70,17 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def _put(args: argparse.Namespace) -> int:
-    """Upload a file ahead of time as a permanent blob and print its cluster-scoped steward:// URL."""
-    src = Path(args.file)
+def put(file: str | os.PathLike[str], ha: str, cluster_id: str = "default", job: str | None = None) -> str:
+    """Upload ``file`` ahead of time as a permanent blob to the HA store ``ha``; return its steward:// URL.
+
+    What ``steward blobs put`` runs. Dedup is by content: a file already stored transfers nothing.
+    """
+    src = Path(file)
     name = validate_file_name(src.name)
     if not src.is_file():
-        raise InvalidIdError(f"{args.file!r} is not a file")
-    job = None if args.job is None else validate_job_id(args.job)
-    store, cfg = _store(args)
+        raise InvalidIdError(f"{str(file)!r} is not a file")
+    job = None if job is None else validate_job_id(job)
+    store, cfg = _store(argparse.Namespace(path=ha, cluster_id=cluster_id))
     with tempfile.TemporaryDirectory(prefix="steward-put-") as tmp:
         copy = Path(tmp) / name  # hash and upload the same bytes, even if the file changes meanwhile
         shutil.copyfile(src, copy)
@@ -89,7 +92,12 @@ def _put(args: argparse.Namespace) -> int:
             store.put(job, key, copy)
             print(f"uploaded {name} ({_size(os.path.getsize(copy))}) as {key} to "
                   f"{store.base.display(store.base.root)} (job {job_dir_name(job)})", file=sys.stderr)
-    print(BlobUrl(cluster_scope(cfg.cluster_id), job, key, name))
+    return str(BlobUrl(cluster_scope(cfg.cluster_id), job, key, name))
+
+
+def _put(args: argparse.Namespace) -> int:
+    """Upload a file ahead of time as a permanent blob and print its cluster-scoped steward:// URL."""
+    print(put(args.file, args.path, args.cluster_id, args.job))
     return 0
 
 

@@ -43,6 +43,9 @@ class StewardFileSystem extends FileSystem {
     raw.open(local(f)._1, bufferSize)
   }
   override def getFileStatus(f: Path): FileStatus = {
+    // SparkContext checks spark.jars/spark.files before it starts plugins: the driver plugin checks
+    // them itself once its agent is ready, and fails the start with the reason (StewardDriverPlugin)
+    if (StewardFileSystem.driverBeforeAgent()) return new FileStatus(0L, false, 1, 0L, 0L, makeQualified(f))
     val size = local(f)._2
     new FileStatus(size, false, 1, size, 0L, makeQualified(f))
   }
@@ -74,9 +77,23 @@ object StewardFileSystem {
 
   def unregister(role: String): Unit = System.getProperties.remove(key(role))
 
-  private[shim] def channel(): BiFunction[String, java.lang.Long, String] =
+  private def registered(): Option[BiFunction[String, java.lang.Long, String]] =
     Seq("executor", "driver").map(r => System.getProperties.get(key(r))).collectFirst {
       case f: BiFunction[_, _, _] => f.asInstanceOf[BiFunction[String, java.lang.Long, String]]
+    }
+
+  /** This is the driver, its plugin is configured, and its agent is not registered yet. */
+  private[shim] def driverBeforeAgent(): Boolean = registered().isEmpty && {
+    val env = org.apache.spark.SparkEnv.get
+    env != null && env.executorId == "driver" &&
+      env.conf.get("spark.plugins", "").split(",").map(_.trim).contains(classOf[StewardPlugin].getName)
+  }
+
+  private[shim] def channel(): BiFunction[String, java.lang.Long, String] =
+    registered().orElse {
+      // an executor fetching spark.jars/spark.files at start, before its plugin runs: start its agent now
+      StewardExecutorPlugin.startEarly()
+      registered()
     }.getOrElse(throw new IOException("no spark-steward agent runs in this JVM: enable the plugin " +
       s"(spark.plugins=${classOf[StewardPlugin].getName}) to read steward:// URLs"))
 }

@@ -8,7 +8,7 @@ import java.util.{Map => JMap}
 import scala.jdk.CollectionConverters._
 import scala.util.control.NonFatal
 
-import org.apache.spark.{ExceptionFailure, SparkConf, SparkContext, SparkException, SparkFiles, TaskContext,
+import org.apache.spark.{ExceptionFailure, SparkConf, SparkContext, SparkEnv, SparkException, SparkFiles, TaskContext,
   TaskFailedReason}
 import org.apache.spark.api.plugin.{DriverPlugin, ExecutorPlugin, PluginContext, SparkPlugin}
 
@@ -49,11 +49,13 @@ object StewardPlugin {
 class StewardDriverPlugin extends DriverPlugin {
   private var agent: AgentProcess = _
   private var conf: SparkConf = _
+  private var sc: SparkContext = _
 
   /** Picks the agent's port and secret, starts the agent in the background and returns what the
    *  executors need to reach it. */
   override def init(sc: SparkContext, ctx: PluginContext): JMap[String, String] = {
     conf = sc.getConf
+    this.sc = sc
     val secret = StewardPlugin.newSecret()
     val host = conf.getOption("spark.driver.host").getOrElse(InetAddress.getLocalHost.getHostAddress)
     val bindHost = conf.getOption("spark.driver.bindAddress").getOrElse(host)
@@ -76,12 +78,24 @@ class StewardDriverPlugin extends DriverPlugin {
   override def registerMetrics(appId: String, ctx: PluginContext): Unit = {
     val timeoutMs = conf.getTimeAsMs("spark.steward.agent.start-timeout", "120s")
     agent.awaitAnswer(timeoutMs) match {
-      case Ready(_, _) => ()
+      case Ready(_, _) => checkStartUrls()
       case Fatal(code, message) =>
         throw new SparkException(s"spark-steward driver agent refused to start: $message [$code]")
       case Failed(message) => throw new SparkException(s"spark-steward: $message")
     }
   }
+
+  /** SparkContext added the steward:// URLs of spark.jars/spark.files before this plugin started, unchecked
+   *  (StewardFileSystem.getFileStatus): open each now, through the agent, and fail the start if one is bad. */
+  private def checkStartUrls(): Unit =
+    for (key <- Seq("spark.jars", "spark.files"); url <- conf.get(key, "").split(",").map(_.trim)
+         if url.startsWith("steward:")) {
+      val path = new org.apache.hadoop.fs.Path(url)
+      try path.getFileSystem(sc.hadoopConfiguration).getFileStatus(path)
+      catch { case NonFatal(e) => throw new SparkException(s"spark-steward: $url in $key cannot be read: " +
+        s"${e.getMessage}. Upload it with `steward blobs put <file> --ha <the HA path of this application>` and " +
+        "pass the URL it prints", e) }
+    }
 
   override def shutdown(): Unit = if (agent != null) { StewardFileSystem.unregister("driver"); agent.stop() }
 }
@@ -93,16 +107,16 @@ class StewardExecutorPlugin extends ExecutorPlugin {
   private val current = new ThreadLocal[(Long, Int, Int, Int, Int)]
 
   override def init(ctx: PluginContext, extraConf: JMap[String, String]): Unit = {
-    val extra = extraConf.asScala
-    // ctx.hostname() fails on executors whose RpcEnv has no server address (standalone/local-cluster)
-    val host = try ctx.hostname() catch {
-      case NonFatal(_) => try InetAddress.getLocalHost.getHostName catch { case NonFatal(_) => "localhost" }
+    // an agent started earlier for a steward:// URL in spark.jars/spark.files is this executor's agent
+    agent = StewardExecutorPlugin.takeEarly().getOrElse {
+      val extra = extraConf.asScala
+      // ctx.hostname() fails on executors whose RpcEnv has no server address (standalone/local-cluster)
+      val host = try ctx.hostname() catch { case NonFatal(_) => StewardExecutorPlugin.localHost() }
+      val a = StewardExecutorPlugin.newAgent(ctx.conf(), ctx.executorID(), host, extra.get("endpoint"),
+        extra.getOrElse("secret", ""))
+      a.start()
+      a
     }
-    val hello = Messages.hello("executor", ctx.executorID(), host, "127.0.0.1", 0, extra.get("endpoint"),
-      Some(Paths.get(SparkFiles.getRootDirectory()).toAbsolutePath.normalize.toString), extra.getOrElse("secret", ""),
-      StewardPlugin.agentConf(ctx.conf()))
-    agent = StewardPlugin.agent(ctx.conf(), "executor", hello)
-    agent.start()
     StewardFileSystem.register("executor", agent)
   }
 
@@ -126,4 +140,46 @@ class StewardExecutorPlugin extends ExecutorPlugin {
   }))
 
   override def shutdown(): Unit = if (agent != null) { StewardFileSystem.unregister("executor"); agent.stop() }
+}
+
+object StewardExecutorPlugin {
+  private var early: Option[AgentProcess] = None
+
+  def localHost(): String = try InetAddress.getLocalHost.getHostName catch { case NonFatal(_) => "localhost" }
+
+  def newAgent(conf: SparkConf, executorId: String, host: String, endpoint: Option[String],
+               secret: String): AgentProcess = {
+    val hello = Messages.hello("executor", executorId, host, "127.0.0.1", 0, endpoint,
+      Some(Paths.get(SparkFiles.getRootDirectory()).toAbsolutePath.normalize.toString), secret,
+      StewardPlugin.agentConf(conf))
+    StewardPlugin.agent(conf, "executor", hello)
+  }
+
+  /** The executor's agent, started before its plugin: an executor fetches the jars and files named at
+   *  start (`spark.jars`, `--jars`, ...) before Spark initializes plugins, so a steward:// URL there
+   *  needs the agent sooner. The endpoint and secret come from the driver plugin's extra conf, which the
+   *  executor's SparkConf carries. None on the driver, or without the driver plugin's settings. */
+  def startEarly(): Option[AgentProcess] = synchronized {
+    if (early.isEmpty) {
+      val env = SparkEnv.get
+      if (env != null && env.executorId != "driver") {
+        val prefix = s"spark.plugins.internal.conf.${classOf[StewardPlugin].getName}."
+        env.conf.getOption(prefix + "endpoint").foreach { endpoint =>
+          val a = newAgent(env.conf, env.executorId, localHost(), Some(endpoint),
+            env.conf.get(prefix + "secret", ""))
+          a.start()
+          StewardFileSystem.register("executor", a)
+          early = Some(a)
+        }
+      }
+    }
+    early
+  }
+
+  /** The early agent, if any, handed over to the plugin (once). */
+  private[shim] def takeEarly(): Option[AgentProcess] = synchronized {
+    val a = early
+    early = None
+    a
+  }
 }
