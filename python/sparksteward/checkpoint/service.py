@@ -14,8 +14,6 @@ Ops (every request names its state with ``name``)::
                     on a failure or when the wait runs out the checkpoint is aborted and an error raised
     state.abort     checkpoint_id -> files deleted
     state.info      -> last completed, retained, pending, the latest completed metadata
-    state.stats     checkpoint_id -> per subtask: sync_ms (the task's sync phase), uploaded_files,
-                    uploaded_bytes (its async phase), from the acks (the newest attempt's)
 
 Thread-safe: requests run on connection threads; one condition guards the acks and failures.
 """
@@ -42,7 +40,6 @@ log = logging.getLogger("sparksteward.checkpoint.service")
 
 _MAX_WAIT = 7 * 86400.0
 _MAX_ID = (1 << 62)
-_STATS_KEPT = 256  # checkpoints whose ack stats are kept per state
 
 
 @dataclass
@@ -50,7 +47,6 @@ class _State:
     coordinator: CheckpointCoordinator
     checkpoint_dir: str
     failures: dict[int, list[str]] = field(default_factory=dict)
-    stats: dict[int, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 class StateService:
@@ -67,7 +63,7 @@ class StateService:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
                        "state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
                        "state.commit": self._op_commit, "state.abort": self._op_abort,
-                       "state.info": self._op_info, "state.stats": self._op_stats}.items():
+                       "state.info": self._op_info}.items():
             server.add_handler(op, fn)
 
     # --- helpers -----------------------------------------------------------------------------
@@ -156,14 +152,8 @@ class StateService:
         uploaded = req.get("uploaded") or []
         if not isinstance(uploaded, list) or not all(isinstance(p, str) for p in uploaded):
             raise InvalidRequestError(f"{f.op}: field 'uploaded' must be a list of paths")
-        sync_ms = f.number("sync_ms", default=0.0, lo=0)
-        uploaded_bytes = f.integer("uploaded_bytes", default=0, lo=0)
         with self._cond:
             st.coordinator.ack(cid, handle, tuple(uploaded))
-            st.stats.setdefault(cid, {})[str(handle.subtask)] = {
-                "sync_ms": sync_ms, "uploaded_files": len(uploaded), "uploaded_bytes": uploaded_bytes}
-            while len(st.stats) > _STATS_KEPT:
-                del st.stats[min(st.stats)]
             self._cond.notify_all()
         return {}
 
@@ -234,18 +224,6 @@ class StateService:
             return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
                     "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id}
-
-
-    def _op_stats(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=-1, hi=_MAX_ID)
-        with self._cond:
-            stats = st.stats.get(cid)
-            if stats is None:
-                raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} has no stats: no subtask of it "
-                                      f"acked in this application (stats of the last {_STATS_KEPT} are kept)")
-            return {"checkpoint_id": cid, "subtasks": {k: dict(v) for k, v in stats.items()}}
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

@@ -138,8 +138,7 @@ class SubtaskService:
         def done(cid: int, result: UploadResult) -> None:
             try:
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
-                             uploaded=list(result.uploaded), sync_ms=snap.sync_ms,
-                             uploaded_bytes=result.bytes_uploaded)
+                             uploaded=list(result.uploaded))
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
 

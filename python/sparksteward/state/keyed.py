@@ -143,13 +143,6 @@ class KeyedState:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._st.request("state.info", name=self.name)
 
-    def stats(self, checkpoint_id: int) -> dict[str, dict[str, float]]:
-        """Per subtask (``"0"``, ``"1"``, ...) of checkpoint ``checkpoint_id``: ``sync_ms`` (the task's sync
-        phase), ``uploaded_files`` and ``uploaded_bytes`` (its async phase), as acked to the driver agent."""
-        if not self._registered:
-            raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
-        return self._st.request("state.stats", name=self.name, checkpoint_id=checkpoint_id)["subtasks"]
-
     # --- the batch API -----------------------------------------------------------------------
     def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
         """``fn(keys, rows: pyarrow.Table, state) -> pyarrow.Table | None`` per input batch; lazy."""
