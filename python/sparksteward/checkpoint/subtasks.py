@@ -3,12 +3,15 @@
 
 A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
 
-    state.open      name, checkpoint_id, subtask -> token, workdir, snapshot dir
+    state.open      name, checkpoint_id, subtask -> token, workdir, snapshot dir, restore
                     (the agent asks the driver agent for the base of checkpoint N, restores the
-                    subtask into a fresh working dir from its LocalFileCache, and closes the DB)
+                    subtask into a fresh working dir from its LocalFileCache, rescaling it when the
+                    base has another parallelism, and closes the DB; ``restore`` says which old
+                    subtasks and files it read, and how many bytes it downloaded)
     ... opens the DB in workdir, runs the user function, takes the sync-phase snapshot ...
     state.upload    token -> the snapshot is queued on the SnapshotUploader; when it is uploaded the
-                    agent acks the driver agent's coordinator (or reports the failure); the working
+                    agent acks the driver agent's coordinator with the handle and its stats (files
+                    and bytes uploaded and reused, the restore) or reports the failure; the working
                     dir is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
@@ -59,6 +62,7 @@ class _Open:
     storage: CheckpointStorage
     known: dict[str, str]
     key_groups: Any
+    restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
 
 
 class SubtaskService:
@@ -105,18 +109,21 @@ class SubtaskService:
             orjson.dumps(base["base"]), f"the base of checkpoint {cid} of {name}")
         token = uuid.uuid4().hex
         workdir = self.root / "work" / token
-        backend, _ = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                  key_type=base["key_type"])
+        backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                      key_type=base["key_type"])
         backend.close()
+        restore = None
+        if stats is not None and meta is not None:
+            restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
-                       dict(base["known"]), key_group_range(m, p, subtask))
+                       dict(base["known"]), key_group_range(m, p, subtask), restore)
         with self._lock:
             if self._closed:
                 shutil.rmtree(workdir, ignore_errors=True)
                 raise CheckpointError("the executor agent is shutting down")
             self._open[token] = opened
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
-                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"]}
+                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore}
 
     def _take(self, f: Fields) -> _Open:
         token = f.text("token", max_len=64)
@@ -137,8 +144,11 @@ class SubtaskService:
 
         def done(cid: int, result: UploadResult) -> None:
             try:
+                stats = {"files_uploaded": len(result.uploaded), "bytes_uploaded": result.bytes_uploaded,
+                         "files_reused": result.files_reused, "files": len(result.handle.files),
+                         "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
-                             uploaded=list(result.uploaded))
+                             uploaded=list(result.uploaded), stats=stats)
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
 
