@@ -15,7 +15,8 @@ than local[2]), one after the other in this process:
 1. every engine processes the first ``BENCH_FILES`` files (one batch each): records/s, batch duration
    p50/p99 (``triggerExecution`` of the query's progress, minus the bench's own file scan), checkpoint
    files and bytes newly written per batch (ours: under ``<checkpoint_dir>/<cluster>/<state>/``, plus
-   the acked stats; Spark: under ``<checkpointLocation>/state``), our sync phase per subtask;
+   the acks' stats from ``ks.info()["checkpoints"]``; Spark: under ``<checkpointLocation>/state``), our
+   sync phase per subtask (``sync_ms`` of every ack);
 2. a new application restarts every query on one more file: the restore (first batch after restart);
 3. a new application rescales 8 -> 4 on one more file: ours restarts with ``parallelism=4`` (same
    ``max_parallelism``; each task rebuilds its subtask from the overlapping old ones inside its first
@@ -236,7 +237,7 @@ class Run:
             self.written = Written(root / "ours-chk" / "default" / engine)
         else:
             self.written = Written(self.chk / "state")
-        self.stats: dict[int, dict[str, dict[str, float]]] = {}
+        self.stats: dict[int, dict[str, Any]] = {}  # ours: per checkpoint, the acks' stats (state.info)
 
     def sink(self, df: Any, batch_id: int) -> None:
         if self.ks is None:
@@ -246,7 +247,6 @@ class Run:
             apply = self.ks.apply if self.engine == "ours-pandas" else self.ks.apply_arrow
             apply(df, fn, SCHEMA, checkpoint_id=batch_id).write.mode("append").parquet(str(self.out))
             self.ks.commit(batch_id)
-            self.stats[batch_id] = self.ks.stats(batch_id)
         self.written.look(batch_id)
 
     def run(self, indir: Path) -> dict[int, dict[str, float]]:
@@ -271,6 +271,8 @@ class Run:
         finally:
             q.stop()
         self.wall = time.perf_counter() - started
+        if self.ks is not None:
+            self.stats = {c["checkpoint_id"]: c for c in self.ks.info()["checkpoints"]}
         batches = {}
         for p in q.recentProgress:
             if p.numInputRows or p.batchId in self.written.per_batch:
@@ -330,11 +332,11 @@ def run(root: Path) -> int:
         steady[engine] = r.run(indir)
         written[engine] = dict(r.written.per_batch)
         if r.ks is not None:
-            for bid, stats in r.stats.items():
-                sync += [s["sync_ms"] for s in stats.values()]
-                sync_by_batch.setdefault(engine, {})[bid] = [s["sync_ms"] for s in stats.values()]
-            acked[engine] = [(sum(s["uploaded_files"] for s in st.values()) + 1,  # + chk-N/_metadata
-                              sum(s["uploaded_bytes"] for s in st.values())) for st in r.stats.values()]
+            for bid, c in sorted(r.stats.items()):
+                sync += c["sync_ms"]
+                sync_by_batch.setdefault(engine, {})[bid] = c["sync_ms"]
+            acked[engine] = [(c["files_uploaded"] + 1, c["bytes_uploaded"])  # + chk-N/_metadata
+                             for _, c in sorted(r.stats.items())]
         print(f"  {engine}: {len(steady[engine])} batches in {r.wall:.1f} s", flush=True)
     spark.stop()
 
@@ -352,6 +354,7 @@ def run(root: Path) -> int:
     add_input(files[FILES + 1], indir, base + FILES + 1)
     spark = start_session(root, "rescale")
     rescale: dict[str, tuple[float, float]] = {}  # offline part, first batch
+    rebuilt: dict[str, str] = {}
     for engine in ENGINES:
         offline = 0.0
         if not engine.startswith("ours"):
@@ -362,6 +365,12 @@ def run(root: Path) -> int:
         b = r.run(indir)
         first = [i for i, x in b.items() if x["rows"]]
         rescale[engine] = (offline, b[min(first)]["ms"] - b[min(first)]["scan_ms"])
+        if r.ks is not None:
+            for c in r.stats.values():
+                rs = c.get("restores") or []
+                rebuilt[engine] = (f"{len(rs)} new subtasks from old {[[x['base'], *x['ingested_from']] for x in rs]}, "
+                                   f"rebuild {max((x['seconds'] for x in rs), default=0) * 1000:.0f} ms max per "
+                                   f"subtask, {sum(x['bytes_downloaded'] for x in rs) / MB:.2f} MB downloaded")
     spark.stop()
 
     # 4. NO_CLAIM restore of our latest checkpoint: fast duplication vs download + re-upload
@@ -407,6 +416,8 @@ def run(root: Path) -> int:
     for peer in ("applyInPandasWithState", "transformWithStateInPandas"):
         print(f"  restore ours-arrow vs {peer}: {restore[peer] / restore['ours-arrow']:.1f}x faster; rescale: "
               f"{sum(rescale[peer]) / sum(rescale['ours-arrow']):.1f}x faster")
+    for e, what in rebuilt.items():
+        print(f"  {e} rescale 8 -> 4 (restart with parallelism 4): {what}")
     for e, per in sync_by_batch.items():
         print(f"  {e} sync phase max per batch (ms): {[round(max(v), 1) for _, v in sorted(per.items())]}")
     print(f"sync phase per subtask ({len(sync)} snapshots): p50 {statistics.median(sync):.1f} ms, "
