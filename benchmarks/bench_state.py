@@ -57,6 +57,7 @@ ROWS = int(os.environ.get("BENCH_ROWS", "20000"))
 FILES = int(os.environ.get("BENCH_FILES", "6"))
 MASTER = os.environ.get("BENCH_MASTER", "local-cluster[2,1,1024]")
 LOCAL_DIR = os.environ.get("BENCH_LOCAL_DIR")  # e.g. /dev/shm: our working dirs on tmpfs
+_LOCAL_DIRS: list[str] = []  # made under LOCAL_DIR, deleted at exit
 P, P_NEW, M = 8, 4, 128
 SCHEMA = "k string, n long, s long"
 ENGINES = ("ours-pandas", "ours-arrow", "applyInPandasWithState", "transformWithStateInPandas")
@@ -194,7 +195,9 @@ def start_session(root: Path, label: str) -> Any:
         "spark.steward.state-dir": str(root / "steward-state"),
     }
     if LOCAL_DIR:  # the executor agents' RocksDB working dirs, local snapshots and file cache
-        conf["spark.steward.state.local-dir"] = tempfile.mkdtemp(prefix="bench-state-local-", dir=LOCAL_DIR)
+        local = tempfile.mkdtemp(prefix="bench-state-local-", dir=LOCAL_DIR)
+        _LOCAL_DIRS.append(local)
+        conf["spark.steward.state.local-dir"] = local
     builder = SparkSession.builder.master(MASTER).appName(f"bench-state-{label}")
     for k, v in conf.items():
         builder = builder.config(k, v)
@@ -310,6 +313,8 @@ def main() -> int:
         return run(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        for d in _LOCAL_DIRS:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def run(root: Path) -> int:
