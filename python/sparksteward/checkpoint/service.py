@@ -427,6 +427,7 @@ def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict
             "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
             "files": total("files"), "bytes": total("bytes"),
             "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
+            "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order
             "restores": [a["restore"] for a in acks if a.get("restore")]}
 
 
