@@ -55,7 +55,7 @@ def rig(tmp_path):
     driver.close()
 
 
-def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> None:
+def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> float:
     opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
     backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
     try:
@@ -66,6 +66,7 @@ def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> None:
     finally:
         backend.close()
     econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+    return snap.sync_ms
 
 
 def split(delta: dict[str, int]) -> list[dict[str, int]]:
@@ -97,6 +98,16 @@ def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
     assert {k: int(v) for k, v in got.items()} == {k: 2 * v for k, v in keys.items()}
 
 
+def test_commit_and_info_report_every_subtasks_sync_phase(rig):
+    dconn, econn, subtasks, tmp = rig
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    sync = [run_task(econn, 0, i, part) for i, part in enumerate(split({f"k{i}": i for i in range(10)}))]
+    stats = dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["stats"]
+    assert stats["sync_ms"] == pytest.approx(sync)  # per subtask, in subtask order
+    assert stats["sync_ms_max"] == pytest.approx(max(sync))
+    assert dconn.request("state.info", name="s")["checkpoints"][0]["sync_ms"] == pytest.approx(sync)
+
+
 def test_commit_times_out_and_aborts_when_a_subtask_never_acks(rig):
     dconn, econn, subtasks, tmp = rig
     dconn.request("state.begin", name="s", checkpoint_id=0)
@@ -120,3 +131,36 @@ def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
         econn.request("state.open", name="s", checkpoint_id=0, subtask=5)
     with pytest.raises(StewardError, match="keyed state 'nope' is not registered"):
         dconn.request("state.info", name="nope")
+
+
+def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_it(rig, monkeypatch):
+    import threading
+
+    from sparksteward.checkpoint.storage import CheckpointStorage
+    from tests.conftest import wait_until
+
+    dconn, econn, subtasks, tmp = rig
+    shared = tmp / "chk" / "c1" / "s" / "shared"
+    gate = threading.Event()  # holds the async phase until the checkpoint is aborted: the acks come late
+    real_upload = CheckpointStorage.upload_snapshot
+
+    def held_upload(self, *args, **kwargs):
+        gate.wait(30)
+        return real_upload(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStorage, "upload_snapshot", held_upload)
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    for i, part in enumerate(split({f"k{i}": i for i in range(10)})):
+        run_task(econn, 0, i, part)
+    dconn.request("state.abort", name="s", checkpoint_id=0)  # the sink failed; both uploads are in flight
+    gate.set()
+    wait_until(lambda: subtasks.uploader.pending() == 0, timeout=30, what="the uploads")
+    assert shared.is_dir() and not any(shared.iterdir())  # uploaded after the abort, refused, deleted
+    with pytest.raises(StewardError, match=r"checkpoint 0 of state 's' was aborted: a task of the abandoned "
+                                           r"attempt cannot start it again; apply the batch again"):
+        econn.request("state.open", name="s", checkpoint_id=0, subtask=0)
+    assert dconn.request("state.info", name="s")["pending"] == []
+    dconn.request("state.begin", name="s", checkpoint_id=0)  # the driver applies the batch again
+    for i, part in enumerate(split({"a": 1, "b": 2})):
+        run_task(econn, 0, i, part)
+    assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0
