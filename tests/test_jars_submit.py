@@ -72,8 +72,9 @@ def _submit(tmp: Path, url: str, *extra_conf: str) -> subprocess.CompletedProces
            "--conf", "spark.hadoop.fs.steward.impl=sparksteward.shim.StewardFileSystem",
            *extra_conf,
            "--conf", f"spark.executor.extraClassPath={jar}", "--driver-class-path", jar,
-           "--conf", "spark.ui.enabled=false",
+           "--conf", "spark.ui.enabled=false", "--driver-java-options", f"-Djava.io.tmpdir={tmp / 'jvmtmp'}",
            "--jars", url, str(tmp / "app.py")]
+    (tmp / "jvmtmp").mkdir(exist_ok=True)
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
 
@@ -99,6 +100,41 @@ def test_spark_submit_jars_with_a_put_url_runs_the_udf_on_every_executor(tmp_pat
     assert all(s.get("transfers", 0) == 0 for s in result["caches"].values()), result
     served = result["served"]
     assert served.get("bytes_served", 0) == 0 and served.get("served_local", 0) == 0, served
+    assert not list((tmp_path / "jvmtmp").glob("spark-steward-fetch-*")), "the staged copy outlived spark-submit"
+
+
+_PLAIN = '''
+import sys
+from pyspark.sql import SparkSession
+from pyspark.sql.types import StringType
+import sparksteward
+
+ha, url, shim = sys.argv[1:]
+builder = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false")
+           .config("spark.steward.blob.ha.storage-path", ha).config("spark.jars", url)
+           .config("spark.driver.extraClassPath", shim).config("spark.executor.extraClassPath", shim))
+spark = sparksteward.configure(builder).getOrCreate()
+spark.udf.registerJavaFunction("u", "stewardtest.ExecUdf", StringType())
+seen = set()
+for _ in range(10):
+    seen |= {r.r.split(":")[0] for r in spark.range(0, 16, 1, 8).selectExpr("u(id) AS r").collect()}
+    if len(seen) >= 2:
+        break
+print("EXECUTORS", sorted(seen), flush=True)
+spark.stop()
+'''
+
+
+def test_a_plain_python_app_with_a_put_url_in_spark_jars_of_its_first_session(tmp_path, udf):
+    """PySpark launches the JVM through spark-submit with the first builder's conf, so spark.jars is
+    downloaded there too, before any agent: configure() hands the HA path to the file system."""
+    _, url = udf
+    (tmp_path / "plain.py").write_text(_PLAIN)
+    proc = subprocess.run([sys.executable, str(tmp_path / "plain.py"), str(tmp_path / "ha"), url, str(shim_jar())],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYSPARK_PYTHON": sys.executable})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert "EXECUTORS ['0', '1']" in proc.stdout, proc.stdout
 
 
 def test_spark_submit_without_the_ha_setting_fails_with_the_url_and_the_fix(tmp_path, udf):
