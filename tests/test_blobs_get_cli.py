@@ -85,6 +85,7 @@ def test_configure_hands_the_ha_path_to_the_file_system(tmp_path):
     # set by the user: kept; no HA store: nothing to hand over
     builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", ha) \
         .config("spark.hadoop.fs.steward.ha.storage-path", "s3://other")
-    assert sparksteward.configure(builder, jar="x.jar")._options["spark.hadoop.fs.steward.ha.storage-path"] == "s3://other"
+    options = sparksteward.configure(builder, jar="x.jar")._options
+    assert options["spark.hadoop.fs.steward.ha.storage-path"] == "s3://other"
     builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", "none")
     assert "spark.hadoop.fs.steward.ha.storage-path" not in sparksteward.configure(builder, jar="x.jar")._options
