@@ -65,9 +65,10 @@ def _expected(batches):
     return out
 
 
-def _assert_files_match_refs(coord, storage):
+def _assert_files_match_refs(coord, storage, unacked=frozenset()):
+    """Every shared file is referenced, except uploads not acked yet (``unacked``)."""
     referenced = set().union(*(storage.read_metadata(c).physical_paths() for c in coord.retained()))
-    assert storage.shared_files() == referenced
+    assert storage.shared_files() - set(unacked) == referenced - set(unacked)
 
 
 BATCHES = [KEYS[:12_000], KEYS[::7], KEYS[5000:5100], KEYS[::3]]
@@ -126,14 +127,14 @@ def test_abort_deletes_only_what_the_checkpoint_uploaded(tmp_path, store_url):
         coord.complete(1)
     only_1 = set(results[1].uploaded) - set(results[0].uploaded)  # CURRENT/OPTIONS can be equal in both
     assert coord.abort(1) == len(set(results[0].uploaded))
-    # subtask 1's uploads were never acked, so the coordinator did not know them: the next start sweeps them
+    # subtask 1's uploads were never acked, so the coordinator did not know them
     assert storage.shared_files() == before | only_1
     assert coord.abort(1) == 0  # idempotent
     with pytest.raises(CheckpointOrderError, match="checkpoint 1 .* is not pending"):
-        coord.ack(1, results[1])
-    restarted = CheckpointCoordinator(storage, P, M)
-    assert restarted.swept == len(only_1)
+        coord.ack(1, results[1])  # its ack comes late: refused, and its files are deleted
     assert storage.shared_files() == before
+    restarted = CheckpointCoordinator(storage, P, M)
+    assert restarted.swept == 0
     assert restarted.retained() == [0]
 
 
@@ -243,3 +244,100 @@ def test_a_new_parallelism_continues_the_same_state(tmp_path, store_url):
     meta = wider.complete(1)
     assert meta.parallelism == 5
     assert _counts(storage, meta, tmp_path, "p5") == _expected(BATCHES[:2])
+
+
+
+def test_late_acks_of_replaced_attempts_leave_no_files(tmp_path, store_url):
+    """A late ack (a speculative task, a second action, an aborted attempt's upload) after its
+    checkpoint completed or was aborted is refused, and its files are deleted; while another
+    checkpoint is pending the deletion waits for it (a pending attempt may hold equal content)."""
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    _, spec = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
+    _, spec2 = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec2", begin=False)
+    coord.complete(0)
+    with pytest.raises(CheckpointOrderError, match=r"checkpoint 0 of state 'clicks' is not pending .*the ack of "
+                                                   r"subtask 0 is refused and its uploaded files deleted"):
+        coord.ack(0, spec[0])
+    with pytest.raises(CheckpointOrderError):
+        coord.ack(0, spec[1])
+    spec2_files = {p for r in spec2 for p in r.uploaded}
+    _assert_files_match_refs(coord, storage, unacked=spec2_files)  # nothing pending: deleted at once
+
+    # an aborted attempt's uploads ack after the abort
+    _, aborted = _run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False, attempt="x")
+    coord.abort(1)
+    for r in aborted:
+        with pytest.raises(CheckpointOrderError, match="is not pending"):
+            coord.ack(1, r)
+    _assert_files_match_refs(coord, storage, unacked=spec2_files)
+
+    # late acks while checkpoint 1 runs again: their files wait until 1 is no longer pending
+    _run_batch(coord, storage, tmp_path, 1, BATCHES[1], attempt="y")
+    for r in spec2:
+        with pytest.raises(CheckpointOrderError):
+            coord.ack(0, r)
+    assert spec2_files <= storage.shared_files()  # deferred
+    meta1 = coord.complete(1)
+    _assert_files_match_refs(coord, storage)
+    assert _counts(storage, meta1, tmp_path, "late") == _expected(BATCHES[:2])
+
+
+def test_a_newer_checkpoint_drops_older_pending_ones_and_their_files(tmp_path, store_url):
+    """A second action after commit(N) re-runs N as a pending re-run that nobody commits; an
+    attempt left pending by a failed batch: both are aborted when a newer checkpoint begins."""
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    coord.complete(0)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="second-action")  # a re-run, never committed
+    assert coord.pending() == [0]
+    _run_batch(coord, storage, tmp_path, 1, BATCHES[1])
+    assert coord.pending() == [1]
+    coord.complete(1)
+    _assert_files_match_refs(coord, storage)
+    _run_batch(coord, storage, tmp_path, 2, BATCHES[2], ack=False)  # a batch whose tasks never acked
+    assert coord.pending() == [2]
+    _run_batch(coord, storage, tmp_path, 3, BATCHES[2])
+    assert coord.pending() == [3]
+    meta = coord.complete(3)
+    assert _counts(storage, meta, tmp_path, "3") == _expected(BATCHES[:3])
+    # attempt 2's uploads were never acked: only they may be left (a coordinator start sweeps them)
+    CheckpointCoordinator(storage, P, M)
+    _assert_files_match_refs(coord, storage)
+
+
+def test_a_task_cannot_restart_an_aborted_checkpoint_but_the_driver_can(tmp_path, store_url):
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    coord.begin(0)
+    coord.abort(0)
+    with pytest.raises(CheckpointOrderError, match=r"checkpoint 0 of state 'clicks' was aborted: a task of the "
+                                                   r"abandoned attempt cannot start it again; apply the batch "
+                                                   r"again with checkpoint_id=0"):
+        coord.begin(0, by_task=True)
+    assert coord.pending() == []
+    coord.begin(0)  # the driver applies the batch again
+    assert coord.begin(0, by_task=True).checkpoint_id == 0  # its tasks join it
+
+
+def test_a_rerun_of_the_last_batch_works_after_a_coordinator_restart(tmp_path, store_url):
+    """The driver died after complete(1), before Spark recorded batch 1: a new coordinator, built from
+    the checkpoint dir, still has 1's base, re-runs 1 from it and refuses anything older."""
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M, num_retained=1)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    meta0 = coord.complete(0)
+    _run_batch(coord, storage, tmp_path, 1, BATCHES[1])
+    meta1 = coord.complete(1)
+    restarted = CheckpointCoordinator(storage, P, M, num_retained=1)
+    assert restarted.retained() == [0, 1] and restarted.swept == 0
+    begun, _ = _run_batch(restarted, storage, tmp_path, 1, BATCHES[1], attempt="rerun")
+    assert begun.rerun and begun.base == meta0
+    assert restarted.complete(1) == meta1
+    _assert_files_match_refs(restarted, storage)
+    with pytest.raises(CheckpointOrderError, match="checkpoint 0 .* is older than its last completed checkpoint 1"):
+        restarted.begin(0)
+    _run_batch(restarted, storage, tmp_path, 2, BATCHES[2])
+    assert _counts(storage, restarted.complete(2), tmp_path, "2") == _expected(BATCHES[:3])

@@ -120,3 +120,36 @@ def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
         econn.request("state.open", name="s", checkpoint_id=0, subtask=5)
     with pytest.raises(StewardError, match="keyed state 'nope' is not registered"):
         dconn.request("state.info", name="nope")
+
+
+def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_it(rig, monkeypatch):
+    import threading
+
+    from sparksteward.checkpoint.storage import CheckpointStorage
+    from tests.conftest import wait_until
+
+    dconn, econn, subtasks, tmp = rig
+    shared = tmp / "chk" / "c1" / "s" / "shared"
+    gate = threading.Event()  # holds the async phase until the checkpoint is aborted: the acks come late
+    real_upload = CheckpointStorage.upload_snapshot
+
+    def held_upload(self, *args, **kwargs):
+        gate.wait(30)
+        return real_upload(self, *args, **kwargs)
+
+    monkeypatch.setattr(CheckpointStorage, "upload_snapshot", held_upload)
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    for i, part in enumerate(split({f"k{i}": i for i in range(10)})):
+        run_task(econn, 0, i, part)
+    dconn.request("state.abort", name="s", checkpoint_id=0)  # the sink failed; both uploads are in flight
+    gate.set()
+    wait_until(lambda: subtasks.uploader.pending() == 0, timeout=30, what="the uploads")
+    assert shared.is_dir() and not any(shared.iterdir())  # uploaded after the abort, refused, deleted
+    with pytest.raises(StewardError, match=r"checkpoint 0 of state 's' was aborted: a task of the abandoned "
+                                           r"attempt cannot start it again; apply the batch again"):
+        econn.request("state.open", name="s", checkpoint_id=0, subtask=0)
+    assert dconn.request("state.info", name="s")["pending"] == []
+    dconn.request("state.begin", name="s", checkpoint_id=0)  # the driver applies the batch again
+    for i, part in enumerate(split({"a": 1, "b": 2})):
+        run_task(econn, 0, i, part)
+    assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0

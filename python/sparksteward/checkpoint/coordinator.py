@@ -15,7 +15,11 @@ Life of checkpoint ``N`` (one micro-batch)::
 completed one is a re-run (the driver died after ``complete`` but before Spark recorded the batch):
 it restores the same base, and its ``complete`` keeps the first result. To make that possible the
 base of the last completed checkpoint is retained until a newer checkpoint begins ("keep N-1 until
-N+1 starts"), on top of the ``num_retained`` latest completed ones.
+N+1 starts"), on top of the ``num_retained`` latest completed ones; a coordinator rebuilt from the
+checkpoint dir (a restarted driver) keeps it too. A newer checkpoint beginning or completing aborts
+the older pending ones (a re-run left pending by a second action after ``complete``, an abandoned
+attempt). A task may re-begin a completed checkpoint (a second action) but not an aborted one: only
+the driver's ``begin`` restarts that, so a straggler of the abandoned attempt cannot.
 
 **Files.** The coordinator counts references to shared files from retained checkpoints. Subsuming a
 checkpoint deletes its ``_metadata`` first and then the files whose count reached zero, so a crash in
@@ -23,6 +27,11 @@ between leaves orphans, never a record pointing at deleted files. On start it re
 from the retained ``_metadata`` files and sweeps every shared file none of them references (orphans
 of a crashed upload or subsumption), unless a record could not be read (then nothing is swept, so
 the files of a newer version's checkpoint are never touched).
+
+**Late acks.** A late ack (of a replaced or aborted attempt, after its checkpoint completed or was
+aborted) is refused and its uploads are deleted once nothing is pending: an upload of a pending
+attempt, not acked yet, may hold the same content (files are named by content), so while one is
+pending the deletion waits for it to complete or abort.
 
 **Claimed files.** Absolute-URL files come from a CLAIMed checkpoint of another state
 (``restored/_metadata`` with ``claim_mode: claim``); this state owns exactly the files that record
@@ -105,6 +114,8 @@ class CheckpointCoordinator:
         self._latest_begun: int | None = None
         self._claimed: set[str] = set()   # absolute URLs this state owns (CLAIM)
         self._pins: Counter[int] = Counter()  # checkpoints a savepoint is copying
+        self._aborted: set[int] = set()       # aborted ids not begun again by the driver
+        self._late: set[str] = set()          # uploads of refused late acks, deleted once nothing is pending
         self.swept: int = 0
         self._recover()
 
@@ -195,8 +206,12 @@ class CheckpointCoordinator:
             self._subsume()
 
     # --- the protocol ------------------------------------------------------------------------
-    def begin(self, checkpoint_id: int) -> BeginResult:
-        """Start (or restart) checkpoint ``checkpoint_id``; return the base its attempts restore."""
+    def begin(self, checkpoint_id: int, *, by_task: bool = False) -> BeginResult:
+        """Start (or restart) checkpoint ``checkpoint_id``; return the base its attempts restore.
+
+        ``by_task``: a task asks (the checkpoint is not pending), not the driver; an aborted
+        checkpoint is then refused, since only the driver applies a batch again.
+        """
         if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 0:
             raise CheckpointOrderError(f"checkpoint id {checkpoint_id!r} must be an int >= 0")
         with self._lock:
@@ -206,6 +221,11 @@ class CheckpointCoordinator:
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is older than its last completed "
                     f"checkpoint {last}: a batch that old cannot be applied again (its base is gone). Restart "
                     f"the query from a Spark checkpoint that is not older than batch {last}")
+            if by_task and checkpoint_id in self._aborted and checkpoint_id not in self._pending:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} was aborted: a task of the "
+                    f"abandoned attempt cannot start it again; apply the batch again with "
+                    f"checkpoint_id={checkpoint_id}")
             rerun = checkpoint_id == last
             base_id = max((c for c in self._completed if c < checkpoint_id), default=None)
             if rerun:
@@ -216,6 +236,8 @@ class CheckpointCoordinator:
                         f"be re-run: its base checkpoint {recorded} was subsumed when checkpoint "
                         f"{self._latest_begun} began")
                 base_id = recorded
+            self._aborted.discard(checkpoint_id)
+            self._abort_older(checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
                 self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun)
@@ -250,10 +272,13 @@ class CheckpointCoordinator:
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
         with self._lock:
             pending = self._pending.get(checkpoint_id)
-            if pending is None:
+            if pending is None:  # a replaced or aborted attempt: nothing may keep its files
+                self._late.update(uploaded)
+                self._delete_late()
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending (never begun, "
-                    f"already completed or aborted): the ack of subtask {handle.subtask} is refused")
+                    f"already completed or aborted): the ack of subtask {handle.subtask} is refused and its "
+                    f"uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
@@ -282,6 +307,7 @@ class CheckpointCoordinator:
                 meta = self._completed[checkpoint_id]
                 del self._pending[checkpoint_id]
                 self._delete_unreferenced(pending.uploaded)
+                self._delete_late()
                 return meta
             subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
             properties: dict[str, object] = {"base": pending.base_id}
@@ -297,7 +323,10 @@ class CheckpointCoordinator:
             self._refs.update(meta.physical_paths())
             del self._pending[checkpoint_id]
             self._delete_unreferenced(pending.uploaded)  # uploads of replaced attempts
+            self._abort_older(checkpoint_id)
             self._subsume()
+            self._aborted = {c for c in self._aborted if c > checkpoint_id}
+            self._delete_late()
             return meta
 
     def abort(self, checkpoint_id: int) -> int:
@@ -306,10 +335,29 @@ class CheckpointCoordinator:
             pending = self._pending.pop(checkpoint_id, None)
             if pending is None:
                 return 0
+            self._aborted.add(checkpoint_id)
             deleted = self._delete_unreferenced(pending.uploaded)
             self._subsume()
+            self._delete_late()
             log.info("aborted checkpoint %d of %s; deleted %d files", checkpoint_id, self.storage.state, deleted)
             return deleted
+
+    def _abort_older(self, checkpoint_id: int) -> None:
+        """Abort the pending checkpoints older than ``checkpoint_id``: no batch goes back to them."""
+        for cid in [c for c in self._pending if c < checkpoint_id]:
+            pending = self._pending.pop(cid)
+            self._aborted.add(cid)
+            self._delete_unreferenced(pending.uploaded)
+            log.info("checkpoint %d of %s aborted: checkpoint %d began or completed", cid, self.storage.state,
+                     checkpoint_id)
+
+    def _delete_late(self) -> None:
+        """Delete the uploads of refused late acks once no checkpoint is pending."""
+        if self._late and not self._pending:
+            late, self._late = self._late, set()
+            n = self._delete_unreferenced(late)
+            if n:
+                log.info("deleted %d files of late acks of %s", n, self.storage.state)
 
     # --- retention ---------------------------------------------------------------------------
     def _protected(self) -> set[int]:

@@ -15,7 +15,8 @@ Ops (every request names its state with ``name``)::
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one) -> id, rerun
     state.base      checkpoint_id -> the base every attempt restores (begins N if it is not pending:
-                    a second action on a lazy output after commit re-runs N from the same base)
+                    a second action on a lazy output after commit re-runs N from the same base; an
+                    aborted N is refused, only state.begin restarts it)
     state.ack       checkpoint_id, handle, uploaded   (from executor agents, after the async phase)
     state.fail      checkpoint_id, subtask, message   (an upload failed: commit aborts)
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes;
@@ -201,8 +202,8 @@ class StateService:
         with self._cond:  # one begin per checkpoint, even when every task asks at once
             if cid in st.coordinator.pending():
                 begun = st.coordinator.base(cid)
-            else:
-                begun = st.coordinator.begin(cid)
+            else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
+                begun = st.coordinator.begin(cid, by_task=True)
                 st.failures.pop(cid, None)
         return self._reply_base(st, cid, begun)
 

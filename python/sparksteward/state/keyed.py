@@ -26,6 +26,11 @@ of its own: NO_CLAIM duplicates the files into this state's directory (S3
 CopyObject, hard links; no bytes through the executors or the driver), CLAIM takes them over in
 place. If the state already has checkpoints, ``restore_from`` is ignored and a warning logged
 (``restore_info`` says so): the latest checkpoint of the state itself wins, as in Flink.
+
+``process(fn, schema, sink=...)`` returns the ``foreachBatch`` function that does all of it for
+micro-batch N: apply with ``checkpoint_id=N``, persist the output and run the state stage once on
+every subtask, ``sink(out, N)``, ``commit(N)``; if anything fails it aborts N (the files only N
+uploaded are deleted) and re-raises, so the query fails and Spark re-delivers N when it restarts.
 """
 
 from __future__ import annotations
@@ -195,6 +200,71 @@ class KeyedState:
             routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
         self.last_checkpoint_id = cid
         return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form), struct)
+
+    def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
+                persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
+        """The ``writeStream.foreachBatch`` function that applies ``fn``, writes and commits each batch.
+
+        Parameters
+        ----------
+        fn : callable
+            The user function: ``fn(key, rows, state)`` (``form="pandas"``, as in :meth:`apply`) or
+            ``fn(keys, rows, state)`` (``form="arrow"``, as in :meth:`apply_arrow`).
+        schema : StructType or str
+            The output schema of ``fn``.
+        sink : callable
+            ``sink(out, batch_id)`` writes the batch's output DataFrame ``out``.
+        persist : bool
+            Persist ``out`` (memory and disk) and materialise it on every subtask before the sink
+            runs, so that the sink's actions read it instead of running the state stage again
+            (another run would give the same state, from the same base, but costs a stage).
+        wait : float, optional
+            How long ``commit`` waits for the acks (default ``spark.steward.checkpoint.commit-timeout``).
+
+        Returns
+        -------
+        callable
+            ``run(batch_df, batch_id)``: apply with ``checkpoint_id=batch_id``, ``sink(out,
+            batch_id)``, ``commit(batch_id)``. If the state stage, the sink or the commit raises,
+            checkpoint ``batch_id`` is aborted (its own uploads deleted) and the error re-raised: the
+            query fails, and its restart re-delivers the batch, which starts again from the same base.
+            A batch whose checkpoint completed already (the driver died after the commit, before
+            Spark recorded the batch) runs again from the same base and keeps the first result.
+        """
+        if not callable(fn):
+            raise StateError(f"fn={fn!r} must be a function")
+        if not callable(sink):
+            raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
+        if form not in ("pandas", "arrow"):
+            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' "
+                             f"(fn(keys, rows, state))")
+
+        def run(batch_df: Any, batch_id: int) -> None:
+            cid = int(batch_id)
+            out = self._apply(batch_df, fn, schema, cid, form)  # begins cid, or refuses an old one
+            cached = False
+            try:
+                if persist:
+                    from pyspark import StorageLevel
+
+                    out = out.persist(StorageLevel.MEMORY_AND_DISK)
+                    cached = True
+                    out.count()  # the state stage, once, on every subtask
+                sink(out, batch_id)
+                self.commit(cid, wait=wait)
+            except BaseException:
+                try:
+                    deleted = self.abort(cid)
+                    log.warning("batch %s of keyed state %s failed: checkpoint %s aborted (%d files deleted)",
+                                batch_id, self.name, cid, deleted)
+                except Exception as exc:  # noqa: BLE001 - the batch's own error matters more
+                    log.warning("aborting checkpoint %s of keyed state %s failed: %s", cid, self.name, exc)
+                raise
+            finally:
+                if cached:
+                    out.unpersist()
+
+        return run
 
     def commit(self, checkpoint_id: int | None = None, wait: float | None = None) -> int:
         """Wait for every subtask's ack of ``checkpoint_id`` (default: the newest pending one) and
