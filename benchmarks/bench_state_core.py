@@ -10,7 +10,8 @@ NO_CLAIM fast duplication, on 1M keys (``BENCH_KEYS``), without Spark.
 
 moto serves S3 from this process on loopback, so S3 numbers measure the client path, not a real
 store. Single runs on a loaded 2-core machine: quote ratios measured side by side.
-Run: ``python benchmarks/bench_state_core.py``
+Run: ``python benchmarks/bench_state_core.py``; ``BENCH_DIR=/dev/shm`` puts every file on tmpfs (the sync
+phase is mostly RocksDB's file creations and fsyncs, so this shows what the disk costs).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def checkpoint(coord, storage, backends, cid, snaps, stats):
 
 def main() -> None:
     logging.basicConfig(level=logging.WARNING)
-    root = Path(tempfile.mkdtemp(prefix="bench-state-"))
+    root = Path(tempfile.mkdtemp(prefix="bench-state-", dir=os.environ.get("BENCH_DIR")))
     try:
         run(root)
     finally:
@@ -96,6 +97,8 @@ def run(root: Path) -> None:
     print(f"state size {total / MB:.1f} MB in {len(meta.files())} files; ~{step:,} keys updated per checkpoint")
     for b in backends:
         b.close()
+
+    meta = task_path(storage, coord, meta, by, root)
 
     # restore one subtask: cold (download) and warm (cache hit)
     cache = LocalFileCache(root / "cache")
@@ -140,6 +143,53 @@ def run(root: Path) -> None:
                 bench_duplication(label, storage, meta, s3.url("src"), s3.url("dst"), root)
         else:
             bench_duplication(label, storage, meta, None, url, root)
+
+
+def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
+    """The sync phase as a Spark task sees it: every subtask of every checkpoint restores the last
+    completed checkpoint into a fresh working dir (hard links from the executor's cache), updates 1% of
+    its keys, snapshots (``sync_ms``) and closes, while the executor agent's uploader (4 threads, as in
+    the agent) uploads the previous subtasks' snapshots. One subtask at a time, as on a 1-core executor.
+    The even rounds also time an explicit ``flush`` before the snapshot, to split the sync phase into
+    the memtable flush and the rest (links, MANIFEST/CURRENT copies, fsyncs)."""
+    from sparksteward.checkpoint.uploader import SnapshotUploader
+
+    cache = LocalFileCache(root / "task-cache")
+    sync, close, split_flush, split_rest = [], [], [], []
+    with SnapshotUploader(4, cache=cache) as uploader:
+        for r in range(rounds):
+            cid = meta.checkpoint_id + 1
+            begun = coord.begin(cid)
+            futs = []
+            for i, ks in enumerate(by):
+                work = root / "task" / f"{cid}-{i}"
+                storage.restore_subtask(begun.base, begun.base.subtasks[i], work / "db", cache)
+                b = RocksDBStateBackend(work, begun.base.subtasks[i].key_groups, M, "long", create=False)
+                upd = ks[(cid * 104729) % max(1, len(ks) - len(ks) // 100):][: len(ks) // 100]
+                s = b.value("agg")
+                old = s.get_many(upd)
+                s.put_many(upd, [{"count": o["count"] + 1, "sum": o["sum"] + k} for o, k in zip(old, upd)])
+                if r % 2:
+                    t = time.perf_counter()
+                    b.db.flush(True)
+                    split_flush.append((time.perf_counter() - t) * 1000)
+                snap = b.snapshot(root / "task-snaps" / f"{cid}-{i}")
+                (split_rest if r % 2 else sync).append(snap.sync_ms)
+                t = time.perf_counter()
+                b.close()
+                close.append((time.perf_counter() - t) * 1000)
+                shutil.rmtree(work)
+                futs.append(uploader.submit(storage, cid, i, snap, known=begun.known,
+                                            on_done=lambda c, res: coord.ack(c, res)))
+            for f in futs:
+                f.result()
+            meta = coord.complete(cid)
+    print(f"sync phase as a task sees it (restore, 1% update, snapshot, close; uploads running), per subtask: "
+          f"p50 {statistics.median(sync):.1f} ms, max {max(sync):.1f} ms; close after it p50 "
+          f"{statistics.median(close):.1f} ms, max {max(close):.1f} ms")
+    print(f"  split: explicit flush p50 {statistics.median(split_flush):.1f} ms, max {max(split_flush):.1f} ms; "
+          f"then create_checkpoint p50 {statistics.median(split_rest):.1f} ms, max {max(split_rest):.1f} ms")
+    return meta
 
 
 def bench_duplication(label, local_storage, meta, src_url, dst_url, root) -> None:

@@ -55,7 +55,7 @@ def rig(tmp_path):
     driver.close()
 
 
-def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> None:
+def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> float:
     opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
     backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
     try:
@@ -66,6 +66,7 @@ def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> None:
     finally:
         backend.close()
     econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+    return snap.sync_ms
 
 
 def split(delta: dict[str, int]) -> list[dict[str, int]]:
@@ -95,6 +96,16 @@ def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
 
     got = dict(_read_values(str(tmp / "chk"), "s", "c1", meta))
     assert {k: int(v) for k, v in got.items()} == {k: 2 * v for k, v in keys.items()}
+
+
+def test_commit_and_info_report_every_subtasks_sync_phase(rig):
+    dconn, econn, subtasks, tmp = rig
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    sync = [run_task(econn, 0, i, part) for i, part in enumerate(split({f"k{i}": i for i in range(10)}))]
+    stats = dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["stats"]
+    assert stats["sync_ms"] == pytest.approx(sync)  # per subtask, in subtask order
+    assert stats["sync_ms_max"] == pytest.approx(max(sync))
+    assert dconn.request("state.info", name="s")["checkpoints"][0]["sync_ms"] == pytest.approx(sync)
 
 
 def test_commit_times_out_and_aborts_when_a_subtask_never_acks(rig):

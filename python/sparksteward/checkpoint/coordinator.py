@@ -342,6 +342,25 @@ class CheckpointCoordinator:
             log.info("aborted checkpoint %d of %s; deleted %d files", checkpoint_id, self.storage.state, deleted)
             return deleted
 
+    def rescale(self, parallelism: int) -> int:
+        """Change the parallelism of the next checkpoints; return the previous one.
+
+        The next checkpoint's subtasks restore from a base taken at the old parallelism
+        (``rebuild_subtask``). Refused while a checkpoint is pending: its acks belong to the old
+        parallelism.
+        """
+        with self._lock:
+            validate_parallelism(parallelism, self.max_parallelism)
+            if self._pending and parallelism != self.parallelism:
+                pending = sorted(self._pending)
+                raise CheckpointOrderError(
+                    f"keyed state {self.storage.state!r} cannot change parallelism {self.parallelism} -> "
+                    f"{parallelism} while checkpoints {pending} are pending: commit or abort them first")
+            old, self.parallelism = self.parallelism, parallelism
+            if old != parallelism:
+                log.info("state %s rescales %d -> %d from its next checkpoint", self.storage.state, old, parallelism)
+            return old
+
     def _abort_older(self, checkpoint_id: int) -> None:
         """Abort the pending checkpoints older than ``checkpoint_id``: no batch goes back to them."""
         for cid in [c for c in self._pending if c < checkpoint_id]:

@@ -47,6 +47,17 @@ class RescaleStats:
     files_downloaded: int
     keys_ingested: int
     seconds: float
+    bytes_read: int = 0                     # total length of the files in files_read
+    bytes_downloaded: int = 0               # of those, what was not in the local file cache
+    old_parallelism: int | None = None      # the parallelism of the checkpoint restored from
+
+    def to_json(self) -> dict[str, object]:
+        """What the executor agent reports for one restored subtask (plain JSON)."""
+        return {"subtask": self.subtask, "key_groups": self.key_groups.to_json(), "base": self.base,
+                "ingested_from": list(self.ingested_from), "files_read": list(self.files_read),
+                "bytes_read": self.bytes_read, "files_downloaded": self.files_downloaded,
+                "bytes_downloaded": self.bytes_downloaded, "keys_ingested": self.keys_ingested,
+                "seconds": round(self.seconds, 4), "old_parallelism": self.old_parallelism}
 
 
 def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> None:
@@ -115,16 +126,19 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
     workdir = Path(workdir)
     overlaps = [(h, n) for h, n in overlapping_subtasks(meta, new_range) if h.files]
     files_read: list[str] = []
-    downloaded = 0
+    downloaded = downloaded_bytes = 0
     keys = 0
     if not overlaps:
         backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=True)
-        return backend, RescaleStats(index, new_range, None, (), (), 0, 0, time.perf_counter() - started)
+        return backend, RescaleStats(index, new_range, None, (), (), 0, 0, time.perf_counter() - started,
+                                     old_parallelism=meta.parallelism)
 
     base, _ = overlaps[0]
     st = storage.restore_subtask(meta, base, workdir / DB_DIR, cache)
     files_read += [f.path for f in base.files]
+    read_bytes = sum(f.length for f in base.files)
     downloaded += st.downloaded_files
+    downloaded_bytes += st.downloaded_bytes
     backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=False)
     try:
         if base.key_groups != new_range:
@@ -135,7 +149,9 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
             try:
                 st = storage.restore_subtask(meta, other, scratch / DB_DIR, cache)
                 files_read += [f.path for f in other.files]
+                read_bytes += sum(f.length for f in other.files)
                 downloaded += st.downloaded_files
+                downloaded_bytes += st.downloaded_bytes
                 sst = scratch / "overlap.sst"
                 with RocksDBStateBackend(scratch, other.key_groups, m, meta.key_type, create=False,
                                          read_only=True) as old:
@@ -151,7 +167,8 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
         shutil.rmtree(workdir / DB_DIR, ignore_errors=True)  # nothing half-built stays behind
         raise
     stats = RescaleStats(index, new_range, base.subtask, tuple(ingested), tuple(files_read), downloaded, keys,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, bytes_read=read_bytes, bytes_downloaded=downloaded_bytes,
+                         old_parallelism=meta.parallelism)
     log.info("rebuilt subtask %d %s of %s from old subtasks %s (base %d) in %.2f s", index, new_range,
              meta.state, [base.subtask, *ingested], base.subtask, stats.seconds)
     return backend, stats

@@ -8,21 +8,29 @@ Ops (every request names its state with ``name``)::
                     restore_from that is not a usable checkpoint, without writing anything
     state.register  checkpoint_dir, parallelism, max_parallelism, key_type, num_retained,
                     restore_from, claim_mode
-                    -> the coordinator (created once per name; a second register must agree). When
-                    the state has no checkpoint of its own, restore_from is restored first (NO_CLAIM
+                    -> the coordinator (created once per name; a second register must agree, except
+                    that another parallelism rescales from the next checkpoint on; another
+                    max_parallelism is refused; rescaled_from: the latest checkpoint's parallelism
+                    when the next checkpoint rescales from it). When the state has no checkpoint
+                    of its own, restore_from is restored first (NO_CLAIM
                     duplication or CLAIM, see checkpoint/restore.py); when it has, restore_from is
                     ignored with a logged note: the state's latest checkpoint wins, as in Flink
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
-    state.begin     checkpoint_id (null: the next after the last completed one) -> id, rerun
+    state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
+                    caller's routing: refused when the state was rescaled since) -> id, rerun
     state.base      checkpoint_id -> the base every attempt restores (begins N if it is not pending:
                     a second action on a lazy output after commit re-runs N from the same base; an
                     aborted N is refused, only state.begin restarts it)
-    state.ack       checkpoint_id, handle, uploaded   (from executor agents, after the async phase)
+    state.ack       checkpoint_id, handle, uploaded, stats (from executor agents, after the async phase)
     state.fail      checkpoint_id, subtask, message   (an upload failed: commit aborts)
-    state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes;
+    state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
+                    returns the checkpoint's stats;
                     on a failure or when the wait runs out the checkpoint is aborted and an error raised
     state.abort     checkpoint_id -> files deleted
-    state.info      -> last completed, retained, pending, the latest completed metadata, restore
+    state.info      -> last completed, retained, pending, the latest completed metadata, restore,
+                    parallelism, and per checkpoint (acked in this application) the files and bytes
+                    uploaded and reused and each subtask's restore (old subtasks and files read,
+                    bytes downloaded)
 
 Thread-safe: requests run on connection threads; one condition guards the acks and failures.
 """
@@ -42,7 +50,7 @@ from sparksteward.checkpoint.records import SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name, open_checkpoint
-from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError, StewardError
+from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError, ParallelismError, StewardError
 from sparksteward.ids import validate_id
 from sparksteward.wire import AgentServer, Connection, Fields
 
@@ -52,6 +60,7 @@ log = logging.getLogger("sparksteward.checkpoint.service")
 
 _MAX_WAIT = 7 * 86400.0
 _MAX_ID = (1 << 62)
+_MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
 
 
 @dataclass
@@ -59,6 +68,7 @@ class _State:
     coordinator: CheckpointCoordinator
     checkpoint_dir: str
     failures: dict[int, list[str]] = field(default_factory=dict)
+    stats: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # checkpoint -> subtask -> ack stats
     restore: dict[str, Any] | None = None  # what register did with restore_from
 
 
@@ -124,18 +134,21 @@ class StateService:
             st = self._states.get(name)
             if st is not None:
                 c = st.coordinator
-                if (checkpoint_dir, parallelism, max_parallelism, key_type) != (
-                        st.checkpoint_dir, c.parallelism, c.max_parallelism, c.key_type.value):
+                _check_max_parallelism(name, c, max_parallelism)
+                if (checkpoint_dir, key_type) != (st.checkpoint_dir, c.key_type.value):
                     raise CheckpointError(
                         f"keyed state {name!r} is already open in this application with checkpoint_dir="
                         f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                         f"key type {c.key_type.value}; open it with the same settings or use another name")
+                if parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
+                    c.rescale(parallelism)
                 if source and (st.restore is None or st.restore.get("source") != source):
                     note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
                             f"application")
                     log.warning("%s", note)
                     return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                            "restore": {"action": "ignored", "source": source, "note": note}}
+                            "restore": {"action": "ignored", "source": source, "note": note},
+                            "rescaled_from": self._rescaled_from(st, parallelism)}
             else:
                 storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
                 restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
@@ -144,8 +157,15 @@ class StateService:
                 st = self._states[name] = _State(coord, checkpoint_dir, restore=restore)
                 log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
                          max_parallelism, key_type, storage.url)
+        # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                "restore": st.restore}
+                "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+
+    @staticmethod
+    def _rescaled_from(st: _State, parallelism: int) -> int | None:
+        latest = max(st.coordinator.retained(), default=None)
+        checkpointed = None if latest is None else st.coordinator.completed(latest).parallelism
+        return checkpointed if checkpointed not in (None, parallelism) else None
 
     @staticmethod
     def _claim_mode(f: Fields) -> ClaimMode:
@@ -189,10 +209,19 @@ class StateService:
     def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         _, st = self._state(f)
+        parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
         with self._cond:
+            if parallelism is not None and parallelism != st.coordinator.parallelism:
+                raise ParallelismError(
+                    f"keyed state {st.coordinator.storage.state!r} now has parallelism "
+                    f"{st.coordinator.parallelism} (it was opened again with that parallelism), but this "
+                    f"KeyedState object routes rows to {parallelism} subtasks: use the object returned by the "
+                    f"latest st.keyed_state(...) call")
             cid = self._checkpoint_id(f, st)
             begun = st.coordinator.begin(cid)
             st.failures.pop(cid, None)
+            if not begun.rerun:
+                st.stats.pop(cid, None)
         return {"checkpoint_id": cid, "rerun": begun.rerun}
 
     def _op_base(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +234,8 @@ class StateService:
             else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
                 begun = st.coordinator.begin(cid, by_task=True)
                 st.failures.pop(cid, None)
+                if not begun.rerun:
+                    st.stats.pop(cid, None)
         return self._reply_base(st, cid, begun)
 
     def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -215,8 +246,14 @@ class StateService:
         uploaded = req.get("uploaded") or []
         if not isinstance(uploaded, list) or not all(isinstance(p, str) for p in uploaded):
             raise InvalidRequestError(f"{f.op}: field 'uploaded' must be a list of paths")
+        stats = f.mapping("stats", default=None)
         with self._cond:
             st.coordinator.ack(cid, handle, tuple(uploaded))
+            if stats is not None and cid not in st.coordinator.retained():  # a re-run keeps the first stats
+                per = st.stats.setdefault(cid, {})
+                per[handle.subtask] = stats
+                while len(st.stats) > _MAX_STATS:
+                    del st.stats[min(st.stats)]
             self._cond.notify_all()
         return {}
 
@@ -249,6 +286,7 @@ class StateService:
                 if failures:
                     st.coordinator.abort(cid)
                     st.failures.pop(cid, None)
+                    st.stats.pop(cid, None)
                     raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
                                           f"({'; '.join(failures)})")
                 try:
@@ -260,12 +298,14 @@ class StateService:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         deleted = st.coordinator.abort(cid)
+                        st.stats.pop(cid, None)
                         raise CheckpointError(f"{exc}; waited {wait:g} s, so checkpoint {cid} was aborted "
                                               f"({deleted} uploaded files deleted). Apply the batch again "
                                               f"with the same checkpoint_id") from None
                     self._cond.wait(min(left, 1.0))
+            stats = _summary(cid, st.stats.get(cid, {}))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained(),
-                "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid))}
+                "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
 
     def _op_abort(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -274,6 +314,7 @@ class StateService:
         with self._cond:
             deleted = st.coordinator.abort(cid)
             st.failures.pop(cid, None)
+            st.stats.pop(cid, None)
         return {"deleted": deleted}
 
     def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +331,7 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
         if st is not None:  # open in this application: register settles the rest
+            _check_max_parallelism(name, st.coordinator, max_parallelism)
             return {"registered": True, "last_completed": st.coordinator.last_completed,
                     "key_type": st.coordinator.key_type.value}
         storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
@@ -360,7 +402,33 @@ class StateService:
             meta = c.completed(latest).to_json() if latest is not None else None
             return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
-                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore}
+                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore,
+                    "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
+                    "checkpoints": [_summary(cid, st.stats[cid]) for cid in sorted(st.stats)
+                                    if cid not in c.pending()]}
+
+
+def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism: int) -> None:
+    if max_parallelism != c.max_parallelism:
+        raise ParallelismError(
+            f"keyed state {name!r} has max_parallelism={c.max_parallelism} and cannot be opened with "
+            f"max_parallelism={max_parallelism}: the max parallelism fixes the key groups and cannot change. "
+            f"Keep max_parallelism={c.max_parallelism} (any parallelism up to it works), or use another state name")
+
+
+def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One checkpoint's stats, summed over the subtasks' acks, with each subtask's restore."""
+    acks = [per_subtask[i] for i in sorted(per_subtask)]
+
+    def total(key: str) -> int:
+        return sum(int(a.get(key) or 0) for a in acks)
+
+    return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
+            "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
+            "files": total("files"), "bytes": total("bytes"),
+            "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
+            "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order
+            "restores": [a["restore"] for a in acks if a.get("restore")]}
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

@@ -3,12 +3,16 @@
 
 A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
 
-    state.open      name, checkpoint_id, subtask -> token, workdir, snapshot dir
+    state.open      name, checkpoint_id, subtask, parallelism (the task's routing: refused when the state
+                    was rescaled since) -> token, workdir, snapshot dir, restore
                     (the agent asks the driver agent for the base of checkpoint N, restores the
-                    subtask into a fresh working dir from its LocalFileCache, and closes the DB)
+                    subtask into a fresh working dir from its LocalFileCache, rescaling it when the
+                    base has another parallelism, and closes the DB; ``restore`` says which old
+                    subtasks and files it read, and how many bytes it downloaded)
     ... opens the DB in workdir, runs the user function, takes the sync-phase snapshot ...
     state.upload    token -> the snapshot is queued on the SnapshotUploader; when it is uploaded the
-                    agent acks the driver agent's coordinator (or reports the failure); the working
+                    agent acks the driver agent's coordinator with the handle and its stats (files
+                    and bytes uploaded and reused, the restore) or reports the failure; the working
                     dir is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
@@ -36,7 +40,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.checkpoint.uploader import SnapshotUploader
-from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError
+from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError, ParallelismError
 from sparksteward.owner import OwnerRecord, private_dir
 from sparksteward.state.backend import LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
@@ -59,6 +63,7 @@ class _Open:
     storage: CheckpointStorage
     known: dict[str, str]
     key_groups: Any
+    restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
 
 
 class SubtaskService:
@@ -96,8 +101,14 @@ class SubtaskService:
         name = f.text("name", max_len=200)
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
+        routed = f.integer("parallelism", default=None, lo=1)
         base = self._driver("state.base", name=name, checkpoint_id=cid)
         p, m = base["parallelism"], base["max_parallelism"]
+        if routed is not None and routed != p:
+            raise ParallelismError(
+                f"the rows of checkpoint {cid} of keyed state {name!r} were routed to {routed} subtasks, but the "
+                f"state now has parallelism {p} (it was opened again with another parallelism): apply the batch "
+                f"again with the KeyedState of the latest st.keyed_state(...) call")
         if subtask >= p:
             raise InvalidRequestError(f"{f.op}: subtask {subtask} is out of range for parallelism {p}")
         storage = CheckpointStorage.open(base["checkpoint_dir"], name, base["cluster_id"])
@@ -105,18 +116,21 @@ class SubtaskService:
             orjson.dumps(base["base"]), f"the base of checkpoint {cid} of {name}")
         token = uuid.uuid4().hex
         workdir = self.root / "work" / token
-        backend, _ = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                  key_type=base["key_type"])
+        backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                      key_type=base["key_type"])
         backend.close()
+        restore = None
+        if stats is not None and meta is not None:
+            restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
-                       dict(base["known"]), key_group_range(m, p, subtask))
+                       dict(base["known"]), key_group_range(m, p, subtask), restore)
         with self._lock:
             if self._closed:
                 shutil.rmtree(workdir, ignore_errors=True)
                 raise CheckpointError("the executor agent is shutting down")
             self._open[token] = opened
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
-                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"]}
+                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore}
 
     def _take(self, f: Fields) -> _Open:
         token = f.text("token", max_len=64)
@@ -137,8 +151,11 @@ class SubtaskService:
 
         def done(cid: int, result: UploadResult) -> None:
             try:
+                stats = {"files_uploaded": len(result.uploaded), "bytes_uploaded": result.bytes_uploaded,
+                         "files_reused": result.files_reused, "files": len(result.handle.files),
+                         "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
-                             uploaded=list(result.uploaded))
+                             uploaded=list(result.uploaded), stats=stats)
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
 

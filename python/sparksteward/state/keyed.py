@@ -31,6 +31,13 @@ place. If the state already has checkpoints, ``restore_from`` is ignored and a w
 micro-batch N: apply with ``checkpoint_id=N``, persist the output and run the state stage once on
 every subtask, ``sink(out, N)``, ``commit(N)``; if anything fails it aborts N (the files only N
 uploaded are deleted) and re-raises, so the query fails and Spark re-delivers N when it restarts.
+
+**Rescale.** ``st.keyed_state(name, ..., parallelism=P2)`` with the state's max parallelism, in a new
+application or between batches of this one, makes the next checkpoint's tasks rebuild their subtasks
+from the last checkpoint's (``rebuild_subtask``: each reads only the old subtasks overlapping its key
+groups; ``info()["checkpoints"]`` reports what each read). A KeyedState object made before that is
+refused from then on; another max parallelism is refused with
+:class:`~sparksteward.errors.ParallelismError`.
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
 
 
 def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
-                form: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+                form: str, parallelism: int | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
@@ -86,7 +93,8 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
         ctx = TaskContext.get()
         subtask = ctx.partitionId()
         conn = executor_connection()
-        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask)
+        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
+                              parallelism=parallelism)
         token = opened["token"]
         uploaded = False
         try:
@@ -135,6 +143,7 @@ class KeyedState:
         self.restore_info: dict[str, Any] | None = None
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
+        self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
 
     # --- driver agent ------------------------------------------------------------------------
     def _register(self, key_type: str) -> None:
@@ -148,6 +157,7 @@ class KeyedState:
                                      parallelism=self.parallelism, max_parallelism=self.max_parallelism,
                                      key_type=key_type, num_retained=self.num_retained,
                                      restore_from=self.restore_from, claim_mode=self.claim_mode)
+            self.rescaled_from = reply.get("rescaled_from")
             self._registered = True
             self.restore_info = reply.get("restore")
             if self.restore_info and self.restore_info.get("action") == "ignored":
@@ -167,7 +177,10 @@ class KeyedState:
         return _SPARK_KEY_TYPES[type_name]
 
     def info(self) -> dict[str, Any]:
-        """Last completed, retained and pending checkpoints, and the latest completed ``_metadata``."""
+        """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
+        parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
+        its subtasks uploaded and reused, and each subtask's ``restores`` entry (the old subtasks and
+        files it read, the bytes it downloaded; rescaled ones ingested from several old subtasks)."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._st.request("state.info", name=self.name)
@@ -190,7 +203,8 @@ class KeyedState:
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
-        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id)
+        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id,
+                                 parallelism=self.parallelism)
         cid = begun["checkpoint_id"]
         p = self.parallelism
         routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
@@ -199,7 +213,7 @@ class KeyedState:
         else:
             routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
         self.last_checkpoint_id = cid
-        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form), struct)
+        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct)
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
@@ -293,9 +307,15 @@ class KeyedState:
         self._st.request("state.savepoint", name=self.name, url=url, checkpoint_dir=self.checkpoint_dir)
         return url
 
-    def read(self) -> Any:
+    def read(self, distributed: bool = False) -> Any:
         """A DataFrame ``(key, value)`` of the latest completed checkpoint's default value state;
-        ``value`` is JSON text."""
+        ``value`` is JSON text.
+
+        By default the driver restores every subtask and the rows are in the DataFrame (fine for
+        small states). With ``distributed=True`` the DataFrame is lazy: one task per subtask of the
+        checkpoint restores and decodes it on an executor, so large states never pass through the
+        driver. Run its actions before that checkpoint is subsumed (``num_retained`` commits later).
+        """
         info = self.info()
         spark = self._st.spark
         from pyspark.sql.types import StringType, StructField, StructType
@@ -306,12 +326,39 @@ class KeyedState:
         meta = info["latest"]
         if meta is None:
             return spark.createDataFrame([], schema)
+        if distributed:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            n = len(meta["subtasks"])
+            fn = _read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta, to_arrow_schema(schema))
+            return spark.range(0, n, 1, n).mapInArrow(fn, schema)
         rows = _read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
         return spark.createDataFrame(rows, schema)
 
 
-def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any]) -> list[tuple[Any, str]]:
-    """Every (key, JSON value) of the default value state of a completed checkpoint (on the driver)."""
+def _read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+             arrow_schema: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The ``mapInArrow`` function of a distributed read: each input row is a subtask index."""
+
+    def run(batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+
+        for batch in batches:
+            for index in batch.column(0).to_pylist():
+                rows = _read_values(checkpoint_dir, name, cluster_id, meta_json, subtasks=[index])
+                for start in range(0, len(rows), 65536):
+                    chunk = rows[start:start + 65536]
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array([r[0] for r in chunk], arrow_schema.field(0).type),
+                         pa.array([r[1] for r in chunk], arrow_schema.field(1).type)], schema=arrow_schema)
+
+    return run
+
+
+def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+                 subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
+    """Every (key, JSON value) of the default value state of a completed checkpoint (of the given
+    ``subtasks``, default all), restored into a scratch dir of this process."""
     from sparksteward.checkpoint.cache import LocalFileCache
     from sparksteward.checkpoint.records import CheckpointMetadata
     from sparksteward.checkpoint.rescale import restore_subtask_backend
@@ -329,6 +376,8 @@ def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dic
     try:
         cache = LocalFileCache(f"{tmp}/cache")
         for handle in meta.subtasks:
+            if subtasks is not None and handle.subtask not in subtasks:
+                continue
             backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
             try:
                 for raw_key, raw_value in backend.iter_raw():
