@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: quickstart test bench docs clean
+.PHONY: quickstart example-state test bench docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 quickstart: $(VENV)/.installed
 	$(PY) examples/quickstart.py
+
+example-state: $(VENV)/.installed
+	$(PY) examples/keyed_state_stream.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -ra

@@ -174,3 +174,27 @@ def test_a_scoped_job_records_the_final_checkpoint_of_each_state(spark, st, dirs
     outside.apply(spark.createDataFrame(batches[0]), count_sum, SCHEMA).count()
     outside.commit()  # outside any scope: nothing recorded, nothing raised
     assert [c.state for c in st.job_results.get("nightly-2026-11-22").result.checkpoints] == ["nightly"]
+
+
+def test_a_value_that_cannot_be_encoded_fails_the_task_naming_it_and_writes_nothing(spark, st, dirs):
+    import datetime
+
+    batches = make_batches(5, count=2)
+    root = dirs / "chk" / "default" / "badvalue"
+    ks = st.keyed_state("badvalue", key="k", parallelism=2, max_parallelism=8, checkpoint_dir=str(dirs / "chk"))
+    ks.apply(spark.createDataFrame(batches[0]), count_sum, SCHEMA, checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    files_after_0 = sorted(p.name for p in (root / "shared").iterdir())
+
+    def keeps_a_set(key, rows, state):
+        state.update({"seen": {datetime.date(2026, 11, 22)}, "n": len(rows)})
+        return None
+
+    with pytest.raises(Exception, match=r"state value .* of type dict cannot be encoded.*convert other objects"):
+        ks.apply(spark.createDataFrame(batches[1]), keeps_a_set, SCHEMA, checkpoint_id=1).collect()
+    ks.abort(1)
+    assert not (root / "chk-1").exists()
+    assert sorted(p.name for p in (root / "shared").iterdir()) == files_after_0
+    ks.apply(spark.createDataFrame(batches[1]), count_sum, SCHEMA, checkpoint_id=1).collect()
+    ks.commit(1, wait=60)
+    assert state_of(ks) == reference(batches)
