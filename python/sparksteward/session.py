@@ -2,7 +2,9 @@
 
 Like delta's ``configure_spark_with_delta_pip``, it appends to what the user already set instead of
 overwriting it: the shim jar is added to ``spark.jars`` and the plugin class to ``spark.plugins``, and
-``spark.hadoop.fs.steward.impl`` names the shim's ``steward://`` FileSystem unless already set.
+``spark.hadoop.fs.steward.impl`` names the shim's ``steward://`` FileSystem unless already set, and
+``spark.hadoop.fs.steward.ha.storage-path`` hands it the HA blob store (``spark.steward.blob.ha.storage-path``)
+for where no agent runs yet, as when spark-submit downloads ``--jars`` before the SparkContext starts.
 It must run before the first SparkSession of the process starts its JVM, since jars on the driver
 class path cannot be added later.
 """
@@ -15,11 +17,13 @@ from typing import Any
 
 from sparksteward.protocol import PLUGIN_CLASS
 
-__all__ = ["FS_CLASS", "FS_IMPL_KEY", "PLUGIN_CLASS", "configure"]
+__all__ = ["FS_CLASS", "FS_HA_KEY", "FS_IMPL_KEY", "PLUGIN_CLASS", "configure"]
 
 #: The shim's read-only Hadoop FileSystem for ``steward://`` URLs, and the setting that enables it.
 FS_CLASS = "sparksteward.shim.StewardFileSystem"
 FS_IMPL_KEY = "spark.hadoop.fs.steward.impl"
+#: The HA blob store the FileSystem reads ``steward blobs put`` URLs from where no agent runs yet.
+FS_HA_KEY = "spark.hadoop.fs.steward.ha.storage-path"
 
 
 def _append(existing: str | None, item: str) -> str:
@@ -53,6 +57,9 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     if not options.get(FS_IMPL_KEY):
         # steward:// URLs (st.add_jar, st.add_file, `steward blobs put`) through the shim's FileSystem
         builder = builder.config(FS_IMPL_KEY, FS_CLASS)
+    ha = (options.get("spark.steward.blob.ha.storage-path") or "").strip()
+    if ha and ha.lower() != "none" and not options.get(FS_HA_KEY):
+        builder = builder.config(FS_HA_KEY, ha)
     if not options.get("spark.python.daemon.module"):
         # workers fork from our daemon, which installs the finder for st.add_library() libraries
         builder = builder.config("spark.python.daemon.module", "sparksteward.daemon")

@@ -1,4 +1,4 @@
-"""``steward blobs ls|gc|put`` on an HA blob storage path."""
+"""``steward blobs ls|gc|put|get`` on an HA blob storage path."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from typing import Any
 from sparksteward.blob.key import BlobKey, BlobType, hash_file
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.blob.url import BlobUrl, cluster_scope, validate_file_name
-from sparksteward.errors import InvalidIdError
+from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, InvalidIdError
 from sparksteward.ids import validate_job_id
 from sparksteward.config import StewardConfig
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.tables import table
 
-__all__ = ["add_subcommands", "put"]
+__all__ = ["add_subcommands", "get", "put"]
 
 
 def _store(args: argparse.Namespace) -> tuple[FileSystemBlobStore, StewardConfig]:
@@ -101,6 +101,37 @@ def _put(args: argparse.Namespace) -> int:
     return 0
 
 
+def get(url: str, ha: str, out: str | os.PathLike[str]) -> Path:
+    """Read the blob of a ``steward blobs put`` URL from the HA store ``ha``, verified, into ``out``.
+
+    What the shim's file system runs where no agent runs yet (``spark-submit --jars`` in client mode
+    fetches the jars before the SparkContext starts). The copy is staged next to ``out`` and renamed
+    into place only once it matches the key; nothing is written otherwise.
+    """
+    blob = BlobUrl.parse(url)
+    fix = f"upload the file again with `steward blobs put <file> --ha {ha}` and pass the URL it prints"
+    if blob.cluster_id is None:
+        raise BlobScopeError(f"{url} belongs to the application that added it (st.add_jar/st.add_file): only "
+                             "its agents can read it; for spark-submit --jars use a URL of `steward blobs put`")
+    store = FileSystemBlobStore(ha, blob.cluster_id)
+    where = f"the HA store {store.base.display(store.base.root)} (cluster {blob.cluster_id!r})"
+    dest = Path(out)
+    try:
+        store.get(blob.job_id, blob.key, dest)
+    except ChecksumMismatchError as exc:
+        raise ChecksumMismatchError(f"{url}: {exc}: {fix}") from exc
+    except FileNotFoundError as exc:
+        raise BlobNotFoundError(f"{url}: no blob {blob.key} in {where}: pass the HA path `steward blobs put` "
+                                f"used, or {fix}") from exc
+    return dest
+
+
+def _get(args: argparse.Namespace) -> int:
+    """Fetch one steward:// URL from the HA store into a local file, verified; print the file's path."""
+    print(get(args.url, args.path, args.out))
+    return 0
+
+
 def add_subcommands(sub: Any) -> None:
     """Add ``blobs`` with ``ls`` and ``gc`` to the ``steward`` parser."""
     blobs = sub.add_parser("blobs", help="inspect and collect blobs in an HA storage path")
@@ -128,3 +159,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--job", help="tie the blob to this job id: the job's end deletes it (default: no job; kept "
                                  "until `steward blobs gc --include-unowned`)")
     p.set_defaults(func=_put)
+    p = bsub.add_parser("get", help="read a `blobs put` URL from the HA store into a local file, verified "
+                                    "(what spark-submit runs for --jars steward://... in client mode)")
+    p.add_argument("url")
+    p.add_argument("--ha", "--path", dest="path", required=True, help="the HA blob storage path or fsspec URL")
+    p.add_argument("--out", required=True, help="the local file to write (staged, then renamed into place)")
+    p.set_defaults(func=_get)

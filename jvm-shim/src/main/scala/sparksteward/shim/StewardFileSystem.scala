@@ -1,7 +1,10 @@
 package sparksteward.shim
 
-import java.io.{FileNotFoundException, IOException}
+import java.io.{File, FileNotFoundException, IOException}
 import java.net.URI
+import java.nio.charset.StandardCharsets.UTF_8
+import java.nio.file.Files
+import java.util.concurrent.TimeUnit.MILLISECONDS
 import java.util.function.BiFunction
 
 import org.apache.hadoop.conf.Configuration
@@ -12,7 +15,8 @@ import org.apache.hadoop.util.Progressable
 /** A read-only Hadoop FileSystem for `steward://<scope>/<job>/<key>/<file name>` (decision 0009). It only
  *  forwards: the agent of this JVM (the executor's, else the driver's) opens the blob, verified, through its
  *  BlobCache or BlobServer store and names a local file, which is then read with the raw local FS. Scope
- *  checks, fetching and verification all happen in the agent. */
+ *  checks, fetching and verification all happen in the agent; where no agent runs yet (spark-submit in client
+ *  mode fetches --jars before the SparkContext starts), in a one-shot `python -m sparksteward blobs get`. */
 class StewardFileSystem extends FileSystem {
   private var root: URI = _
   private var timeoutMs = 300000L
@@ -29,7 +33,7 @@ class StewardFileSystem extends FileSystem {
   /** (local path, size) of the verified blob behind `f`. */
   private def local(f: Path): (Path, Long) = {
     val url = makeQualified(f).toString
-    val reply = AgentAnswer.mapper.readTree(StewardFileSystem.channel().apply(url, timeoutMs))
+    val reply = AgentAnswer.mapper.readTree(StewardFileSystem.channel(getConf).apply(url, timeoutMs))
     if (!reply.path("ok").asBoolean(false)) {
       val code = reply.path("error").path("code").asText()
       val msg = s"spark-steward cannot open $url: ${reply.path("error").path("message").asText()} [$code]"
@@ -89,11 +93,38 @@ object StewardFileSystem {
       env.conf.get("spark.plugins", "").split(",").map(_.trim).contains(classOf[StewardPlugin].getName)
   }
 
-  private[shim] def channel(): BiFunction[String, java.lang.Long, String] =
+  private[shim] def channel(conf: Configuration): BiFunction[String, java.lang.Long, String] =
     registered().orElse {
       // an executor fetching spark.jars/spark.files at start, before its plugin runs: start its agent now
       StewardExecutorPlugin.startEarly()
       registered()
-    }.getOrElse(throw new IOException("no spark-steward agent runs in this JVM: enable the plugin " +
-      s"(spark.plugins=${classOf[StewardPlugin].getName}) to read steward:// URLs"))
+    }.getOrElse {
+      val env = org.apache.spark.SparkEnv.get
+      if (env == null || env.executorId == "driver") (url, timeoutMs) => fromHa(conf, url, timeoutMs)
+      else throw new IOException(s"no spark-steward agent runs in this JVM: enable the plugin ($plugin)")
+    }
+  private def plugin = s"spark.plugins=${classOf[StewardPlugin].getName}"
+  private lazy val staging = { val d = Files.createTempDirectory("spark-steward-fetch-").toFile; d.deleteOnExit(); d }
+
+  /** No agent runs here yet (spark-submit downloads --jars in client mode before the SparkContext starts):
+   *  `steward blobs get` reads the blob from the HA store `fs.steward.ha.storage-path`, verified, into a file. */
+  private def fromHa(conf: Configuration, url: String, timeoutMs: Long): String = {
+    val ha = Option(conf.get("fs.steward.ha.storage-path")).filter(_.nonEmpty).getOrElse(throw new IOException(
+      s"spark-steward cannot read $url: no agent runs in this JVM (spark-submit fetches --jars before the " +
+      "SparkContext starts): pass --conf spark.hadoop.fs.steward.ha.storage-path=<the HA path of `steward blobs " +
+      s"put`>, and enable the plugin ($plugin)"))
+    val out = new File(staging, url.split('/').takeRight(2).mkString("-")) // <key>-<name>
+    if (!out.isFile) {
+      val python = StewardPlugin.python(new org.apache.spark.SparkConf(), "driver")
+      val cmd = Seq(python, "-m", "sparksteward", "blobs", "get", url, "--ha", ha, "--out", out.getPath)
+      val p = new ProcessBuilder(cmd: _*).redirectErrorStream(true).start()
+      val done = p.waitFor(timeoutMs, MILLISECONDS) || { p.destroyForcibly().waitFor(); false }
+      val said = if (done) new String(p.getInputStream.readAllBytes(), UTF_8).trim else s"no answer in $timeoutMs ms"
+      if (!done || p.exitValue() != 0) throw new IOException(if (p.exitValue() == 2) s"spark-steward: $said" else
+        s"spark-steward cannot read $url with `$python -m sparksteward blobs get` (PYSPARK_DRIVER_PYTHON or " +
+        s"PYSPARK_PYTHON must name a Python with spark-steward installed): $said")
+      out.deleteOnExit()
+    }
+    AgentAnswer.mapper.createObjectNode().put("ok", true).put("path", out.getPath).put("size", out.length()).toString
+  }
 }
