@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CheckpointError, InvalidRequestError, StewardError
@@ -34,11 +35,13 @@ def guarded_rmtree(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # read()'s scratch dir
 
 
-@pytest.fixture
-def rig(tmp_path):
+@pytest.fixture(params=["merged", "whole"])
+def rig(tmp_path, request):
+    """Driver and executor agents; checkpoints with file merging (FLIP-306) on, and off."""
     secret = new_secret()
     driver = AgentServer("127.0.0.1", 0, secret, {})
-    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30)
+    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30,
+                          merging=MergingOptions(enabled=request.param == "merged"))
     states.register_handlers(driver)
     executor = AgentServer("127.0.0.1", 0, secret, {})
     subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
@@ -140,7 +143,7 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
     from tests.conftest import wait_until
 
     dconn, econn, subtasks, tmp = rig
-    shared = tmp / "chk" / "c1" / "s" / "shared"
+    root = tmp / "chk" / "c1" / "s"
     gate = threading.Event()  # holds the async phase until the checkpoint is aborted: the acks come late
     real_upload = CheckpointStorage.upload_snapshot
 
@@ -154,8 +157,11 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
         run_task(econn, 0, i, part)
     dconn.request("state.abort", name="s", checkpoint_id=0)  # the sink failed; both uploads are in flight
     gate.set()
-    wait_until(lambda: subtasks.uploader.pending() == 0, timeout=30, what="the uploads")
-    assert shared.is_dir() and not any(shared.iterdir())  # uploaded after the abort, refused, deleted
+    wait_until(lambda: subtasks.uploader.pending() == 0 and not subtasks.merger.pending(), timeout=30,
+               what="the uploads, and the merged files discarded")
+    data = [p for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()]
+    assert data == []  # uploaded after the abort, refused, deleted (merged: never sealed)
+    assert not any((subtasks.merger.staging).iterdir())
     with pytest.raises(StewardError, match=r"checkpoint 0 of state 's' was aborted: a task of the abandoned "
                                            r"attempt cannot start it again; apply the batch again"):
         econn.request("state.open", name="s", checkpoint_id=0, subtask=0)

@@ -313,7 +313,8 @@ class Steward:
     # --- keyed state (issue 8) ------------------------------------------------------------------
     def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
                     checkpoint_dir: str | None = None, num_retained: int | None = None,
-                    restore_from: str | None = None, claim_mode: str | None = None) -> Any:
+                    restore_from: str | None = None, claim_mode: str | None = None,
+                    file_merging: bool | dict[str, Any] | None = None) -> Any:
         """A :class:`~sparksteward.state.keyed.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
@@ -324,7 +325,11 @@ class Steward:
         (``"no_claim"``: fast duplication, the default ``spark.steward.checkpoint.claim-mode``;
         ``"claim"``: in place, the source becomes this state's). A state that has checkpoints ignores
         it with a warning. A changed ``max_parallelism`` and a ``restore_from`` that cannot be restored
-        are refused here, before anything is written."""
+        are refused here, before anything is written.
+
+        ``file_merging`` overrides ``spark.steward.checkpoint.file-merging.*`` for this state (FLIP-306):
+        ``True``/``False``, or a dict of ``enabled``, ``max_file_size`` (bytes), ``mode``
+        (``"within"``/``"across"``) and ``max_space_amplification``."""
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
         from sparksteward.state.keyed import KeyedState
@@ -342,11 +347,13 @@ class Steward:
             raise StateError(f"restore_from={restore_from!r} must be the path of a retained checkpoint "
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
+        merging = _merging_overrides(file_merging)
         checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
-                               max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode)
+                               max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
+                               file_merging=merging)
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
-                        claim_mode=mode)
+                        claim_mode=mode, file_merging=merging)
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             ks._register(checked["key_type"])
         return ks
@@ -367,6 +374,22 @@ class Steward:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _merging_overrides(value: Any) -> dict[str, Any] | None:
+    """``keyed_state(file_merging=...)`` as the request's overrides, checked here."""
+    from sparksteward.checkpoint.merging import MergingOptions
+    from sparksteward.errors import ConfigError
+
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return {"enabled": value}
+    keys = {"enabled", "max_file_size", "mode", "max_space_amplification"}
+    if not isinstance(value, dict) or not set(value) <= keys:
+        raise ConfigError(f"file_merging={value!r} must be True, False or a dict of {sorted(keys)}")
+    MergingOptions.from_json({**MergingOptions().to_json(), **value})   # names a bad value
+    return dict(value)
 
 
 class JobResults:

@@ -128,6 +128,7 @@ _PARSERS: dict[str, Callable[[str], Any]] = {
     "id": _parse_id,
     "bool": _parse_bool,
     "int": lambda raw: int(raw.strip()),
+    "float": lambda raw: float(raw.strip()),
     "duration": parse_duration,
     "bytes": parse_bytes,
     "url": lambda raw: raw.strip(),
@@ -138,6 +139,7 @@ _KIND_HELP = {
     "id": "an id of letters, digits, '.', '_', '-' (at most 200 characters)",
     "bool": "true or false",
     "int": "an integer",
+    "float": "a number such as 2.0",
     "duration": "a duration >= 0 such as 500ms, 30s, 5min, 1h or 30d",
     "bytes": "a size > 0 such as 64k, 256m or 10g",
     "url": "a path or fsspec URL such as /data/steward, file:///data/steward or s3://bucket/steward",
@@ -253,6 +255,32 @@ OPTIONS = OPTIONS + (
     Option("spark.steward.checkpoint.upload-threads", "int", "4",
            "Threads per executor agent that upload checkpoint files (the async phase).",
            check=lambda v: 1 <= v <= 64, allowed="an integer from 1 to 64"),
+    Option("spark.steward.checkpoint.agent-timeout", "duration", "30s",
+           "How long the driver agent waits for an executor agent that holds files of a pending "
+           "checkpoint (merged files not sealed yet) to answer before commit aborts the checkpoint "
+           "(its executor was lost). Agents poll every second while they hold such files.",
+           check=_positive),
+    # FLIP-306 file merging (issue 9); Flink's execution.checkpointing.file-merging.* semantics
+    Option("spark.steward.checkpoint.file-merging.enabled", "bool", "true",
+           "Pack the small files of a checkpoint (MANIFEST, CURRENT, OPTIONS, SSTs below max-file-size) "
+           "of all the subtasks that ran on one executor into a few physical files under merged/, so a "
+           "checkpoint writes about one object per executor instead of several per partition. On by "
+           "default: see docs/decisions/0010 for the measurement. A keyed_state's file_merging argument "
+           "overrides it per state."),
+    Option("spark.steward.checkpoint.file-merging.max-file-size", "bytes", "32m",
+           "Size at which a merged physical file is closed and the next one begun. Files at least this "
+           "large are uploaded whole under shared/.", check=lambda v: v >= 64 << 10,
+           allowed="a size of at least 64k"),
+    Option("spark.steward.checkpoint.file-merging.mode", "str", "within",
+           "within: one checkpoint's segments per physical file (every store). across: an executor "
+           "keeps appending to the same physical file across checkpoints, in place (local file systems "
+           "only; refused on object stores).",
+           check=lambda v: v in ("within", "across"), allowed="within or across"),
+    Option("spark.steward.checkpoint.file-merging.max-space-amplification", "float", "2.0",
+           "When the physical bytes of merged files exceed the live logical bytes of the retained "
+           "checkpoints times this, the most wasteful files are marked no-reuse and the next checkpoint "
+           "writes their live segments again (the compaction). Below 1 turns space control off.",
+           check=_nonneg, allowed="a number >= 0 (below 1 turns it off)"),
     Option("spark.steward.state.max-parallelism", "int", "128",
            "Default number of key groups of a keyed state (its largest possible parallelism). It "
            "cannot change once a state has a checkpoint.",

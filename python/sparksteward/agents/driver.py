@@ -26,6 +26,7 @@ import orjson
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
+from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
 from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
 from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
@@ -96,7 +97,9 @@ class DriverAgent(Agent):
         self.blobs.register_handlers(self.server)
         self.jobs.registry.register("blob_job_dir", self.blobs.delete_job)
         self.states = StateService(default_checkpoint_dir(self.cfg), self.cfg.cluster_id,
-                                   commit_timeout=self.cfg.checkpoint_commit_timeout)  # keyed state (issue 8)
+                                   commit_timeout=self.cfg.checkpoint_commit_timeout,
+                                   merging=MergingOptions.from_config(self.cfg),
+                                   agent_timeout=self.cfg.checkpoint_agent_timeout)  # keyed state (issues 8, 9)
         self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()

@@ -1,8 +1,10 @@
 """``steward checkpoints ls|show|gc <dir>``: keyed-state checkpoints on any fsspec URL.
 
 - ``ls``: every state under ``<dir>/<cluster-id>/``, with its retained checkpoints, size and files;
-- ``show <state>``: one checkpoint (default: the latest) per subtask, or its ``_metadata`` as JSON;
-- ``gc <state>``: delete shared files no retained checkpoint references and staged uploads left by a
+- ``show <state>``: one checkpoint (default: the latest) per subtask, or its ``_metadata`` as JSON,
+  with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
+  checkpoints hold, and their space amplification;
+- ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
   crash, if older than ``--min-age`` (default 1h, so uploads of a running query are never touched).
   Nothing is deleted while any ``_metadata`` of the state is unreadable (it may be a newer version's).
 """
@@ -17,8 +19,9 @@ from typing import Any
 
 import orjson
 
+from sparksteward.checkpoint.merging import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
+from sparksteward.checkpoint.storage import MERGED_DIR, RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, ConfigError, StewardError
 from sparksteward.storage import open_location
@@ -60,15 +63,16 @@ def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list
                               f"({'; '.join(unreadable)}). Fix or move them first")
     referenced = set().union(*(m.physical_paths() for m in records.values())) if records else set()
     out = []
-    for info in storage.location.listdir(storage.location.path("shared")):
-        name = posixpath.basename(info["name"].rstrip("/"))
-        rel = posixpath.join("shared", name)
-        if rel in referenced:
-            continue
-        mtime = _mtime(info)
-        if mtime is not None and now - mtime < min_age:
-            continue
-        out.append(rel)
+    for sub in ("shared", MERGED_DIR):
+        for info in storage.location.listdir(storage.location.path(sub)):
+            name = posixpath.basename(info["name"].rstrip("/"))
+            rel = posixpath.join(sub, name)
+            if rel in referenced:
+                continue
+            mtime = _mtime(info)
+            if mtime is not None and now - mtime < min_age:
+                continue
+            out.append(rel)
     return sorted(out)
 
 
@@ -88,14 +92,14 @@ def _ls(args: argparse.Namespace) -> int:
         records, unreadable = _records(storage)
         real = sorted(c for c in records if c != RESTORED)
         latest = records[real[-1]] if real else None
-        shared = storage.shared_files()
+        shared = storage.stored_files()
         rows.append([name, ",".join(map(str, real)) or "-", latest.parallelism if latest else "-",
                      latest.max_parallelism if latest else "-",
                      f"{latest.size / MB:.1f}" if latest else "-", len(shared),
                      "yes" if RESTORED in records else "no", len(unreadable)])
     print(f"{len(rows)} state(s) in {base.url}")
     if rows:
-        print(table(rows, ["STATE", "CHECKPOINTS", "P", "MAX P", "LATEST MB", "SHARED FILES", "RESTORED",
+        print(table(rows, ["STATE", "CHECKPOINTS", "P", "MAX P", "LATEST MB", "DATA FILES", "RESTORED",
                            "UNREADABLE"]))
     return 0
 
@@ -113,8 +117,17 @@ def _show(args: argparse.Namespace) -> int:
     print(f"state {meta.state!r} checkpoint {meta.checkpoint_id}: parallelism {meta.parallelism}, max "
           f"parallelism {meta.max_parallelism}, key type {meta.key_type.value}, {meta.size / MB:.2f} MB, "
           f"{len(meta.files())} files")
-    print(table([[s.subtask, str(s.key_groups), len(s.files), f"{s.size / MB:.2f}", len(s.channel_state)]
-                 for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "MB", "CHANNEL STATE"]))
+    print(table([[s.subtask, str(s.key_groups), len(s.files), sum(f.is_segment for f in s.files),
+                  f"{s.size / MB:.2f}", len(s.channel_state)]
+                 for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "SEGMENTS", "MB", "CHANNEL STATE"]))
+    records, _ = _records(storage)
+    one, retained = space_stats([meta]), space_stats(records.values())
+    print(table([[label, sp.physical_files, f"{sp.physical_bytes / MB:.2f}", sp.logical_files,
+                  f"{sp.logical_bytes / MB:.2f}", f"{sp.amplification:.2f}", sp.whole_files,
+                  f"{sp.whole_bytes / MB:.2f}"]
+                 for label, sp in ((f"checkpoint {meta.checkpoint_id}", one), (f"{len(records)} retained", retained))],
+                ["FILE MERGING", "PHYSICAL", "PHYSICAL MB", "LOGICAL", "LOGICAL MB", "AMPLIFICATION", "WHOLE FILES",
+                 "WHOLE MB"]))
     return 0
 
 

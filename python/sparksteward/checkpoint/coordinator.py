@@ -33,6 +33,16 @@ aborted) is refused and its uploads are deleted once nothing is pending: an uplo
 attempt, not acked yet, may hold the same content (files are named by content), so while one is
 pending the deletion waits for it to complete or abort.
 
+**Merged files (FLIP-306).** A subtask's small files are segments of ``merged/<uuid>`` physical
+files that its executor agent writes for all the subtasks that ran there. An ack lists them as
+*unsealed*; once every subtask has acked, :meth:`seal_wanted` tells the agents to seal (fsync and
+upload), and ``complete`` waits for :meth:`sealed`. The record lists each physical file's size in
+``properties.merged``. A physical file is counted like any other path: it goes once no retained
+checkpoint references it. After each completion, space control (``max_space_amplification``) marks
+the most wasteful physical files no-reuse: ``known`` leaves their segments out, so the next
+checkpoint writes them again, and the old files go with the checkpoints that reference them.
+``across``-mode files that an agent still appends to are never deleted while it says they are open.
+
 **Claimed files.** Absolute-URL files come from a CLAIMed checkpoint of another state
 (``restored/_metadata`` with ``claim_mode: claim``); this state owns exactly the files that record
 lists. Every checkpoint that still references some of them records them in its ``claimed`` property,
@@ -55,6 +65,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, choose_no_reuse, is_merged, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
@@ -79,7 +90,8 @@ class BeginResult:
 
     checkpoint_id: int
     base: CheckpointMetadata | None       # None: start from an empty state
-    known: Mapping[str, str]              # checksum -> path of every file the base holds
+    known: Mapping[str, tuple[str, int]]  # checksum -> (path, offset) of every file the base holds that
+                                          # the next checkpoint may reuse (space control leaves some out)
     rerun: bool                           # True: checkpoint_id already completed (a re-run)
 
 
@@ -90,6 +102,8 @@ class _Pending:
     rerun: bool
     acks: dict[int, SubtaskHandle] = field(default_factory=dict)
     uploaded: set[str] = field(default_factory=set)
+    unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
+    sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
 
 
 class CheckpointCoordinator:
@@ -97,7 +111,7 @@ class CheckpointCoordinator:
 
     def __init__(self, storage: CheckpointStorage, parallelism: int, max_parallelism: int, *,
                  key_type: KeyType | str = KeyType.STRING, num_retained: int = 1,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, merging: MergingOptions | None = None) -> None:
         validate_parallelism(parallelism, max_parallelism)
         if isinstance(num_retained, bool) or not isinstance(num_retained, int) or num_retained < 1:
             raise CheckpointError(f"num_retained={num_retained!r} must be an int >= 1")
@@ -116,6 +130,10 @@ class CheckpointCoordinator:
         self._pins: Counter[int] = Counter()  # checkpoints a savepoint is copying
         self._aborted: set[int] = set()       # aborted ids not begun again by the driver
         self._late: set[str] = set()          # uploads of refused late acks, deleted once nothing is pending
+        self.merging = merging or MergingOptions(enabled=False)
+        self._sizes: dict[str, int] = {}      # merged physical path -> size (from records and seals)
+        self._no_reuse: set[str] = set()      # merged files whose live segments the next checkpoint rewrites
+        self._open: dict[str, set[str]] = {}  # agent -> across-mode merged files it still appends to
         self.swept: int = 0
         self._recover()
 
@@ -136,11 +154,13 @@ class CheckpointCoordinator:
             self._completed[cid] = meta
             self._refs.update(meta.physical_paths())
             self._claimed.update(_claimed_by(meta))
+            self._sizes.update(physical_sizes([meta]))
         self._subsume()
+        self._control_space()
         if unreadable:
             log.warning("not sweeping orphans of %s: checkpoints %s could not be read", self.storage.state, unreadable)
             return
-        orphans = sorted(p for p in self.storage.shared_files() | self.storage.staged_files() if self._refs[p] == 0)
+        orphans = sorted(p for p in self.storage.stored_files() | self.storage.staged_files() if self._refs[p] == 0)
         if orphans:
             self.swept = self.storage.delete_files(orphans)
             log.info("swept %d orphaned files of %s", self.swept, self.storage.state)
@@ -247,8 +267,7 @@ class CheckpointCoordinator:
                 self._latest_begun = checkpoint_id
             self._subsume()
             base = self._completed.get(base_id) if base_id is not None else None
-            known = {f.checksum: f.path for f in base.files()} if base else {}
-            return BeginResult(checkpoint_id, base, known, rerun)
+            return BeginResult(checkpoint_id, base, self._known(base), rerun)
 
     def base(self, checkpoint_id: int) -> BeginResult:
         """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
@@ -262,14 +281,26 @@ class CheckpointCoordinator:
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending: call begin first")
             base = self._completed.get(pending.base_id) if pending.base_id is not None else None
-            known = {f.checksum: f.path for f in base.files()} if base else {}
-            return BeginResult(checkpoint_id, base, known, pending.rerun)
+            return BeginResult(checkpoint_id, base, self._known(base), pending.rerun)
+
+    def _known(self, base: CheckpointMetadata | None) -> dict[str, tuple[str, int]]:
+        if base is None:
+            return {}
+        return {f.checksum: (f.path, f.offset) for f in base.files() if f.path not in self._no_reuse}
 
     def ack(self, checkpoint_id: int, result: UploadResult | SubtaskHandle,
-            uploaded: tuple[str, ...] = ()) -> None:
-        """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint."""
+            uploaded: tuple[str, ...] = (), merged: tuple[str, ...] = (), agent: str = "") -> None:
+        """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint.
+
+        ``merged``: the physical files its segments went to, which ``agent`` seals later.
+        """
         handle = result.handle if isinstance(result, UploadResult) else result
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
+        merged = result.merged if isinstance(result, UploadResult) else tuple(merged)
+        bad = [p for p in merged if not is_merged(p)]
+        if bad:
+            raise InvalidRecordError(f"ack of subtask {handle.subtask}: {bad} are not merged/ paths")
+        uploaded = (*uploaded, *merged)
         with self._lock:
             pending = self._pending.get(checkpoint_id)
             if pending is None:  # a replaced or aborted attempt: nothing may keep its files
@@ -288,6 +319,85 @@ class CheckpointCoordinator:
                 raise InvalidRecordError(
                     f"subtask {handle.subtask} acked key groups {handle.key_groups}, expected {expected}")
             pending.acks[handle.subtask] = handle
+            if merged and self.merging.mode is MergingMode.ACROSS:   # appended to until the agent closes it
+                self._open.setdefault(agent, set()).update(merged)
+            for p in merged:
+                if p not in pending.sealed:
+                    pending.unsealed[p] = agent
+
+    def seal_wanted(self, checkpoint_id: int) -> str:
+        """What an agent holding unsealed files of ``checkpoint_id`` should do: ``seal`` (every subtask
+        acked), ``wait``, or ``discard`` (the checkpoint is not pending, or is a re-run whose first
+        result stands)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None or pending.rerun:
+                return "discard"
+            return "seal" if len(pending.acks) >= self.parallelism else "wait"
+
+    def sealed(self, checkpoint_id: int, files: Mapping[str, int]) -> None:
+        """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store."""
+        bad = [p for p in files if not is_merged(p)]
+        if bad:
+            raise InvalidRecordError(f"sealed files {bad} are not merged/ paths")
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None or pending.rerun:   # too late: nothing will reference them
+                if pending is not None:
+                    pending.uploaded.update(files)
+                else:
+                    self._late.update(files)
+                    self._delete_late()
+                return
+            for p, size in files.items():
+                pending.unsealed.pop(p, None)
+                pending.sealed[p] = int(size)
+                pending.uploaded.add(p)
+
+    def sealed_files(self, checkpoint_id: int) -> dict[str, int]:
+        """The merged files agents sealed so far for pending checkpoint ``checkpoint_id`` (path -> size)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            return dict(pending.sealed) if pending is not None else {}
+
+    def unsealed(self, checkpoint_id: int) -> dict[str, str]:
+        """The merged files the current acks of ``checkpoint_id`` need and no agent has sealed yet."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                return {}
+            needed = {f.path for h in pending.acks.values() for f in h.files if is_merged(f.path)}
+            return {p: a for p, a in pending.unsealed.items() if p in needed}
+
+    def files_closed(self, agent: str, paths: set[str] | None = None) -> None:
+        """``across`` mode: ``agent`` stopped appending to ``paths`` (None: to all, e.g. it went
+        silent), so they are subject to the reference counts again. Until then an ack pins them."""
+        with self._lock:
+            held = self._open.get(agent, set())
+            released = set(held) if paths is None else held & set(paths)
+            held -= released
+            if not held:
+                self._open.pop(agent, None)
+            if released:
+                self._delete_unreferenced(released)
+
+    def space(self) -> SpaceStats:
+        """Physical against live bytes of the retained checkpoints' merged files."""
+        with self._lock:
+            metas = list(self._completed.values())
+        return space_stats(metas)
+
+    def no_reuse(self) -> set[str]:
+        with self._lock:
+            return set(self._no_reuse)
+
+    def _control_space(self) -> None:
+        chosen = choose_no_reuse(self._completed.values(), self.merging.max_space_amplification) \
+            if self.merging.enabled else set()
+        if chosen - self._no_reuse:
+            log.info("space control of %s: %d merged files marked no-reuse (%s)", self.storage.state,
+                     len(chosen), self.space().to_json())
+        self._no_reuse = chosen
 
     def complete(self, checkpoint_id: int) -> CheckpointMetadata:
         """Complete a fully acked checkpoint: write ``_metadata`` atomically, then subsume."""
@@ -303,6 +413,12 @@ class CheckpointCoordinator:
                 raise CheckpointError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: subtasks "
                     f"{missing} of {self.parallelism} have not acked (their task failed or is still uploading)")
+            unsealed = self.unsealed(checkpoint_id)
+            if unsealed and not pending.rerun:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: "
+                    f"{len(unsealed)} merged files are not sealed yet by executor agents "
+                    f"{sorted(set(unsealed.values()))}")
             if pending.rerun:  # the first result stands; this attempt's extra files go
                 meta = self._completed[checkpoint_id]
                 del self._pending[checkpoint_id]
@@ -314,6 +430,10 @@ class CheckpointCoordinator:
             claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
+            self._sizes.update(pending.sealed)
+            merged = sorted({f.path for h in subtasks for f in h.files if is_merged(f.path)})
+            if merged:
+                properties["merged"] = {p: self._sizes.get(p, 0) for p in merged}
             meta = CheckpointMetadata(
                 state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,
                 max_parallelism=self.max_parallelism, key_type=self.key_type,
@@ -327,6 +447,7 @@ class CheckpointCoordinator:
             self._subsume()
             self._aborted = {c for c in self._aborted if c > checkpoint_id}
             self._delete_late()
+            self._control_space()
             return meta
 
     def abort(self, checkpoint_id: int) -> int:
@@ -404,11 +525,13 @@ class CheckpointCoordinator:
             gone = [p for p in meta.physical_paths() if self._refs[p] <= 0]
             for p in gone:
                 del self._refs[p]
+                self._sizes.pop(p, None)
             self._delete_unreferenced(gone)
             log.info("subsumed checkpoint %d of %s", cid, self.storage.state)
 
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
         in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
+        in_flight.update(*self._open.values())
         doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
         n = self.storage.delete_files(doomed) if doomed else 0
         claimed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and p in self._claimed)

@@ -21,9 +21,9 @@ A checkpoint of one state is ``chk-<N>/_metadata``: a versioned JSON document. L
     }
 
 A :class:`FileHandle` is a *logical* file: the local ``name`` it takes in the DB directory, and the
-bytes ``[offset, offset + length)`` of the *physical* file at ``path``. Today every logical file is a
-whole physical file (``offset == 0``); FLIP-306 file merging packs many into one physical file
-without changing this record. ``path`` is relative to the state's checkpoint root (``shared/...``,
+bytes ``[offset, offset + length)`` of the *physical* file at ``path``. A file under ``shared/`` is
+a whole physical file (``offset == 0``); FLIP-306 file merging packs many small ones into one
+``merged/<uuid>`` physical file, whose size the record lists in ``properties.merged``. ``path`` is relative to the state's checkpoint root (``shared/...``,
 ``merged/...``) or an absolute URL (a CLAIMed file of another state). ``checksum`` is the xxh3-128 of
 the logical bytes, and shared files are named by it, because SST names repeat across lineages.
 
@@ -74,8 +74,9 @@ class FileHandle:
 
     @property
     def is_segment(self) -> bool:
-        """True when the logical file is only part of its physical file (FLIP-306)."""
-        return self.offset != 0
+        """True when the logical file lives in a merged physical file (FLIP-306): ``merged/<uuid>``,
+        here or (claimed) in another state's directory."""
+        return self.offset != 0 or ("/" + self.path).rsplit("/", 2)[-2] == "merged"
 
     @property
     def is_relative(self) -> bool:

@@ -33,9 +33,10 @@ import posixpath
 from dataclasses import replace
 
 from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.merging import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
 from sparksteward.checkpoint.rescale import check_max_parallelism
-from sparksteward.checkpoint.storage import METADATA_FILE, RESTORED, CheckpointStorage, open_checkpoint
+from sparksteward.checkpoint.storage import MERGED_DIR, METADATA_FILE, RESTORED, CheckpointStorage, open_checkpoint
 from sparksteward.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -101,18 +102,18 @@ def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str) ->
 
 def _duplicate_into(src: CheckpointStorage, meta: CheckpointMetadata, dst: CheckpointStorage,
                     duplicator: Duplicator) -> CheckpointMetadata:
-    """Copy every file of ``meta`` to ``dst``'s ``shared/`` (a file already there is copied again: only
-    a fresh copy of the source is trusted). On a failure the files copied so far are deleted."""
-    for f in meta.files():
-        if f.is_segment:
-            raise CheckpointError(f"{f.name} of checkpoint {meta.checkpoint_id} is a segment of a merged file; "
-                                  f"duplicating segments comes with file merging (FLIP-306)")
+    """Copy every physical file of ``meta`` to ``dst`` (a file already there is copied again: only a
+    fresh copy of the source is trusted): whole files to ``shared/<checksum>``, merged physical files
+    (FLIP-306) once each to ``merged/<uuid>``, their segments keeping their offsets. On a failure the
+    files copied so far are deleted."""
     pairs = {}
     for f in meta.files():
-        rel = shared_path(f.checksum)
+        rel = _dest(f)
         pairs[rel] = (src.url_of(f.path), dst.url_of(rel))
     if dst.location.is_local:
         dst.location.makedirs(dst.location.path("shared"))
+        if any(is_merged(r) for r in pairs):
+            dst.location.makedirs(dst.location.path(MERGED_DIR))
     try:
         duplicator.duplicate(list(pairs.values()))
     except BaseException:
@@ -122,7 +123,14 @@ def _duplicate_into(src: CheckpointStorage, meta: CheckpointMetadata, dst: Check
             log.warning("could not delete the files of a failed duplication into %s: %s", dst.url, exc)
         raise
     log.info("duplicated %d files of checkpoint %d into %s", len(pairs), meta.checkpoint_id, dst.url)
-    return _map_files(meta, lambda f: shared_path(f.checksum))
+    return _map_files(meta, _dest)
+
+
+def _dest(f: FileHandle) -> str:
+    """Where a duplicate of ``f``'s physical file goes, relative to the new root."""
+    if f.is_segment:
+        return posixpath.join(MERGED_DIR, posixpath.basename(f.path))
+    return shared_path(f.checksum)
 
 
 def _absolute(src: CheckpointStorage, f: FileHandle) -> str:

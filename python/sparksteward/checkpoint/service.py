@@ -22,7 +22,13 @@ Ops (every request names its state with ``name``)::
                     a second action on a lazy output after commit re-runs N from the same base; an
                     aborted N is refused, only state.begin restarts it)
     state.ack       checkpoint_id, handle, uploaded, stats (from executor agents, after the async phase)
-    state.fail      checkpoint_id, subtask, message   (an upload failed: commit aborts)
+    state.fail      checkpoint_id, subtask, message   (an upload or a seal failed: commit aborts)
+    state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], wait
+                    -> actions [{name, checkpoint_id, action: seal|wait|discard}] (FLIP-306: an executor
+                    agent holding unsealed merged files long-polls; once every subtask acked, it
+                    seals them. The polls are its heartbeat: when an agent holding files a pending
+                    checkpoint needs goes silent for agent_timeout, commit aborts the checkpoint)
+    state.sealed    name, checkpoint_id, agent, files [{path, size}] (merged files now durable)
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
                     returns the checkpoint's stats;
                     on a failure or when the wait runs out the checkpoint is aborted and an error raised
@@ -46,6 +52,7 @@ from typing import Any
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.records import SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
@@ -75,19 +82,24 @@ class _State:
 class StateService:
     """The coordinators of an application's keyed states (hosted by the driver agent)."""
 
-    def __init__(self, default_checkpoint_dir: str, cluster_id: str, *, commit_timeout: float = 600.0) -> None:
+    def __init__(self, default_checkpoint_dir: str, cluster_id: str, *, commit_timeout: float = 600.0,
+                 merging: MergingOptions | None = None, agent_timeout: float = 30.0) -> None:
         self.default_checkpoint_dir = default_checkpoint_dir
         self.cluster_id = cluster_id
         self.commit_timeout = commit_timeout
+        self.merging = merging or MergingOptions()
+        self.agent_timeout = agent_timeout
         self._states: dict[str, _State] = {}
         self._cond = threading.Condition()
+        self._seen: dict[str, float] = {}   # agent -> monotonic time of its last ack or poll
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
                        "state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
                        "state.commit": self._op_commit, "state.abort": self._op_abort,
                        "state.info": self._op_info, "state.check": self._op_check,
-                       "state.savepoint": self._op_savepoint}.items():
+                       "state.savepoint": self._op_savepoint, "state.merge_poll": self._op_merge_poll,
+                       "state.sealed": self._op_sealed}.items():
             server.add_handler(op, fn)
 
     # --- helpers -----------------------------------------------------------------------------
@@ -113,7 +125,7 @@ class StateService:
         return {"checkpoint_id": cid, "rerun": begun.rerun, "checkpoint_dir": st.checkpoint_dir,
                 "cluster_id": self.cluster_id, "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                 "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
-                "known": dict(begun.known)}
+                "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json()}
 
     # --- ops ---------------------------------------------------------------------------------
     def _op_register(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -151,9 +163,10 @@ class StateService:
                             "rescaled_from": self._rescaled_from(st, parallelism)}
             else:
                 storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+                merging = self._merging(f, storage)
                 restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
                 coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
-                                              num_retained=num_retained)
+                                              num_retained=num_retained, merging=merging)
                 st = self._states[name] = _State(coord, checkpoint_dir, restore=restore)
                 log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
                          max_parallelism, key_type, storage.url)
@@ -166,6 +179,16 @@ class StateService:
         latest = max(st.coordinator.retained(), default=None)
         checkpointed = None if latest is None else st.coordinator.completed(latest).parallelism
         return checkpointed if checkpointed not in (None, parallelism) else None
+
+    def _merging(self, f: Fields, storage: CheckpointStorage) -> MergingOptions:
+        """The state's file-merging options: the application's, with the request's overrides."""
+        given = f.mapping("file_merging", default=None) or {}
+        try:
+            opts = MergingOptions.from_json({**self.merging.to_json(), **given})
+        except StewardError as exc:
+            raise InvalidRequestError(f"{f.op}: {exc}") from None
+        opts.check_store(storage.url, storage.location.is_local)
+        return opts
 
     @staticmethod
     def _claim_mode(f: Fields) -> ClaimMode:
@@ -246,9 +269,15 @@ class StateService:
         uploaded = req.get("uploaded") or []
         if not isinstance(uploaded, list) or not all(isinstance(p, str) for p in uploaded):
             raise InvalidRequestError(f"{f.op}: field 'uploaded' must be a list of paths")
+        merged = req.get("merged") or []
+        if not isinstance(merged, list) or not all(isinstance(p, str) for p in merged):
+            raise InvalidRequestError(f"{f.op}: field 'merged' must be a list of paths")
+        agent = f.text("agent", default="", max_len=200)
         stats = f.mapping("stats", default=None)
         with self._cond:
-            st.coordinator.ack(cid, handle, tuple(uploaded))
+            if agent:
+                self._seen[agent] = time.monotonic()
+            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent)
             if stats is not None and cid not in st.coordinator.retained():  # a re-run keeps the first stats
                 per = st.stats.setdefault(cid, {})
                 per[handle.subtask] = stats
@@ -261,12 +290,73 @@ class StateService:
         f = Fields(req)
         _, st = self._state(f)
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        subtask = f.integer("subtask", lo=0)
+        subtask = f.integer("subtask", lo=0, default=None)
         message = f.text("message", default="")
+        who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
         with self._cond:
-            st.failures.setdefault(cid, []).append(f"subtask {subtask}: {message}")
+            st.failures.setdefault(cid, []).append(f"{who}: {message}")
             self._cond.notify_all()
         return {}
+
+    def _op_merge_poll(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        agent = f.text("agent", max_len=200)
+        wait = f.number("wait", default=1.0, lo=0, hi=5.0)
+        pools = req.get("pools") or []
+        closed = req.get("closed") or []
+        if not isinstance(pools, list) or len(pools) > 100_000 or not isinstance(closed, list) \
+                or len(closed) > 100_000:
+            raise InvalidRequestError(f"{f.op}: fields 'pools' and 'closed' must be lists")
+        asked = []
+        for p in pools:
+            pf = _sub(f, p)
+            asked.append((pf.text("name", max_len=200), pf.integer("checkpoint_id", lo=0, hi=_MAX_ID)))
+        with self._cond:
+            self._seen[agent] = time.monotonic()
+            by_name: dict[str, set[str]] = {}
+            for c in closed:
+                cf = _sub(f, c)
+                by_name.setdefault(cf.text("name", max_len=200), set()).add(cf.text("path", max_len=300))
+            for name, paths in by_name.items():
+                if name in self._states:
+                    self._states[name].coordinator.files_closed(agent, paths)
+            deadline = time.monotonic() + wait
+            while True:
+                actions = [{"name": n, "checkpoint_id": c, "action": self._seal_action(n, c)} for n, c in asked]
+                left = deadline - time.monotonic()
+                if left <= 0 or any(a["action"] != "wait" for a in actions):
+                    break
+                self._cond.wait(left)
+            self._seen[agent] = time.monotonic()
+        return {"actions": actions}
+
+    def _seal_action(self, name: str, cid: int) -> str:
+        st = self._states.get(name)
+        return "discard" if st is None else st.coordinator.seal_wanted(cid)
+
+    def _op_sealed(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        f = Fields(req)
+        _, st = self._state(f)
+        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
+        agent = f.text("agent", max_len=200)
+        files = req.get("files")
+        if not isinstance(files, list) or len(files) > 100_000:
+            raise InvalidRequestError(f"{f.op}: field 'files' must be a list of {{path, size}}")
+        sealed = {}
+        for x in files:
+            xf = _sub(f, x)
+            sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
+        with self._cond:
+            self._seen[agent] = time.monotonic()
+            st.coordinator.sealed(cid, sealed)
+            self._cond.notify_all()
+        return {}
+
+    def _silent_agents(self, st: _State, cid: int) -> list[str]:
+        """Agents holding merged files ``cid`` needs that have not polled for agent_timeout."""
+        now = time.monotonic()
+        agents = set(st.coordinator.unsealed(cid).values())
+        return sorted(a for a in agents if now - self._seen.get(a, now) > self.agent_timeout)
 
     def _op_commit(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -289,7 +379,19 @@ class StateService:
                     st.stats.pop(cid, None)
                     raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
                                           f"({'; '.join(failures)})")
+                silent = self._silent_agents(st, cid)
+                if silent:
+                    deleted = st.coordinator.abort(cid)
+                    st.stats.pop(cid, None)
+                    for a in silent:
+                        st.coordinator.files_closed(a)
+                    raise CheckpointError(
+                        f"checkpoint {cid} of keyed state {name!r} was aborted ({deleted} files deleted): executor "
+                        f"agents {silent} hold merged checkpoint files it needs and have not answered for "
+                        f"{self.agent_timeout:g} s (their executor was lost?). Apply the batch again with the "
+                        f"same checkpoint_id")
                 try:
+                    sealed = st.coordinator.sealed_files(cid)
                     meta = st.coordinator.complete(cid)
                     break
                 except CheckpointOrderError:
@@ -303,6 +405,8 @@ class StateService:
                                               f"({deleted} uploaded files deleted). Apply the batch again "
                                               f"with the same checkpoint_id") from None
                     self._cond.wait(min(left, 1.0))
+            if sealed and cid in st.stats:   # FLIP-306: the physical files this checkpoint wrote
+                st.stats[cid][-1] = {"merged_files_written": len(sealed), "merged_bytes_written": sum(sealed.values())}
             stats = _summary(cid, st.stats.get(cid, {}))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained(),
                 "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
@@ -335,6 +439,7 @@ class StateService:
             return {"registered": True, "last_completed": st.coordinator.last_completed,
                     "key_type": st.coordinator.key_type.value}
         storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+        self._merging(f, storage)
         own = storage.checkpoint_ids()
         if own:
             latest = storage.read_metadata(own[-1])
@@ -404,8 +509,17 @@ class StateService:
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
                     "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore,
                     "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
+                    "file_merging": c.merging.to_json(), "space": c.space().to_json(),
+                    "no_reuse": sorted(c.no_reuse())[:1000],
                     "checkpoints": [_summary(cid, st.stats[cid]) for cid in sorted(st.stats)
                                     if cid not in c.pending()]}
+
+
+def _sub(f: Fields, item: Any) -> Fields:
+    """Typed access to one element of a list field, named after the request's op."""
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"{f.op}: list element {str(item)[:80]!r} is not an object")
+    return Fields({**item, "op": f.op})
 
 
 def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism: int) -> None:
@@ -418,13 +532,20 @@ def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism:
 
 def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One checkpoint's stats, summed over the subtasks' acks, with each subtask's restore."""
-    acks = [per_subtask[i] for i in sorted(per_subtask)]
+    merged = per_subtask.get(-1, {})
+    acks = [per_subtask[i] for i in sorted(per_subtask) if i >= 0]
 
     def total(key: str) -> int:
         return sum(int(a.get(key) or 0) for a in acks)
 
+    whole = total("whole_files_uploaded") if any("whole_files_uploaded" in a for a in acks) \
+        else total("files_uploaded")
     return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
             "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
+            "segments_written": total("segments_written"), "whole_files_uploaded": whole,
+            "merged_files_written": int(merged.get("merged_files_written", 0)),
+            # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
+            "objects_written": whole + int(merged.get("merged_files_written", 0)) + 1,
             "files": total("files"), "bytes": total("bytes"),
             "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
             "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order

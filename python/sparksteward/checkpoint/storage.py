@@ -29,9 +29,10 @@ import posixpath
 import re
 import shutil
 import uuid
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sparksteward.blob.key import hash_file
 from sparksteward.checkpoint.cache import LocalFileCache
@@ -48,6 +49,7 @@ log = logging.getLogger("sparksteward.checkpoint.storage")
 
 METADATA_FILE = "_metadata"
 _CHK = re.compile(r"^chk-(\d+)$")
+MERGED_DIR = "merged"   # FLIP-306 physical files (see checkpoint/merging.py)
 
 
 RESTORED = -1  # the id under which a restored (restore_from) checkpoint is kept: ``restored/_metadata``
@@ -66,6 +68,7 @@ class UploadResult:
     uploaded: tuple[str, ...]   # relative paths this attempt uploaded (abort deletes only these)
     bytes_uploaded: int
     files_reused: int
+    merged: tuple[str, ...] = ()   # merged/<uuid> physical files its segments went to (sealed later)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,25 +115,43 @@ class CheckpointStorage:
 
     # --- upload (async phase) ----------------------------------------------------------------
     def upload_snapshot(self, snapshot_dir: str | os.PathLike[str], subtask: int, key_groups: KeyGroupRange,
-                        known: Container[str] | Mapping[str, str] = frozenset(),
-                        cache: LocalFileCache | None = None) -> UploadResult:
+                        known: Container[str] | Mapping[str, Any] = frozenset(),
+                        cache: LocalFileCache | None = None,
+                        merge: Callable[[str, Path, str], FileHandle] | None = None,
+                        merge_below: int = 0) -> UploadResult:
         """Upload the files of a local snapshot whose checksum ``known`` lacks; return the handle.
 
         ``known`` holds the checksums the registry already has (the files of the base checkpoint).
-        As a mapping ``checksum -> path`` it also says where a known file lives, so a file of a
-        claimed or restored checkpoint keeps its path instead of being uploaded again.
+        As a mapping ``checksum -> path`` (or ``-> (path, offset)`` for a segment of a merged file)
+        it also says where a known file lives, so a file of a claimed, restored or merged checkpoint
+        keeps its place instead of being uploaded again.
+
+        ``merge(name, local, checksum)``: FLIP-306 file merging. A new file smaller than
+        ``merge_below`` bytes is appended to a merged physical file by ``merge``, which returns its
+        segment's handle; larger files are uploaded whole to ``shared/<checksum>``.
         """
         snapshot_dir = Path(snapshot_dir)
         files: list[FileHandle] = []
         uploaded: list[str] = []
+        merged: set[str] = set()
         sent = reused = 0
         for local in sorted(p for p in snapshot_dir.iterdir() if p.is_file()):
             checksum = hash_file(local).hex()
             size = local.stat().st_size
             if checksum in known:
-                path = known[checksum] if isinstance(known, Mapping) else shared_path(checksum)
-                files.append(FileHandle(name=local.name, path=path, length=size, checksum=checksum))
+                where = known[checksum] if isinstance(known, Mapping) else shared_path(checksum)
+                path, offset = (where, 0) if isinstance(where, str) else (str(where[0]), int(where[1]))
+                files.append(FileHandle(name=local.name, path=path, length=size, checksum=checksum,
+                                        offset=offset))
                 reused += 1
+                continue
+            if merge is not None and size < merge_below:
+                seg = merge(local.name, local, checksum)
+                files.append(seg)
+                merged.add(seg.path)
+                sent += size
+                if cache is not None and _is_immutable(local.name):
+                    cache.adopt(local, checksum)
                 continue
             rel = shared_path(checksum)
             files.append(FileHandle(name=local.name, path=rel, length=size, checksum=checksum))
@@ -140,7 +161,17 @@ class CheckpointStorage:
             if cache is not None and _is_immutable(local.name):
                 cache.adopt(local, checksum)
         handle = SubtaskHandle(subtask=subtask, key_groups=key_groups, files=tuple(files))
-        return UploadResult(handle, tuple(uploaded), sent, reused)
+        return UploadResult(handle, tuple(uploaded), sent, reused, tuple(sorted(merged)))
+
+    def put_file(self, local: Path, rel: str) -> None:
+        """Upload ``local`` to the relative path ``rel`` all-or-nothing (stage, fsync, rename; one PUT)."""
+        self._put(local, rel)
+
+    def local_target(self, rel: str) -> str:
+        """The local path of ``rel`` (local stores only: ``across`` file merging appends there)."""
+        if not self.location.is_local:
+            raise StorageError(f"{self.url} is not a local store")
+        return self.location.path(*rel.split("/"))
 
     def _put(self, local: Path, rel: str) -> None:
         loc = self.location
@@ -208,13 +239,27 @@ class CheckpointStorage:
                 out.add(posixpath.join("shared", name))
         return out
 
-    def staged_files(self) -> set[str]:
-        """Relative paths of staged uploads left under ``shared/`` by a crash (local stores only)."""
+    def merged_files(self) -> set[str]:
+        """Relative paths of every physical file under ``merged/`` (FLIP-306; staged temps excluded)."""
         out = set()
-        for info in self.location.listdir(self.location.path("shared")):
+        for info in self.location.listdir(self.location.path(MERGED_DIR)):
             name = posixpath.basename(info["name"].rstrip("/"))
-            if name.startswith(".") and name.endswith(".tmp"):
-                out.add(posixpath.join("shared", name))
+            if not name.startswith("."):
+                out.add(posixpath.join(MERGED_DIR, name))
+        return out
+
+    def stored_files(self) -> set[str]:
+        """Every data file of this state: ``shared/`` and ``merged/``."""
+        return self.shared_files() | self.merged_files()
+
+    def staged_files(self) -> set[str]:
+        """Relative paths of staged uploads left under ``shared/`` or ``merged/`` by a crash (local stores)."""
+        out = set()
+        for sub in ("shared", MERGED_DIR):
+            for info in self.location.listdir(self.location.path(sub)):
+                name = posixpath.basename(info["name"].rstrip("/"))
+                if name.startswith(".") and name.endswith(".tmp"):
+                    out.add(posixpath.join(sub, name))
         return out
 
     def delete_files(self, paths: list[str]) -> int:

@@ -16,6 +16,13 @@ A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
                     dir is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
+**File merging (FLIP-306, issue 9).** When the state's ``file_merging`` is enabled (the base reply
+says), the async phase appends each small new file to this agent's :class:`FileMerger` pool of the
+checkpoint instead of uploading it, and acks the segments with the physical files they went to. A
+poller thread long-polls the driver agent (``state.merge_poll``) while any pool holds unsealed files:
+once every subtask of the checkpoint has acked it seals them (``state.sealed``), and it discards a
+pool whose checkpoint was aborted. The polls are the agent's heartbeat for the driver.
+
 The agent owns everything under its ``state-<pid>-*`` root (an owner file marks it): it deletes the
 root on exit, and at start it sweeps the roots of agents proven dead on this host (SIGKILL included).
 """
@@ -25,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import uuid
@@ -36,6 +44,7 @@ import orjson
 
 from sparksteward.blob.cache import sweep_dead_caches
 from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
@@ -64,6 +73,7 @@ class _Open:
     known: dict[str, str]
     key_groups: Any
     restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
+    merging: MergingOptions = MergingOptions(enabled=False)
 
 
 class SubtaskService:
@@ -82,6 +92,14 @@ class SubtaskService:
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._closed = False
+        self.agent_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
+        self.merger = FileMerger(self.root / "merging")
+        self._names: dict[str, str] = {}            # checkpoint root URL -> state name (for the poller)
+        self._sealing: set[tuple[str, int]] = set()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, name="steward-merge-poll", daemon=True)
+        self._poller.start()
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.open": self._op_open, "state.upload": self._op_upload,
@@ -122,8 +140,10 @@ class SubtaskService:
         restore = None
         if stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
+        known = {k: (v if isinstance(v, str) else (str(v[0]), int(v[1]))) for k, v in base["known"].items()}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
-                       dict(base["known"]), key_group_range(m, p, subtask), restore)
+                       known, key_group_range(m, p, subtask), restore,
+                       MergingOptions.from_json(base.get("merging")))
         with self._lock:
             if self._closed:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -151,11 +171,14 @@ class SubtaskService:
 
         def done(cid: int, result: UploadResult) -> None:
             try:
-                stats = {"files_uploaded": len(result.uploaded), "bytes_uploaded": result.bytes_uploaded,
+                written = len(result.handle.files) - result.files_reused
+                stats = {"files_uploaded": written, "bytes_uploaded": result.bytes_uploaded,
+                         "whole_files_uploaded": len(result.uploaded), "segments_written": written - len(result.uploaded),
                          "files_reused": result.files_reused, "files": len(result.handle.files),
                          "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
-                             uploaded=list(result.uploaded), stats=stats)
+                             uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
+                             stats=stats)
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
 
@@ -166,9 +189,75 @@ class SubtaskService:
             except Exception as exc2:  # noqa: BLE001
                 log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
 
+        merge = None
+        opts = opened.merging
+        if opts.enabled:
+            storage = opened.storage
+            target = storage.local_target if opts.mode is MergingMode.ACROSS else None
+            with self._lock:
+                self._names[storage.url] = opened.name
+
+            def merge(name: str, local: Path, checksum: str) -> Any:
+                seg = self.merger.append(storage.url, opened.checkpoint_id, opts, name, local, checksum,
+                                         put=storage.put_file, target=target)
+                self._wake.set()
+                return seg
+
         self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
-                             on_done=done, on_error=failed)
+                             on_done=done, on_error=failed, merge=merge,
+                             merge_below=opts.max_file_size if opts.enabled else 0)
         return {}
+
+    # --- file merging: seal or discard the pools the driver agent decides on -------------------
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            pools = [(url, cid) for url, cid in self.merger.pending() if (url, cid) not in self._sealing]
+            closed = self.merger.drain_closed()
+            if not pools and not closed:
+                self._wake.wait(1.0)
+                self._wake.clear()
+                continue
+            with self._lock:
+                names = dict(self._names)
+            try:
+                reply = self._driver("state.merge_poll", agent=self.agent_id, wait=1.0,
+                                     pools=[{"name": names[u], "checkpoint_id": c} for u, c in pools if u in names],
+                                     closed=[{"name": names[u], "path": p} for u, p in closed if u in names])
+            except Exception as exc:  # noqa: BLE001 - the driver agent is busy or gone; try again
+                log.warning("file-merging poll of the driver agent failed: %s", exc)
+                self._stop.wait(1.0)
+                continue
+            urls = {n: u for u, n in names.items()}
+            for a in reply.get("actions", []):
+                url = urls.get(a.get("name"))
+                cid = a.get("checkpoint_id")
+                if url is None or not isinstance(cid, int):
+                    continue
+                if a.get("action") == "discard":
+                    self.merger.discard(url, cid)
+                elif a.get("action") == "seal":
+                    with self._lock:
+                        self._sealing.add((url, cid))
+                    threading.Thread(target=self._seal, args=(a["name"], url, cid), daemon=True,
+                                     name=f"steward-seal-{cid}").start()
+
+    def _seal(self, name: str, url: str, cid: int) -> None:
+        try:
+            files = self.merger.seal(url, cid)
+            self._driver("state.sealed", name=name, checkpoint_id=cid, agent=self.agent_id,
+                         files=[{"path": f.path, "size": f.size} for f in files])
+        except Exception as exc:  # noqa: BLE001 - the coordinator aborts the checkpoint
+            log.warning("sealing checkpoint %d of %s failed: %s", cid, name, exc)
+            self.merger.discard(url, cid)
+            try:
+                self._driver("state.fail", name=name, checkpoint_id=cid, agent=self.agent_id,
+                             message=f"sealing merged files failed: {type(exc).__name__}: {exc}")
+            except Exception as exc2:  # noqa: BLE001
+                log.warning("reporting the failed seal of %s failed: %s", name, exc2)
+        finally:
+            with self._lock:
+                self._sealing.discard((url, cid))
+            self._wake.set()
 
     def _op_release(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -191,4 +280,8 @@ class SubtaskService:
                 return
             self._closed = True
         self.uploader.close()
+        self._stop.set()
+        self._wake.set()
+        self._poller.join(timeout=5)
+        self.merger.close()
         shutil.rmtree(self.root, ignore_errors=True)

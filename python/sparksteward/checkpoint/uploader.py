@@ -17,8 +17,10 @@ import shutil
 import threading
 from collections.abc import Callable, Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import LocalSnapshot
@@ -41,7 +43,9 @@ class SnapshotUploader:
     def submit(self, storage: CheckpointStorage, checkpoint_id: int, subtask: int, snapshot: LocalSnapshot,
                known: Container[str] | Mapping[str, str] = frozenset(),
                on_done: Callable[[int, UploadResult], None] | None = None,
-               on_error: Callable[[int, int, BaseException], None] | None = None) -> Future[UploadResult]:
+               on_error: Callable[[int, int, BaseException], None] | None = None,
+               merge: Callable[[str, Path, str], FileHandle] | None = None,
+               merge_below: int = 0) -> Future[UploadResult]:
         """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``)."""
         with self._lock:
             if self._closed:
@@ -50,7 +54,7 @@ class SnapshotUploader:
             def work() -> UploadResult:
                 try:
                     result = storage.upload_snapshot(snapshot.path, subtask, snapshot.key_groups, known=known,
-                                                     cache=self._cache)
+                                                     cache=self._cache, merge=merge, merge_below=merge_below)
                 except BaseException as exc:
                     log.warning("upload of checkpoint %d subtask %d of %s failed: %s", checkpoint_id, subtask,
                                 storage.state, exc)

@@ -125,7 +125,8 @@ class KeyedState:
 
     def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
                  key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1,
-                 restore_from: str | None = None, claim_mode: str = "no_claim") -> None:
+                 restore_from: str | None = None, claim_mode: str = "no_claim",
+                 file_merging: dict[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -138,6 +139,7 @@ class KeyedState:
         self.key_type = key_type
         self.restore_from = restore_from
         self.claim_mode = claim_mode
+        self.file_merging = file_merging
         #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
         #: duplication counts), once the first apply registered the state; None without restore_from
         self.restore_info: dict[str, Any] | None = None
@@ -156,7 +158,8 @@ class KeyedState:
             reply = self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
                                      parallelism=self.parallelism, max_parallelism=self.max_parallelism,
                                      key_type=key_type, num_retained=self.num_retained,
-                                     restore_from=self.restore_from, claim_mode=self.claim_mode)
+                                     restore_from=self.restore_from, claim_mode=self.claim_mode,
+                                     file_merging=self.file_merging)
             self.rescaled_from = reply.get("rescaled_from")
             self._registered = True
             self.restore_info = reply.get("restore")
