@@ -85,4 +85,4 @@ def test_a_failed_batch_is_aborted_rerun_and_equals_a_clean_run(tmp_path, store_
     assert _final(storage, coord.completed(3), tmp_path / "f") == _final(clean_storage, clean.completed(3),
                                                                          tmp_path / "clean")
     referenced = set().union(*(storage.read_metadata(c).physical_paths() for c in coord.retained()))
-    assert storage.shared_files() == referenced  # the aborted attempt left nothing behind
+    assert storage.stored_files() == referenced  # the aborted attempt left nothing behind

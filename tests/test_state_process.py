@@ -63,7 +63,7 @@ def leftovers(ks, chk: Path) -> set[str]:
     storage = CheckpointStorage.open(str(chk), ks.name, CLUSTER)
     info = ks.info()
     referenced = set().union(set(), *(storage.read_metadata(c).physical_paths() for c in info["retained"]))
-    return storage.shared_files() - referenced
+    return storage.stored_files() - referenced
 
 
 def _keys_in(batches, key):
@@ -137,14 +137,14 @@ def test_a_failing_sink_or_function_aborts_the_batch_and_leaves_nothing(spark, t
 
     good = ks.process(counting(tmp_path / "good.log"), SCHEMA, sink=sink)
     good(spark.createDataFrame(batches[0]), 0)
-    files_of_0 = {p.name for p in (root / "shared").iterdir()}
+    files_of_0 = {p.name for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()}
 
     down["sink"] = True
     with pytest.raises(ConnectionError, match="sink is down for batch 1"):
         good(spark.createDataFrame(batches[1]), 1)
     down["sink"] = False
     assert ks.info()["pending"] == [] and not (root / "chk-1").exists()
-    wait_until(lambda: {p.name for p in (root / "shared").iterdir()} == files_of_0, timeout=30,
+    wait_until(lambda: {p.name for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()} == files_of_0, timeout=30,
                what="the aborted checkpoint's uploads (late acks included) to go")
 
     failing = ks.process(counting(tmp_path / "bad.log", fail="always"), SCHEMA, sink=sink)
@@ -152,7 +152,7 @@ def test_a_failing_sink_or_function_aborts_the_batch_and_leaves_nothing(spark, t
         failing(spark.createDataFrame(batches[1]), 1)
     assert calls(tmp_path / "bad.log").count(("user-3", 2)) == 1  # the task was tried 3 times
     assert ks.info()["pending"] == [] and not (root / "chk-1").exists()
-    wait_until(lambda: {p.name for p in (root / "shared").iterdir()} == files_of_0, timeout=30,
+    wait_until(lambda: {p.name for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()} == files_of_0, timeout=30,
                what="the failed checkpoint's uploads to go")
 
     good(spark.createDataFrame(batches[1]), 1)  # Spark re-delivers batch 1

@@ -80,7 +80,7 @@ def source_with(dirs: Path, name: str, count: int) -> Path:
 def leftovers(ks, dirs: Path) -> set[str]:
     storage = CheckpointStorage.open(str(dirs / "state-chk"), ks.name, CLUSTER)
     referenced = set().union(set(), *(storage.read_metadata(c).physical_paths() for c in ks.info()["retained"]))
-    return storage.shared_files() - referenced
+    return storage.stored_files() - referenced
 
 
 class Recorder:

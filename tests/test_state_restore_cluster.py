@@ -48,7 +48,7 @@ def spark(s3, tmp_path_factory):
 def test_no_claim_restore_on_a_cluster(spark, s3):
     st = Steward.get(spark)
     batches = make_batches(23, count=4, rows=400, keys=60)
-    src = st.keyed_state("src", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=s3.url("chk"),
+    src = st.keyed_state("src", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=s3.url("chk"), file_merging=False,
                          num_retained=2)
     for i in range(3):
         src.apply(spark.createDataFrame(batches[i]), count_sum, SCHEMA, checkpoint_id=i).collect()
@@ -58,7 +58,7 @@ def test_no_claim_restore_on_a_cluster(spark, s3):
     src_before = listing(s3, root(s3, "chk", "src"))
 
     mark = s3.mark()
-    ks = st.keyed_state("copy", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=s3.url("other"),
+    ks = st.keyed_state("copy", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=s3.url("other"), file_merging=False,
                         restore_from=src_url)
     during = s3.requests_since(mark)
     copies = {r.key.split("/")[-1] for r in during if r.op == "CopyObject"}

@@ -49,7 +49,7 @@ def batches():
 
 def make_source(spark, st, s3, batches, name: str):
     """State ``name`` on S3 with checkpoints 0, 1, 2 (chk-1 and chk-2 retained)."""
-    ks = st.keyed_state(name, key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("chk"),
+    ks = st.keyed_state(name, key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("chk"), file_merging=False,
                         num_retained=2)
     for i in range(3):
         ks.apply(spark.createDataFrame(batches[i]), count_sum, SCHEMA, checkpoint_id=i).collect()
@@ -97,7 +97,7 @@ def test_no_claim_restore_moves_no_bytes_and_the_next_checkpoint_uploads_only_ne
     restored_sums = checksums(metadata(s3, src_url))
 
     mark = s3.mark()
-    ks = st.keyed_state("copy", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("other"),
+    ks = st.keyed_state("copy", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("other"), file_merging=False,
                         restore_from=src_url)
     during = s3.requests_since(mark)
     copies = [r for r in during if r.op == "CopyObject"]
@@ -139,7 +139,7 @@ def test_claim_restore_copies_nothing_and_later_deletes_only_claimed_files(spark
     src_before = listing(s3, src_root)
 
     mark = s3.mark()
-    ks = st.keyed_state("claimer", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("third"),
+    ks = st.keyed_state("claimer", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("third"), file_merging=False,
                         restore_from=src_url, claim_mode="claim", num_retained=1)
     during = s3.requests_since(mark)
     assert [r for r in during if r.op == "CopyObject"] == []
@@ -186,7 +186,7 @@ def test_savepoint_is_self_contained_and_restorable_elsewhere(spark, st, s3, sou
     assert {p.split("/")[-1] for p in listing(s3, url + "/shared")} == checksums(sp)
     with pytest.raises(CheckpointError, match=r"savepoint 's3://.*/savepoints/src-1' already exists"):
         source.savepoint(url)
-    ks = st.keyed_state("fromsp", key="k", parallelism=2, max_parallelism=M, checkpoint_dir=s3.url("sp-use"),
+    ks = st.keyed_state("fromsp", key="k", parallelism=2, max_parallelism=M, checkpoint_dir=s3.url("sp-use"), file_merging=False,
                         restore_from=url)  # another parallelism too: the first apply rescales 3 -> 2
     ks.apply(spark.createDataFrame(batches[3]), count_sum, SCHEMA, checkpoint_id=0).collect()
     ks.commit(0, wait=60)

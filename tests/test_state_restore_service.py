@@ -60,7 +60,7 @@ def test_register_restores_keeps_replaces_and_ignores(tmp_path, driver, source):
 
     reply = register(conn, "b", restore_from=chk1)
     assert reply["restore"]["action"] == "restored" and reply["restore"]["bytes_streamed"] == 0
-    assert reply["restore"]["linked"] == len(b.shared_files()) > 0
+    assert reply["restore"]["linked"] == len(b.stored_files()) > 0
     assert register(conn, "b", restore_from=chk0)["restore"]["action"] == "ignored"  # open already
 
     sp = str(tmp_path / "sp")
