@@ -182,3 +182,24 @@ def test_cache_evicts_least_recently_used_beyond_its_limit(two_checkpoints, tmp_
     (tmp_path / "cache" / ".x.tmp").write_bytes(b"partial")
     again = LocalFileCache(tmp_path / "cache", max_bytes=limit)  # restart: leftovers go, sizes are rebuilt
     assert not (tmp_path / "cache" / ".x.tmp").exists() and again.size == cache.size
+
+
+def test_a_listing_does_not_hide_files_another_process_writes_later(store_url, tmp_path, request):
+    """Listing shared/ (the coordinator's start-up sweep, state.info, gc) must not leave a cached
+    listing behind: on s3fs a cached parent listing makes open() of a file written afterwards by
+    another process (an executor agent's upload) fail with FileNotFoundError."""
+    storage = CheckpointStorage.open(store_url, "clicks", "cluster-a")
+    a, b = "shared/" + "a" * 32, "shared/" + "b" * 32
+    (tmp_path / "f").write_bytes(b"first")
+    storage.put_file(tmp_path / "f", a)
+    assert storage.shared_files() == {a}
+    target = storage.location.path(*b.split("/"))
+    if storage.location.is_local:
+        with open(target, "wb") as f:
+            f.write(b"second")
+    else:   # another client, as in another process
+        request.getfixturevalue("_s3_server").filesystem().pipe_file(target, b"second")
+    loc, path = storage._abs(b)
+    with loc.fs.open(path, "rb") as f:
+        assert f.read() == b"second"
+    assert storage.shared_files() == {a, b}

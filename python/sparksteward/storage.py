@@ -95,7 +95,12 @@ class Location:
             raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
 
     def listdir(self, path: str | None = None) -> list[dict[str, Any]]:
-        """Entries directly under ``path`` (default: root); a missing directory lists as empty."""
+        """Entries directly under ``path`` (default: root); a missing directory lists as empty.
+
+        The listing is not left in fsspec's directory cache: s3fs answers ``info``/``open`` of a
+        path from its parent's cached listing, so a file another process writes afterwards (an
+        executor agent's upload) would look missing to this one.
+        """
         target = path or self.root
         try:
             self.fs.invalidate_cache(target)
@@ -104,6 +109,8 @@ class Location:
             return []
         except Exception as exc:  # noqa: BLE001 - backends raise their own errors
             raise StorageError(f"cannot list {self.display(target)}: {exc}") from exc
+        finally:
+            self.fs.invalidate_cache(target)
 
     # --- writes ------------------------------------------------------------------------------
     def makedirs(self, path: str | None = None) -> None:
