@@ -6,7 +6,9 @@ every child process (agents started by Spark) talk to it. The environment is res
 
 Every request the server answers is logged (:attr:`LocalS3.requests`, a list of :class:`S3Request`):
 its S3 operation, key and the body bytes in and out, so a test can count what crossed the wire, for
-example that a restore issued only ``CopyObject`` requests and no object bytes moved::
+example that a restore issued only ``CopyObject`` requests and no object bytes moved. The requests
+being served right now (headers read, body still arriving or being stored) are in
+:meth:`LocalS3.in_flight`, so a crash test can kill a client in the middle of an upload::
 
     mark = s3.mark()
     ...                                   # the work under test (any process)
@@ -91,10 +93,12 @@ class _CountingInput:
 class _RequestLog:
     """WSGI middleware recording every S3 request (thread-safe)."""
 
-    def __init__(self, app, log: list[S3Request], lock: threading.Lock) -> None:  # noqa: ANN001
+    def __init__(self, app, log: list[S3Request], lock: threading.Lock,  # noqa: ANN001
+                 in_flight: dict[int, tuple[str, str, str]]) -> None:
         self._app = app
         self._log = log
         self._lock = lock
+        self._in_flight = in_flight
 
     def __call__(self, environ, start_response):  # noqa: ANN001, ANN204
         counting = _CountingInput(environ["wsgi.input"])
@@ -105,26 +109,34 @@ class _RequestLog:
             status[0] = int(status_line.split(" ", 1)[0])
             return start_response(status_line, headers, exc_info)
 
-        chunks = list(self._app(environ, start))
         method = environ.get("REQUEST_METHOD", "")
         path = unquote(environ.get("PATH_INFO", "")).lstrip("/")
         bucket, _, key = path.partition("/")
         copy_source = unquote(environ.get("HTTP_X_AMZ_COPY_SOURCE", ""))
         op = _op_of(method, key, environ.get("QUERY_STRING", ""), copy_source)
+        token = id(counting)
+        with self._lock:
+            self._in_flight[token] = (op, bucket, key)
+        try:
+            chunks = list(self._app(environ, start))
+        finally:
+            with self._lock:
+                self._in_flight.pop(token, None)
         with self._lock:
             self._log.append(S3Request(op, method, bucket, key, copy_source, status[0], counting.count,
                                        sum(len(c) for c in chunks)))
         return chunks
 
 
-def _logging_server(port: int, log: list[S3Request], lock: threading.Lock):  # noqa: ANN202
+def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,  # noqa: ANN202
+                    in_flight: dict[int, tuple[str, str, str]]):
     from moto.server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
     class Server(ThreadedMotoServer):
         def _server_entry(self) -> None:
-            app = _RequestLog(DomainDispatcherApplication(create_backend_app), log, lock)
+            app = _RequestLog(DomainDispatcherApplication(create_backend_app), log, lock, in_flight)
             self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
             self._server_ready_event.set()
             self._server.serve_forever()
@@ -139,6 +151,7 @@ class LocalS3:
     server: object = None
     requests: list[S3Request] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _in_flight: dict[int, tuple[str, str, str]] = field(default_factory=dict, repr=False)
 
     def mark(self) -> int:
         """A position in :attr:`requests`, for :meth:`requests_since`."""
@@ -150,6 +163,11 @@ class LocalS3:
         with self._lock:
             return [r for r in self.requests[mark:] if r.bucket == self.bucket]
 
+    def in_flight(self) -> list[tuple[str, str]]:
+        """(operation, key) of the requests to this bucket the server is serving now (body arriving)."""
+        with self._lock:
+            return [(op, key) for op, bucket, key in self._in_flight.values() if bucket == self.bucket]
+
     def stop(self) -> None:
         """Make the endpoint unreachable (objects are kept: moto's state lives in this process)."""
         self.server.stop()  # type: ignore[attr-defined]
@@ -157,7 +175,7 @@ class LocalS3:
     def restart(self) -> None:
         """Serve again on the same port, with the same objects."""
         port = int(self.endpoint.rsplit(":", 1)[1])
-        self.server = _logging_server(port, self.requests, self._lock)
+        self.server = _logging_server(port, self.requests, self._lock, self._in_flight)
         self.server.start()
 
     def url(self, *parts: str) -> str:
@@ -187,7 +205,7 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
 
     port = _free_port()
     s3 = LocalS3(f"http://127.0.0.1:{port}", bucket)
-    s3.server = _logging_server(port, s3.requests, s3._lock)
+    s3.server = _logging_server(port, s3.requests, s3._lock, s3._in_flight)
     s3.server.start()  # type: ignore[attr-defined]
     endpoint = s3.endpoint
     saved = {k: os.environ.get(k) for k in (*_ENV, "AWS_ENDPOINT_URL")}
