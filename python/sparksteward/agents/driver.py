@@ -26,6 +26,7 @@ import orjson
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
+from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
 from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
@@ -99,7 +100,8 @@ class DriverAgent(Agent):
         self.states = StateService(default_checkpoint_dir(self.cfg), self.cfg.cluster_id,
                                    commit_timeout=self.cfg.checkpoint_commit_timeout,
                                    merging=MergingOptions.from_config(self.cfg),
-                                   agent_timeout=self.cfg.checkpoint_agent_timeout)  # keyed state (issues 8, 9)
+                                   agent_timeout=self.cfg.checkpoint_agent_timeout,
+                                   alignment=AlignmentOptions.from_config(self.cfg))  # keyed state (issues 8-10)
         self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()

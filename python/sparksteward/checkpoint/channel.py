@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ __all__ = ["CHANNEL_STATE_VERSION", "AlignmentMode", "AlignmentOptions", "Channe
 MAGIC = b"STWCHAN"
 CHANNEL_STATE_VERSION = 1
 _HEADER = MAGIC + bytes([CHANNEL_STATE_VERSION])
+_COALESCE_BYTES = 1 << 20
 
 
 class AlignmentMode(str, Enum):
@@ -94,6 +96,12 @@ class AlignmentOptions:
                 "max_inflight_bytes": self.max_inflight_bytes}
 
     @classmethod
+    def from_config(cls, cfg: Any) -> AlignmentOptions:
+        return cls(alignment=cfg.checkpoint_unaligned_alignment,
+                   aligned_checkpoint_timeout=float(cfg.checkpoint_unaligned_aligned_checkpoint_timeout),
+                   max_inflight_bytes=int(cfg.checkpoint_unaligned_max_inflight_bytes))
+
+    @classmethod
     def from_json(cls, d: Any) -> AlignmentOptions:
         if d is None:
             return cls()
@@ -133,12 +141,32 @@ class ChannelStateWriter:
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._file: BinaryIO | None = None
         self._writer: ipc.RecordBatchStreamWriter | None = None
+        self._pending: list[pa.RecordBatch] = []   # small buffers coalesced before they are written
+        self._pending_bytes = 0
         self.batches = self.rows = 0
         self._closed = False
 
     @property
     def bytes(self) -> int:
-        return self._file.tell() if self._file is not None else 0
+        return (self._file.tell() if self._file is not None else 0) + self._pending_bytes
+
+    def _flush(self) -> None:
+        """Write the pending buffers as one record batch: a replay filtered by key group after a
+        rescale yields many small pieces, and each written batch costs its own IPC header."""
+        if not self._pending:
+            return
+        if len(self._pending) == 1:
+            batch = self._pending[0]
+        else:
+            table = pa.Table.from_batches(self._pending).combine_chunks()
+            batch = table.to_batches()[0]
+        if self._writer is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+            self._file.write(_HEADER)
+            self._writer = ipc.new_stream(self._file, batch.schema)
+        self._writer.write_batch(batch)
+        self._pending, self._pending_bytes = [], 0
 
     def append(self, batch: pa.RecordBatch) -> bool:
         """Defer ``batch``; False when the byte cap does not allow it (nothing written then)."""
@@ -153,12 +181,16 @@ class ChannelStateWriter:
                     f"max-inflight-bytes above {size}, or use alignment 'unaligned'")
             if self.bytes + size > self.max_bytes:
                 return False
-        if self._writer is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
-            self._file.write(_HEADER)
-            self._writer = ipc.new_stream(self._file, batch.schema)
-        self._writer.write_batch(batch)
+        if self._pending and batch.schema != self._pending[0].schema:
+            self._flush()
+        if self._writer is not None and batch.schema != self._writer.schema:
+            raise CheckpointCorruptError(
+                f"cannot defer a buffer with schema {batch.schema} into channel-state file {self.path}, which holds "
+                f"{self._writer.schema}: a subtask's input must keep one schema within a batch")
+        self._pending.append(batch)
+        self._pending_bytes += size
+        if self._pending_bytes >= _COALESCE_BYTES:
+            self._flush()
         self.batches += 1
         self.rows += batch.num_rows
         return True
@@ -166,21 +198,24 @@ class ChannelStateWriter:
     def take_back(self) -> Iterator[pa.RecordBatch]:
         """Give back the deferred batches in order and drop the file (``unaligned_max_inflight``: the
         subtask finishes aligned after all)."""
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
         if self._writer is None:
-            return iter(())
+            self.batches = self.rows = 0
+            return iter(pending)
         self._writer.close()
         self._file.close()  # type: ignore[union-attr]
         self._writer = self._file = None
         data = self._tmp.read_bytes()
         self._tmp.unlink()
         self.batches = self.rows = 0
-        return read_channel_state(io.BytesIO(data), str(self._tmp))
+        return itertools.chain(read_channel_state(io.BytesIO(data), str(self._tmp)), pending)
 
     def close(self) -> ChannelStats | None:
         """Finish the file (fsynced, then renamed into place); None when nothing was deferred."""
         if self._closed:
             raise ValueError("the channel-state writer is closed")
         self._closed = True
+        self._flush()
         if self._writer is None:
             return None
         self._writer.close()
@@ -201,6 +236,7 @@ class ChannelStateWriter:
             if self._file is not None:
                 self._file.close()
         self._writer = self._file = None
+        self._pending, self._pending_bytes = [], 0
         with contextlib.suppress(FileNotFoundError):
             self._tmp.unlink()
 
