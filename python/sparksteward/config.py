@@ -191,6 +191,12 @@ OPTIONS: tuple[Option, ...] = (
            "Size bound of each agent's buffer of recent Spark events (served by the events request); "
            "the oldest events are dropped first. The buffer also holds at most 2000 events.",
            check=_positive),
+    Option("spark.steward.metrics.interval", "duration", "5s",
+           "How often the driver agent checks its numbers (per keyed state: merged physical and logical "
+           "files and bytes, space amplification, no-reuse files) and, when they changed, hands them to "
+           "the shim, which reports them as gauges of Spark's metrics system under "
+           "plugin.sparksteward.shim.StewardPlugin. 0 turns the reporting off (health still has them).",
+           check=_nonneg),
     Option("spark.steward.blob.storage-dir", "url", "",
            "Local directory of the BlobServer's store. Empty means a fresh directory under the "
            "state dir, deleted when the driver agent exits."),

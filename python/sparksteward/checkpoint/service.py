@@ -98,6 +98,23 @@ class StateService:
         self._cond = threading.Condition()
         self._seen: dict[str, float] = {}   # agent -> monotonic time of its last ack or poll
 
+    def metrics(self) -> dict[str, int | float]:
+        """The file-merging numbers of every registered state, flat, for health and Spark's metrics:
+        ``state.<name>.merged.<k>`` for each ``k`` of :meth:`SpaceStats.to_json` (physical and logical
+        files and bytes, whole files and bytes, amplification) and ``no_reuse_files``.
+
+        Thread-safe: the states are listed under the service's lock; each coordinator guards its own.
+        """
+        with self._cond:
+            states = sorted(self._states.items())
+        out: dict[str, int | float] = {}
+        for name, st in states:
+            prefix = f"state.{name}.merged."
+            for key, value in st.coordinator.space().to_json().items():
+                out[prefix + key] = value
+            out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
+        return out
+
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
                        "state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
