@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_state  # noqa: E402
 from bench_state import SCHEMA, Written, add_input, ours_arrow_fn, tws_processor  # noqa: E402
 
 KEYS = int(os.environ.get("BENCH_MERGE_KEYS", "20000"))
@@ -63,6 +64,7 @@ def start(root: Path, s3: Any) -> Any:
     import sparksteward
     from sparksteward.jar import shim_jar
 
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the executors' Python workers: this venv
     SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
     options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     conf = {"spark.ui.enabled": "false", "spark.executor.memory": "1g", "spark.sql.shuffle.partitions": str(P),
@@ -70,7 +72,8 @@ def start(root: Path, s3: Any) -> Any:
                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
             "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
             "spark.sql.adaptive.enabled": "false", "spark.steward.state-dir": str(root / "steward-state"),
-            "spark.steward.storage.options": orjson.dumps(options).decode()}
+            "spark.steward.storage.options": orjson.dumps(options).decode(),
+            "spark.steward.agent.python": sys.executable, "spark.pyspark.python": sys.executable}
     builder = SparkSession.builder.master("local-cluster[2,1,1024]").appName("bench-merging")
     for k, v in conf.items():
         builder = builder.config(k, v)
@@ -109,7 +112,8 @@ class Query:
             return
         mark = self.s3.mark()
         self.ks.apply_arrow(df, ours_arrow_fn, SCHEMA, checkpoint_id=batch_id).write.format("noop").mode("append").save()
-        stats = self.ks.commit(batch_id)["stats"]
+        self.ks.commit(batch_id)
+        stats = next(c for c in self.ks.info()["checkpoints"] if c["checkpoint_id"] == batch_id)
         reqs = [q for q in self.s3.requests_since(mark) if q.op in _PUTS]
         self.per_batch[batch_id] = {"objects": len({q.key for q in reqs if q.op in _OBJECTS}), "puts": len(reqs),
                                     "bytes": sum(q.bytes_in for q in reqs), "ms": (time.perf_counter() - t) * 1000,
@@ -131,6 +135,9 @@ def run_merging(root: Path) -> dict[str, Any]:
     """Run the three queries; print per batch and return the medians of the steady batches."""
     from sparksteward.testing.s3 import local_s3
 
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(bench_state)  # executors cannot import the bench's modules
     files = write_inputs(root)
     with local_s3() as s3:
         spark = start(root, s3)

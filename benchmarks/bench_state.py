@@ -23,6 +23,9 @@ than local[2]), one after the other in this process:
    batch), Spark stops, runs the offline ``spark._streamingCheckpointManager.repartition(chk, 4)``
    and restarts.
 
+Then ``bench_merging.run_merging`` (issue 9): objects and PUT requests per checkpoint with file
+merging at parallelism 32 on moto S3, against transformWithStateInPandas with 32 partitions.
+
 Then a NO_CLAIM restore of our latest checkpoint into another state dir: fast duplication
 (``checkpoint/restore.restore_from``) against downloading and re-uploading the same files. The final
 per-key (count, sum) of all four engines is checked equal.
@@ -441,8 +444,15 @@ def run(root: Path) -> int:
           f"re-upload {dup['slow'] * 1000:.1f} ms ({dup['slow'] / dup['fast']:.1f}x)")
     print(f"final per-key (count, sum) equal in all four engines: {same} ({len(states[ENGINES[0]]):,} keys, "
           f"counts sum to {check_n:,} of {total_rows:,} rows)")
+    # FLIP-306 (issue 9): objects and PUTs per checkpoint at parallelism 32 on moto S3, against Spark
+    import bench_merging
+
+    merging = bench_merging.run_merging(root / "merging")
+    m, t = merging["merged"], merging["transformWithStateInPandas"]
     targets = [
         ("records/s ours-arrow >= 3x transformWithStateInPandas", rate["ours-arrow"] >= 3 * tws),
+        ("file merging: <= executors + 2 objects per checkpoint, >= 10x fewer than transformWithStateInPandas",
+         m["max_objects"] <= bench_merging.EXECUTORS + 2 and t["objects"] >= 10 * m["objects"]),
         ("sync phase <= 20 ms per subtask (max)", max(sync) <= 20),
         ("NO_CLAIM fast duplication >= 5x faster than download + re-upload", dup["slow"] >= 5 * dup["fast"]),
         ("same final state in all engines", same and check_n == total_rows),

@@ -87,6 +87,19 @@ def test_segments_of_many_subtasks_share_physical_files_rotated_at_max_size(tmp_
     merger.close()
 
 
+def test_a_physical_file_of_empty_segments_is_still_written(tmp_path, store_url):
+    """RocksDB snapshots hold empty files (a WAL of 0 bytes): a physical file with only those is
+    still created in the store, or the checkpoint would reference a missing file."""
+    storage = CheckpointStorage.open(store_url, "s")
+    merger = FileMerger(tmp_path / "staging")
+    (src,) = _files(tmp_path, [0])
+    h = merger.append(storage.url, 1, MergingOptions(), "000008.log", src, "e" * 32, put=storage.put_file)
+    assert (h.offset, h.length) == (0, 0)
+    assert [f.size for f in merger.seal(storage.url, 1)] == [0]
+    assert storage.merged_files() == {h.path}
+    merger.close()
+
+
 def test_a_discarded_checkpoint_leaves_no_staged_file(tmp_path):
     storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
     merger = FileMerger(tmp_path / "staging")
@@ -163,8 +176,9 @@ class Rig:
     """A driver agent's StateService and ``executors`` executor agents' SubtaskServices."""
 
     def __init__(self, tmp: Path, checkpoint_dir: str, *, parallelism: int, executors: int = 2,
-                 num_retained: int = 1, merging: MergingOptions | None = None, agent_timeout: float = 30) -> None:
-        self.tmp, self.p, self.checkpoint_dir = tmp, parallelism, checkpoint_dir
+                 num_retained: int = 1, merging: MergingOptions | None = None, agent_timeout: float = 30,
+                 name: str = "s", restore_from: str | None = None) -> None:
+        self.tmp, self.p, self.checkpoint_dir, self.name = tmp, parallelism, checkpoint_dir, name
         self.secret = new_secret()
         self.driver = AgentServer("127.0.0.1", 0, self.secret, {})
         self.states = StateService(checkpoint_dir, "c1", commit_timeout=60, merging=merging or MergingOptions(),
@@ -177,15 +191,16 @@ class Rig:
             svc.register_handlers(server)
             self.execs.append((server, svc, Connection.connect(server.endpoint, self.secret)))
         self.dconn = Connection.connect(self.driver.endpoint, self.secret)
-        self.dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=parallelism,
-                           max_parallelism=M, key_type="string", num_retained=num_retained)
-        self.storage = CheckpointStorage.open(checkpoint_dir, "s", "c1")
+        self.registered = self.dconn.request("state.register", name=name, checkpoint_dir=None,
+                                             parallelism=parallelism, max_parallelism=M, key_type="string",
+                                             num_retained=num_retained, restore_from=restore_from)
+        self.storage = CheckpointStorage.open(checkpoint_dir, name, "c1")
         self._turn = itertools.count()
 
     def task(self, cid: int, subtask: int, delta: dict[str, int], executor: int | None = None) -> None:
         e = next(self._turn) % len(self.execs) if executor is None else executor
         econn = self.execs[e][2]
-        opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
+        opened = econn.request("state.open", name=self.name, checkpoint_id=cid, subtask=subtask)
         kg = key_group_range(M, self.p, subtask)
         backend = RocksDBStateBackend(opened["workdir"], kg, M, "string", create=False)
         try:
@@ -198,18 +213,24 @@ class Rig:
         econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
 
     def batch(self, cid: int, delta: dict[str, int]) -> dict:
-        self.dconn.request("state.begin", name="s", checkpoint_id=cid)
+        self.dconn.request("state.begin", name=self.name, checkpoint_id=cid)
         parts: list[dict[str, int]] = [{} for _ in range(self.p)]
         for k, v in delta.items():
             parts[subtask_for_key_group(M, self.p, key_group(k, M))][k] = v
         for i, part in enumerate(parts):
             self.task(cid, i, part)
-        return self.dconn.request("state.commit", name="s", checkpoint_id=cid, wait=60)
+        return self.dconn.request("state.commit", name=self.name, checkpoint_id=cid, wait=60)
+
+    def rescale(self, parallelism: int) -> None:
+        """Open the state again with another parallelism: the next checkpoint rebuilds its subtasks."""
+        self.dconn.request("state.register", name=self.name, checkpoint_dir=None, parallelism=parallelism,
+                           max_parallelism=M, key_type="string", num_retained=1)
+        self.p = parallelism
 
     def values(self, meta: CheckpointMetadata) -> dict[str, int]:
         from sparksteward.state.keyed import _read_values
 
-        return {k: int(v) for k, v in _read_values(self.checkpoint_dir, "s", "c1", meta.to_json())}
+        return {k: int(v) for k, v in _read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
 
     def referenced(self) -> set[str]:
         return {f.path for cid in self.storage.checkpoint_ids() for f in self.storage.read_metadata(cid).files()}
@@ -387,3 +408,49 @@ def test_show_prints_physical_and_logical_files_and_gc_collects_merged_orphans(t
     assert main(["checkpoints", "gc", store_url, "s", "--cluster-id", "c1", "--min-age", "0s"]) == 0
     assert "deleted 1 orphaned file" in capsys.readouterr().out
     assert rig.storage.stored_files() == before - {"merged/" + "0" * 32} == rig.referenced()
+
+
+def _deltas(n: int, seed: int) -> list[dict[str, int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [{f"u{rng.randrange(3000):05d}": rng.randrange(1, 9) for _ in range(800)} for _ in range(n)]
+
+
+def test_restore_and_rescale_8_to_3_from_merged_equal_from_unmerged(tmp_path, store_url):
+    """Must-show 5: a NO_CLAIM restore (duplicating physical files, not segments) and a rescale 8 -> 3
+    from a merged checkpoint give the same state as from an unmerged one."""
+    deltas = _deltas(6, 9)
+    results = {}
+    for label, merging in (("merged", MergingOptions()), ("whole", MergingOptions(enabled=False))):
+        base = f"{store_url}/{label}"
+        src = Rig(tmp_path / label, base, parallelism=8, merging=merging, name="src", num_retained=2)
+        try:
+            for cid in range(3):
+                src.batch(cid, deltas[cid])
+            chk = src.storage.url_of("chk-2")
+            physical = {f.path for f in src.storage.read_metadata(2).files()}
+            assert any(p.startswith("merged/") for p in physical) == (label == "merged")
+            dst = Rig(tmp_path / f"{label}-dst", base, parallelism=3, merging=merging, name="dst", restore_from=chk)
+            try:
+                restore = dst.registered["restore"]
+                assert restore["bytes_streamed"] == 0  # duplicated, not streamed
+                assert restore["files"] == len(physical)  # one copy per physical file
+                for cid in range(3, 6):
+                    dst.batch(cid - 3, deltas[cid])
+                restored = dst.values(dst.storage.read_metadata(2))
+            finally:
+                dst.close()
+            src.rescale(3)  # continue the same state at parallelism 3
+            for cid in range(3, 6):
+                src.batch(cid, deltas[cid])
+            rescaled = src.values(src.storage.read_metadata(5))
+        finally:
+            src.close()
+        results[label] = (rescaled, restored)
+    expected: dict[str, int] = {}
+    for d in deltas:
+        for k, v in d.items():
+            expected[k] = expected.get(k, 0) + v
+    assert results["merged"][0] == results["whole"][0] == expected
+    assert results["merged"][1] == results["whole"][1] == expected

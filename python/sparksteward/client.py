@@ -314,7 +314,8 @@ class Steward:
     def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
                     checkpoint_dir: str | None = None, num_retained: int | None = None,
                     restore_from: str | None = None, claim_mode: str | None = None,
-                    file_merging: bool | dict[str, Any] | None = None) -> Any:
+                    file_merging: bool | dict[str, Any] | None = None, alignment: str | None = None,
+                    aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None) -> Any:
         """A :class:`~sparksteward.state.keyed.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
@@ -329,7 +330,13 @@ class Steward:
 
         ``file_merging`` overrides ``spark.steward.checkpoint.file-merging.*`` for this state (FLIP-306):
         ``True``/``False``, or a dict of ``enabled``, ``max_file_size`` (bytes), ``mode``
-        (``"within"``/``"across"``) and ``max_space_amplification``."""
+        (``"within"``/``"across"``) and ``max_space_amplification``.
+
+        ``alignment`` (``"aligned"``, ``"unaligned"``, ``"unaligned_max_inflight"``),
+        ``aligned_checkpoint_timeout`` (seconds from the start of a batch's state stage; 0: at once) and
+        ``max_inflight_bytes`` override ``spark.steward.checkpoint.unaligned.*`` (FLIP-76): a subtask still
+        processing at the timeout defers the rest of its input into the checkpoint, and the next batch
+        replays it first."""
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
         from sparksteward.state.keyed import KeyedState
@@ -348,12 +355,13 @@ class Steward:
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
         merging = _merging_overrides(file_merging)
+        aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
                                max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
-                               file_merging=merging)
+                               file_merging=merging, alignment=aligned)
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
-                        claim_mode=mode, file_merging=merging)
+                        claim_mode=mode, file_merging=merging, alignment=aligned)
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             ks._register(checked["key_type"])
         return ks
@@ -390,6 +398,18 @@ def _merging_overrides(value: Any) -> dict[str, Any] | None:
         raise ConfigError(f"file_merging={value!r} must be True, False or a dict of {sorted(keys)}")
     MergingOptions.from_json({**MergingOptions().to_json(), **value})   # names a bad value
     return dict(value)
+
+
+def _alignment_overrides(alignment: Any, timeout: Any, max_inflight: Any) -> dict[str, Any] | None:
+    """``keyed_state(alignment=..., ...)`` as the request's overrides, checked here (FLIP-76)."""
+    from sparksteward.checkpoint.channel import AlignmentOptions
+
+    given = {k: v for k, v in (("alignment", alignment), ("aligned_checkpoint_timeout", timeout),
+                               ("max_inflight_bytes", max_inflight)) if v is not None}
+    if not given:
+        return None
+    AlignmentOptions.from_json({**AlignmentOptions().to_json(), **given})   # names a bad value
+    return given
 
 
 class JobResults:

@@ -191,6 +191,12 @@ OPTIONS: tuple[Option, ...] = (
            "Size bound of each agent's buffer of recent Spark events (served by the events request); "
            "the oldest events are dropped first. The buffer also holds at most 2000 events.",
            check=_positive),
+    Option("spark.steward.metrics.interval", "duration", "5s",
+           "How often the driver agent checks its numbers (per keyed state: merged physical and logical "
+           "files and bytes, space amplification, no-reuse files) and, when they changed, hands them to "
+           "the shim, which reports them as gauges of Spark's metrics system under "
+           "plugin.sparksteward.shim.StewardPlugin. 0 turns the reporting off (health still has them).",
+           check=_nonneg),
     Option("spark.steward.blob.storage-dir", "url", "",
            "Local directory of the BlobServer's store. Empty means a fresh directory under the "
            "state dir, deleted when the driver agent exits."),
@@ -281,6 +287,22 @@ OPTIONS = OPTIONS + (
            "checkpoints times this, the most wasteful files are marked no-reuse and the next checkpoint "
            "writes their live segments again (the compaction). Below 1 turns space control off.",
            check=_nonneg, allowed="a number >= 0 (below 1 turns it off)"),
+    # FLIP-76 unaligned checkpoints (issue 10); per state: keyed_state(alignment=..., ...)
+    Option("spark.steward.checkpoint.unaligned.alignment", "str", "aligned",
+           "aligned: a batch ends when its slowest subtask ends. unaligned: a subtask still processing once "
+           "aligned-checkpoint-timeout has passed (counted from the start of the batch's state stage) stops "
+           "at a buffer boundary and defers the rest of its input into the checkpoint (channel state), which "
+           "the next batch replays first. unaligned_max_inflight: the same while the deferred bytes fit in "
+           "max-inflight-bytes, else the subtask finishes aligned.",
+           check=lambda v: v in ("aligned", "unaligned", "unaligned_max_inflight"),
+           allowed="aligned, unaligned or unaligned_max_inflight"),
+    Option("spark.steward.checkpoint.unaligned.aligned-checkpoint-timeout", "duration", "1s",
+           "With an unaligned alignment: how long after the start of a batch's state stage subtasks may "
+           "process before deferring the rest of their input; 0 means unaligned from the start (each "
+           "subtask still processes at least one buffer).", check=_nonneg),
+    Option("spark.steward.checkpoint.unaligned.max-inflight-bytes", "bytes", "64m",
+           "unaligned_max_inflight: the most channel state (deferred input) one subtask may write per "
+           "checkpoint. It must hold at least one input buffer.", check=_positive),
     Option("spark.steward.state.max-parallelism", "int", "128",
            "Default number of key groups of a keyed state (its largest possible parallelism). It "
            "cannot change once a state has a checkpoint.",

@@ -3,18 +3,22 @@
 :func:`decode` validates one shim → agent line against :data:`SCHEMAS` and returns it as a dict; it
 raises :class:`~sparksteward.errors.ProtocolError` naming the problem, never anything deeper.
 :func:`encode_ready` and :func:`encode_fatal` write the agent → shim lines byte-for-byte as the
-golden files in ``jvm-shim/src/test/resources/golden`` show.
+golden files in ``jvm-shim/src/test/resources/golden`` show. :func:`encode_metrics` writes the
+driver agent's numbers for Spark's metrics system (the shim turns each name into a gauge).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from sparksteward.errors import ProtocolError
 
-__all__ = ["MAX_LINE", "PLUGIN_CLASS", "SCHEMAS", "VERSION", "decode", "encode_fatal", "encode_ready"]
+__all__ = ["MAX_LINE", "PLUGIN_CLASS", "SCHEMAS", "VERSION", "decode", "encode_fatal", "encode_metrics",
+           "encode_ready"]
 
 VERSION = 1
 #: The shim's SparkPlugin class, as given to ``spark.plugins``.
@@ -47,6 +51,7 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "ready": {"role": (_S,), "pid": (_I,), "endpoint": (_S,), "shutdown_grace_ms": (_I,)},
     "fatal": {"role": (_S,), "code": (_S,), "message": (_S,)},
     "reply": {"id": (_I,), "ok": (bool,)},
+    "metrics": {"values": (_D,)},  # name -> number, each a gauge in the driver plugin's metricRegistry
 }
 
 
@@ -88,6 +93,25 @@ def encode_ready(role: str, pid: int, endpoint: str, shutdown_grace_ms: int) -> 
 def encode_fatal(role: str, code: str, message: str) -> bytes:
     """The ``fatal`` line an agent prints before exiting when it cannot start."""
     return _encode("fatal", role=role, code=code, message=message)
+
+
+def encode_metrics(values: Mapping[str, int | float]) -> bytes:
+    """The ``metrics`` line: the latest value of each of the agent's numbers, names sorted.
+
+    The shim registers a Dropwizard gauge per new name in the driver plugin's ``metricRegistry`` and
+    keeps the latest value for it, so Spark's metrics sinks report it. Raises ProtocolError naming a
+    name that is empty or has control characters, or a value that is not a finite number.
+    """
+    for name, value in values.items():
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"metric name {name!r} is empty or not a string")
+        if any(ord(c) < 0x20 for c in name):
+            raise ProtocolError(f"metric name {name!r} has a control character")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"metric {name!r} = {value!r} is not a number")
+        if not math.isfinite(value):
+            raise ProtocolError(f"metric {name!r} = {value!r} is not a finite number")
+    return _encode("metrics", values=dict(sorted(values.items())))
 
 
 def encode_reply(request_id: int, reply: dict[str, Any] | None = None, *, code: str = "", message: str = "") -> bytes:

@@ -133,6 +133,13 @@ class Agent:
         """Where ``reply`` lines go (the shim's end of the agent's stdout)."""
         self._stdout, self._stdout_lock = out, threading.Lock()
 
+    def to_shim(self, line: bytes) -> None:
+        """Write one agent → shim line (``reply``, ``metrics``) on stdout, whole; never raises."""
+        out = getattr(self, "_stdout", None)
+        if out is not None:
+            with self._stdout_lock:
+                _write(out, line)
+
     def on_open_file(self, msg: dict[str, Any]) -> None:
         # on a pool thread: a fetch must not hold up the event loop (task events, shutdown)
         with self.lock:

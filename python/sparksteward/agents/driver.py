@@ -8,6 +8,11 @@ Jobs: the whole application is one job, with id ``spark.steward.job.id`` or the 
 If that id already has a stored result the agent refuses to start (``fatal JOB_ALREADY_COMPLETED``),
 which fails SparkContext start before any user code runs. Scoped jobs (``st.job(id)``) are attributed
 their Spark jobs through the ``sparksteward-job-<id>`` job tag.
+
+Metrics: every ``spark.steward.metrics.interval`` a thread compares :meth:`DriverAgent.metrics` (per
+keyed state, the file-merging numbers) with what it sent last and, when they changed, writes one
+``metrics`` line toward the shim, which keeps them as gauges of the driver plugin's ``metricRegistry``
+(Spark's metrics system). ``health`` carries the same numbers under ``metrics``.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
+from sparksteward import protocol
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
+from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
 from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
@@ -99,7 +106,8 @@ class DriverAgent(Agent):
         self.states = StateService(default_checkpoint_dir(self.cfg), self.cfg.cluster_id,
                                    commit_timeout=self.cfg.checkpoint_commit_timeout,
                                    merging=MergingOptions.from_config(self.cfg),
-                                   agent_timeout=self.cfg.checkpoint_agent_timeout)  # keyed state (issues 8, 9)
+                                   agent_timeout=self.cfg.checkpoint_agent_timeout,
+                                   alignment=AlignmentOptions.from_config(self.cfg))  # keyed state (issues 8-10)
         self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()
@@ -126,7 +134,37 @@ class DriverAgent(Agent):
         return int((self.cfg.cleanup_shutdown_timeout + 10) * 1000)
 
     def health_details(self) -> dict[str, Any]:
-        return {"app_id": self.app_id, "app_job_id": self.app_job}
+        return {"app_id": self.app_id, "app_job_id": self.app_job, "metrics": self.metrics()}
+
+    # --- metrics (issue 9, Visibility) -------------------------------------------------------
+    def metrics(self) -> dict[str, int | float]:
+        """The numbers for health and Spark's metrics system: ``state.<name>.merged.*`` per keyed state."""
+        return self.states.metrics()
+
+    def attach_stdout(self, out: BinaryIO) -> None:
+        super().attach_stdout(out)
+        self._metrics_stop = threading.Event()
+        self._metrics_thread: threading.Thread | None = None
+        if self.cfg.metrics_interval > 0:
+            self._metrics_thread = threading.Thread(target=self._report_metrics, name="steward-metrics",
+                                                    daemon=True)
+            self._metrics_thread.start()
+
+    def _report_metrics(self) -> None:
+        sent: dict[str, int | float] = {}
+        failed = ""
+        while not self._metrics_stop.wait(self.cfg.metrics_interval):
+            try:
+                values = self.metrics()
+                if values != sent:
+                    self.to_shim(protocol.encode_metrics(values))
+                    sent = values
+                failed = ""
+            except Exception as exc:  # noqa: BLE001 - a bad number must not end the reporting
+                if str(exc) != failed:
+                    log.warning("metrics for Spark's metrics system failed (retrying every %g s): %s",
+                                self.cfg.metrics_interval, exc)
+                failed = str(exc)
 
     # --- events ------------------------------------------------------------------------------
     def on_app_start(self, msg: dict[str, Any]) -> None:
@@ -221,6 +259,11 @@ class DriverAgent(Agent):
                 "next": last if more else None}
 
     def close(self) -> None:
+        stop, thread = getattr(self, "_metrics_stop", None), getattr(self, "_metrics_thread", None)
+        if stop is not None:
+            stop.set()
+        if thread is not None:
+            thread.join(5.0)
         super().close()
         self.jobs.close(self.cfg.cleanup_shutdown_timeout)
         if self._recovery.is_alive():  # bounded: recovery's store calls time out on their own

@@ -367,7 +367,10 @@ class CheckpointCoordinator:
             if pending is None:
                 return {}
             needed = {f.path for h in pending.acks.values() for f in h.files if is_merged(f.path)}
-            return {p: a for p, a in pending.unsealed.items() if p in needed}
+            # a needed file neither sealed for this checkpoint nor held by a retained one is unsealed,
+            # even if no ack listed it: a checkpoint never completes pointing at a missing file
+            return {p: pending.unsealed.get(p, "") for p in needed
+                    if p not in pending.sealed and self._refs[p] <= 0}
 
     def files_closed(self, agent: str, paths: set[str] | None = None) -> None:
         """``across`` mode: ``agent`` stopped appending to ``paths`` (None: to all, e.g. it went

@@ -132,7 +132,7 @@ class _Physical:
     rel: str
     local: Path          # the staged file (within) or the file itself (across, local store)
     size: int = 0
-    durable: int = 0     # bytes synced and visible in the store
+    durable: int = -1    # bytes synced and visible in the store (-1: never sealed, even if empty)
     closed: bool = False
 
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.records import SubtaskHandle
@@ -77,21 +78,42 @@ class _State:
     failures: dict[int, list[str]] = field(default_factory=dict)
     stats: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # checkpoint -> subtask -> ack stats
     restore: dict[str, Any] | None = None  # what register did with restore_from
+    alignment: AlignmentOptions = AlignmentOptions()
+    stage_started: dict[int, float] = field(default_factory=dict)  # checkpoint -> first task's open (monotonic)
 
 
 class StateService:
     """The coordinators of an application's keyed states (hosted by the driver agent)."""
 
     def __init__(self, default_checkpoint_dir: str, cluster_id: str, *, commit_timeout: float = 600.0,
-                 merging: MergingOptions | None = None, agent_timeout: float = 30.0) -> None:
+                 merging: MergingOptions | None = None, agent_timeout: float = 30.0,
+                 alignment: AlignmentOptions | None = None) -> None:
         self.default_checkpoint_dir = default_checkpoint_dir
         self.cluster_id = cluster_id
         self.commit_timeout = commit_timeout
         self.merging = merging or MergingOptions()
+        self.alignment = alignment or AlignmentOptions()
         self.agent_timeout = agent_timeout
         self._states: dict[str, _State] = {}
         self._cond = threading.Condition()
         self._seen: dict[str, float] = {}   # agent -> monotonic time of its last ack or poll
+
+    def metrics(self) -> dict[str, int | float]:
+        """The file-merging numbers of every registered state, flat, for health and Spark's metrics:
+        ``state.<name>.merged.<k>`` for each ``k`` of :meth:`SpaceStats.to_json` (physical and logical
+        files and bytes, whole files and bytes, amplification) and ``no_reuse_files``.
+
+        Thread-safe: the states are listed under the service's lock; each coordinator guards its own.
+        """
+        with self._cond:
+            states = sorted(self._states.items())
+        out: dict[str, int | float] = {}
+        for name, st in states:
+            prefix = f"state.{name}.merged."
+            for key, value in st.coordinator.space().to_json().items():
+                out[prefix + key] = value
+            out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
+        return out
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
@@ -125,7 +147,18 @@ class StateService:
         return {"checkpoint_id": cid, "rerun": begun.rerun, "checkpoint_dir": st.checkpoint_dir,
                 "cluster_id": self.cluster_id, "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                 "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
-                "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json()}
+                "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json(),
+                "alignment": st.alignment.to_json(), "deadline_in": self._deadline_in(st, cid)}
+
+    @staticmethod
+    def _deadline_in(st: _State, cid: int) -> float | None:
+        """Seconds until checkpoint ``cid``'s subtasks defer their input (unaligned), counted from the
+        start of its state stage: the first task's open of the attempt. Late waves get less; the
+        caller turns it into a deadline on its own clock (no cross-host clock comparison)."""
+        if not st.alignment.unaligned:
+            return None
+        started = st.stage_started.setdefault(cid, time.monotonic())
+        return max(0.0, st.alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
 
     # --- ops ---------------------------------------------------------------------------------
     def _op_register(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -154,6 +187,8 @@ class StateService:
                         f"key type {c.key_type.value}; open it with the same settings or use another name")
                 if parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
                     c.rescale(parallelism)
+                if f.mapping("alignment", default=None) is not None:  # another alignment from the next batch on
+                    st.alignment = self._alignment(f)
                 if source and (st.restore is None or st.restore.get("source") != source):
                     note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
                             f"application")
@@ -167,7 +202,8 @@ class StateService:
                 restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
                 coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
                                               num_retained=num_retained, merging=merging)
-                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore)
+                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore,
+                                                 alignment=self._alignment(f))
                 log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
                          max_parallelism, key_type, storage.url)
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
@@ -179,6 +215,14 @@ class StateService:
         latest = max(st.coordinator.retained(), default=None)
         checkpointed = None if latest is None else st.coordinator.completed(latest).parallelism
         return checkpointed if checkpointed not in (None, parallelism) else None
+
+    def _alignment(self, f: Fields) -> AlignmentOptions:
+        """The state's alignment options (FLIP-76): the application's, with the request's overrides."""
+        given = f.mapping("alignment", default=None) or {}
+        try:
+            return AlignmentOptions.from_json({**self.alignment.to_json(), **given})
+        except StewardError as exc:
+            raise InvalidRequestError(f"{f.op}: {exc}") from None
 
     def _merging(self, f: Fields, storage: CheckpointStorage) -> MergingOptions:
         """The state's file-merging options: the application's, with the request's overrides."""
@@ -242,6 +286,9 @@ class StateService:
                     f"latest st.keyed_state(...) call")
             cid = self._checkpoint_id(f, st)
             begun = st.coordinator.begin(cid)
+            st.stage_started.pop(cid, None)   # a new attempt: its stage starts with its first task
+            for old in [c for c in st.stage_started if c < cid]:
+                del st.stage_started[old]
             st.failures.pop(cid, None)
             if not begun.rerun:
                 st.stats.pop(cid, None)
@@ -440,6 +487,7 @@ class StateService:
                     "key_type": st.coordinator.key_type.value}
         storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
         self._merging(f, storage)
+        self._alignment(f)
         own = storage.checkpoint_ids()
         if own:
             latest = storage.read_metadata(own[-1])
@@ -533,7 +581,8 @@ def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism:
 def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict[str, Any]:
     """One checkpoint's stats, summed over the subtasks' acks, with each subtask's restore."""
     merged = per_subtask.get(-1, {})
-    acks = [per_subtask[i] for i in sorted(per_subtask) if i >= 0]
+    ids = [i for i in sorted(per_subtask) if i >= 0]
+    acks = [per_subtask[i] for i in ids]
 
     def total(key: str) -> int:
         return sum(int(a.get(key) or 0) for a in acks)
@@ -549,7 +598,15 @@ def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict
             "files": total("files"), "bytes": total("bytes"),
             "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
             "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order
-            "restores": [a["restore"] for a in acks if a.get("restore")]}
+            "restores": [a["restore"] for a in acks if a.get("restore")],
+            # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
+            "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),
+            "channel_bytes": total("channel_bytes"),
+            "unaligned_subtasks": [i for i, a in zip(ids, acks) if a.get("unaligned")],
+            "per_subtask": [{"subtask": i, "rows_processed": int(a.get("rows_processed") or 0),
+                             "rows_deferred": int(a.get("rows_deferred") or 0),
+                             "channel_bytes": int(a.get("channel_bytes") or 0),
+                             "unaligned": bool(a.get("unaligned"))} for i, a in zip(ids, acks)]}
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

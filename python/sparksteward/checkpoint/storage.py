@@ -118,7 +118,7 @@ class CheckpointStorage:
                         known: Container[str] | Mapping[str, Any] = frozenset(),
                         cache: LocalFileCache | None = None,
                         merge: Callable[[str, Path, str], FileHandle] | None = None,
-                        merge_below: int = 0) -> UploadResult:
+                        merge_below: int = 0, channel: tuple[Path, ...] = ()) -> UploadResult:
         """Upload the files of a local snapshot whose checksum ``known`` lacks; return the handle.
 
         ``known`` holds the checksums the registry already has (the files of the base checkpoint).
@@ -129,13 +129,19 @@ class CheckpointStorage:
         ``merge(name, local, checksum)``: FLIP-306 file merging. A new file smaller than
         ``merge_below`` bytes is appended to a merged physical file by ``merge``, which returns its
         segment's handle; larger files are uploaded whole to ``shared/<checksum>``.
+
+        ``channel``: FLIP-76 channel-state files of the subtask (its deferred input), stored like the
+        other files and listed in the handle's ``channel_state``.
         """
         snapshot_dir = Path(snapshot_dir)
-        files: list[FileHandle] = []
+        state_handles: list[FileHandle] = []
+        channel_handles: list[FileHandle] = []
         uploaded: list[str] = []
         merged: set[str] = set()
         sent = reused = 0
-        for local in sorted(p for p in snapshot_dir.iterdir() if p.is_file()):
+        todo = [(p, state_handles) for p in sorted(p for p in snapshot_dir.iterdir() if p.is_file())]
+        todo += [(Path(p), channel_handles) for p in channel]
+        for local, files in todo:
             checksum = hash_file(local).hex()
             size = local.stat().st_size
             if checksum in known:
@@ -160,7 +166,8 @@ class CheckpointStorage:
             sent += size
             if cache is not None and _is_immutable(local.name):
                 cache.adopt(local, checksum)
-        handle = SubtaskHandle(subtask=subtask, key_groups=key_groups, files=tuple(files))
+        handle = SubtaskHandle(subtask=subtask, key_groups=key_groups, files=tuple(state_handles),
+                               channel_state=tuple(channel_handles))
         return UploadResult(handle, tuple(uploaded), sent, reused, tuple(sorted(merged)))
 
     def put_file(self, local: Path, rel: str) -> None:

@@ -74,6 +74,7 @@ class _Open:
     key_groups: Any
     restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
     merging: MergingOptions = MergingOptions(enabled=False)
+    channel: Path | None = None    # where the task writes its deferred input (FLIP-76)
 
 
 class SubtaskService:
@@ -141,16 +142,36 @@ class SubtaskService:
         if stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         known = {k: (v if isinstance(v, str) else (str(v[0]), int(v[1]))) for k, v in base["known"].items()}
+        replay = self._replay(storage, meta, p, subtask, m) if meta is not None else []
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
                        known, key_group_range(m, p, subtask), restore,
-                       MergingOptions.from_json(base.get("merging")))
+                       MergingOptions.from_json(base.get("merging")),
+                       self.root / "snapshots" / f"channel-{subtask}-{token}")
         with self._lock:
             if self._closed:
                 shutil.rmtree(workdir, ignore_errors=True)
                 raise CheckpointError("the executor agent is shutting down")
             self._open[token] = opened
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
-                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore}
+                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
+                "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
+                "channel": str(opened.channel), "replay": replay,
+                "replay_filter": meta is not None and meta.parallelism != p}
+
+    def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
+                max_parallelism: int) -> list[dict[str, str]]:
+        """The base's channel state this subtask replays first (FLIP-76): its own, or after a rescale
+        that of every old subtask overlapping its key groups; fetched into the cache, verified."""
+        kg = key_group_range(max_parallelism, parallelism, subtask)
+        out = []
+        for old in meta.subtasks:
+            if old.key_groups.stop <= kg.start or old.key_groups.start >= kg.stop:
+                continue
+            for f in old.channel_state:
+                path, _, _ = storage._fetch(meta, old, f, self.cache)
+                out.append({"name": f"channel state {f.name} of checkpoint {meta.checkpoint_id}, subtask {old.subtask} "
+                                    f"({storage.url_of(f.path)})", "path": str(path)})
+        return out
 
     def _take(self, f: Fields) -> _Open:
         token = f.text("token", max_len=64)
@@ -164,6 +185,8 @@ class SubtaskService:
         f = Fields(req)
         opened = self._take(f)
         sync_ms = f.number("sync_ms", default=0.0, lo=0)
+        counters = f.mapping("counters", default=None) or {}
+        channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
         shutil.rmtree(opened.workdir, ignore_errors=True)
         if not opened.snapshot.is_dir():
             raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
@@ -175,7 +198,11 @@ class SubtaskService:
                 stats = {"files_uploaded": written, "bytes_uploaded": result.bytes_uploaded,
                          "whole_files_uploaded": len(result.uploaded), "segments_written": written - len(result.uploaded),
                          "files_reused": result.files_reused, "files": len(result.handle.files),
-                         "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore}
+                         "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore,
+                         "rows_processed": int(counters.get("rows_processed") or 0),
+                         "rows_deferred": int(counters.get("rows_deferred") or 0),
+                         "channel_bytes": sum(h.length for h in result.handle.channel_state),
+                         "unaligned": bool(counters.get("unaligned"))}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
                              stats=stats)
@@ -205,7 +232,7 @@ class SubtaskService:
 
         self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
                              on_done=done, on_error=failed, merge=merge,
-                             merge_below=opts.max_file_size if opts.enabled else 0)
+                             merge_below=opts.max_file_size if opts.enabled else 0, channel=channel)
         return {}
 
     # --- file merging: seal or discard the pools the driver agent decides on -------------------
@@ -267,6 +294,8 @@ class SubtaskService:
         if opened is not None:
             shutil.rmtree(opened.workdir, ignore_errors=True)
             shutil.rmtree(opened.snapshot, ignore_errors=True)
+            if opened.channel is not None:
+                opened.channel.unlink(missing_ok=True)
         return {"released": opened is not None}
 
     def open_subtasks(self) -> int:

@@ -45,7 +45,7 @@ class SnapshotUploader:
                on_done: Callable[[int, UploadResult], None] | None = None,
                on_error: Callable[[int, int, BaseException], None] | None = None,
                merge: Callable[[str, Path, str], FileHandle] | None = None,
-               merge_below: int = 0) -> Future[UploadResult]:
+               merge_below: int = 0, channel: tuple[Path, ...] = ()) -> Future[UploadResult]:
         """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``)."""
         with self._lock:
             if self._closed:
@@ -54,7 +54,8 @@ class SnapshotUploader:
             def work() -> UploadResult:
                 try:
                     result = storage.upload_snapshot(snapshot.path, subtask, snapshot.key_groups, known=known,
-                                                     cache=self._cache, merge=merge, merge_below=merge_below)
+                                                     cache=self._cache, merge=merge, merge_below=merge_below,
+                                                     channel=channel)
                 except BaseException as exc:
                     log.warning("upload of checkpoint %d subtask %d of %s failed: %s", checkpoint_id, subtask,
                                 storage.state, exc)
@@ -63,6 +64,8 @@ class SnapshotUploader:
                     raise
                 finally:
                     shutil.rmtree(snapshot.path, ignore_errors=True)
+                    for p in channel:
+                        Path(p).unlink(missing_ok=True)
                 if on_done is not None:
                     on_done(checkpoint_id, result)
                 return result

@@ -78,6 +78,41 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 
 
+def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int
+                     ) -> tuple[Iterator[Any], Any, dict[str, int]]:
+    """A subtask's input (FLIP-76): the base's channel state first (filtered by key group after a
+    rescale), then its own batches; with an unaligned alignment, the buffers left once the deadline
+    passed go to a channel-state writer instead (returned, for the caller to close)."""
+    import itertools
+    import time
+
+    from sparksteward.checkpoint.channel import (
+        AlignmentMode,
+        AlignmentOptions,
+        ChannelStateWriter,
+        iter_deferring,
+        read_channel_state,
+        replay,
+    )
+
+    sources = [(r["name"], r["path"]) for r in opened.get("replay") or []]
+    if sources and opened.get("replay_filter"):
+        replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
+    else:
+        replayed = (b for n, path in sources for b in read_channel_state(path, n))
+    source = itertools.chain(replayed, batches)
+    alignment = AlignmentOptions.from_json(opened.get("alignment"))
+    writer = None
+    deadline_in = opened.get("deadline_in")
+    deadline = time.monotonic() + float(deadline_in or 0)
+    if alignment.unaligned and deadline_in is not None:
+        cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
+        writer = ChannelStateWriter(opened["channel"], max_bytes=cap)
+    counters: dict[str, int] = {}
+    return (iter_deferring(source, deadline_passed=lambda: time.monotonic() >= deadline, writer=writer,
+                           counters=counters), writer, counters)
+
+
 def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
                 form: str, parallelism: int | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
@@ -97,20 +132,27 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
                               parallelism=parallelism)
         token = opened["token"]
         uploaded = False
+        writer = None
         try:
             p, m = opened["parallelism"], opened["max_parallelism"]
-            backend = RocksDBStateBackend(opened["workdir"], key_group_range(m, p, subtask), m, opened["key_type"],
-                                          create=False)
+            kg = key_group_range(m, p, subtask)
+            backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
             try:
                 runner = run_arrow if form == "arrow" else run_pandas
                 cleaned = (b.drop_columns([_ROUTE_COL]) if _ROUTE_COL in b.schema.names else b for b in batches)
-                yield from runner(cleaned, key, fn, backend, schema)
+                source, writer, counters = _unaligned_input(opened, cleaned, key, kg, m)
+                yield from runner(source, key, fn, backend, schema)
+                channel = writer.close() if writer is not None else None
+                writer = None
                 snap = backend.snapshot(opened["snapshot"])  # the sync phase
             finally:
                 backend.close()
-            conn.request("state.upload", token=token, sync_ms=snap.sync_ms)  # the async phase starts
+            counters["channel_bytes"] = channel.bytes if channel is not None else 0
+            conn.request("state.upload", token=token, sync_ms=snap.sync_ms, counters=counters)  # the async phase
             uploaded = True
         finally:
+            if writer is not None:
+                writer.abort()
             if not uploaded:
                 try:
                     conn.request("state.release", token=token)
@@ -126,7 +168,7 @@ class KeyedState:
     def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
                  key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1,
                  restore_from: str | None = None, claim_mode: str = "no_claim",
-                 file_merging: dict[str, Any] | None = None) -> None:
+                 file_merging: dict[str, Any] | None = None, alignment: dict[str, Any] | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -140,6 +182,7 @@ class KeyedState:
         self.restore_from = restore_from
         self.claim_mode = claim_mode
         self.file_merging = file_merging
+        self.alignment = alignment
         #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
         #: duplication counts), once the first apply registered the state; None without restore_from
         self.restore_info: dict[str, Any] | None = None
@@ -159,7 +202,7 @@ class KeyedState:
                                      parallelism=self.parallelism, max_parallelism=self.max_parallelism,
                                      key_type=key_type, num_retained=self.num_retained,
                                      restore_from=self.restore_from, claim_mode=self.claim_mode,
-                                     file_merging=self.file_merging)
+                                     file_merging=self.file_merging, alignment=self.alignment)
             self.rescaled_from = reply.get("rescaled_from")
             self._registered = True
             self.restore_info = reply.get("restore")

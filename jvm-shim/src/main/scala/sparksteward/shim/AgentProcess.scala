@@ -52,6 +52,11 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
   @volatile private var reader: Thread = _
   @volatile private var replay: Vector[String] = Vector.empty // sent again after hello to a restarted agent
 
+  /** The latest value of each number of the agent's `metrics` lines; `onNewMetric` sees each new name once. */
+  val metrics = new ConcurrentHashMap[String, java.lang.Double]()
+  val metricsLines = new AtomicLong(0)
+  @volatile var onNewMetric: String => Unit = _ => ()
+
   private val pending = new ConcurrentHashMap[Long, CompletableFuture[JsonNode]]()
   private val requestIds = new AtomicLong(0)
   private val writer = new Thread(() => supervise(), s"steward-$role-agent")
@@ -97,6 +102,13 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     if (node.path("type").asText() == "reply") Option(pending.get(node.path("id").asLong(-1))).foreach(_.complete(node))
   } catch { case _: Exception => log.warn(s"$role agent: unreadable reply line: $line") }
 
+  private def updateMetrics(line: String): Unit = try {
+    AgentAnswer.mapper.readTree(line).path("values").fields().forEachRemaining { e =>
+      if (e.getValue.isNumber && metrics.put(e.getKey, e.getValue.asDouble) == null) onNewMetric(e.getKey)
+    }
+    metricsLines.incrementAndGet()
+  } catch { case e: Exception => log.warn(s"$role agent: unreadable metrics line ($e): $line") }
+
   private def failPending(why: String): Unit =
     pending.values.forEach(f => f.completeExceptionally(new IOException(why)))
 
@@ -122,7 +134,8 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
     val in = new BufferedReader(new InputStreamReader(p.getInputStream, UTF_8))
     var line = in.readLine()
     while (line != null) {
-      if (line.contains("\"reply\"")) completeReply(line)
+      if (line.startsWith(Messages.MetricsPrefix)) updateMetrics(line)
+      else if (line.contains("\"reply\"")) completeReply(line)
       else AgentAnswer.parse(line) match {
         case Some(a) => setAnswer(a)
         case None => log.debug(s"$role agent: $line")

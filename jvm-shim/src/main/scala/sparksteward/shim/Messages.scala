@@ -4,6 +4,8 @@ package sparksteward.shim
  *  Each returns one JSON line without the trailing newline; key order is fixed, as in the goldens. */
 object Messages {
   val Version = 1
+  /** How every agent -> shim `metrics` line begins (protocol.encode_metrics). */
+  val MetricsPrefix = "{\"v\":1,\"type\":\"metrics\","
 
   /** A JSON value: String, Long/Int, Boolean, null/None, Seq of values, or Map[String, String]. */
   private def value(v: Any, sb: StringBuilder): Unit = v match {

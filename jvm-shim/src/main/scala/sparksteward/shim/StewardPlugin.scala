@@ -8,6 +8,7 @@ import java.util.{Map => JMap}
 import scala.jdk.CollectionConverters._
 import scala.util.control.NonFatal
 
+import com.codahale.metrics.Gauge
 import org.apache.spark.{ExceptionFailure, SparkConf, SparkContext, SparkEnv, SparkException, SparkFiles, TaskContext,
   TaskFailedReason}
 import org.apache.spark.api.plugin.{DriverPlugin, ExecutorPlugin, PluginContext, SparkPlugin}
@@ -74,8 +75,17 @@ class StewardDriverPlugin extends DriverPlugin {
     Map("endpoint" -> s"$host:$port", "secret" -> secret).asJava
   }
 
-  /** Runs at the end of SparkContext start: fails the start unless the agent reported `ready`. */
+  /** Runs at the end of SparkContext start: fails the start unless the agent reported `ready`. Each number
+   *  of the agent's `metrics` lines becomes a gauge here, now or when it first comes (Spark registers the
+   *  registry only if it has a metric now: `agent.metrics_lines` counts the lines). */
   override def registerMetrics(appId: String, ctx: PluginContext): Unit = {
+    val registry = ctx.metricRegistry()
+    def gauge(name: String)(value: => Any): Unit =
+      try registry.register(name, new Gauge[Any] { override def getValue: Any = value })
+      catch { case _: IllegalArgumentException => () } // registered already
+    gauge("agent.metrics_lines")(agent.metricsLines.get())
+    agent.onNewMetric = name => gauge(name)(agent.metrics.get(name))
+    agent.metrics.keySet.forEach(name => gauge(name)(agent.metrics.get(name)))
     val timeoutMs = conf.getTimeAsMs("spark.steward.agent.start-timeout", "120s")
     agent.awaitAnswer(timeoutMs) match {
       case Ready(_, _) => checkStartUrls()

@@ -35,6 +35,8 @@ object ProtocolGoldenTest {
         "{\"v\":1,\"type\":\"shutdown\",\"time\":0,\"reason\":\"\\b\\f\\r\\t\\u001f\\\\ \u00e9\u20ac\"}", ""),
       ("reply carries the path", AgentAnswer.mapper.readTree(golden("reply")).path("path").asText().endsWith(
         "/p-00112233445566778899aabbccddeeff") && AgentAnswer.parse(golden("reply")).isEmpty, ""),
+      ("metrics lines begin with MetricsPrefix", golden("metrics").startsWith(Messages.MetricsPrefix) &&
+        AgentAnswer.parse(golden("metrics")).isEmpty, ""),
       ("ignore other lines", AgentAnswer.parse("not json").isEmpty && AgentAnswer.parse("{\"v\":2,\"type\":\"ready\"}").isEmpty, ""))
     checks.foreach { case (name, ok, detail) => println(s"${if (ok) "ok  " else "FAIL"} $name${if (ok) "" else detail}") }
     val failed = checks.count(!_._2)
