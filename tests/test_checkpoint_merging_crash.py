@@ -150,10 +150,11 @@ class Cluster:
         return reply["actions"][0]["action"] == "seal"
 
     # --- the Python tasks -------------------------------------------------------------------------
-    def task(self, cid: int, subtask: int, delta: dict[str, int], pad: int = 0) -> None:
-        """Subtask ``subtask`` of batch ``cid`` on executor ``subtask % executors``: adds ``delta``
-        to the default value state and ``pad`` bytes of incompressible values to another state."""
-        agent = self.execs[subtask % len(self.execs)]
+    def task(self, cid: int, subtask: int, delta: dict[str, int], pad: int = 0, executor: int | None = None) -> None:
+        """Subtask ``subtask`` of batch ``cid`` on ``executor`` (default ``subtask % executors``):
+        adds ``delta`` to the default value state and ``pad`` bytes of incompressible values to
+        another state."""
+        agent = self.execs[subtask % len(self.execs) if executor is None else executor]
         with agent.connect() as conn:
             opened = conn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask, parallelism=P)
             kg = key_group_range(M, P, subtask)
@@ -171,12 +172,13 @@ class Cluster:
                 backend.close()
             conn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
 
-    def tasks(self, cid: int, delta: dict[str, int], pads: dict[int, int] | None = None) -> None:
+    def tasks(self, cid: int, delta: dict[str, int], pads: dict[int, int] | None = None,
+              placement: dict[int, int] | None = None) -> None:
         parts: list[dict[str, int]] = [{} for _ in range(P)]
         for k, v in delta.items():
             parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
         for i, part in enumerate(parts):
-            self.task(cid, i, part, pad=(pads or {}).get(i, 0))
+            self.task(cid, i, part, pad=(pads or {}).get(i, 0), executor=(placement or {}).get(i))
 
     def batch(self, cid: int, delta: dict[str, int], pads: dict[int, int] | None = None) -> dict:
         self.request("state.begin", name="s", checkpoint_id=cid)
@@ -257,17 +259,19 @@ def test_driver_agent_killed_between_the_acks_and_metadata(tmp_path, store, kill
         cl.close()
 
 
-def _kill_mid_seal(cl: Cluster, e: int, s3) -> str:
-    """SIGKILL executor ``e``'s agent while it uploads one of its merged files; return the path."""
+def _kill_mid_upload(cl: Cluster, e: int, s3, what: str) -> str:
+    """SIGKILL executor ``e``'s agent while it uploads: ``merged`` one of its merged physical files
+    (the seal), ``shared`` a whole SST (before its ack). Return the path caught in flight."""
     agent = cl.execs[e]
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        mine = {os.path.basename(p).split("-", 1)[1] for p in cl.staged(e)}   # merged-<uuid>
         if s3 is not None:
-            hits = [k for op, k in s3.in_flight() if op == "PutObject" and "/s/merged/" in k]
+            hits = [k for op, k in s3.in_flight() if op == "PutObject" and f"/s/{what}/" in k]
         else:
-            hits = glob.glob(os.path.join(cl.storage.location.path("merged"), ".*.tmp"))
-        hits = [h for h in hits if os.path.basename(h).lstrip(".").split(".")[0] in mine]
+            hits = glob.glob(os.path.join(cl.storage.location.path(what), ".*.tmp"))
+        if what == "merged":   # executor e's own files (staged locally as merged-<uuid> until sealed)
+            mine = {os.path.basename(p).split("-", 1)[1] for p in cl.staged(e)}
+            hits = [h for h in hits if os.path.basename(h).lstrip(".").split(".")[0] in mine]
         if hits:
             os.kill(agent.proc.pid, signal.SIGKILL)
             agent.proc.wait(10)
@@ -275,28 +279,37 @@ def _kill_mid_seal(cl: Cluster, e: int, s3) -> str:
         assert agent.proc.poll() is None
         if s3 is not None:
             time.sleep(0.0005)   # moto serves the upload in this process: leave it the GIL
-    raise AssertionError("executor agent never observed uploading a merged file")
+    raise AssertionError(f"executor agent never observed uploading a {what} file")
 
 
-def test_executor_agent_killed_while_it_uploads_a_merged_file(tmp_path, store, capsys):
+@pytest.mark.parametrize("during", ["seal", "whole"])
+def test_executor_agent_killed_mid_upload(tmp_path, store, during, capsys):
+    """``seal``: the agent dies while it uploads a merged physical file (every subtask acked).
+    ``whole``: it dies while it uploads a large SST whole, before the subtask's ack; it ran no other
+    subtask of the checkpoint, so it holds no merged file the checkpoint needs."""
     from sparksteward.cli import main
 
     checkpoint_dir, s3 = store
     batches = deltas(3)
-    cl = Cluster(tmp_path, checkpoint_dir, s3, max_file_size="32m", agent_timeout="3s", commit_timeout="30s")
+    cl = Cluster(tmp_path, checkpoint_dir, s3, max_file_size="32m" if during == "seal" else "64k",
+                 agent_timeout="3s", commit_timeout="30s")
+    # batch 2 on executor 1 (subtasks 1 and 3): ~12 MB of new state, in one merged physical file
+    # (seal) or one whole SST of the last subtask (whole); either upload takes long enough to be
+    # caught in the act (a staged temp file in the store, or a PUT the S3 server is receiving)
+    pads = {1: 6 << 20, 3: 6 << 20} if during == "seal" else {3: 12 << 20}
+    placement = None if during == "seal" else {0: 0, 1: 0, 2: 0, 3: 1}
     try:
         cl.register()
         for cid in range(2):
             cl.batch(cid, batches[cid])
-        # batch 2: the subtasks of executor 1 (1 and 3) write ~6 MB each, merged into one physical
-        # file whose seal (fsync + copy, or one PUT) takes long enough to be caught in the act
         cl.request("state.begin", name="s", checkpoint_id=2)
-        cl.tasks(2, batches[2], pads={1: 6 << 20, 3: 6 << 20})
-        hit = _kill_mid_seal(cl, 1, s3)
+        cl.tasks(2, batches[2], pads, placement)
+        hit = _kill_mid_upload(cl, 1, s3, "merged" if during == "seal" else "shared")
         started = time.monotonic()
-        with pytest.raises(StewardError, match=r"checkpoint 2 of keyed state 's' was aborted.*executor agents "
-                                               r"\[.*\] hold merged checkpoint files it needs and have not "
-                                               r"answered for 3 s"):
+        why = "hold merged checkpoint files it needs" if during == "seal" else \
+            r"were uploading its subtasks \[3\] \(not acked\)"
+        with pytest.raises(StewardError, match=rf"checkpoint 2 of keyed state 's' was aborted.*executor agents "
+                                               rf"\['[^']+'\] {why} and have not answered for 3 s"):
             cl.request("state.commit", name="s", checkpoint_id=2, wait=30)
         took = time.monotonic() - started
         assert took < 10, f"commit took {took:.1f} s to notice the dead executor agent"
@@ -318,8 +331,53 @@ def test_executor_agent_killed_while_it_uploads_a_merged_file(tmp_path, store, c
         cl.start_executor(1)
         wait_until(lambda: not any(Path(r).exists() for r in killed_root), timeout=10,
                    what="the new executor agent to sweep the killed agent's working root")
-        cl.batch(2, batches[2], pads={1: 6 << 20, 3: 6 << 20})
+        wait_until(lambda: not cl.staged(0), timeout=10, what="executor 0 to discard its staged files")
+        cl.batch(2, batches[2], pads)
         assert cl.values(2) == applied(batches)
         assert cl.stored() == cl.referenced()
+    finally:
+        cl.close()
+
+
+def test_a_live_executor_agent_with_a_long_task_is_not_taken_for_dead(tmp_path):
+    """The other side of the agent timeout: an agent whose subtask stays open (its task runs) or
+    uploads for longer than agent-timeout keeps answering (heartbeats), so commit waits for it."""
+    import threading
+
+    batches = deltas(1)
+    cl = Cluster(tmp_path, str(tmp_path / "checkpoints"), None, agent_timeout="1s", commit_timeout="30s")
+    try:
+        cl.register()
+        cl.request("state.begin", name="s", checkpoint_id=0)
+        parts: list[dict[str, int]] = [{} for _ in range(P)]
+        for k, v in batches[0].items():
+            parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
+        for i in range(P - 1):   # on executor 0; executor 1 runs only the long task (it holds no merged file)
+            cl.task(0, i, parts[i], executor=0)
+        committed: dict = {}
+
+        def commit() -> None:
+            try:
+                committed.update(cl.request("state.commit", name="s", checkpoint_id=0, wait=30))
+            except StewardError as exc:
+                committed["error"] = str(exc)
+
+        committer = threading.Thread(target=commit)
+        agent = cl.execs[1]
+        with agent.connect() as conn:   # the last task runs 3 agent-timeouts long while commit waits
+            opened = conn.request("state.open", name="s", checkpoint_id=0, subtask=P - 1, parallelism=P)
+            committer.start()
+            time.sleep(3.0)
+            backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, P - 1), M, "string", create=False)
+            try:
+                for k, d in parts[P - 1].items():
+                    backend.value("value").update(k, d)
+                snap = backend.snapshot(opened["snapshot"])
+            finally:
+                backend.close()
+            conn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+        committer.join(30)
+        assert committed.get("checkpoint_id") == 0, committed
+        assert cl.values(0) == applied(batches)
     finally:
         cl.close()

@@ -263,8 +263,9 @@ OPTIONS = OPTIONS + (
            check=lambda v: 1 <= v <= 64, allowed="an integer from 1 to 64"),
     Option("spark.steward.checkpoint.agent-timeout", "duration", "30s",
            "How long the driver agent waits for an executor agent that holds files of a pending "
-           "checkpoint (merged files not sealed yet) to answer before commit aborts the checkpoint "
-           "(its executor was lost). Agents poll every second while they hold such files.",
+           "checkpoint (merged files not sealed yet) or opened one of its subtasks that has not acked "
+           "(its task or upload still running) to answer before commit aborts the checkpoint (its "
+           "executor was lost). Agents poll every second while they hold such files or subtasks.",
            check=_positive),
     # FLIP-306 file merging (issue 9); Flink's execution.checkpointing.file-merging.* semantics
     Option("spark.steward.checkpoint.file-merging.enabled", "bool", "true",

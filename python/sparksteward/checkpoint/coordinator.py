@@ -354,6 +354,12 @@ class CheckpointCoordinator:
                 pending.sealed[p] = int(size)
                 pending.uploaded.add(p)
 
+    def acked(self, checkpoint_id: int) -> set[int]:
+        """The subtasks whose ack pending checkpoint ``checkpoint_id`` holds (empty if not pending)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            return set(pending.acks) if pending is not None else set()
+
     def sealed_files(self, checkpoint_id: int) -> dict[str, int]:
         """The merged files agents sealed so far for pending checkpoint ``checkpoint_id`` (path -> size)."""
         with self._lock:

@@ -18,16 +18,20 @@ Ops (every request names its state with ``name``)::
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
                     caller's routing: refused when the state was rescaled since) -> id, rerun
-    state.base      checkpoint_id -> the base every attempt restores (begins N if it is not pending:
-                    a second action on a lazy output after commit re-runs N from the same base; an
-                    aborted N is refused, only state.begin restarts it)
+    state.base      checkpoint_id, subtask, agent -> the base every attempt restores (begins N if it is
+                    not pending: a second action on a lazy output after commit re-runs N from the same
+                    base; an aborted N is refused, only state.begin restarts it). ``agent`` (the
+                    executor agent opening ``subtask``) is then expected to ack it
     state.ack       checkpoint_id, handle, uploaded, stats (from executor agents, after the async phase)
     state.fail      checkpoint_id, subtask, message   (an upload or a seal failed: commit aborts)
-    state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], wait
+    state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], working [{name,
+                    checkpoint_id, subtask}], wait
                     -> actions [{name, checkpoint_id, action: seal|wait|discard}] (FLIP-306: an executor
                     agent holding unsealed merged files long-polls; once every subtask acked, it
-                    seals them. The polls are its heartbeat: when an agent holding files a pending
-                    checkpoint needs goes silent for agent_timeout, commit aborts the checkpoint)
+                    seals them. The polls are its heartbeat, sent too while it has subtasks open or
+                    uploading (``working``): when an agent holding merged files a pending checkpoint
+                    needs, or the agent that opened a subtask not acked yet, goes silent for
+                    agent_timeout, commit aborts the checkpoint, since that upload will never come)
     state.sealed    name, checkpoint_id, agent, files [{path, size}] (merged files now durable)
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
                     returns the checkpoint's stats;
@@ -78,6 +82,8 @@ class _State:
     failures: dict[int, list[str]] = field(default_factory=dict)
     stats: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # checkpoint -> subtask -> ack stats
     restore: dict[str, Any] | None = None  # what register did with restore_from
+    working: dict[int, dict[int, str]] = field(default_factory=dict)  # pending checkpoint -> subtask -> the
+                                                                       # agent that last opened or uploads it
     alignment: AlignmentOptions = AlignmentOptions()
     stage_started: dict[int, float] = field(default_factory=dict)  # checkpoint -> first task's open (monotonic)
 
@@ -298,6 +304,8 @@ class StateService:
         f = Fields(req)
         _, st = self._state(f)
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
+        subtask = f.integer("subtask", default=None, lo=0, hi=32768)
+        agent = f.text("agent", default="", max_len=200)
         with self._cond:  # one begin per checkpoint, even when every task asks at once
             if cid in st.coordinator.pending():
                 begun = st.coordinator.base(cid)
@@ -306,7 +314,18 @@ class StateService:
                 st.failures.pop(cid, None)
                 if not begun.rerun:
                     st.stats.pop(cid, None)
+            if agent and subtask is not None:
+                self._working_on(st, agent, cid, subtask)
         return self._reply_base(st, cid, begun)
+
+    def _working_on(self, st: _State, agent: str, cid: int, subtask: int) -> None:
+        """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds the lock)."""
+        self._seen[agent] = time.monotonic()
+        pending = st.coordinator.pending()
+        if cid in pending:
+            st.working.setdefault(cid, {})[subtask] = agent
+        for old in [c for c in st.working if c not in pending]:
+            del st.working[old]
 
     def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -351,15 +370,23 @@ class StateService:
         wait = f.number("wait", default=1.0, lo=0, hi=5.0)
         pools = req.get("pools") or []
         closed = req.get("closed") or []
-        if not isinstance(pools, list) or len(pools) > 100_000 or not isinstance(closed, list) \
-                or len(closed) > 100_000:
-            raise InvalidRequestError(f"{f.op}: fields 'pools' and 'closed' must be lists")
+        working = req.get("working") or []
+        if not all(isinstance(x, list) and len(x) <= 100_000 for x in (pools, closed, working)):
+            raise InvalidRequestError(f"{f.op}: fields 'pools', 'closed' and 'working' must be lists")
         asked = []
         for p in pools:
             pf = _sub(f, p)
             asked.append((pf.text("name", max_len=200), pf.integer("checkpoint_id", lo=0, hi=_MAX_ID)))
+        busy = []
+        for w in working:
+            wf = _sub(f, w)
+            busy.append((wf.text("name", max_len=200), wf.integer("checkpoint_id", lo=0, hi=_MAX_ID),
+                         wf.integer("subtask", lo=0, hi=32768)))
         with self._cond:
             self._seen[agent] = time.monotonic()
+            for name, cid, subtask in busy:
+                if name in self._states:
+                    self._working_on(self._states[name], agent, cid, subtask)
             by_name: dict[str, set[str]] = {}
             for c in closed:
                 cf = _sub(f, c)
@@ -399,11 +426,15 @@ class StateService:
             self._cond.notify_all()
         return {}
 
-    def _silent_agents(self, st: _State, cid: int) -> list[str]:
-        """Agents holding merged files ``cid`` needs that have not polled for agent_timeout."""
+    def _silent_agents(self, st: _State, cid: int) -> tuple[list[str], list[int]]:
+        """Agents that have not polled for agent_timeout and hold merged files ``cid`` needs or
+        opened a subtask of it that has not acked; and those subtasks."""
         now = time.monotonic()
-        agents = set(st.coordinator.unsealed(cid).values())
-        return sorted(a for a in agents if now - self._seen.get(a, now) > self.agent_timeout)
+        holders = set(st.coordinator.unsealed(cid).values())
+        acked = st.coordinator.acked(cid)
+        opened = {i: a for i, a in st.working.get(cid, {}).items() if i not in acked}
+        silent = sorted(a for a in holders | set(opened.values()) if now - self._seen.get(a, now) > self.agent_timeout)
+        return silent, sorted(i for i, a in opened.items() if a in silent)
 
     def _op_commit(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -426,20 +457,25 @@ class StateService:
                     st.stats.pop(cid, None)
                     raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
                                           f"({'; '.join(failures)})")
-                silent = self._silent_agents(st, cid)
+                silent, lost = self._silent_agents(st, cid)
                 if silent:
+                    holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))
                     deleted = st.coordinator.abort(cid)
                     st.stats.pop(cid, None)
+                    st.working.pop(cid, None)
                     for a in silent:
                         st.coordinator.files_closed(a)
+                    what = (["hold merged checkpoint files it needs"] if holders else []) + \
+                        ([f"were uploading its subtasks {lost} (not acked)"] if lost else [])
                     raise CheckpointError(
                         f"checkpoint {cid} of keyed state {name!r} was aborted ({deleted} files deleted): executor "
-                        f"agents {silent} hold merged checkpoint files it needs and have not answered for "
+                        f"agents {silent} {' and '.join(what)} and have not answered for "
                         f"{self.agent_timeout:g} s (their executor was lost?). Apply the batch again with the "
                         f"same checkpoint_id")
                 try:
                     sealed = st.coordinator.sealed_files(cid)
                     meta = st.coordinator.complete(cid)
+                    st.working.pop(cid, None)
                     break
                 except CheckpointOrderError:
                     raise
@@ -466,6 +502,7 @@ class StateService:
             deleted = st.coordinator.abort(cid)
             st.failures.pop(cid, None)
             st.stats.pop(cid, None)
+            st.working.pop(cid, None)
         return {"deleted": deleted}
 
     def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:

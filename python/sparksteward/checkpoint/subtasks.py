@@ -21,7 +21,9 @@ says), the async phase appends each small new file to this agent's :class:`FileM
 checkpoint instead of uploading it, and acks the segments with the physical files they went to. A
 poller thread long-polls the driver agent (``state.merge_poll``) while any pool holds unsealed files:
 once every subtask of the checkpoint has acked it seals them (``state.sealed``), and it discards a
-pool whose checkpoint was aborted. The polls are the agent's heartbeat for the driver.
+pool whose checkpoint was aborted. The polls are the agent's heartbeat for the driver: while it has
+subtasks open or uploading it polls every second too (``working``), so that commit aborts promptly
+when this agent dies before its acks (SIGKILL mid-upload) instead of waiting for the commit timeout.
 
 The agent owns everything under its ``state-<pid>-*`` root (an owner file marks it): it deletes the
 root on exit, and at start it sweeps the roots of agents proven dead on this host (SIGKILL included).
@@ -97,6 +99,7 @@ class SubtaskService:
         self.merger = FileMerger(self.root / "merging")
         self._names: dict[str, str] = {}            # checkpoint root URL -> state name (for the poller)
         self._sealing: set[tuple[str, int]] = set()
+        self._uploading: dict[int, tuple[str, int, int]] = {}   # upload id -> (state, checkpoint, subtask)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll_loop, name="steward-merge-poll", daemon=True)
@@ -121,7 +124,7 @@ class SubtaskService:
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
         routed = f.integer("parallelism", default=None, lo=1)
-        base = self._driver("state.base", name=name, checkpoint_id=cid)
+        base = self._driver("state.base", name=name, checkpoint_id=cid, subtask=subtask, agent=self.agent_id)
         p, m = base["parallelism"], base["max_parallelism"]
         if routed is not None and routed != p:
             raise ParallelismError(
@@ -192,6 +195,14 @@ class SubtaskService:
             raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
         snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms)
 
+        upload_id = id(opened)
+        with self._lock:
+            self._uploading[upload_id] = (opened.name, opened.checkpoint_id, opened.subtask)
+
+        def finished() -> None:
+            with self._lock:
+                self._uploading.pop(upload_id, None)
+
         def done(cid: int, result: UploadResult) -> None:
             try:
                 written = len(result.handle.files) - result.files_reused
@@ -208,6 +219,8 @@ class SubtaskService:
                              stats=stats)
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
+            finally:
+                finished()
 
         def failed(cid: int, subtask: int, exc: BaseException) -> None:
             try:
@@ -215,6 +228,8 @@ class SubtaskService:
                              message=f"{type(exc).__name__}: {exc}")
             except Exception as exc2:  # noqa: BLE001
                 log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
+            finally:
+                finished()
 
         merge = None
         opts = opened.merging
@@ -230,24 +245,41 @@ class SubtaskService:
                 self._wake.set()
                 return seg
 
-        self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
-                             on_done=done, on_error=failed, merge=merge,
-                             merge_below=opts.max_file_size if opts.enabled else 0, channel=channel)
+        try:
+            self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
+                                 on_done=done, on_error=failed, merge=merge,
+                                 merge_below=opts.max_file_size if opts.enabled else 0, channel=channel)
+        except BaseException:
+            finished()
+            raise
         return {}
+
+    def _working(self) -> list[dict[str, Any]]:
+        """The subtasks open here (their task runs) or uploading (their ack is still to come)."""
+        with self._lock:
+            busy = {(o.name, o.checkpoint_id, o.subtask) for o in self._open.values()}
+            busy.update(self._uploading.values())
+        return [{"name": n, "checkpoint_id": c, "subtask": s} for n, c, s in sorted(busy)]
 
     # --- file merging: seal or discard the pools the driver agent decides on -------------------
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             pools = [(url, cid) for url, cid in self.merger.pending() if (url, cid) not in self._sealing]
             closed = self.merger.drain_closed()
+            working = self._working()
             if not pools and not closed:
+                if working:   # a heartbeat: the driver agent learns this agent still works on them
+                    try:
+                        self._driver("state.merge_poll", agent=self.agent_id, wait=0, working=working)
+                    except Exception as exc:  # noqa: BLE001 - the driver agent is busy or gone
+                        log.debug("heartbeat to the driver agent failed: %s", exc)
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
             with self._lock:
                 names = dict(self._names)
             try:
-                reply = self._driver("state.merge_poll", agent=self.agent_id, wait=1.0,
+                reply = self._driver("state.merge_poll", agent=self.agent_id, wait=1.0, working=working,
                                      pools=[{"name": names[u], "checkpoint_id": c} for u, c in pools if u in names],
                                      closed=[{"name": names[u], "path": p} for u, p in closed if u in names])
             except Exception as exc:  # noqa: BLE001 - the driver agent is busy or gone; try again
