@@ -7,10 +7,12 @@ port with the same secret (what the shim does), and the executor agents carry on
 sweeps the orphans at start, every file the retained checkpoints reference is there and reads back,
 and the batch applied again commits and equals a clean run.
 
-(b) An executor agent is SIGKILLed while it uploads a merged physical file (the seal). Commit aborts
-once ``agent-timeout`` passes, nothing referenced is missing, ``steward checkpoints gc`` leaves
-exactly the referenced set, and with a new executor agent the batch applied again commits and equals
-a clean run.
+(b) An executor agent is SIGKILLed while it uploads: a merged physical file (the seal, after every
+ack), or a large SST whole (before its subtask's ack). Commit aborts once ``agent-timeout`` passes,
+nothing referenced is missing, ``steward checkpoints gc`` leaves exactly the referenced set, and with
+a new executor agent the batch applied again commits and equals a clean run. The upload is caught in
+the act, not mocked: a staged temp file in the store (file://) or a PUT the S3 server is receiving.
+A last test checks the other side: a live agent whose task outlasts ``agent-timeout`` is waited for.
 
 This process plays the shim (the agents' stdin), the Python driver (``state.*`` on the driver agent)
 and the Python tasks (``state.open``, RocksDB in the agent's working dir, ``state.upload``).
@@ -143,9 +145,10 @@ class Cluster:
         return self.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
                             key_type="string", num_retained=1)
 
-    def all_acked(self, cid: int) -> bool:
-        """Every subtask of ``cid`` acked: the driver tells holders of merged files to seal."""
-        reply = self.request("state.merge_poll", agent="test-probe", wait=0,
+    def all_acked(self, cid: int, wait: float = 0) -> bool:
+        """Every subtask of ``cid`` acked: the driver tells holders of merged files to seal. With
+        ``wait``, a long poll like the executor agents' that returns the moment the last ack lands."""
+        reply = self.request("state.merge_poll", agent="test-probe", wait=wait,
                              pools=[{"name": "s", "checkpoint_id": cid}])
         return reply["actions"][0]["action"] == "seal"
 
@@ -214,29 +217,39 @@ def applied(batches: list[dict[str, int]]) -> dict[str, int]:
 
 @pytest.mark.parametrize("kill_at", ["acked", "sealed"])
 def test_driver_agent_killed_between_the_acks_and_metadata(tmp_path, store, kill_at):
+    """``acked``: killed the moment the last ack lands, when the executor agents start sealing (a
+    few MB each, so the seals are usually still running: they finish into a dead driver agent).
+    ``sealed``: killed once the merged files are sealed in the store, before ``state.commit``."""
     checkpoint_dir, s3 = store
     batches = deltas(4)
-    pads = {0: 256 << 10}   # one SST above max-file-size: uploaded whole (shared/) before the ack
-    cl = Cluster(tmp_path, checkpoint_dir, s3)
+    # batch 2: subtask 0 writes an SST above max-file-size (uploaded whole to shared/ before its
+    # ack); subtasks 1 and 3 write ~3 MB each, merged into executor 1's physical file
+    pads = {0: 9 << 20, 1: 3 << 20, 3: 3 << 20}
+    cl = Cluster(tmp_path, checkpoint_dir, s3, max_file_size="8m")
     try:
         cl.register()
         for cid in range(2):
-            cl.batch(cid, batches[cid], pads)
+            cl.batch(cid, batches[cid])
         assert cl.values(1) == applied(batches[:2])
 
         cl.request("state.begin", name="s", checkpoint_id=2)
         cl.tasks(2, batches[2], pads)
-        wait_until(lambda: cl.all_acked(2), timeout=30, what="every subtask of checkpoint 2 to ack")
+        deadline = time.monotonic() + 30
+        while not cl.all_acked(2, wait=5):
+            assert time.monotonic() < deadline, "every subtask of checkpoint 2 to ack"
         if kill_at == "sealed":  # the executor agents sealed (uploaded) their merged files; no commit yet
             wait_until(lambda: not any(cl.staged(e) for e in range(EXECUTORS)) and
                        cl.storage.merged_files() - cl.referenced(), timeout=30, what="the seals")
         cl.driver.kill()
+        staged_at_kill = sum(len(cl.staged(e)) for e in range(EXECUTORS))
         assert cl.storage.checkpoint_ids() == [1]   # no _metadata of checkpoint 2
         referenced = cl.referenced()
         orphans = cl.stored() - referenced
         assert {p for p in orphans if p.startswith("shared/")}, "the whole SST of checkpoint 2 was uploaded"
         if kill_at == "sealed":
             assert {p for p in orphans if p.startswith("merged/")}, orphans
+        print(f"\nkilled the driver agent with {staged_at_kill} merged files staged on the executors; "
+              f"orphans in the store: {sorted(orphans)}")
 
         cl.start_driver()   # same port and secret: the executor agents reach it unchanged
         assert cl.register()["last_completed"] == 1
