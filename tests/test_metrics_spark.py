@@ -78,4 +78,9 @@ def test_merged_space_reaches_spark_metrics_and_health(spark, dirs):
     assert gauge_from_csv(csv_dir, "agent.metrics_lines") >= 1
 
     health = st.health()["metrics"]
-    assert {k: float(v) for k, v in health.items() if k.startswith("state.counts.")} == expected
+    assert {k: float(v) for k, v in health.items() if k.startswith("state.counts.merged.")} == expected
+    # FLIP-76: the latest checkpoint's rows processed and deferred (aligned: nothing deferred)
+    assert health["state.counts.unaligned.checkpoint_id"] == 2
+    assert health["state.counts.unaligned.rows_processed"] == 200
+    assert health["state.counts.unaligned.rows_deferred"] == health["state.counts.unaligned.channel_bytes"] == 0
+    assert gauge_from_csv(csv_dir, "state.counts.unaligned.rows_processed") in (None, 200.0)

@@ -60,20 +60,96 @@ def test_deferred_input_is_replayed_and_counted_exactly_once(spark, st, dirs):
     assert state_of(ks) == reference(batches)
 
 
-def test_rescale_with_pending_channel_state_reroutes_by_key_group(spark, st, dirs):
-    batches = make_batches(32, count=2, rows=400, keys=60)
-    ks = st.keyed_state("resc", key="k", parallelism=4, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+def test_rescale_8_to_3_with_pending_channel_state_reroutes_by_key_group(spark, st, dirs):
+    """Must-show 3: 8 -> 3 -> 5 while channel state is pending: replayed rows go to the subtask that
+    owns their key group now, filtered while re-persisted, so the channel state after two rescales
+    is no larger than before them; the final state is a clean run's."""
+    batches = make_batches(32, count=2, rows=600, keys=80)
+    ks = st.keyed_state("resc", key="k", parallelism=8, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
                         alignment="unaligned", aligned_checkpoint_timeout=0)
-    before = _run(spark, ks, batches)[-1]["channel_bytes"]
-    assert before > 0
-    ks = st.keyed_state("resc", key="k", parallelism=3, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
-                        alignment="unaligned", aligned_checkpoint_timeout=0)
-    after = _run(spark, ks, [batches[0].iloc[:0]], first_id=2)[-1]
-    assert after["channel_bytes"] <= before  # re-persisted filtered: no growth across the rescale
+    before = _run(spark, ks, batches)[-1]
+    assert before["channel_bytes"] > 0 and before["rows_deferred"] > 0
+    sizes = []
+    for cid, p in ((2, 3), (3, 5)):
+        ks = st.keyed_state("resc", key="k", parallelism=p, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+                            alignment="unaligned", aligned_checkpoint_timeout=0)
+        after = _run(spark, ks, [batches[0].iloc[:0]], first_id=cid)[-1]
+        sizes.append((after["rows_deferred"], after["channel_bytes"]))
+    print(f"\nchannel state before the rescales: {before['rows_deferred']} rows, {before['channel_bytes']} B; "
+          f"after 8 -> 3 and 3 -> 5: {sizes}")
+    assert sizes[-1][0] <= before["rows_deferred"] and sizes[-1][1] <= before["channel_bytes"]
     ks = st.keyed_state("resc", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
                         alignment="aligned")
-    _run(spark, ks, [batches[0].iloc[:0]], first_id=3)
+    _run(spark, ks, [batches[0].iloc[:0]], first_id=4)
     assert state_of(ks) == reference(batches)
+
+
+def test_a_failure_after_the_state_stage_of_an_unaligned_batch_is_exactly_once(spark, st, dirs, tmp_path):
+    """Must-show 2: skewed input, deferral in every batch, and the sink failing after the state stage
+    of batch 1: re-delivered, it starts again from checkpoint 0 with checkpoint 0's channel state.
+    The final values, and each key's last row in the sink, equal an aligned run without the failure."""
+    import pyarrow.parquet as pq
+
+    rnd = __import__("random").Random(34)
+    batches = [pd.DataFrame({"k": [f"user-{rnd.randrange(3) if rnd.random() < 0.8 else rnd.randrange(40)}"
+                                   for _ in range(500)], "v": [rnd.randrange(100) for _ in range(500)]})
+               for _ in range(3)]
+    failed = {"once": False}
+
+    def sink_to(out_dir):
+        def sink(out, batch_id):
+            if out_dir.name == "unaligned" and batch_id == 1 and not failed["once"]:
+                failed["once"] = True
+                raise ConnectionError("sink down after the state stage of batch 1")
+            out.write.mode("append").parquet(str(out_dir / f"batch={batch_id}"))
+        return sink
+
+    runs = {}
+    for mode in ("aligned", "unaligned"):
+        opts = {"alignment": mode, "aligned_checkpoint_timeout": 0} if mode == "unaligned" else {"alignment": mode}
+        ks = st.keyed_state(f"eo-{mode}", key="k", parallelism=3, max_parallelism=16,
+                            checkpoint_dir=str(dirs / "chk"), **opts)
+        run = ks.process(count_sum, SCHEMA, sink=sink_to(tmp_path / mode))
+        for i, b in enumerate(batches):
+            df = spark.createDataFrame(b, "k string, v long")
+            if mode == "unaligned" and i == 1:
+                with pytest.raises(Exception, match="sink down after the state stage"):
+                    run(df, 1)
+                assert ks.info()["pending"] == []  # aborted: batch 1 is re-delivered below
+            run(df, i)
+        if mode == "unaligned":
+            assert sum(c["rows_deferred"] for c in ks.info()["checkpoints"]) > 0
+            ks = st.keyed_state(f"eo-{mode}", key="k", parallelism=3, max_parallelism=16,
+                                checkpoint_dir=str(dirs / "chk"), alignment="aligned")
+            run = ks.process(count_sum, SCHEMA, sink=sink_to(tmp_path / mode))
+            run(spark.createDataFrame(batches[0].iloc[:0], "k string, v long"), 3)  # drain what is deferred
+        rows = pq.read_table(tmp_path / mode).to_pandas()
+        last = rows.sort_values("n").groupby("k").tail(1)
+        runs[mode] = (state_of(ks), {r.k: (int(r.n), int(r.s)) for r in last.itertuples()})
+    assert runs["unaligned"][0] == runs["aligned"][0] == reference(batches)
+    assert runs["unaligned"][1] == runs["aligned"][1] == reference(batches)
+
+
+def test_a_corrupt_channel_state_file_fails_the_task_and_aborts_the_checkpoint(spark, st, dirs):
+    import orjson
+
+    batches = make_batches(35, count=1, rows=400)
+    root = dirs / "chk" / "default" / "corrupt"
+    ks = st.keyed_state("corrupt", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+                        alignment="unaligned", aligned_checkpoint_timeout=0)
+    _run(spark, ks, batches)
+    meta = orjson.loads((root / "chk-0" / "_metadata").read_bytes())
+    seg = next(f for s in meta["subtasks"] for f in s["channel_state"])
+    physical = root / seg["path"]
+    data = bytearray(physical.read_bytes())
+    data[seg["offset"] + seg["length"] // 2] ^= 0xFF
+    physical.write_bytes(bytes(data))
+    with pytest.raises(Exception, match=rf"file {seg['name']} .* of checkpoint 0 of state 'corrupt', subtask \d is "
+                                        rf"corrupt: expected checksum"):
+        ks.apply(spark.createDataFrame(batches[0], "k string, v long"), count_sum, SCHEMA, checkpoint_id=1).collect()
+    with pytest.raises(StewardError):
+        ks.commit(1, wait=1)
+    assert ks.info()["pending"] == [] and not (root / "chk-1").exists()
 
 
 def test_bad_alignment_inputs_are_named(spark, st, dirs):
@@ -90,3 +166,36 @@ def test_bad_alignment_inputs_are_named(spark, st, dirs):
     with pytest.raises(StewardError):
         ks.commit(0, wait=1)
     assert ks.info()["pending"] == [] and ks.info()["last_completed"] is None
+
+
+def test_a_channel_state_file_of_a_newer_version_is_refused_and_the_checkpoint_aborted(spark, st, dirs):
+    """A checkpoint whose channel state was written by a newer spark-steward (a valid checksum, an
+    unknown version): restored elsewhere, its replay fails the task with a message naming the file
+    and the fix, and the checkpoint is aborted with nothing half-written."""
+    import orjson
+    import xxhash
+
+    batches = make_batches(36, count=1, rows=400)
+    src_root = dirs / "chk" / "default" / "newer-src"
+    ks = st.keyed_state("newer-src", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+                        alignment="unaligned", aligned_checkpoint_timeout=0, file_merging=False)
+    _run(spark, ks, batches)
+    meta = orjson.loads((src_root / "chk-0" / "_metadata").read_bytes())
+    sub = next(s for s in meta["subtasks"] if s["channel_state"])
+    seg = sub["channel_state"][0]
+    old_path = src_root / seg["path"]
+    data = bytearray(old_path.read_bytes())
+    data[7] = 9  # the version byte after the magic
+    digest = xxhash.xxh3_128(bytes(data)).hexdigest()
+    (src_root / "shared" / digest).write_bytes(bytes(data))
+    seg.update(checksum=digest, path=f"shared/{digest}")
+    (src_root / "chk-0" / "_metadata").write_bytes(orjson.dumps(meta))
+    ks2 = st.keyed_state("newer-dst", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+                         restore_from=str(src_root / "chk-0"))
+    with pytest.raises(Exception, match=r"channel-state file .* was written by a newer spark-steward \(version 9; "
+                                        r"this one reads up to 1\): upgrade spark-steward"):
+        ks2.apply(spark.createDataFrame(batches[0], "k string, v long"), count_sum, SCHEMA, checkpoint_id=0).collect()
+    with pytest.raises(StewardError):
+        ks2.commit(0, wait=1)
+    dst_root = dirs / "chk" / "default" / "newer-dst"
+    assert ks2.info()["pending"] == [] and not (dst_root / "chk-0").exists()

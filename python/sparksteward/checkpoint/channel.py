@@ -142,7 +142,8 @@ class ChannelStateWriter:
         self._file: BinaryIO | None = None
         self._writer: ipc.RecordBatchStreamWriter | None = None
         self._pending: list[pa.RecordBatch] = []   # small buffers coalesced before they are written
-        self._pending_bytes = 0
+        self._pending_bytes = self._pending_rows = self._max_rows = 0
+        self._schema: pa.Schema | None = None
         self.batches = self.rows = 0
         self._closed = False
 
@@ -152,7 +153,9 @@ class ChannelStateWriter:
 
     def _flush(self) -> None:
         """Write the pending buffers as one record batch: a replay filtered by key group after a
-        rescale yields many small pieces, and each written batch costs its own IPC header."""
+        rescale yields many small pieces, and each written batch costs its own IPC header. Pieces
+        are joined up to the largest buffer seen, so a replayed buffer is never larger than an input
+        buffer (a batch processes at least one, and its size bounds that batch's time)."""
         if not self._pending:
             return
         if len(self._pending) == 1:
@@ -166,7 +169,7 @@ class ChannelStateWriter:
             self._file.write(_HEADER)
             self._writer = ipc.new_stream(self._file, batch.schema)
         self._writer.write_batch(batch)
-        self._pending, self._pending_bytes = [], 0
+        self._pending, self._pending_bytes, self._pending_rows = [], 0, 0
 
     def append(self, batch: pa.RecordBatch) -> bool:
         """Defer ``batch``; False when the byte cap does not allow it (nothing written then)."""
@@ -183,14 +186,17 @@ class ChannelStateWriter:
                 return False
         if self._pending and batch.schema != self._pending[0].schema:
             self._flush()
-        if self._writer is not None and batch.schema != self._writer.schema:
+        if self._schema is not None and batch.schema != self._schema:
             raise CheckpointCorruptError(
                 f"cannot defer a buffer with schema {batch.schema} into channel-state file {self.path}, which holds "
-                f"{self._writer.schema}: a subtask's input must keep one schema within a batch")
+                f"{self._schema}: a subtask's input must keep one schema within a batch")
+        self._schema = batch.schema
         self._pending.append(batch)
         self._pending_bytes += size
-        if self._pending_bytes >= _COALESCE_BYTES:
-            self._flush()
+        self._pending_rows += batch.num_rows
+        self._max_rows = max(self._max_rows, batch.num_rows)
+        if self._pending_rows >= self._max_rows or self._pending_bytes >= _COALESCE_BYTES:
+            self._flush()   # pieces are joined back up to the largest buffer seen, never beyond it
         self.batches += 1
         self.rows += batch.num_rows
         return True
@@ -198,7 +204,7 @@ class ChannelStateWriter:
     def take_back(self) -> Iterator[pa.RecordBatch]:
         """Give back the deferred batches in order and drop the file (``unaligned_max_inflight``: the
         subtask finishes aligned after all)."""
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        pending, self._pending, self._pending_bytes, self._pending_rows = self._pending, [], 0, 0
         if self._writer is None:
             self.batches = self.rows = 0
             return iter(pending)
@@ -236,7 +242,7 @@ class ChannelStateWriter:
             if self._file is not None:
                 self._file.close()
         self._writer = self._file = None
-        self._pending, self._pending_bytes = [], 0
+        self._pending, self._pending_bytes, self._pending_rows = [], 0, 0
         with contextlib.suppress(FileNotFoundError):
             self._tmp.unlink()
 

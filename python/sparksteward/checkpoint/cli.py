@@ -118,8 +118,9 @@ def _show(args: argparse.Namespace) -> int:
           f"parallelism {meta.max_parallelism}, key type {meta.key_type.value}, {meta.size / MB:.2f} MB, "
           f"{len(meta.files())} files")
     print(table([[s.subtask, str(s.key_groups), len(s.files), sum(f.is_segment for f in s.files),
-                  f"{s.size / MB:.2f}", len(s.channel_state)]
-                 for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "SEGMENTS", "MB", "CHANNEL STATE"]))
+                  f"{s.size / MB:.2f}", len(s.channel_state), sum(f.length for f in s.channel_state)]
+                 for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "SEGMENTS", "MB", "CHANNEL STATE",
+                                           "CHANNEL BYTES"]))
     records, _ = _records(storage)
     one, retained = space_stats([meta]), space_stats(records.values())
     print(table([[label, sp.physical_files, f"{sp.physical_bytes / MB:.2f}", sp.logical_files,

@@ -107,7 +107,9 @@ class StateService:
     def metrics(self) -> dict[str, int | float]:
         """The file-merging numbers of every registered state, flat, for health and Spark's metrics:
         ``state.<name>.merged.<k>`` for each ``k`` of :meth:`SpaceStats.to_json` (physical and logical
-        files and bytes, whole files and bytes, amplification) and ``no_reuse_files``.
+        files and bytes, whole files and bytes, amplification) and ``no_reuse_files``; and
+        ``state.<name>.unaligned.<k>`` of its latest checkpoint (FLIP-76): ``rows_processed``,
+        ``rows_deferred``, ``channel_bytes``, ``unaligned_subtasks``, ``checkpoint_id``.
 
         Thread-safe: the states are listed under the service's lock; each coordinator guards its own.
         """
@@ -119,6 +121,15 @@ class StateService:
             for key, value in st.coordinator.space().to_json().items():
                 out[prefix + key] = value
             out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
+            with self._cond:   # FLIP-76: the latest checkpoint acked in this application
+                latest = max((c for c in st.stats if c not in st.coordinator.pending()), default=None)
+                summary = _summary(latest, st.stats[latest]) if latest is not None else None
+            if summary is not None:
+                unaligned = f"state.{name}.unaligned."
+                out[unaligned + "checkpoint_id"] = latest
+                for key in ("rows_processed", "rows_deferred", "channel_bytes"):
+                    out[unaligned + key] = summary[key]
+                out[unaligned + "unaligned_subtasks"] = len(summary["unaligned_subtasks"])
         return out
 
     def register_handlers(self, server: AgentServer) -> None:
