@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sparksteward import Steward
-from tests.test_cross_host import _cache_stats, _on_executor, cluster, spark  # noqa: F401 - module fixtures
+from tests.test_cross_host import _cache_stats, _on_executor, cluster, s3, spark  # noqa: F401 - module fixtures
 from tests.test_jars_cluster import _JAVAC, build_udf_jar
 
 pytestmark = pytest.mark.slow
