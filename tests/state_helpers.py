@@ -3,13 +3,32 @@ on moto's S3 server (one per test module)."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
+from pathlib import Path
 
 import pytest
 
 from sparksteward.testing.s3 import local_s3
 
 STORES = ["file", "s3"]
+
+
+@pytest.fixture(autouse=True)
+def guarded_rmtree(tmp_path, monkeypatch):
+    """Import into a module to make every ``shutil.rmtree`` outside ``tmp_path`` fail its tests, and to
+    put ``tempfile``'s scratch dirs under it: code that deletes can never reach anything else."""
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        p = Path(path).resolve()
+        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
+            raise AssertionError(f"rmtree outside tmp_path: {p}")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(scope="module")

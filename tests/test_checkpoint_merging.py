@@ -9,8 +9,6 @@ two executor agents and 32 subtasks (the Spark run is in test_state_merging_clus
 from __future__ import annotations
 
 import itertools
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,23 +29,9 @@ from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange, key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.conftest import wait_until
-from tests.state_helpers import _s3_server, store_url  # noqa: F401 - fixtures
+from tests.state_helpers import _s3_server, store_url, guarded_rmtree  # noqa: F401 - fixtures
 
 M = 64
-
-
-@pytest.fixture(autouse=True)
-def guarded_rmtree(tmp_path, monkeypatch):
-    real = shutil.rmtree
-
-    def rmtree(path, *a, **kw):
-        p = Path(path).resolve()
-        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
-            raise AssertionError(f"rmtree outside tmp_path: {p}")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 # --- the executor's FileMerger ---------------------------------------------------------------------

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -40,24 +38,10 @@ from sparksteward.state.keygroups import key_group, key_group_range, subtask_for
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import new_secret
 from tests.conftest import wait_until
-from tests.state_helpers import _s3_server  # noqa: F401 - fixture
+from tests.state_helpers import _s3_server, guarded_rmtree  # noqa: F401 - fixture
 
 P, M = 4, 32
 EXECUTORS = 2
-
-
-@pytest.fixture(autouse=True)
-def guarded_rmtree(tmp_path, monkeypatch):
-    real = shutil.rmtree
-
-    def rmtree(path, *a, **kw):
-        p = Path(path).resolve()
-        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
-            raise AssertionError(f"rmtree outside tmp_path: {p}")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture(params=["file", "s3"])

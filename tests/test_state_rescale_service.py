@@ -6,8 +6,6 @@ the per-checkpoint upload stats show an incremental checkpoint."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import orjson
@@ -21,22 +19,9 @@ from sparksteward.errors import CheckpointOrderError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
+from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture
 
 M = 16
-
-
-@pytest.fixture(autouse=True)
-def guarded_rmtree(tmp_path, monkeypatch):
-    real = shutil.rmtree
-
-    def rmtree(path, *a, **kw):
-        p = Path(path).resolve()
-        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
-            raise AssertionError(f"rmtree outside tmp_path: {p}")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 class App:

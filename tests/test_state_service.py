@@ -4,8 +4,6 @@ failed upload aborting the checkpoint, and requests with bad fields refused by n
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,22 +15,9 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
+from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture
 
 P, M = 2, 8
-
-
-@pytest.fixture(autouse=True)
-def guarded_rmtree(tmp_path, monkeypatch):
-    real = shutil.rmtree
-
-    def rmtree(path, *a, **kw):
-        p = Path(path).resolve()
-        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
-            raise AssertionError(f"rmtree outside tmp_path: {p}")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # read()'s scratch dir
 
 
 @pytest.fixture(params=["merged", "whole"])

@@ -4,7 +4,6 @@ deleted on close, and swept by the next agent when its owner was SIGKILLed. No S
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,19 +12,7 @@ from pathlib import Path
 import pytest
 
 from sparksteward.checkpoint.subtasks import STATE_DIR_PREFIX, SubtaskService
-
-
-@pytest.fixture(autouse=True)
-def guarded_rmtree(tmp_path, monkeypatch):
-    real = shutil.rmtree
-
-    def rmtree(path, *a, **kw):
-        p = Path(path).resolve()
-        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
-            raise AssertionError(f"rmtree outside tmp_path: {p}")
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
+from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture
 
 
 def test_root_is_private_owned_and_deleted_on_close(tmp_path):
