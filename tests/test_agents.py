@@ -98,3 +98,30 @@ def test_executor_agent_publishes_and_withdraws_rendezvous(tmp_path, state_conf)
         agent.event("task_start", task_attempt_id=7, stage_id=0, stage_attempt_id=0, partition_id=0,
                     attempt_number=0)
     assert not Rendezvous(root).path.exists()
+
+
+def test_an_application_id_seen_before_still_gets_an_application_job(state_conf):
+    """local-cluster and a restarted standalone master number applications from 0 again, so two
+    applications started in the same second share an id (app-<yyyyMMddHHmmss>-0000). The second one
+    must still get an application job (its blobs are scoped to it and deleted at its end), not run
+    without one because the JobResultStore already holds the first one's completed job."""
+    jobs = []
+    for _ in range(2):
+        with AgentProcess("driver", state_conf) as agent:
+            agent.event("app_start", app_id="app-20261122230229-0000", attempt_id=None, app_name="t",
+                        spark_version="4.3.0", user="u")
+            with agent.connect() as conn:
+                deadline = time.monotonic() + 10
+                while conn.request("health")["app_job_id"] is None:
+                    assert time.monotonic() < deadline, "no application job"
+                    time.sleep(0.02)
+                jobs.append(conn.request("health")["app_job_id"])
+            agent.event("app_end", exit_code=0, checkpoint_dir=None)
+            with agent.connect() as conn:  # the first application's job completes (a result is stored)
+                deadline = time.monotonic() + 10
+                while conn.request("jobs.get", job_id=jobs[-1]).get("entry") is None:
+                    assert time.monotonic() < deadline, "the application's job never completed"
+                    time.sleep(0.05)
+            assert agent.stop() == 0
+    assert jobs[0] == "app-20261122230229-0000"
+    assert jobs[1] and jobs[1] != jobs[0] and jobs[1].startswith("app-20261122230229-0000")

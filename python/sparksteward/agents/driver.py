@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -171,12 +172,17 @@ class DriverAgent(Agent):
         self.app_id = msg["app_id"]
         log.info("application %s (%s) started", msg["app_id"], msg["app_name"])
         if self.app_job is None:
-            self.app_job = msg["app_id"]
+            job = msg["app_id"]
             try:
-                self.jobs.begin(self.app_job, application_id=self.app_id, kind="application")
-            except JobAlreadyCompleted as exc:  # application ids are unique; this store was reused oddly
-                log.error("%s", exc)
-                self.app_job = None
+                self.jobs.begin(job, application_id=self.app_id, kind="application")
+            except JobAlreadyCompleted:
+                # local-cluster and a restarted standalone master number applications from 0 again, so an
+                # application started in the same second as an earlier one has its id: give this one its own
+                job = f"{msg['app_id']}.{uuid.uuid4().hex[:8]}"
+                log.info("application id %s already has a completed job in the JobResultStore (an id reused "
+                         "by a restarted master); this application's job is %s", msg["app_id"], job)
+                self.jobs.begin(job, application_id=self.app_id, kind="application")
+            self.app_job = job
         else:
             self.jobs.set_application_id(self.app_job, msg["app_id"])
 
