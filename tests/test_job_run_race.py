@@ -82,9 +82,14 @@ class _Targets:
             b.write_bytes(b"not a directory")
 
     def heal(self, i: int) -> None:
-        os.unlink(self.blockers[i])
-        self.stuck[i].mkdir(parents=True)
-        (self.stuck[i] / "data").write_bytes(b"y")
+        """Replace the blocker by a directory holding the target in one step: unlinking it first and
+        then creating the target left a moment in which a retried step found nothing to delete,
+        succeeded, and the target appeared after it (a race of the test, not of the cleanup)."""
+        staged = self.base / f".heal{i}"
+        (staged / "stuck").mkdir(parents=True)
+        (staged / "stuck" / "data").write_bytes(b"y")
+        _exchange(staged, self.blockers[i])  # the blocker is now the directory, and the file is at `staged`
+        os.unlink(staged)
 
     def run1_steps(self) -> list[CleanupStep]:
         return [CleanupStep("delete_path", str(self.stuck[0])), CleanupStep("delete_path", str(self.g1))]
@@ -98,6 +103,16 @@ class _Targets:
         self.heal(0)
         time.sleep(rng.uniform(0.2, 1.0))
         self.heal(1)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``; they may differ in type)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, os.fsencode(a), -100, os.fsencode(b), 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE
+        err = ctypes.get_errno()
+        raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
 
 
 def _old_run(store_url: str, job: str, targets: _Targets) -> str:
