@@ -142,17 +142,17 @@ def _meta(cid: int, segs: list[tuple[str, int, int]], sizes: dict[str, int]) -> 
 
 
 def test_space_stats_and_the_most_wasteful_files_marked_no_reuse():
-    sizes = {"merged/a": 1000, "merged/b": 1000, "merged/c": 1000}
-    meta = _meta(3, [("merged/a", 0, 900), ("merged/b", 0, 100), ("merged/c", 0, 400)], sizes)
+    sizes = {"merged/" + "a" * 32: 1000, "merged/" + "b" * 32: 1000, "merged/" + "c" * 32: 1000}
+    meta = _meta(3, [("merged/" + "a" * 32, 0, 900), ("merged/" + "b" * 32, 0, 100), ("merged/" + "c" * 32, 0, 400)], sizes)
     stats = space_stats([meta])
     assert (stats.physical_files, stats.physical_bytes, stats.logical_bytes) == (3, 3000, 1400)
     assert stats.amplification == pytest.approx(3000 / 1400)
-    assert choose_no_reuse([meta], 2.0) == {"merged/b"}  # 900 wasted: 2100 <= 2 * 1400 after it
-    assert choose_no_reuse([meta], 1.0) == {"merged/b", "merged/c", "merged/a"}
+    assert choose_no_reuse([meta], 2.0) == {"merged/" + "b" * 32}  # 900 wasted: 2100 <= 2 * 1400 after it
+    assert choose_no_reuse([meta], 1.0) == {"merged/" + "b" * 32, "merged/" + "c" * 32, "merged/" + "a" * 32}
     assert choose_no_reuse([meta], 3.0) == set()
     assert choose_no_reuse([meta], 0.5) == set()  # below 1: off
     # a segment two retained checkpoints share counts once
-    assert space_stats([meta, _meta(4, [("merged/a", 0, 900)], sizes)]).logical_bytes == 1400
+    assert space_stats([meta, _meta(4, [("merged/" + "a" * 32, 0, 900)], sizes)]).logical_bytes == 1400
 
 
 # --- the agents, over sockets -----------------------------------------------------------------------
@@ -438,3 +438,23 @@ def test_restore_and_rescale_8_to_3_from_merged_equal_from_unmerged(tmp_path, st
             expected[k] = expected.get(k, 0) + v
     assert results["merged"][0] == results["whole"][0] == expected
     assert results["merged"][1] == results["whole"][1] == expected
+
+
+def test_hostile_merged_paths_from_a_peer_are_refused_by_name(tmp_path):
+    """An ack or a seal naming a path outside merged/ (``..``, a nested path, a bare name) is refused
+    before anything is recorded, so no later abort or subsumption can be pointed at it."""
+    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    try:
+        rig.batch(0, {"a": 1})
+        rig.dconn.request("state.begin", name="s", checkpoint_id=1)
+        handle = rig.storage.read_metadata(0).subtasks[0].to_json()
+        for bad in ("merged/../../etc/passwd", "merged/a/b", "merged/" + "0" * 31, "shared/" + "0" * 32):
+            with pytest.raises(StewardError, match=rf"\['{bad}'\] are not merged/ paths"):
+                rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=[bad], agent="x")
+            with pytest.raises(StewardError, match=rf"sealed files \['{bad}'\] are not merged/ paths"):
+                rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x",
+                                  files=[{"path": bad, "size": 1}])
+        rig.dconn.request("state.abort", name="s", checkpoint_id=1)
+        assert (tmp_path / "chk").is_dir() and rig.storage.stored_files() == rig.referenced()
+    finally:
+        rig.close()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -51,9 +52,14 @@ log = logging.getLogger("sparksteward.checkpoint.merging")
 _MIN_FILE_SIZE = 64 << 10
 
 
+_MERGED_NAME = re.compile(r"^[0-9a-f]{32}$")
+
+
 def is_merged(path: str) -> bool:
-    """True for a physical file of this state's ``merged/`` directory (relative path)."""
-    return path.startswith(MERGED_DIR + "/")
+    """True for a physical file of this state's ``merged/`` directory: ``merged/<32 hex>`` exactly, so
+    a path a peer sends (``merged/../x``) is never taken for one."""
+    head, _, name = path.partition("/")
+    return head == MERGED_DIR and bool(_MERGED_NAME.match(name))
 
 
 class MergingMode(str, Enum):
