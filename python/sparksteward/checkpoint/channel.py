@@ -122,16 +122,12 @@ class ChannelStats:
     bytes: int
 
 
-class BufferTooLargeError(ConfigError):
-    """One input buffer is larger than ``max_inflight_bytes``: the cap can never hold it."""
-
-
 class ChannelStateWriter:
     """Appends deferred record batches to one channel-state file, written whole or not at all.
 
     ``max_bytes``: with ``unaligned_max_inflight``, :meth:`append` returns False (and writes nothing)
     when the buffer would take the file past the cap. A buffer larger than the cap on its own raises
-    :class:`BufferTooLargeError` naming both sizes, since no cap that small can ever defer it.
+    :class:`~sparksteward.errors.ConfigError` naming both sizes, since no cap that small can ever defer it.
     Not thread-safe (one task writes one file).
     """
 
@@ -178,7 +174,7 @@ class ChannelStateWriter:
         size = batch.nbytes
         if self.max_bytes is not None:
             if size > self.max_bytes:
-                raise BufferTooLargeError(
+                raise ConfigError(
                     f"an input buffer of {size} bytes is larger than max_inflight_bytes={self.max_bytes}: a cap below "
                     f"one buffer can never defer anything. Raise spark.steward.checkpoint.unaligned."
                     f"max-inflight-bytes above {size}, or use alignment 'unaligned'")
