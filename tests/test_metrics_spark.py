@@ -83,4 +83,5 @@ def test_merged_space_reaches_spark_metrics_and_health(spark, dirs):
     assert health["state.counts.unaligned.checkpoint_id"] == 2
     assert health["state.counts.unaligned.rows_processed"] == 200
     assert health["state.counts.unaligned.rows_deferred"] == health["state.counts.unaligned.channel_bytes"] == 0
-    assert gauge_from_csv(csv_dir, "state.counts.unaligned.rows_processed") in (None, 200.0)
+    wait_until(lambda: gauge_from_csv(csv_dir, "state.counts.unaligned.rows_processed") == 200.0, timeout=30,
+               what="the CsvSink to report the latest checkpoint's rows processed")
