@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -66,13 +65,12 @@ def start(root: Path, s3: Any) -> Any:
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the executors' Python workers: this venv
     SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
-    options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     conf = {"spark.ui.enabled": "false", "spark.executor.memory": "1g", "spark.sql.shuffle.partitions": str(P),
             "spark.sql.streaming.stateStore.providerClass":
                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
             "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true",
             "spark.sql.adaptive.enabled": "false", "spark.steward.state-dir": str(root / "steward-state"),
-            "spark.steward.storage.options": orjson.dumps(options).decode(),
+            "spark.steward.storage.options": s3.storage_options(),
             "spark.steward.agent.python": sys.executable, "spark.pyspark.python": sys.executable}
     builder = SparkSession.builder.master("local-cluster[2,1,1024]").appName("bench-merging")
     for k, v in conf.items():

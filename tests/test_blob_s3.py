@@ -20,12 +20,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
-    import orjson
-
-    # the agents' environment is the JVM's, which may predate this S3 server: configure it explicitly
-    s3_options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("s3-state")),
-            "spark.steward.storage.options": orjson.dumps(s3_options).decode(),
+            "spark.steward.storage.options": s3.storage_options(),
             "spark.steward.blob.ha.storage-path": s3.url("ha"), "spark.steward.cluster-id": "s3-cluster"}
     with spark_session("local[2]", **conf) as session:
         yield session

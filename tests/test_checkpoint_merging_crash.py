@@ -28,7 +28,6 @@ import time
 import uuid
 from pathlib import Path
 
-import orjson
 import pytest
 
 from sparksteward.checkpoint.storage import CheckpointStorage
@@ -88,8 +87,7 @@ class Cluster:
                      "spark.steward.checkpoint.file-merging.enabled": "true",
                      "spark.steward.checkpoint.file-merging.max-file-size": max_file_size}
         if s3 is not None:  # the agents are told the endpoint explicitly, as Spark's would be
-            opts = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
-            self.conf["spark.steward.storage.options"] = orjson.dumps(opts).decode()
+            self.conf["spark.steward.storage.options"] = s3.storage_options()
         self.driver: AgentProcess | None = None
         self.start_driver()
         self.execs: list[AgentProcess | None] = [None] * executors

@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import orjson
 import pytest
 
 from sparksteward import Steward
@@ -56,13 +55,11 @@ def s3():
 
 @pytest.fixture(scope="module")
 def spark(cluster, s3):
-    # keyed-state checkpoints go to S3: the executor cannot see the driver's file system
-    s3_options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     with spark_session(cluster.master_url, **{
             "spark.executor.cores": "1", "spark.cores.max": "1", "spark.executor.memory": "512m",
             "spark.pyspark.python": sys.executable, "spark.executorEnv.PYTHONPATH": os.environ["PYTHONPATH"],
             "spark.steward.agent.python": sys.executable,
-            "spark.steward.storage.options": orjson.dumps(s3_options).decode()}) as session:
+            "spark.steward.storage.options": s3.storage_options()}) as session:
         yield session
 
 

@@ -5,7 +5,6 @@ checkpoint lacks. Run under the Spark lock."""
 
 from __future__ import annotations
 
-import orjson
 import pytest
 
 from sparksteward import Steward
@@ -35,9 +34,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
-    s3_options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     conf = {"spark.executor.memory": "1g", "spark.steward.state-dir": str(tmp_path_factory.mktemp("restore-cl")),
-            "spark.steward.storage.options": orjson.dumps(s3_options).decode(), "spark.steward.cluster-id": CLUSTER}
+            "spark.steward.storage.options": s3.storage_options(), "spark.steward.cluster-id": CLUSTER}
     with spark_session("local-cluster[2,1,1024]", **conf) as session:
         status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
         wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")

@@ -28,10 +28,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
-    # the agents' environment is the JVM's, which may predate this S3 server: configure it explicitly
-    s3_options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("restore-state")),
-            "spark.steward.storage.options": orjson.dumps(s3_options).decode(),
+            "spark.steward.storage.options": s3.storage_options(),
             "spark.steward.cluster-id": CLUSTER}
     with spark_session("local[2]", **conf) as session:
         yield session

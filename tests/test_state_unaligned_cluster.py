@@ -4,7 +4,6 @@ executors + 2 objects to moto's S3 server. Run under the Spark lock."""
 
 from __future__ import annotations
 
-import orjson
 import pytest
 
 from sparksteward import Steward
@@ -23,10 +22,9 @@ def s3():
 
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
-    options = {"s3": {"client_kwargs": {"endpoint_url": s3.endpoint}, "key": "testing", "secret": "testing"}}
     with spark_session("local-cluster[2,1,1024]", **{
             "spark.steward.state-dir": str(tmp_path_factory.mktemp("unaligned-cluster")),
-            "spark.steward.storage.options": orjson.dumps(options).decode(),
+            "spark.steward.storage.options": s3.storage_options(),
             "spark.sql.execution.arrow.maxRecordsPerBatch": "10"}) as session:
         yield session
 

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import unquote
 
+import orjson
+
 __all__ = ["LocalS3", "S3Request", "local_s3"]
 
 _ENV = {
@@ -162,6 +164,12 @@ class LocalS3:
         """The requests answered since ``mark`` (to this bucket)."""
         with self._lock:
             return [r for r in self.requests[mark:] if r.bucket == self.bucket]
+
+    def storage_options(self) -> str:
+        """``spark.steward.storage.options`` that point agents at this server explicitly (their
+        environment may predate it): the JSON of fsspec's ``s3`` options."""
+        return orjson.dumps({"s3": {"client_kwargs": {"endpoint_url": self.endpoint}, "key": "testing",
+                                    "secret": "testing"}}).decode()
 
     def in_flight(self) -> list[tuple[str, str]]:
         """(operation, key) of the requests to this bucket the server is serving now (body arriving)."""
