@@ -160,3 +160,29 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
     assert state_of(ks) == reference(batches)
     merged = s3.filesystem().ls(s3.url("xhost-chk", "default", "xhost", "merged"))
     assert merged and ks.info()["space"]["physical_files"] == len(merged)
+
+
+def test_unaligned_channel_state_across_hosts(spark, s3):
+    """Channel state (FLIP-76) deferred on an executor that sees neither the driver's files nor its
+    boot id goes to S3 inside the merged file, and the next batches replay it there."""
+    from tests.test_state_spark import SCHEMA, count_sum, make_batches, reference, state_of
+
+    st = Steward.get(spark)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "20")
+    try:
+        kw = {"key": "k", "parallelism": 2, "max_parallelism": 16, "checkpoint_dir": s3.url("xhost-unaligned")}
+        ks = st.keyed_state("xunaligned", alignment="unaligned", aligned_checkpoint_timeout=0, **kw)
+        batches = make_batches(18, count=2, rows=300)
+        for i, batch in enumerate(batches):
+            ks.apply(spark.createDataFrame(batch), count_sum, SCHEMA, checkpoint_id=i).collect()
+            ks.commit(i, wait=120)
+        latest = ks.info()
+        assert latest["checkpoints"][-1]["rows_deferred"] > 0
+        assert all(f["path"].startswith("merged/") for s in latest["latest"]["subtasks"] for f in s["channel_state"])
+        ks = st.keyed_state("xunaligned", alignment="aligned", **kw)  # drain what is deferred
+        ks.apply(spark.createDataFrame(batches[0].iloc[:0], "k string, v long"), count_sum, SCHEMA,
+                 checkpoint_id=2).collect()
+        ks.commit(2, wait=120)
+        assert state_of(ks) == reference(batches)
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
