@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -91,3 +92,4 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
         print(f"\nLEAK: {len(left)} spark-steward agent process(es) outlived the test session: "
               f"{[p.pid for p in left]}", file=sys.stderr)
+    shutil.rmtree(_STATE, ignore_errors=True)  # this session's XDG_STATE_HOME (embedded defaults)
