@@ -55,7 +55,7 @@ def checkpoint_backends(storage, backends, checkpoint_id, snap_root, known=froze
 
     handles, uploaded = [], 0
     for i, b in enumerate(backends):
-        snap = b.snapshot(snap_root / f"chk-{checkpoint_id}-{i}")
+        snap = b.snapshot(snap_root / f"chk-{checkpoint_id}-{i}", keep_open=True)  # the DBs live on
         r = storage.upload_snapshot(snap.path, i, b.key_groups, known=known)
         handles.append(r.handle)
         uploaded += r.bytes_uploaded

@@ -4,6 +4,7 @@ content-addressed cache, metadata records and their errors."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import orjson
 import pytest
@@ -38,9 +39,15 @@ def two_checkpoints(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks", "cluster-a")
     b = RocksDBStateBackend(tmp_path / "work", ALL, M)
     _fill(b, 0, N_KEYS, "first")
-    s1 = b.snapshot(tmp_path / "snap-1")
+    s1 = b.snapshot(tmp_path / "snap-1")  # closes b: its WAL is part of the snapshot
     r1 = storage.upload_snapshot(s1.path, 0, ALL)
     storage.write_metadata(_meta(storage, 1, r1))
+    (tmp_path / "work2").mkdir()  # the next task: a working copy of checkpoint 1, as a restore makes it
+    shutil.copytree(s1.path, tmp_path / "work2" / "db", copy_function=os.link)
+    for wal in (tmp_path / "work2" / "db").glob("*.log"):
+        shutil.copyfile(s1.path / wal.name, str(wal) + ".tmp")
+        os.replace(str(wal) + ".tmp", wal)
+    b = RocksDBStateBackend(tmp_path / "work2", ALL, M, create=False, wal_flush_bytes=1 << 30)  # no flush
     _fill(b, 0, N_KEYS // 100, "second")
     s2 = b.snapshot(tmp_path / "snap-2")
     r2 = storage.upload_snapshot(s2.path, 0, ALL, known={f.checksum for f in r1.handle.files})
@@ -55,8 +62,8 @@ def test_incremental_checkpoint_uploads_only_new_files(two_checkpoints):
           f"updated) uploaded {r2.bytes_uploaded} B in {len(r2.uploaded)} files, reused {r2.files_reused}")
     assert r1.files_reused == 0 and r1.bytes_uploaded == sum(f.length for f in r1.handle.files)
     assert r2.files_reused >= 1
-    first_ssts = {f.checksum for f in r1.handle.files if f.name.endswith(".sst")}
-    assert first_ssts <= {f.checksum for f in r2.handle.files}  # the old SSTs are reused, not re-sent
+    first = {f.checksum for f in r1.handle.files if f.name.endswith((".sst", ".log"))}
+    assert first <= {f.checksum for f in r2.handle.files}  # the old SSTs and WALs are reused, not re-sent
     assert r2.bytes_uploaded < r1.bytes_uploaded / 5
     assert storage.checkpoint_ids() == [1, 2]
     assert storage.shared_files() == {f.path for f in (*r1.handle.files, *r2.handle.files)}
@@ -95,7 +102,7 @@ def _overwrite(storage, rel, data):
 
 def test_corrupt_file_is_named_and_nothing_is_restored(two_checkpoints, tmp_path):
     storage, r1, _ = two_checkpoints
-    sst = next(f for f in r1.handle.files if f.name.endswith(".sst"))
+    sst = max(r1.handle.files, key=lambda f: f.length)  # the data (a WAL or an SST)
     _overwrite(storage, sst.path, b"\x00" * sst.length)  # same length, wrong bytes
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointCorruptError, match=rf"file {sst.name} .* of checkpoint 1 of state 'clicks', "
@@ -108,7 +115,7 @@ def test_corrupt_file_is_named_and_nothing_is_restored(two_checkpoints, tmp_path
 
 def test_truncated_file_is_corrupt(two_checkpoints, tmp_path):
     storage, r1, _ = two_checkpoints
-    sst = next(f for f in r1.handle.files if f.name.endswith(".sst"))
+    sst = max(r1.handle.files, key=lambda f: f.length)  # the data (a WAL or an SST)
     _overwrite(storage, sst.path, b"short")
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointCorruptError, match=rf"{sst.name}.*read 5 of {sst.length} bytes"):
@@ -117,7 +124,7 @@ def test_truncated_file_is_corrupt(two_checkpoints, tmp_path):
 
 def test_missing_file_is_named(two_checkpoints, tmp_path):
     storage, r1, _ = two_checkpoints
-    sst = next(f for f in r1.handle.files if f.name.endswith(".sst"))
+    sst = max(r1.handle.files, key=lambda f: f.length)  # the data (a WAL or an SST)
     storage.delete_files([sst.path])
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointNotFoundError, match=rf"file {sst.name} .* of checkpoint 1 of state 'clicks'.* "

@@ -256,8 +256,8 @@ def test_a_corrupt_file_fails_the_task_with_our_message_and_the_checkpoint_is_ab
                                                                                       batches):
     url = _previous_run(s3, tmp_path, "elsewhere", "corrupt")
     meta = metadata(s3, url)
-    victim = max((f for s in meta["subtasks"] for f in s["files"] if f["name"].endswith(".sst")),
-                 key=lambda f: f["length"])
+    victim = max((f for s in meta["subtasks"] for f in s["files"] if f["name"].endswith((".sst", ".log"))),
+                 key=lambda f: f["length"])  # the largest data file: an SST or a WAL (decision 0012)
     obj = root(s3, "elsewhere", "corrupt") + "/" + victim["path"]
     s3.filesystem().pipe_file(obj, b"\0" * victim["length"])  # same size, other bytes
     ks = st.keyed_state("bad4", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("bad4"),

@@ -312,6 +312,11 @@ OPTIONS = OPTIONS + (
            "Local directory for the RocksDB working dirs, snapshots and the checkpoint file cache of "
            "each executor agent. Empty means a fresh directory under the executor's local dirs, "
            "deleted when the agent exits."),
+    Option("spark.steward.state.wal-flush-size", "bytes", "4m",
+           "A subtask's snapshot keeps the batch's writes in RocksDB's WAL instead of flushing them (the "
+           "sync phase writes and fsyncs nothing); a task that opens more WAL than this flushes it into "
+           "an SST in the background while it runs. Larger: fewer, larger SSTs and a longer replay at "
+           "open.", check=_positive),
     Option("spark.steward.state.cache.max-size", "bytes", "10g",
            "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
            check=_positive),

@@ -646,6 +646,7 @@ def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict
             "files": total("files"), "bytes": total("bytes"),
             "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
             "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order
+            "flush_ms": [float(a.get("flush_ms") or 0) for a in acks],  # within sync_ms: a flush, or the wait for one
             "restores": [a["restore"] for a in acks if a.get("restore")],
             # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
             "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),

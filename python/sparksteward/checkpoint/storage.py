@@ -81,7 +81,16 @@ class RestoreStats:
 
 
 def _is_immutable(name: str) -> bool:
-    return name.endswith(".sst") or name.endswith(".blob")
+    """Never changed once a snapshot has it, so the executor's cache keeps it (by checksum): SSTs,
+    blob files, and the WAL files of a closed DB (decision 0012)."""
+    return name.endswith((".sst", ".blob", ".log"))
+
+
+def _is_linkable(name: str) -> bool:
+    """Hard-linked into a working dir at restore; everything else is copied: RocksDB rewrites CURRENT,
+    appends to MANIFEST, and truncates a replayed WAL to its length, so their inodes are never shared
+    with the cache."""
+    return name.endswith((".sst", ".blob"))
 
 
 class CheckpointStorage:
@@ -312,9 +321,9 @@ class CheckpointStorage:
                 else:
                     cached += 1
                 dest = staging / f.name
-                if _is_immutable(f.name):
+                if _is_linkable(f.name):
                     os.link(path, dest)
-                else:  # RocksDB rewrites CURRENT and appends to MANIFEST: never share their inode
+                else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
                     shutil.copyfile(path, dest)
             os.replace(staging, db_dir)
         finally:

@@ -10,10 +10,11 @@ A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
                     base has another parallelism, and closes the DB; ``restore`` says which old
                     subtasks and files it read, and how many bytes it downloaded)
     ... opens the DB in workdir, runs the user function, takes the sync-phase snapshot ...
-    state.upload    token -> the snapshot is queued on the SnapshotUploader; when it is uploaded the
-                    agent acks the driver agent's coordinator with the handle and its stats (files
-                    and bytes uploaded and reused, the restore) or reports the failure; the working
-                    dir is deleted at once
+    state.upload    token, sync_ms, flush_ms, counters -> the snapshot is queued on the
+                    SnapshotUploader; when it is uploaded the agent acks the driver agent's
+                    coordinator with the handle and its stats (files and bytes uploaded and reused,
+                    the restore, the WAL the open replayed) or reports the failure; the working dir
+                    is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
 **File merging (FLIP-306, issue 9).** When the state's ``file_merging`` is enabled (the base reply
@@ -53,7 +54,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.checkpoint.uploader import SnapshotUploader
 from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError, ParallelismError
 from sparksteward.owner import OwnerRecord, private_dir
-from sparksteward.state.backend import LocalSnapshot
+from sparksteward.state.backend import WAL_FLUSH_BYTES, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
 
@@ -83,13 +84,14 @@ class SubtaskService:
     """Working dirs, cache and uploads of one executor's keyed-state subtasks."""
 
     def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
-                 cache_max_bytes: int | None = None) -> None:
+                 cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES) -> None:
         parent = private_dir(Path(parent))
         sweep_dead_caches(parent, prefix=STATE_DIR_PREFIX)
         self.root = Path(tempfile.mkdtemp(prefix=f"{STATE_DIR_PREFIX}{os.getpid()}-", dir=parent))
         OwnerRecord.current().write(self.root)
         self.cache = LocalFileCache(self.root / "cache", max_bytes=cache_max_bytes)
         self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
+        self.wal_flush_bytes = wal_flush_bytes
         self._driver_endpoint = driver_endpoint
         self._secret = secret
         self._lock = threading.Lock()
@@ -159,7 +161,8 @@ class SubtaskService:
                 "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
                 "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
                 "channel": str(opened.channel), "replay": replay,
-                "replay_filter": meta is not None and meta.parallelism != p}
+                "replay_filter": meta is not None and meta.parallelism != p,
+                "wal_flush_bytes": self.wal_flush_bytes}
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
                 max_parallelism: int) -> list[dict[str, str]]:
@@ -188,12 +191,13 @@ class SubtaskService:
         f = Fields(req)
         opened = self._take(f)
         sync_ms = f.number("sync_ms", default=0.0, lo=0)
+        flush_ms = f.number("flush_ms", default=0.0, lo=0)
         counters = f.mapping("counters", default=None) or {}
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
         shutil.rmtree(opened.workdir, ignore_errors=True)
         if not opened.snapshot.is_dir():
             raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
-        snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms)
+        snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms, flush_ms)
 
         upload_id = id(opened)
         with self._lock:
@@ -209,11 +213,13 @@ class SubtaskService:
                 stats = {"files_uploaded": written, "bytes_uploaded": result.bytes_uploaded,
                          "whole_files_uploaded": len(result.uploaded), "segments_written": written - len(result.uploaded),
                          "files_reused": result.files_reused, "files": len(result.handle.files),
-                         "bytes": result.handle.size, "sync_ms": sync_ms, "restore": opened.restore,
+                         "bytes": result.handle.size, "sync_ms": sync_ms, "flush_ms": flush_ms,
+                         "restore": opened.restore,
                          "rows_processed": int(counters.get("rows_processed") or 0),
                          "rows_deferred": int(counters.get("rows_deferred") or 0),
                          "channel_bytes": sum(h.length for h in result.handle.channel_state),
-                         "unaligned": bool(counters.get("unaligned"))}
+                         "unaligned": bool(counters.get("unaligned")),
+                         "wal_bytes": int(counters.get("wal_bytes") or 0)}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
                              stats=stats)

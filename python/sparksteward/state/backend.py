@@ -8,22 +8,32 @@ subtask. State is reached through typed views:
 - :class:`ListState` (``get``/``add``/``add_all``/``update``/``clear``; the list is one value),
 
 each also bindable to a current key (:meth:`ValueState.bind`) for the per-key user API. Keys and values
-are encoded by :mod:`sparksteward.state.encoding`. Writes go with the WAL off (a checkpoint, not the
-WAL, is what makes state durable) and ``put_many`` uses one ``WriteBatch``.
+are encoded by :mod:`sparksteward.state.encoding`. ``put_many`` uses one ``WriteBatch``.
 
-:meth:`RocksDBStateBackend.snapshot` is the sync phase of a checkpoint: ``Checkpoint.create_checkpoint``
-into a new local directory (hard links plus a consistent MANIFEST), which takes milliseconds. The async
-phase (upload) runs elsewhere, on the returned :class:`LocalSnapshot`.
+Writes go to the memtable and to RocksDB's WAL, never synced (a checkpoint, not the WAL, is what makes
+state durable; the working dir is scratch). :meth:`RocksDBStateBackend.snapshot` is the sync phase of a
+checkpoint (decision 0012): it closes the DB *without* flushing the memtable, so the batch's writes stay
+in the WAL file, and hard-links the closed DB's live files into a new local directory. A closed DB
+directory cannot be torn by a compaction, and no file is written or fsynced, so it takes about a
+millisecond. The next open replays the WAL without flushing it (``avoid_flush_during_recovery``),
+and an open that finds more than ``wal_flush_bytes`` of WAL starts a flush in RocksDB's background
+thread, so WAL files stay a short changelog on top of the SSTs. ``snapshot(keep_open=True)``
+is ``Checkpoint.create_checkpoint`` (a memtable flush plus about six fsyncs) for a DB that stays open.
+The async phase (upload) runs elsewhere, on the returned :class:`LocalSnapshot`.
 
-Not thread-safe: one task thread uses one backend. ``close()`` releases RocksDB's LOCK; it first drops
-every iterator and Checkpoint object the backend made, because rocksdict keeps the LOCK while any of
-them is alive.
+Not thread-safe: one task thread uses one backend. ``close()`` releases RocksDB's LOCK without a flush;
+it first drops every iterator and Checkpoint object the backend made, because rocksdict keeps the LOCK
+while any of them is alive.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
+import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -59,19 +69,98 @@ __all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "L
 log = logging.getLogger("sparksteward.state.backend")
 
 DB_DIR = "db"
+#: default of ``spark.steward.state.wal-flush-size``: RocksDB flushes in the background past this much WAL
+WAL_FLUSH_BYTES = 4 << 20
+#: how long a snapshot waits for the background flush its open started (then it keeps the WAL instead)
+FLUSH_WAIT_S = 60.0
 
 
 def db_options(*, create: bool) -> rocksdict.Options:
-    """The options every keyed-state DB is opened with (raw byte keys; create only when new)."""
+    """The options a keyed-state DB is created with (raw byte keys; create only when new)."""
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(create)
     return opts
 
 
+_reopen_lock = threading.Lock()
+_reopen: dict[str, rocksdict.Options | None] = {}
+
+
+def reopen_options() -> rocksdict.Options:
+    """The options an existing DB is reopened with: :func:`db_options` plus
+    ``avoid_flush_during_recovery``, so the WAL a snapshot kept is replayed, not flushed into a new
+    SST (with fsyncs) at every open.
+
+    rocksdict has no setter for that option, so it is read through ``Options.load_latest`` from an
+    OPTIONS file RocksDB wrote for :func:`db_options`, with that one line changed (built once per
+    process). If that fails the DB is reopened with :func:`db_options`: correct, only slower.
+    """
+    with _reopen_lock:
+        if "options" not in _reopen:
+            _reopen["options"] = _load_reopen_options()
+        opts = _reopen["options"]
+    return opts if opts is not None else db_options(create=False)
+
+
+def _load_reopen_options() -> rocksdict.Options | None:
+    try:
+        with tempfile.TemporaryDirectory(prefix="steward-options-") as tmp:
+            db = rocksdict.Rdict(os.path.join(tmp, "db"), db_options(create=True))
+            db.close()
+            del db
+            written = sorted((n for n in os.listdir(os.path.join(tmp, "db")) if n.startswith("OPTIONS-")),
+                             key=lambda n: int(n.split("-", 1)[1]))
+            with open(os.path.join(tmp, "db", written[-1]), encoding="utf-8") as fh:
+                text = fh.read()
+            patched, n = re.subn(r"(?m)^(\s*avoid_flush_during_recovery=)false$", r"\1true", text)
+            if n != 1:
+                raise ValueError("no avoid_flush_during_recovery=false line in RocksDB's OPTIONS file")
+            os.mkdir(os.path.join(tmp, "options"))
+            with open(os.path.join(tmp, "options", "OPTIONS-000001"), "w", encoding="utf-8") as fh:
+                fh.write(patched)
+            opts = rocksdict.Options.load_latest(os.path.join(tmp, "options"))[0]
+        opts.create_if_missing(False)
+        return opts
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        log.warning("cannot set avoid_flush_during_recovery (%s): reopened DBs flush their WAL at open", exc)
+        return None
+
+
 def _write_options() -> rocksdict.WriteOptions:
-    wo = rocksdict.WriteOptions()
-    wo.disable_wal = True
-    return wo
+    return rocksdict.WriteOptions()  # WAL on, never synced (sync=False is the default)
+
+
+def _snapshot_files(db_path: Path) -> list[str]:
+    """The files of a closed DB that a copy needs: CURRENT, the MANIFEST it names, the newest OPTIONS,
+    the SSTs and WALs, IDENTITY and rocksdict's config (not LOCK, LOG*, older OPTIONS or temp files)."""
+    try:
+        manifest = (db_path / "CURRENT").read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateBackendError(f"the state DB in {db_path} has no readable CURRENT file: {exc}") from exc
+    names = os.listdir(db_path)
+    options = [n for n in names if n.startswith("OPTIONS-") and n[8:].isdigit()]
+    keep = {"CURRENT", "IDENTITY", "rocksdict-config.json", manifest}
+    if options:
+        keep.add(max(options, key=lambda n: int(n[8:])))
+    return sorted(n for n in names if n in keep or n.endswith((".sst", ".log", ".blob")))
+
+
+def _open_files_under(path: Path) -> list[str]:
+    """Paths under ``path`` this process still has open (Linux ``/proc``; elsewhere nothing known)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    prefix = str(path.resolve()) + os.sep
+    found = []
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(prefix):
+            found.append(target)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +170,7 @@ class LocalSnapshot:
     path: Path
     key_groups: KeyGroupRange
     sync_ms: float
+    flush_ms: float = 0.0  # the part of sync_ms that flushed the memtable, or waited for a flush to end
 
     def files(self) -> list[Path]:
         return sorted(p for p in self.path.iterdir() if p.is_file())
@@ -104,7 +194,7 @@ class RocksDBStateBackend:
 
     def __init__(self, directory: str | os.PathLike[str], key_groups: KeyGroupRange, max_parallelism: int,
                  key_type: KeyType | str = KeyType.STRING, *, create: bool = True,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, wal_flush_bytes: int = WAL_FLUSH_BYTES) -> None:
         self.directory = Path(directory)
         self.db_path = self.directory / DB_DIR
         self.key_groups = key_groups
@@ -125,10 +215,19 @@ class RocksDBStateBackend:
                 self._db = rocksdict.Rdict(str(self.db_path), db_options(create=False),
                                            access_type=rocksdict.AccessType.read_only())
             else:
-                self._db = rocksdict.Rdict(str(self.db_path), db_options(create=create))
+                self._db = rocksdict.Rdict(str(self.db_path), db_options(create=True) if create else reopen_options())
                 self._db.set_write_options(_write_options())
         except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
             raise StateBackendError(f"cannot open the state DB in {self.db_path}: {exc}") from exc
+        #: bytes of WAL the open replayed; past ``wal_flush_bytes`` a background flush folds it into an SST
+        self.wal_bytes = sum(p.stat().st_size for p in self.db_path.glob("*.log")) if not create else 0
+        self.wal_flushed = False
+        if not read_only and self.wal_bytes > wal_flush_bytes:
+            try:
+                self._db.flush(False)  # in RocksDB's flush thread while the batch runs; snapshot waits for it
+                self.wal_flushed = True
+            except Exception as exc:  # noqa: BLE001
+                log.warning("cannot start a background flush of %s: %s", self.db_path, exc)
 
     # --- keys --------------------------------------------------------------------------------
     def _key(self, key: object) -> tuple[int, bytes]:
@@ -199,13 +298,65 @@ class RocksDBStateBackend:
             self.db.ingest_external_file([str(p) for p in paths])
 
     # --- checkpoints -------------------------------------------------------------------------
-    def snapshot(self, target: str | os.PathLike[str]) -> LocalSnapshot:
-        """The sync phase: a consistent local copy of the DB in ``target`` (which must not exist)."""
+    def snapshot(self, target: str | os.PathLike[str], *, keep_open: bool = False) -> LocalSnapshot:
+        """The sync phase: a consistent local copy of the DB in ``target`` (which must not exist).
+
+        By default the DB is closed without a flush (the batch's writes are in its WAL) and its live
+        files are hard-linked into ``target``: nothing is written or fsynced, and a closed directory
+        cannot be torn by a compaction. The backend is closed afterwards. ``keep_open=True`` keeps
+        the DB open and uses ``Checkpoint.create_checkpoint`` (a memtable flush and fsyncs) instead.
+        """
         target = Path(target)
         if target.exists():
             raise StateBackendError(f"snapshot dir {target} already exists; pick a new one per checkpoint")
         target.parent.mkdir(parents=True, exist_ok=True)
+        if keep_open or self.read_only:
+            return self._checkpoint_snapshot(target)
+        db = self.db  # refuses a closed backend
         started = time.perf_counter()
+        if self.wal_flushed:  # let the flush the open started finish, or its WAL stays (and grows)
+            deadline = started + FLUSH_WAIT_S
+            while db.property_int_value("rocksdb.num-immutable-mem-table") or \
+                    db.property_int_value("rocksdb.num-running-flushes"):
+                if time.perf_counter() > deadline:  # a failed flush: the WAL still holds everything
+                    log.warning("the background flush of %s did not finish in %.0f s; snapshotting its WAL",
+                                self.db_path, FLUSH_WAIT_S)
+                    break
+                time.sleep(0.001)
+        flushed = time.perf_counter()
+        del db
+        self._shutdown()
+        left = _open_files_under(self.db_path)
+        if left:
+            raise StateBackendError(
+                f"cannot snapshot {self.db_path}: the DB is still open after close ({left[0]} and "
+                f"{len(left) - 1} more); something outside this backend keeps a handle of it")
+        staging = target.with_name(f".{target.name}.{os.getpid()}.linking")
+        try:
+            staging.mkdir()
+            for name in _snapshot_files(self.db_path):
+                os.link(self.db_path / name, staging / name)
+            os.rename(staging, target)
+        except OSError as exc:
+            raise StateBackendError(f"cannot snapshot {self.db_path} into {target}: {exc}") from exc
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
+        ms = (time.perf_counter() - started) * 1000
+        flush_ms = (flushed - started) * 1000
+        log.debug("snapshot of %s into %s took %.1f ms (closed, linked; %.1f ms waiting for a flush)",
+                  self.db_path, target, ms, flush_ms)
+        return LocalSnapshot(target, self.key_groups, ms, flush_ms)
+
+    def _checkpoint_snapshot(self, target: Path) -> LocalSnapshot:
+        started = time.perf_counter()
+        # create_checkpoint flushes the memtable itself; flushing first splits the sync phase into the
+        # flush (an SST, usually the larger share) and the links and copies
+        try:
+            self.db.flush(True)
+        except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+            raise StateBackendError(f"cannot flush the state DB in {self.db_path}: {exc}") from exc
+        flushed = time.perf_counter()
         chk = rocksdict.Checkpoint(self.db)
         try:
             chk.create_checkpoint(str(target))
@@ -214,23 +365,31 @@ class RocksDBStateBackend:
         finally:
             del chk  # a live Checkpoint object keeps the DB's LOCK
         ms = (time.perf_counter() - started) * 1000
-        log.debug("snapshot of %s into %s took %.1f ms", self.db_path, target, ms)
-        return LocalSnapshot(target, self.key_groups, ms)
+        flush_ms = (flushed - started) * 1000
+        log.debug("snapshot of %s into %s took %.1f ms (flush %.1f ms)", self.db_path, target, ms, flush_ms)
+        return LocalSnapshot(target, self.key_groups, ms, flush_ms)
 
-    def close(self) -> None:
-        """Close the DB and release its LOCK. Idempotent."""
-        if self._closed:
-            return
+    def _shutdown(self) -> None:
+        """Drop the DB without a flush (its WAL holds what the memtable does); releases the LOCK."""
         self._closed = True
         for gen in list(self._iterators):  # an abandoned scan holds a rocksdict iterator, and so the LOCK
             gen.close()
         self._iterators.clear()
-        try:
-            self._db.close()
-        except Exception as exc:  # noqa: BLE001
-            raise StateBackendError(f"cannot close the state DB in {self.db_path}: {exc}") from exc
-        finally:
-            del self._db
+        db = self.__dict__.pop("_db", None)
+        if db is not None:
+            try:
+                # stop background work first: rocksdict's close() (and a plain drop) would flush the
+                # memtable; a running compaction is abandoned, a running flush finishes
+                db.cancel_all_background(True)
+            except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+                log.warning("cannot stop the background work of %s: %s", self.db_path, exc)
+            del db
+
+    def close(self) -> None:
+        """Close the DB and release its LOCK, without a flush (the WAL keeps the writes). Idempotent."""
+        if self._closed:
+            return
+        self._shutdown()
 
     def __enter__(self) -> RocksDBStateBackend:
         return self
