@@ -47,7 +47,7 @@ def two_checkpoints(tmp_path, store_url):
     for wal in (tmp_path / "work2" / "db").glob("*.log"):
         shutil.copyfile(s1.path / wal.name, str(wal) + ".tmp")
         os.replace(str(wal) + ".tmp", wal)
-    b = RocksDBStateBackend(tmp_path / "work2", ALL, M, create=False, wal_flush_bytes=1 << 30)  # no flush
+    b = RocksDBStateBackend(tmp_path / "work2", ALL, M, create=False)
     _fill(b, 0, N_KEYS // 100, "second")
     s2 = b.snapshot(tmp_path / "snap-2")
     r2 = storage.upload_snapshot(s2.path, 0, ALL, known={f.checksum for f in r1.handle.files})

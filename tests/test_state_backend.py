@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 
 from sparksteward.errors import StateBackendError, StateEncodingError
-from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.backend import RocksDBStateBackend, fold_wal
 from sparksteward.state.keygroups import KeyGroupRange, key_group, key_group_range
 
 M = 128
@@ -86,14 +86,14 @@ def test_snapshot_closes_without_a_flush_and_the_next_open_replays_the_wal(tmp_p
     """The sync phase of a task: close without a flush, link the files; nothing is fsynced, no new SST,
     and each reopen replays the WAL without flushing it. Five batches, each on a fresh restore."""
     keys = [f"user-{i}" for i in range(200_000)]
-    b = RocksDBStateBackend(tmp_path / "w0", ALL, M, wal_flush_bytes=1 << 40)
+    b = RocksDBStateBackend(tmp_path / "w0", ALL, M)
     b.value("s").put_many(keys, [{"n": i, "pad": "x" * 60} for i in range(200_000)])
     snap = b.snapshot(tmp_path / "snap-init")
     assert b._closed and not any(p.name.endswith(".sst") for p in snap.path.iterdir())  # all in the WAL
     times = []
     for n in range(5):
         _restore_copy(snap.path, tmp_path / f"w{n + 1}")
-        b = RocksDBStateBackend(tmp_path / f"w{n + 1}", ALL, M, create=False, wal_flush_bytes=1 << 40)
+        b = RocksDBStateBackend(tmp_path / f"w{n + 1}", ALL, M, create=False)
         ssts_at_open = {p.name for p in b.db_path.iterdir() if p.name.endswith(".sst")}
         assert ssts_at_open == {p.name for p in snap.path.iterdir() if p.name.endswith(".sst")}  # no flush at open
         b.value("s").put_many(keys[n * 2000:(n + 1) * 2000], [n] * 2000)
@@ -112,22 +112,22 @@ def test_snapshot_closes_without_a_flush_and_the_next_open_replays_the_wal(tmp_p
         assert b3.value("s").get("user-150000")["n"] == 150000
 
 
-def test_an_open_that_finds_more_than_wal_flush_bytes_flushes_in_the_background(tmp_path):
+def test_fold_wal_turns_a_large_wal_into_an_sst_and_keeps_the_state(tmp_path):
     with RocksDBStateBackend(tmp_path / "w", ALL, M) as b:
         b.value("s").put_many([f"k{j}" for j in range(60_000)], ["x" * 50] * 60_000)  # ~5 MB of WAL
         snap = b.snapshot(tmp_path / "snap")
     assert not any(p.name.endswith(".sst") for p in snap.files())
-    _restore_copy(snap.path, tmp_path / "w1")
-    b = RocksDBStateBackend(tmp_path / "w1", ALL, M, create=False, wal_flush_bytes=1 << 20)
-    assert b.wal_bytes > 1 << 20 and b.wal_flushed
-    b.value("s").update("k1", "y")
-    snap = b.snapshot(tmp_path / "snap1")  # waits for the flush
-    assert any(p.name.endswith(".sst") for p in snap.files())
-    assert sum(p.stat().st_size for p in snap.files() if p.name.endswith(".log")) < 1 << 20
+    assert fold_wal(snap.path, 64 << 20) == 0  # under the limit: untouched
+    wal = sum(p.stat().st_size for p in snap.files() if p.name.endswith(".log"))
+    assert fold_wal(snap.path, 1 << 20) == wal > 1 << 20
+    names = {p.name for p in snap.files()}
+    assert any(n.endswith(".sst") for n in names) and not names & {"LOCK", "LOG"}
+    assert sum(n.startswith("MANIFEST-") for n in names) == 1 and sum(n.startswith("OPTIONS-") for n in names) == 1
+    assert sum(p.stat().st_size for p in snap.files() if p.name.endswith(".log")) == 0
     _restore_copy(snap.path, tmp_path / "r")
     with RocksDBStateBackend(tmp_path / "r", ALL, M, create=False) as b:
-        assert b.wal_bytes < 1 << 20 and not b.wal_flushed
-        assert b.value("s").get_many(["k0", "k1", "k59999"]) == ["x" * 50, "y", "x" * 50]
+        assert b.wal_bytes == 0
+        assert b.value("s").get_many(["k0", "k59999", "k60000"]) == ["x" * 50, "x" * 50, None]
 
 
 def test_a_snapshot_that_keeps_the_db_open_is_a_rocksdb_checkpoint(tmp_path):
@@ -170,7 +170,7 @@ def test_close_releases_the_lock_even_after_iterating(tmp_path):
     b.close()
     b.close()  # idempotent
     code = textwrap.dedent(f"""
-        from sparksteward.state.backend import RocksDBStateBackend
+        from sparksteward.state.backend import RocksDBStateBackend, fold_wal
         from sparksteward.state.keygroups import KeyGroupRange
         with RocksDBStateBackend({str(tmp_path / 'w')!r}, KeyGroupRange(0, 128), 128, create=False) as b:
             print(b.map("m").items("k"))
@@ -199,7 +199,7 @@ def test_a_sigkilled_owner_leaves_a_reopenable_dir_and_an_intact_snapshot(tmp_pa
 
     code = textwrap.dedent(f"""
         import sys, time
-        from sparksteward.state.backend import RocksDBStateBackend
+        from sparksteward.state.backend import RocksDBStateBackend, fold_wal
         from sparksteward.state.keygroups import KeyGroupRange
         b = RocksDBStateBackend({str(tmp_path / 'w')!r}, KeyGroupRange(0, 128), 128)
         b.value("s").put_many([f"k{{i}}" for i in range(50000)], [1] * 50000)

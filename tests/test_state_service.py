@@ -155,3 +155,30 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
     for i, part in enumerate(split({"a": 1, "b": 2})):
         run_task(econn, 0, i, part)
     assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0
+
+
+def test_the_agent_folds_a_wal_past_wal_flush_size_before_the_upload(rig):
+    """Decision 0012: the task's snapshot keeps the batch in the WAL; the executor agent turns a WAL past
+    its limit (64 KB here) into an SST in the async phase, so the next task replays almost nothing."""
+    dconn, econn, subtasks, tmp = rig
+    subtasks.wal_flush_bytes = 64 << 10
+    many = {f"key-{i}": 1 for i in range(4000)}  # ~100 KB of WAL per subtask
+    few = {"key-1": 1}
+    for cid, delta in enumerate([many, few]):
+        dconn.request("state.begin", name="s", checkpoint_id=cid)
+        for i, part in enumerate(split(delta)):
+            run_task(econn, cid, i, part)
+        meta = dconn.request("state.commit", name="s", checkpoint_id=cid, wait=30)["metadata"]
+        for i, sub in enumerate(meta["subtasks"]):
+            names = [f["name"] for f in sub["files"]]
+            wal = sum(f["length"] for f in sub["files"] if f["name"].endswith(".log"))
+            if cid == 0:  # folded: the 4000 keys are in an SST, no WAL left
+                assert any(n.endswith(".sst") for n in names) and wal == 0, sub["files"]
+            else:  # one key's write, under the limit: kept as a WAL by the subtask that owns it
+                assert (wal > 0) == bool(split(few)[i]) and wal < 64 << 10, sub["files"]
+    opened = econn.request("state.open", name="s", checkpoint_id=2, subtask=0)
+    with RocksDBStateBackend(opened["workdir"], key_group_range(M, P, 0), M, "string", create=False) as b:
+        assert b.wal_bytes < 64 << 10
+        part = split(many)[0]
+        assert b.value("value").get_many(list(part)) == [2 if k == "key-1" else 1 for k in part]
+    econn.request("state.release", token=opened["token"])

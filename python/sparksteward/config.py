@@ -314,9 +314,9 @@ OPTIONS = OPTIONS + (
            "deleted when the agent exits."),
     Option("spark.steward.state.wal-flush-size", "bytes", "4m",
            "A subtask's snapshot keeps the batch's writes in RocksDB's WAL instead of flushing them (the "
-           "sync phase writes and fsyncs nothing); a task that opens more WAL than this flushes it into "
-           "an SST in the background while it runs. Larger: fewer, larger SSTs and a longer replay at "
-           "open.", check=_positive),
+           "sync phase writes and fsyncs nothing); the executor agent folds a snapshot with more WAL "
+           "than this into an SST before uploading it (the async phase). Larger: fewer, larger SSTs, "
+           "and more WAL to upload and to replay at each open.", check=_positive),
     Option("spark.steward.state.cache.max-size", "bytes", "10g",
            "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
            check=_positive),

@@ -91,7 +91,7 @@ class SubtaskService:
         OwnerRecord.current().write(self.root)
         self.cache = LocalFileCache(self.root / "cache", max_bytes=cache_max_bytes)
         self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
-        self.wal_flush_bytes = wal_flush_bytes
+        self.wal_flush_bytes = wal_flush_bytes  # a snapshot with more WAL is folded before its upload
         self._driver_endpoint = driver_endpoint
         self._secret = secret
         self._lock = threading.Lock()
@@ -161,8 +161,7 @@ class SubtaskService:
                 "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
                 "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
                 "channel": str(opened.channel), "replay": replay,
-                "replay_filter": meta is not None and meta.parallelism != p,
-                "wal_flush_bytes": self.wal_flush_bytes}
+                "replay_filter": meta is not None and meta.parallelism != p}
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
                 max_parallelism: int) -> list[dict[str, str]]:
@@ -254,7 +253,8 @@ class SubtaskService:
         try:
             self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
                                  on_done=done, on_error=failed, merge=merge,
-                                 merge_below=opts.max_file_size if opts.enabled else 0, channel=channel)
+                                 merge_below=opts.max_file_size if opts.enabled else 0, channel=channel,
+                                 fold_wal_above=self.wal_flush_bytes)
         except BaseException:
             finished()
             raise

@@ -23,7 +23,7 @@ from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.errors import CheckpointError
-from sparksteward.state.backend import LocalSnapshot
+from sparksteward.state.backend import LocalSnapshot, fold_wal
 
 __all__ = ["SnapshotUploader"]
 
@@ -45,14 +45,18 @@ class SnapshotUploader:
                on_done: Callable[[int, UploadResult], None] | None = None,
                on_error: Callable[[int, int, BaseException], None] | None = None,
                merge: Callable[[str, Path, str], FileHandle] | None = None,
-               merge_below: int = 0, channel: tuple[Path, ...] = ()) -> Future[UploadResult]:
-        """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``)."""
+               merge_below: int = 0, channel: tuple[Path, ...] = (),
+               fold_wal_above: int | None = None) -> Future[UploadResult]:
+        """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``); with
+        ``fold_wal_above``, a WAL larger than that is first folded into an SST (:func:`fold_wal`)."""
         with self._lock:
             if self._closed:
                 raise CheckpointError("the snapshot uploader is closed")
 
             def work() -> UploadResult:
                 try:
+                    if fold_wal_above is not None:  # decision 0012: the WAL past the limit becomes an SST
+                        fold_wal(snapshot.path, fold_wal_above)
                     result = storage.upload_snapshot(snapshot.path, subtask, snapshot.key_groups, known=known,
                                                      cache=self._cache, merge=merge, merge_below=merge_below,
                                                      channel=channel)

@@ -15,9 +15,9 @@ state durable; the working dir is scratch). :meth:`RocksDBStateBackend.snapshot`
 checkpoint (decision 0012): it closes the DB *without* flushing the memtable, so the batch's writes stay
 in the WAL file, and hard-links the closed DB's live files into a new local directory. A closed DB
 directory cannot be torn by a compaction, and no file is written or fsynced, so it takes about a
-millisecond. The next open replays the WAL without flushing it (``avoid_flush_during_recovery``),
-and an open that finds more than ``wal_flush_bytes`` of WAL starts a flush in RocksDB's background
-thread, so WAL files stay a short changelog on top of the SSTs. ``snapshot(keep_open=True)``
+millisecond. The next open replays the WAL without flushing it (``avoid_flush_during_recovery``).
+In the async phase the executor agent folds a snapshot with more than ``wal-flush-size`` of WAL into
+an SST (:func:`fold_wal`), so WAL files stay a short changelog on top of the SSTs. ``snapshot(keep_open=True)``
 is ``Checkpoint.create_checkpoint`` (a memtable flush plus about six fsyncs) for a DB that stays open.
 The async phase (upload) runs elsewhere, on the returned :class:`LocalSnapshot`.
 
@@ -64,15 +64,13 @@ from sparksteward.state.keygroups import (
 )
 
 __all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "LocalSnapshot", "MapState",
-           "RocksDBStateBackend", "ValueState", "db_options"]
+           "RocksDBStateBackend", "ValueState", "db_options", "fold_wal"]
 
 log = logging.getLogger("sparksteward.state.backend")
 
 DB_DIR = "db"
-#: default of ``spark.steward.state.wal-flush-size``: RocksDB flushes in the background past this much WAL
+#: default of ``spark.steward.state.wal-flush-size``: a snapshot with more WAL than this is folded
 WAL_FLUSH_BYTES = 4 << 20
-#: how long a snapshot waits for the background flush its open started (then it keeps the WAL instead)
-FLUSH_WAIT_S = 60.0
 
 
 def db_options(*, create: bool) -> rocksdict.Options:
@@ -145,6 +143,38 @@ def _snapshot_files(db_path: Path) -> list[str]:
     return sorted(n for n in names if n in keep or n.endswith((".sst", ".log", ".blob")))
 
 
+def _wal_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.log"))
+
+
+def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) -> int:
+    """Fold the WAL of a closed DB (a local snapshot) into an SST when it holds more than ``limit`` bytes.
+
+    The executor agent runs this in the async phase, before the upload, so the task never flushes.
+    An open with :func:`db_options` replays the WAL and flushes it at recovery (auto compactions off, so
+    no existing SST is rewritten or deleted). The close afterwards finds an empty memtable. Then
+    everything a copy does not need (LOCK, LOG, the old MANIFEST and OPTIONS) is removed. Returns the
+    WAL bytes folded, or 0 when under the limit. The state is the same; only its files differ.
+    """
+    directory = Path(directory)
+    wal = _wal_bytes(directory)
+    if wal <= limit:
+        return 0
+    opts = db_options(create=False)
+    opts.set_disable_auto_compactions(True)
+    try:
+        db = rocksdict.Rdict(str(directory), opts)
+        db.close()
+        del db
+    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        raise StateBackendError(f"cannot fold the {wal} B WAL of snapshot {directory} into an SST: {exc}") from exc
+    keep = set(_snapshot_files(directory))
+    for p in directory.iterdir():
+        if p.name not in keep and p.is_file():
+            p.unlink()
+    return wal
+
+
 def _open_files_under(path: Path) -> list[str]:
     """Paths under ``path`` this process still has open (Linux ``/proc``; elsewhere nothing known)."""
     try:
@@ -170,7 +200,7 @@ class LocalSnapshot:
     path: Path
     key_groups: KeyGroupRange
     sync_ms: float
-    flush_ms: float = 0.0  # the part of sync_ms that flushed the memtable, or waited for a flush to end
+    flush_ms: float = 0.0  # the part of sync_ms that flushed the memtable (keep_open snapshots)
 
     def files(self) -> list[Path]:
         return sorted(p for p in self.path.iterdir() if p.is_file())
@@ -194,7 +224,7 @@ class RocksDBStateBackend:
 
     def __init__(self, directory: str | os.PathLike[str], key_groups: KeyGroupRange, max_parallelism: int,
                  key_type: KeyType | str = KeyType.STRING, *, create: bool = True,
-                 read_only: bool = False, wal_flush_bytes: int = WAL_FLUSH_BYTES) -> None:
+                 read_only: bool = False) -> None:
         self.directory = Path(directory)
         self.db_path = self.directory / DB_DIR
         self.key_groups = key_groups
@@ -219,15 +249,9 @@ class RocksDBStateBackend:
                 self._db.set_write_options(_write_options())
         except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
             raise StateBackendError(f"cannot open the state DB in {self.db_path}: {exc}") from exc
-        #: bytes of WAL the open replayed; past ``wal_flush_bytes`` a background flush folds it into an SST
-        self.wal_bytes = sum(p.stat().st_size for p in self.db_path.glob("*.log")) if not create else 0
-        self.wal_flushed = False
-        if not read_only and self.wal_bytes > wal_flush_bytes:
-            try:
-                self._db.flush(False)  # in RocksDB's flush thread while the batch runs; snapshot waits for it
-                self.wal_flushed = True
-            except Exception as exc:  # noqa: BLE001
-                log.warning("cannot start a background flush of %s: %s", self.db_path, exc)
+        #: bytes of WAL the open replayed (the executor agent folds a snapshot's WAL past
+        #: ``wal-flush-size`` into an SST in the async phase, see :func:`fold_wal`)
+        self.wal_bytes = _wal_bytes(self.db_path) if not create else 0
 
     # --- keys --------------------------------------------------------------------------------
     def _key(self, key: object) -> tuple[int, bytes]:
@@ -312,19 +336,8 @@ class RocksDBStateBackend:
         target.parent.mkdir(parents=True, exist_ok=True)
         if keep_open or self.read_only:
             return self._checkpoint_snapshot(target)
-        db = self.db  # refuses a closed backend
+        self.db  # noqa: B018 - refuses a closed backend
         started = time.perf_counter()
-        if self.wal_flushed:  # let the flush the open started finish, or its WAL stays (and grows)
-            deadline = started + FLUSH_WAIT_S
-            while db.property_int_value("rocksdb.num-immutable-mem-table") or \
-                    db.property_int_value("rocksdb.num-running-flushes"):
-                if time.perf_counter() > deadline:  # a failed flush: the WAL still holds everything
-                    log.warning("the background flush of %s did not finish in %.0f s; snapshotting its WAL",
-                                self.db_path, FLUSH_WAIT_S)
-                    break
-                time.sleep(0.001)
-        flushed = time.perf_counter()
-        del db
         self._shutdown()
         left = _open_files_under(self.db_path)
         if left:
@@ -343,10 +356,8 @@ class RocksDBStateBackend:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         ms = (time.perf_counter() - started) * 1000
-        flush_ms = (flushed - started) * 1000
-        log.debug("snapshot of %s into %s took %.1f ms (closed, linked; %.1f ms waiting for a flush)",
-                  self.db_path, target, ms, flush_ms)
-        return LocalSnapshot(target, self.key_groups, ms, flush_ms)
+        log.debug("snapshot of %s into %s took %.1f ms (closed, linked)", self.db_path, target, ms)
+        return LocalSnapshot(target, self.key_groups, ms, 0.0)
 
     def _checkpoint_snapshot(self, target: Path) -> LocalSnapshot:
         started = time.perf_counter()

@@ -120,7 +120,7 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         from pyspark import TaskContext
 
-        from sparksteward.state.backend import WAL_FLUSH_BYTES, RocksDBStateBackend
+        from sparksteward.state.backend import RocksDBStateBackend
         from sparksteward.state.keygroups import key_group_range
         from sparksteward.state.runner import run_arrow, run_pandas
         from sparksteward.worker import executor_connection
@@ -136,8 +136,7 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
         try:
             p, m = opened["parallelism"], opened["max_parallelism"]
             kg = key_group_range(m, p, subtask)
-            backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False,
-                                          wal_flush_bytes=opened.get("wal_flush_bytes") or WAL_FLUSH_BYTES)
+            backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
             try:
                 runner = run_arrow if form == "arrow" else run_pandas
                 cleaned = (b.drop_columns([_ROUTE_COL]) if _ROUTE_COL in b.schema.names else b for b in batches)
