@@ -1,7 +1,8 @@
 """Keyed-state layers below Spark (issue 8): sync phase, incremental checkpoints, restore, rescale and
 NO_CLAIM fast duplication, on 1M keys (``BENCH_KEYS``), without Spark.
 
-- sync phase: ``Checkpoint.create_checkpoint`` per subtask after a 1% update (p50, max);
+- sync phase per subtask after a 1% update (p50, max): of a DB that stays open
+  (``create_checkpoint``), and as a task takes it (close without a flush and link, decision 0012);
 - incremental: bytes uploaded by the first checkpoint and by each next one after updating 1% of keys;
 - restore: one subtask's files into a cold cache (download) and a warm one (hard links);
 - rescale 8 -> 4 and 8 -> 3 -> 16 through ``rebuild_subtask`` (base DB + delete_range + SstFileWriter);
@@ -16,6 +17,7 @@ phase is mostly RocksDB's file creations and fsyncs, so this shows what the disk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -31,7 +33,7 @@ from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.rescale import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.backend import WAL_FLUSH_BYTES, RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
 KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))
@@ -44,7 +46,7 @@ def checkpoint(coord, storage, backends, cid, snaps, stats):
     sync = []
     uploaded = 0
     for i, b in enumerate(backends):
-        snap = b.snapshot(snaps / f"{cid}-{i}")
+        snap = b.snapshot(snaps / f"{cid}-{i}", keep_open=True)  # long-lived DBs: create_checkpoint
         sync.append(snap.sync_ms)
         r = storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known)
         uploaded += r.bytes_uploaded
@@ -67,13 +69,8 @@ def main() -> None:
 def run(root: Path) -> None:
     storage = CheckpointStorage.open(str(root / "chk"), "bench")
     coord = CheckpointCoordinator(storage, P, M)
-    backends = [RocksDBStateBackend(root / f"w{i}", key_group_range(M, P, i), M, "long") for i in range(P)]
-    by = [[] for _ in range(P)]
-    for k in range(KEYS):
-        by[subtask_for_key_group(M, P, key_group(k, M))].append(k)
     t = time.perf_counter()
-    for b, ks in zip(backends, by):
-        b.value("agg").put_many(ks, [{"count": 1, "sum": k} for k in ks])
+    backends, by = load_subtasks(root, KEYS)
     load_s = time.perf_counter() - t
     print(f"load {KEYS:,} keys into {P} subtasks: {load_s:.1f} s ({KEYS / load_s:,.0f} keys/s, put_many)")
 
@@ -89,7 +86,7 @@ def run(root: Path) -> None:
             s.put_many(upd, [{"count": o["count"] + 1, "sum": o["sum"] + k} for o, k in zip(old, upd)])
         meta = checkpoint(coord, storage, backends, cid, root / "snaps", stats)
     sync_all = [ms for _, _, sync in stats[1:] for ms in sync]
-    print(f"sync phase after a 1% update, per subtask: p50 {statistics.median(sync_all):.1f} ms, "
+    print(f"sync phase of a DB that stays open (create_checkpoint) after a 1% update, per subtask: p50 {statistics.median(sync_all):.1f} ms, "
           f"max {max(sync_all):.1f} ms (first, full: max {max(stats[0][2]):.1f} ms)")
     for cid, up, _ in stats:
         print(f"  checkpoint {cid}: uploaded {up / MB:8.2f} MB")
@@ -147,15 +144,15 @@ def run(root: Path) -> None:
 
 def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
     """The sync phase as a Spark task sees it: every subtask of every checkpoint restores the last
-    completed checkpoint into a fresh working dir (hard links from the executor's cache), updates 1% of
-    its keys, snapshots (``sync_ms``) and closes, while the executor agent's uploader (4 threads, as in
-    the agent) uploads the previous subtasks' snapshots. One subtask at a time, as on a 1-core executor.
-    The even rounds also time an explicit ``flush`` before the snapshot, to split the sync phase into
-    the memtable flush and the rest (links, MANIFEST/CURRENT copies, fsyncs)."""
+    completed checkpoint into a fresh working dir (hard links from the executor's cache, WAL files
+    copied), updates 1% of its keys, and snapshots (``sync_ms``: close without a flush, link the files;
+    decision 0012), while the executor agent's uploader (4 threads, as in the agent) uploads the
+    previous subtasks' snapshots. One subtask at a time, as on a 1-core executor. Also times the open
+    (restore excluded), which replays the WAL the previous snapshot kept."""
     from sparksteward.checkpoint.uploader import SnapshotUploader
 
     cache = LocalFileCache(root / "task-cache")
-    sync, close, split_flush, split_rest = [], [], [], []
+    sync, opened, wal = [], [], []
     with SnapshotUploader(4, cache=cache) as uploader:
         for r in range(rounds):
             cid = meta.checkpoint_id + 1
@@ -164,31 +161,27 @@ def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
             for i, ks in enumerate(by):
                 work = root / "task" / f"{cid}-{i}"
                 storage.restore_subtask(begun.base, begun.base.subtasks[i], work / "db", cache)
+                t = time.perf_counter()
                 b = RocksDBStateBackend(work, begun.base.subtasks[i].key_groups, M, "long", create=False)
+                opened.append((time.perf_counter() - t) * 1000)
+                wal.append(b.wal_bytes)
                 upd = ks[(cid * 104729) % max(1, len(ks) - len(ks) // 100):][: len(ks) // 100]
                 s = b.value("agg")
                 old = s.get_many(upd)
                 s.put_many(upd, [{"count": o["count"] + 1, "sum": o["sum"] + k} for o, k in zip(old, upd)])
-                if r % 2:
-                    t = time.perf_counter()
-                    b.db.flush(True)
-                    split_flush.append((time.perf_counter() - t) * 1000)
                 snap = b.snapshot(root / "task-snaps" / f"{cid}-{i}")
-                (split_rest if r % 2 else sync).append(snap.sync_ms)
-                t = time.perf_counter()
+                sync.append(snap.sync_ms)
                 b.close()
-                close.append((time.perf_counter() - t) * 1000)
                 shutil.rmtree(work)
                 futs.append(uploader.submit(storage, cid, i, snap, known=begun.known,
-                                            on_done=lambda c, res: coord.ack(c, res)))
+                                            on_done=lambda c, res: coord.ack(c, res),
+                                            fold_wal_above=WAL_FLUSH_BYTES))
             for f in futs:
                 f.result()
             meta = coord.complete(cid)
-    print(f"sync phase as a task sees it (restore, 1% update, snapshot, close; uploads running), per subtask: "
-          f"p50 {statistics.median(sync):.1f} ms, max {max(sync):.1f} ms; close after it p50 "
-          f"{statistics.median(close):.1f} ms, max {max(close):.1f} ms")
-    print(f"  split: explicit flush p50 {statistics.median(split_flush):.1f} ms, max {max(split_flush):.1f} ms; "
-          f"then create_checkpoint p50 {statistics.median(split_rest):.1f} ms, max {max(split_rest):.1f} ms")
+    print(f"sync phase as a task sees it (restore, 1% update, snapshot; uploads running), per subtask: "
+          f"p50 {statistics.median(sync):.1f} ms, max {max(sync):.1f} ms; the open before it (WAL replay of "
+          f"p50 {statistics.median(wal) / MB:.2f} MB) p50 {statistics.median(opened):.1f} ms, max {max(opened):.1f} ms")
     return meta
 
 
@@ -215,6 +208,69 @@ def bench_duplication(label, local_storage, meta, src_url, dst_url, root) -> Non
     print(f"NO_CLAIM restore on {label} ({meta.size / MB:.0f} MB): fast duplication {fast:.2f} s, "
           f"{dup.bytes_streamed} B through the process; download + re-upload {slow:.2f} s "
           f"({slow / fast:.1f}x slower)")
+
+
+def load_subtasks(root: Path, keys: int, prefix: str = "w") -> tuple[list[RocksDBStateBackend], list[list[int]]]:
+    """``keys`` long keys, each with ``{"count": 1, "sum": k}``, in the DBs of the P subtasks that own them."""
+    backends = [RocksDBStateBackend(root / f"{prefix}{i}", key_group_range(M, P, i), M, "long") for i in range(P)]
+    by: list[list[int]] = [[] for _ in range(P)]
+    for k in range(keys):
+        by[subtask_for_key_group(M, P, key_group(k, M))].append(k)
+    for b, ks in zip(backends, by):
+        b.value("agg").put_many(ks, [{"count": 1, "sum": k} for k in ks])
+    return backends, by
+
+
+def best_of_duplication(src: CheckpointStorage, meta, dst_root: str, tmp: Path, rounds: int = 3) -> dict[str, float]:
+    """NO_CLAIM restore of ``meta`` from ``src`` into new states under ``dst_root``: best of ``rounds``
+    fast duplications (``restore_from``) against best of ``rounds`` downloads + re-uploads of the same
+    physical files, ``_metadata`` written by both."""
+    fast, slow, streamed = [], [], 0
+    for r in range(rounds):
+        dup = Duplicator()
+        t = time.perf_counter()
+        restore_from(src.url_of(f"chk-{meta.checkpoint_id}"), CheckpointStorage.open(dst_root, f"copy{r}"),
+                     max_parallelism=M, duplicator=dup)
+        fast.append(time.perf_counter() - t)
+        streamed += dup.bytes_streamed
+        slow_dst = CheckpointStorage.open(dst_root, f"copy-slow{r}")
+        local_dir = tmp / f"download{r}"
+        local_dir.mkdir(parents=True)
+        t = time.perf_counter()
+        for p in meta.physical_paths():
+            local = local_dir / p.split("/")[-1]
+            src.location.fs.get_file(src.location.path(*p.split("/")), str(local))
+            slow_dst._put(local, p)
+        slow_dst.write_metadata(meta)
+        slow.append(time.perf_counter() - t)
+    return {"fast": min(fast), "slow": min(slow), "streamed": streamed, "mb": meta.size / MB,
+            "files": len(meta.physical_paths())}
+
+
+def duplication_ratios(root: Path, keys: int = KEYS, rounds: int = 3) -> dict[str, dict[str, float]]:
+    """:func:`best_of_duplication` of one checkpoint of ``keys`` keys (P subtasks), on file:// and on
+    moto S3."""
+    root.mkdir(parents=True, exist_ok=True)
+    storage = CheckpointStorage.open(str(root / "dup-chk"), "bench")
+    backends, _ = load_subtasks(root, keys, "dup-w")
+    meta = checkpoint(CheckpointCoordinator(storage, P, M), storage, backends, 0, root / "dup-snaps", [])
+    for b in backends:
+        b.close()
+    out: dict[str, dict[str, float]] = {}
+    for label in ("file", "s3"):
+        with contextlib.ExitStack() as stack:
+            if label == "file":
+                src, dst_root = storage, str(root / "dup-other")
+            else:
+                from sparksteward.testing.s3 import local_s3
+
+                s3 = stack.enter_context(local_s3())
+                src = CheckpointStorage.open(s3.url("src"), "bench")
+                Duplicator().duplicate([(storage.url_of(p), src.url_of(p)) for p in meta.physical_paths()])
+                src.write_metadata(meta)
+                dst_root = s3.url("dst")
+            out[label] = best_of_duplication(src, meta, dst_root, root / f"dup-dl-{label}", rounds)
+    return out
 
 
 if __name__ == "__main__":
