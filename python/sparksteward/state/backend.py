@@ -85,13 +85,15 @@ _reopen: dict[str, rocksdict.Options | None] = {}
 
 
 def reopen_options() -> rocksdict.Options:
-    """The options an existing DB is reopened with: :func:`db_options` plus
+    """The options a DB is written with after its creation: :func:`db_options` plus
     ``avoid_flush_during_recovery``, so the WAL a snapshot kept is replayed, not flushed into a new
-    SST (with fsyncs) at every open.
+    SST (with fsyncs) at every open, and ``wal_compression=kZSTD``, so the WAL a checkpoint uploads is
+    compressed (any open reads it back; the compression is recorded in the WAL itself).
 
-    rocksdict has no setter for that option, so it is read through ``Options.load_latest`` from an
-    OPTIONS file RocksDB wrote for :func:`db_options`, with that one line changed (built once per
-    process). If that fails the DB is reopened with :func:`db_options`: correct, only slower.
+    rocksdict has no setter for either, so they are read through ``Options.load_latest`` from an
+    OPTIONS file RocksDB wrote for :func:`db_options`, with those lines changed, and tried on a scratch
+    DB (built once per process). If ZSTD fails, the WAL stays uncompressed; if the rest fails, the DB
+    is reopened with :func:`db_options`: correct, only slower.
     """
     with _reopen_lock:
         if "options" not in _reopen:
@@ -101,6 +103,14 @@ def reopen_options() -> rocksdict.Options:
 
 
 def _load_reopen_options() -> rocksdict.Options | None:
+    for compression in ("kZSTD", None):
+        opts = _patched_options(compression)
+        if opts is not None:
+            return opts
+    return None
+
+
+def _patched_options(wal_compression: str | None) -> rocksdict.Options | None:
     try:
         with tempfile.TemporaryDirectory(prefix="steward-options-") as tmp:
             db = rocksdict.Rdict(os.path.join(tmp, "db"), db_options(create=True))
@@ -113,14 +123,30 @@ def _load_reopen_options() -> rocksdict.Options | None:
             patched, n = re.subn(r"(?m)^(\s*avoid_flush_during_recovery=)false$", r"\1true", text)
             if n != 1:
                 raise ValueError("no avoid_flush_during_recovery=false line in RocksDB's OPTIONS file")
+            if wal_compression is not None:
+                patched, n = re.subn(r"(?m)^(\s*wal_compression=)\w+$", rf"\g<1>{wal_compression}", patched)
+                if n != 1:
+                    raise ValueError("no wal_compression line in RocksDB's OPTIONS file")
             os.mkdir(os.path.join(tmp, "options"))
             with open(os.path.join(tmp, "options", "OPTIONS-000001"), "w", encoding="utf-8") as fh:
                 fh.write(patched)
             opts = rocksdict.Options.load_latest(os.path.join(tmp, "options"))[0]
-        opts.create_if_missing(False)
+            opts.create_if_missing(False)
+            # try them: write through a reopen, then read back through a plain open
+            db = rocksdict.Rdict(os.path.join(tmp, "db"), opts)
+            db.put(b"steward-probe", b"x" * 100)
+            db.cancel_all_background(True)
+            del db
+            db = rocksdict.Rdict(os.path.join(tmp, "db"), db_options(create=False))
+            ok = db.get(b"steward-probe") == b"x" * 100
+            db.close()
+            del db
+            if not ok:
+                raise ValueError("a value written with them did not read back")
         return opts
     except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
-        log.warning("cannot set avoid_flush_during_recovery (%s): reopened DBs flush their WAL at open", exc)
+        log.warning("cannot use RocksDB options avoid_flush_during_recovery%s (%s)",
+                    f" and wal_compression={wal_compression}" if wal_compression else "", exc)
         return None
 
 
@@ -245,7 +271,11 @@ class RocksDBStateBackend:
                 self._db = rocksdict.Rdict(str(self.db_path), db_options(create=False),
                                            access_type=rocksdict.AccessType.read_only())
             else:
-                self._db = rocksdict.Rdict(str(self.db_path), db_options(create=True) if create else reopen_options())
+                if create:  # created with the raw options rocksdict records, then written with reopen_options
+                    db = rocksdict.Rdict(str(self.db_path), db_options(create=True))
+                    db.cancel_all_background(True)
+                    del db
+                self._db = rocksdict.Rdict(str(self.db_path), reopen_options())
                 self._db.set_write_options(_write_options())
         except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
             raise StateBackendError(f"cannot open the state DB in {self.db_path}: {exc}") from exc
