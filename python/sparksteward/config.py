@@ -312,7 +312,7 @@ OPTIONS = OPTIONS + (
            "Local directory for the RocksDB working dirs, snapshots and the checkpoint file cache of "
            "each executor agent. Empty means a fresh directory under the executor's local dirs, "
            "deleted when the agent exits."),
-    Option("spark.steward.state.wal-flush-size", "bytes", "4m",
+    Option("spark.steward.state.wal-flush-size", "bytes", "256k",
            "A subtask's snapshot keeps the batch's writes in RocksDB's WAL instead of flushing them (the "
            "sync phase writes and fsyncs nothing); the executor agent folds a snapshot with more WAL "
            "than this into an SST before uploading it (the async phase). Larger: fewer, larger SSTs, "

@@ -70,7 +70,7 @@ log = logging.getLogger("sparksteward.state.backend")
 
 DB_DIR = "db"
 #: default of ``spark.steward.state.wal-flush-size``: a snapshot with more WAL than this is folded
-WAL_FLUSH_BYTES = 4 << 20
+WAL_FLUSH_BYTES = 256 << 10
 
 
 def db_options(*, create: bool) -> rocksdict.Options:
