@@ -120,6 +120,16 @@ def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
         econn.request("state.open", name="s", checkpoint_id=0, subtask=5)
     with pytest.raises(StewardError, match="keyed state 'nope' is not registered"):
         dconn.request("state.info", name="nope")
+    # a lying task: bad timings and counters are refused by name, and its subtask stays open to release
+    opened = econn.request("state.open", name="s", checkpoint_id=0, subtask=0)
+    with pytest.raises(InvalidRequestError, match="state.upload: field 'flush_ms' = -1 .*a finite number >= 0"):
+        econn.request("state.upload", token=opened["token"], sync_ms=1.0, flush_ms=-1)
+    with pytest.raises(InvalidRequestError, match="state.upload counters: field 'wal_bytes' = 'lots'"):
+        econn.request("state.upload", token=opened["token"], counters={"wal_bytes": "lots"})
+    with pytest.raises(InvalidRequestError, match="state.upload counters: field 'unaligned' = 1"):
+        econn.request("state.upload", token=opened["token"], counters={"unaligned": 1})
+    assert econn.request("state.release", token=opened["token"])["released"] is True
+    assert not Path(opened["workdir"]).exists()
 
 
 def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_it(rig, monkeypatch):

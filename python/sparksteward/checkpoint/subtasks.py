@@ -188,10 +188,15 @@ class SubtaskService:
 
     def _op_upload(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        opened = self._take(f)
+        # every field is checked before the subtask is taken, so a bad one leaves it open (releasable)
         sync_ms = f.number("sync_ms", default=0.0, lo=0)
         flush_ms = f.number("flush_ms", default=0.0, lo=0)
-        counters = f.mapping("counters", default=None) or {}
+        c = Fields({**(f.mapping("counters", default=None) or {}), "op": f"{f.op} counters"})
+        counters = {"rows_processed": c.integer("rows_processed", default=0, lo=0),
+                    "rows_deferred": c.integer("rows_deferred", default=0, lo=0),
+                    "wal_bytes": c.integer("wal_bytes", default=0, lo=0),
+                    "unaligned": c.flag("unaligned", default=False)}
+        opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
         shutil.rmtree(opened.workdir, ignore_errors=True)
         if not opened.snapshot.is_dir():
@@ -214,11 +219,9 @@ class SubtaskService:
                          "files_reused": result.files_reused, "files": len(result.handle.files),
                          "bytes": result.handle.size, "sync_ms": sync_ms, "flush_ms": flush_ms,
                          "restore": opened.restore,
-                         "rows_processed": int(counters.get("rows_processed") or 0),
-                         "rows_deferred": int(counters.get("rows_deferred") or 0),
+                         "rows_processed": counters["rows_processed"], "rows_deferred": counters["rows_deferred"],
                          "channel_bytes": sum(h.length for h in result.handle.channel_state),
-                         "unaligned": bool(counters.get("unaligned")),
-                         "wal_bytes": int(counters.get("wal_bytes") or 0)}
+                         "unaligned": counters["unaligned"], "wal_bytes": counters["wal_bytes"]}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
                              stats=stats)
