@@ -239,3 +239,36 @@ def test_the_vectorized_key_path_encodes_exactly_like_the_single_key_path(tmp_pa
         if outside:
             with pytest.raises(StateEncodingError, match="which this subtask does not own"):
                 b.value("count").get_many(outside)
+
+
+def test_snapshot_files_never_name_anything_outside_the_db_dir(tmp_path):
+    """A CURRENT that names '../secret' (a crafted checkpoint), a symlinked WAL and stray files: only
+    entries of the dir itself are ever linked, and only the ones a copy needs."""
+    from sparksteward.state.backend import _snapshot_files
+
+    db = tmp_path / "db"
+    db.mkdir()
+    (tmp_path / "secret").write_text("not ours")
+    (db / "CURRENT").write_text("../secret\n")
+    for name in ("000010.sst", "000011.log", "OPTIONS-000007", "OPTIONS-000012", "LOCK", "LOG", "x.tmp"):
+        (db / name).write_bytes(b"x")
+    (db / "000012.log").symlink_to(tmp_path / "secret")
+    names = _snapshot_files(db)
+    assert names == ["000010.sst", "000011.log", "000012.log", "CURRENT", "OPTIONS-000012"]
+    assert all("/" not in n and n != ".." for n in names)
+    with RocksDBStateBackend(tmp_path / "w", ALL, M) as b:  # a real DB: the symlink is linked, not followed
+        b.value("s").update("k", 1)
+        (b.db_path / "999999.log").symlink_to(tmp_path / "secret")
+        snap = b.snapshot(tmp_path / "snap")
+    assert (snap.path / "999999.log").is_symlink() and (tmp_path / "secret").read_text() == "not ours"
+    # the agent's async phase refuses it by name, before folding and before uploading
+    with pytest.raises(StateBackendError, match=r"will not fold the WAL .*999999.log is a symbolic link"):
+        fold_wal(snap.path, 0)
+    from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.errors import StorageError
+
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
+    with pytest.raises(StorageError, match=r"cannot upload snapshot .*999999.log is a symbolic link"):
+        storage.upload_snapshot(snap.path, 0, ALL)
+    assert (tmp_path / "secret").read_text() == "not ours"
+    assert not [p for p in (tmp_path / "chk").rglob("*") if p.is_file()]  # nothing uploaded

@@ -25,6 +25,7 @@ import stat
 import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import fsspec
@@ -32,7 +33,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from sparksteward.errors import StorageError
 
-__all__ = ["Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location", "read_regular"]
+__all__ = ["Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location", "read_regular",
+           "regular_files"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -304,6 +306,19 @@ class NotRegularFileError(Exception):
 
     Not a :class:`~sparksteward.errors.StewardError`: callers translate it at their boundary (the
     JobResultStore into a ``CorruptRecordError`` naming the file)."""
+
+
+def regular_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The entries of a local directory, sorted, all regular files; a symbolic link or any other
+    non-regular entry raises :class:`NotRegularFileError` naming it (never followed)."""
+    out = []
+    for p in sorted(Path(directory).iterdir()):
+        mode = p.lstat().st_mode
+        if not stat.S_ISREG(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else f"not a regular file (mode {oct(mode)})"
+            raise NotRegularFileError(f"{p} is {what}")
+        out.append(p)
+    return out
 
 
 def read_regular(path: str) -> bytes | None:

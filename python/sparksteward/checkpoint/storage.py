@@ -40,7 +40,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, Subt
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
 from sparksteward.ids import validate_id
 from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
+from sparksteward.storage import Location, NotRegularFileError, fsync_dir, fsync_file, open_location, regular_files
 
 __all__ = ["METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult", "checkpoint_dir_name",
            "open_checkpoint"]
@@ -148,7 +148,11 @@ class CheckpointStorage:
         uploaded: list[str] = []
         merged: set[str] = set()
         sent = reused = 0
-        todo = [(p, state_handles) for p in sorted(p for p in snapshot_dir.iterdir() if p.is_file())]
+        try:
+            todo = [(p, state_handles) for p in regular_files(snapshot_dir)]
+        except NotRegularFileError as exc:
+            raise StorageError(f"cannot upload snapshot {snapshot_dir}: {exc}; a snapshot holds only the regular "
+                               "files of its DB, so this checkpoint is not taken") from exc
         todo += [(Path(p), channel_handles) for p in channel]
         for local, files in todo:
             checksum = hash_file(local).hex()

@@ -28,12 +28,12 @@ while any of them is alive.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -45,6 +45,7 @@ import rocksdict
 import xxhash
 
 from sparksteward.errors import StateBackendError, StateEncodingError
+from sparksteward.storage import NotRegularFileError, regular_files
 from sparksteward.state.encoding import (
     KIND_LIST,
     KIND_MAP,
@@ -80,10 +81,6 @@ def db_options(*, create: bool) -> rocksdict.Options:
     return opts
 
 
-_reopen_lock = threading.Lock()
-_reopen: dict[str, rocksdict.Options | None] = {}
-
-
 def reopen_options() -> rocksdict.Options:
     """The options a DB is written with after its creation: :func:`db_options` plus
     ``avoid_flush_during_recovery``, so the WAL a snapshot kept is replayed, not flushed into a new
@@ -95,13 +92,11 @@ def reopen_options() -> rocksdict.Options:
     DB (built once per process). If ZSTD fails, the WAL stays uncompressed; if the rest fails, the DB
     is reopened with :func:`db_options`: correct, only slower.
     """
-    with _reopen_lock:
-        if "options" not in _reopen:
-            _reopen["options"] = _load_reopen_options()
-        opts = _reopen["options"]
+    opts = _load_reopen_options()
     return opts if opts is not None else db_options(create=False)
 
 
+@functools.cache
 def _load_reopen_options() -> rocksdict.Options | None:
     for compression in ("kZSTD", None):
         opts = _patched_options(compression)
@@ -170,7 +165,7 @@ def _snapshot_files(db_path: Path) -> list[str]:
 
 
 def _wal_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.log"))
+    return sum(p.lstat().st_size for p in directory.glob("*.log"))
 
 
 def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) -> int:
@@ -183,7 +178,11 @@ def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) ->
     WAL bytes folded, or 0 when under the limit. The state is the same; only its files differ.
     """
     directory = Path(directory)
-    wal = _wal_bytes(directory)
+    try:  # RocksDB would follow a symlinked WAL and recover (and delete) through it
+        files = regular_files(directory)
+    except NotRegularFileError as exc:
+        raise StateBackendError(f"will not fold the WAL of snapshot {directory}: {exc}") from exc
+    wal = sum(p.stat().st_size for p in files if p.name.endswith(".log"))
     if wal <= limit:
         return 0
     opts = db_options(create=False)
@@ -366,7 +365,8 @@ class RocksDBStateBackend:
         target.parent.mkdir(parents=True, exist_ok=True)
         if keep_open or self.read_only:
             return self._checkpoint_snapshot(target)
-        self.db  # noqa: B018 - refuses a closed backend
+        if self._closed:
+            raise StateBackendError(f"the state backend of {self.db_path} is closed")
         started = time.perf_counter()
         self._shutdown()
         left = _open_files_under(self.db_path)
