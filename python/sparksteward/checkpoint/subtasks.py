@@ -195,7 +195,7 @@ class SubtaskService:
         counters = {"rows_processed": c.integer("rows_processed", default=0, lo=0),
                     "rows_deferred": c.integer("rows_deferred", default=0, lo=0),
                     "wal_bytes": c.integer("wal_bytes", default=0, lo=0),
-                    "unaligned": c.flag("unaligned", default=False)}
+                    "unaligned": bool(c.integer("unaligned", default=0, lo=0, hi=1))}  # 0/1 from the task
         opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
         shutil.rmtree(opened.workdir, ignore_errors=True)
