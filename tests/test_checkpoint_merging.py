@@ -226,6 +226,7 @@ class Rig:
             svc.close()
             server.close()
         self.driver.close()
+        self.states.close()
 
 
 @pytest.mark.parametrize("num_retained", [1, 3])

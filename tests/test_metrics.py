@@ -105,6 +105,7 @@ def test_state_service_metrics_equal_info_space_per_state(tmp_path):
         subtasks.close()
         executor.close()
         driver.close()
+        states.close()
 
 
 # --- a real driver agent: stdout toward the shim, and health --------------------------------------

@@ -68,6 +68,7 @@ class App:
         self.subtasks.close()
         self.executor.close()
         self.driver.close()
+        self.states.close()   # the application stops: its leases are released
 
 
 def values(tmp: Path, meta: dict) -> dict[str, int]:

@@ -16,21 +16,26 @@ from tests.test_checkpoint_coordinator import BATCHES, M, P, _run_batch
 
 @pytest.fixture
 def driver(tmp_path):
-    """``connect()`` starts a fresh StateService (an application start) and returns a connection."""
+    """``connect()`` starts a fresh StateService (an application start; the previous application
+    stops first, releasing its leases) and returns a connection."""
     secret = new_secret()
     opened = []
 
     def connect():
+        for _, _, service in opened:
+            service.close()
         server = AgentServer("127.0.0.1", 0, secret, {})
-        StateService(str(tmp_path / "chk"), "c1", commit_timeout=30).register_handlers(server)
+        service = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30)
+        service.register_handlers(server)
         conn = Connection.connect(server.endpoint, secret)
-        opened.append((server, conn))
+        opened.append((server, conn, service))
         return conn
 
     yield connect
-    for server, conn in opened:
+    for server, conn, service in opened:
         conn.close()
         server.close()
+        service.close()
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ def rig(tmp_path, request):
     subtasks.close()
     executor.close()
     driver.close()
+    states.close()
 
 
 def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> float:

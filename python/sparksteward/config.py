@@ -267,6 +267,16 @@ OPTIONS = OPTIONS + (
            "(its task or upload still running) to answer before commit aborts the checkpoint (its "
            "executor was lost). Agents poll every second while they hold such files or subtasks.",
            check=_positive),
+    Option("spark.steward.checkpoint.lease-timeout", "duration", "60s",
+           "One state has one writer: the driver agent holds a lease on each state root it writes and "
+           "renews it every third of this time. Another application may take the state over only when "
+           "the holder released the lease, died on the same host, or left it unrenewed for this long "
+           "(timed on the taker's own clock); a holder that could not renew for 80% of it stops "
+           "writing.", check=_positive),
+    Option("spark.steward.checkpoint.orphan-grace", "duration", "10min",
+           "Files of a state that no retained checkpoint references (a crashed upload, an abandoned "
+           "attempt) are deleted by the state's writer once they are this old, at its start and "
+           "whenever nothing is pending. Files are never swept without the writer lease."),
     # FLIP-306 file merging (issue 9); Flink's execution.checkpointing.file-merging.* semantics
     Option("spark.steward.checkpoint.file-merging.enabled", "bool", "true",
            "Pack the small files of a checkpoint (MANIFEST, CURRENT, OPTIONS, SSTs below max-file-size) "

@@ -34,7 +34,8 @@ Tree::
     └── CheckpointError                           CHECKPOINT
         ├── CheckpointNotFoundError (FileNotFoundError)  CHECKPOINT_NOT_FOUND
         ├── CheckpointCorruptError (ValueError)          CHECKPOINT_CORRUPT
-        └── CheckpointOrderError (ValueError)            CHECKPOINT_ORDER
+        ├── CheckpointOrderError (ValueError)            CHECKPOINT_ORDER
+        └── StateLeaseError                              STATE_LEASE
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ __all__ = [
     "ShimBuildError",
     "StateBackendError",
     "StateEncodingError",
+    "StateLeaseError",
     "StateError",
     "StewardError",
     "StorageError",
@@ -276,6 +278,13 @@ class CheckpointOrderError(CheckpointError, ValueError):
     """A checkpoint id is used out of order (older than the last completed one, or not begun)."""
 
     code = "CHECKPOINT_ORDER"
+
+
+class StateLeaseError(CheckpointError):
+    """Another live application holds the writer lease of a state (one state has one writer), or this
+    one lost it."""
+
+    code = "STATE_LEASE"
 
 
 _BY_CODE: dict[str, type[StewardError]] = {}

@@ -108,7 +108,10 @@ class DriverAgent(Agent):
                                    commit_timeout=self.cfg.checkpoint_commit_timeout,
                                    merging=MergingOptions.from_config(self.cfg),
                                    agent_timeout=self.cfg.checkpoint_agent_timeout,
-                                   alignment=AlignmentOptions.from_config(self.cfg))  # keyed state (issues 8-10)
+                                   alignment=AlignmentOptions.from_config(self.cfg),
+                                   lease_timeout=self.cfg.checkpoint_lease_timeout,
+                                   orphan_grace=self.cfg.checkpoint_orphan_grace,
+                                   application=lambda: self.app_id)  # keyed state (issues 8-10)
         self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()
@@ -271,6 +274,9 @@ class DriverAgent(Agent):
         if thread is not None:
             thread.join(5.0)
         super().close()
+        states = getattr(self, "states", None)
+        if states is not None:
+            states.close()   # releases the states' writer leases
         self.jobs.close(self.cfg.cleanup_shutdown_timeout)
         if self._recovery.is_alive():  # bounded: recovery's store calls time out on their own
             self._recovery.join(self.cfg.cleanup_shutdown_timeout)

@@ -65,6 +65,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, choose_no_reuse, is_merged, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
@@ -82,6 +83,8 @@ from sparksteward.state.keygroups import KeyType, key_group_range, validate_para
 __all__ = ["BeginResult", "CheckpointCoordinator"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordinator")
+
+_MAX_DELETED = 100_000   # deleted paths remembered, so that complete() refuses a record naming one
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,7 @@ class _Pending:
     uploaded: set[str] = field(default_factory=set)
     unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
     sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
+    query: str | None = None                                 # the streaming query that began it
 
 
 class CheckpointCoordinator:
@@ -111,7 +115,8 @@ class CheckpointCoordinator:
 
     def __init__(self, storage: CheckpointStorage, parallelism: int, max_parallelism: int, *,
                  key_type: KeyType | str = KeyType.STRING, num_retained: int = 1,
-                 clock: Clock | None = None, merging: MergingOptions | None = None) -> None:
+                 clock: Clock | None = None, merging: MergingOptions | None = None,
+                 lease: Fence | None = None, orphan_grace: float = 0.0) -> None:
         validate_parallelism(parallelism, max_parallelism)
         if isinstance(num_retained, bool) or not isinstance(num_retained, int) or num_retained < 1:
             raise CheckpointError(f"num_retained={num_retained!r} must be an int >= 1")
@@ -135,6 +140,10 @@ class CheckpointCoordinator:
         self._no_reuse: set[str] = set()      # merged files whose live segments the next checkpoint rewrites
         self._open: dict[str, set[str]] = {}  # agent -> across-mode merged files it still appends to
         self.swept: int = 0
+        self.lease: Fence = lease or CallerIsTheOnlyWriter()
+        self.orphan_grace = float(orphan_grace)
+        self._deleted: dict[str, None] = {}   # files this coordinator deleted and no ack uploaded again since
+                                              # (oldest first, at most _MAX_DELETED)
         self._recover()
 
     # --- start -------------------------------------------------------------------------------
@@ -160,10 +169,31 @@ class CheckpointCoordinator:
         if unreadable:
             log.warning("not sweeping orphans of %s: checkpoints %s could not be read", self.storage.state, unreadable)
             return
-        orphans = sorted(p for p in self.storage.stored_files() | self.storage.staged_files() if self._refs[p] == 0)
-        if orphans:
-            self.swept = self.storage.delete_files(orphans)
-            log.info("swept %d orphaned files of %s", self.swept, self.storage.state)
+        self.swept = self.sweep()
+
+    def sweep(self) -> int:
+        """Delete the files of this state that no retained checkpoint references and that are older
+        than ``orphan_grace`` (orphans of a crashed upload, an abandoned attempt or a subsumption cut
+        short); return how many. Only under a held lease, and only while nothing is pending: an
+        upload of a pending attempt is not known before its ack."""
+        with self._lock:
+            try:
+                self.lease.check()
+            except CheckpointError as exc:
+                log.warning("not sweeping orphans of %s: %s", self.storage.state, exc)
+                return 0
+            if self._pending:
+                return 0
+            now = self.clock.now()
+            ages = self.storage.file_times()
+            orphans = sorted(p for p, t in ages.items() if self._refs[p] <= 0 and now - t >= self.orphan_grace
+                             and not any(p in held for held in self._open.values()))
+            n = self.storage.delete_files(orphans) if orphans else 0
+            self._remember_deleted(orphans)
+        if n:
+            log.info("swept %d orphaned files of %s (older than %g s, referenced by no retained checkpoint)",
+                     n, self.storage.state, self.orphan_grace)
+        return n
 
     def _check_compatible(self, meta: CheckpointMetadata) -> None:
         check_max_parallelism(meta, self.max_parallelism)
@@ -226,16 +256,22 @@ class CheckpointCoordinator:
             self._subsume()
 
     # --- the protocol ------------------------------------------------------------------------
-    def begin(self, checkpoint_id: int, *, by_task: bool = False) -> BeginResult:
+    def begin(self, checkpoint_id: int, *, by_task: bool = False, query: str | None = None) -> BeginResult:
         """Start (or restart) checkpoint ``checkpoint_id``; return the base its attempts restore.
 
         ``by_task``: a task asks (the checkpoint is not pending), not the driver; an aborted
         checkpoint is then refused, since only the driver applies a batch again.
+        ``query``: the streaming query (Spark's query id) whose batch this is. One state belongs to one
+        query: a batch of another query than the one that wrote the latest checkpoint, or than the one
+        with a pending checkpoint, is refused.
         """
         if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 0:
             raise CheckpointOrderError(f"checkpoint id {checkpoint_id!r} must be an int >= 0")
         with self._lock:
+            self.lease.check()
             last = self.last_completed
+            if query is not None:
+                self._check_query(checkpoint_id, query)
             if last is not None and checkpoint_id < last:
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is older than its last completed "
@@ -260,14 +296,33 @@ class CheckpointCoordinator:
             self._abort_older(checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
-                self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun)
+                self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun, query=query)
             else:  # a new attempt: earlier acks are replaced as the new ones arrive
                 pending.acks.clear()
+                pending.query = pending.query or query
+            if rerun:
+                log.info("checkpoint %d of %s completed already: this re-run restores the same base and keeps the "
+                         "first result", checkpoint_id, self.storage.state)
             if self._latest_begun is None or checkpoint_id > self._latest_begun:
                 self._latest_begun = checkpoint_id
             self._subsume()
             base = self._completed.get(base_id) if base_id is not None else None
             return BeginResult(checkpoint_id, base, self._known(base), rerun)
+
+    def _check_query(self, checkpoint_id: int, query: str) -> None:
+        """Refuse a batch of ``query`` when the state belongs to another streaming query."""
+        latest = max((c for c in self._completed if c != RESTORED), default=None)
+        owner = _query_of(self._completed[latest]) if latest is not None else None
+        others = sorted({p.query for p in self._pending.values() if p.query not in (None, query)})
+        if owner not in (None, query) or others:
+            holder = owner if owner not in (None, query) else others[0]
+            where = f"its checkpoint {latest}" if owner not in (None, query) else "a pending checkpoint"
+            raise CheckpointOrderError(
+                f"batch {checkpoint_id} of streaming query {query} cannot use keyed state {self.storage.state!r}: "
+                f"{where} belongs to streaming query {holder}, and one state belongs to one query (a batch "
+                f"id of another query means other rows, so taking it for a re-run would lose them). Give this "
+                f"query its own state name; to start it from this state's data, take a savepoint "
+                f"(ks.savepoint(url)) and open a new state with restore_from=url")
 
     def base(self, checkpoint_id: int) -> BeginResult:
         """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
@@ -311,6 +366,8 @@ class CheckpointCoordinator:
                     f"already completed or aborted): the ack of subtask {handle.subtask} is refused and its "
                     f"uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
+            for p in uploaded:   # uploaded again after a deletion
+                self._deleted.pop(p, None)
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
                                          f"{self.parallelism}")
@@ -435,7 +492,17 @@ class CheckpointCoordinator:
                 self._delete_late()
                 return meta
             subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
+            missing_files = sorted({f.path for h in subtasks for f in (*h.files, *h.channel_state)}
+                                   & self._deleted.keys())
+            if missing_files:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: it references "
+                    f"{missing_files[:5]} ({len(missing_files)} files), which were deleted after their upload. "
+                    f"Apply the batch again with the same checkpoint_id")
+            self.lease.check()
             properties: dict[str, object] = {"base": pending.base_id}
+            if pending.query is not None:
+                properties["query"] = pending.query
             claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
@@ -538,11 +605,24 @@ class CheckpointCoordinator:
             self._delete_unreferenced(gone)
             log.info("subsumed checkpoint %d of %s", cid, self.storage.state)
 
+    def _remember_deleted(self, paths: list[str]) -> None:
+        for p in paths:
+            self._deleted.pop(p, None)
+            self._deleted[p] = None
+        while len(self._deleted) > _MAX_DELETED:
+            del self._deleted[next(iter(self._deleted))]
+
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
+        try:
+            self.lease.check()
+        except CheckpointError as exc:   # another writer may hold the state now: its files are not ours
+            log.warning("not deleting %d files of %s: %s", len(paths), self.storage.state, exc)
+            return 0
         in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
         in_flight.update(*self._open.values())
         doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
         n = self.storage.delete_files(doomed) if doomed else 0
+        self._remember_deleted(doomed)
         claimed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and p in self._claimed)
         if claimed:
             n += self.storage.delete_claimed(claimed)
@@ -563,6 +643,11 @@ class CheckpointCoordinator:
         if parent:
             with contextlib.suppress(OSError):
                 os.rmdir(parent)  # the empty chk-N directory, locally (object stores have none)
+
+
+def _query_of(meta: CheckpointMetadata) -> str | None:
+    query = meta.properties.get("query")
+    return query if isinstance(query, str) else None
 
 
 def _claimed_by(meta: CheckpointMetadata) -> set[str]:

@@ -51,18 +51,27 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.records import SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name, open_checkpoint
-from sparksteward.errors import CheckpointError, CheckpointOrderError, InvalidRequestError, ParallelismError, StewardError
+from sparksteward.errors import (
+    CheckpointError,
+    CheckpointOrderError,
+    InvalidRequestError,
+    ParallelismError,
+    StateLeaseError,
+    StewardError,
+)
 from sparksteward.ids import validate_id
 from sparksteward.wire import AgentServer, Connection, Fields
 
@@ -86,6 +95,7 @@ class _State:
                                                                        # agent that last opened or uploads it
     alignment: AlignmentOptions = AlignmentOptions()
     stage_started: dict[int, float] = field(default_factory=dict)  # checkpoint -> first task's open (monotonic)
+    lease: StateLease | None = None   # this application's writer lease on the state root
 
 
 class StateService:
@@ -93,7 +103,8 @@ class StateService:
 
     def __init__(self, default_checkpoint_dir: str, cluster_id: str, *, commit_timeout: float = 600.0,
                  merging: MergingOptions | None = None, agent_timeout: float = 30.0,
-                 alignment: AlignmentOptions | None = None) -> None:
+                 alignment: AlignmentOptions | None = None, lease_timeout: float = 60.0,
+                 orphan_grace: float = 600.0, application: Callable[[], str | None] = lambda: None) -> None:
         self.default_checkpoint_dir = default_checkpoint_dir
         self.cluster_id = cluster_id
         self.commit_timeout = commit_timeout
@@ -103,6 +114,11 @@ class StateService:
         self._states: dict[str, _State] = {}
         self._cond = threading.Condition()
         self._seen: dict[str, float] = {}   # agent -> monotonic time of its last ack or poll
+        self.lease_timeout = lease_timeout
+        self.orphan_grace = orphan_grace
+        self._application = application
+        self._closed = threading.Event()
+        self._lease_thread: threading.Thread | None = None
 
     def metrics(self) -> dict[str, int | float]:
         """The file-merging numbers of every registered state, flat, for health and Spark's metrics:
@@ -216,16 +232,63 @@ class StateService:
             else:
                 storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
                 merging = self._merging(f, storage)
-                restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
-                coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
-                                              num_retained=num_retained, merging=merging)
-                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore,
-                                                 alignment=self._alignment(f))
+                alignment = self._alignment(f)
+                lease = self._acquire(storage)
+                try:
+                    restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
+                    coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
+                                                  num_retained=num_retained, merging=merging, lease=lease,
+                                                  orphan_grace=self.orphan_grace)
+                except BaseException:
+                    lease.release()
+                    raise
+                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore, alignment=alignment,
+                                                 lease=lease)
                 log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
                          max_parallelism, key_type, storage.url)
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                 "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+
+    # --- the writer lease --------------------------------------------------------------------
+    def _acquire(self, storage: CheckpointStorage) -> StateLease:
+        """Hold the writer lease of ``storage``'s state root (or raise naming the live holder), and
+        keep it renewed."""
+        application = self._application() or f"driver agent pid {os.getpid()}"
+        lease = StateLease(storage.location, storage.state, application=application, ttl=self.lease_timeout)
+        lease.acquire()
+        if self._lease_thread is None:
+            self._lease_thread = threading.Thread(target=self._lease_loop, name="steward-state-leases", daemon=True)
+            self._lease_thread.start()
+        return lease
+
+    def _lease_loop(self) -> None:
+        """Renew every state's lease every third of the lease timeout; sweep old orphans when idle."""
+        last_sweep = time.monotonic()
+        while not self._closed.wait(self.lease_timeout / 3):
+            with self._cond:
+                states = list(self._states.values())
+            for st in states:
+                if st.lease is not None:
+                    st.lease.renew()
+            if time.monotonic() - last_sweep >= max(self.orphan_grace / 4, self.lease_timeout):
+                last_sweep = time.monotonic()
+                for st in states:
+                    try:
+                        st.coordinator.sweep()
+                    except StewardError as exc:
+                        log.warning("sweeping orphans of %s failed: %s", st.coordinator.storage.state, exc)
+
+    def close(self) -> None:
+        """Stop renewing and release every lease (idempotent): the next writer may start at once."""
+        self._closed.set()
+        if self._lease_thread is not None:
+            self._lease_thread.join(10.0)
+        with self._cond:
+            states = list(self._states.values())
+        for st in states:
+            if st.lease is not None:
+                st.lease.release()
 
     @staticmethod
     def _rescaled_from(st: _State, parallelism: int) -> int | None:
@@ -294,6 +357,7 @@ class StateService:
         f = Fields(req)
         _, st = self._state(f)
         parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
+        query = f.text("query", default=None, max_len=200) or None
         with self._cond:
             if parallelism is not None and parallelism != st.coordinator.parallelism:
                 raise ParallelismError(
@@ -302,7 +366,7 @@ class StateService:
                     f"KeyedState object routes rows to {parallelism} subtasks: use the object returned by the "
                     f"latest st.keyed_state(...) call")
             cid = self._checkpoint_id(f, st)
-            begun = st.coordinator.begin(cid)
+            begun = st.coordinator.begin(cid, query=query)
             st.stage_started.pop(cid, None)   # a new attempt: its stage starts with its first task
             for old in [c for c in st.stage_started if c < cid]:
                 del st.stage_started[old]
@@ -488,7 +552,7 @@ class StateService:
                     meta = st.coordinator.complete(cid)
                     st.working.pop(cid, None)
                     break
-                except CheckpointOrderError:
+                except (CheckpointOrderError, StateLeaseError):
                     raise
                 except CheckpointError as exc:
                     left = deadline - time.monotonic()

@@ -31,6 +31,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,19 @@ class CheckpointStorage:
         """Every data file of this state: ``shared/`` and ``merged/``."""
         return self.shared_files() | self.merged_files()
 
+    def file_times(self) -> dict[str, float]:
+        """Every data file and staged upload under ``shared/`` and ``merged/`` -> when it last changed
+        (epoch seconds). Locally the later of mtime and ctime: a hard link made by a restore keeps
+        the source's old mtime but gets a new ctime."""
+        out: dict[str, float] = {}
+        for sub in ("shared", MERGED_DIR):
+            for info in self.location.listdir(self.location.path(sub)):
+                name = posixpath.basename(info["name"].rstrip("/"))
+                if name.startswith(".") and not name.endswith(".tmp"):
+                    continue
+                out[posixpath.join(sub, name)] = _changed_at(info)
+        return out
+
     def staged_files(self) -> set[str]:
         """Relative paths of staged uploads left under ``shared/`` or ``merged/`` by a crash (local stores)."""
         out = set()
@@ -365,6 +379,18 @@ class CheckpointStorage:
             raise
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"{what} is missing: {exc}") from exc
+
+
+def _changed_at(info: dict[str, Any]) -> float:
+    """When a listed file last changed: the later of mtime and ctime locally, LastModified on S3."""
+    times = []
+    for key in ("mtime", "created", "LastModified", "last_modified", "updated"):
+        value = info.get(key)
+        if isinstance(value, datetime):
+            value = value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            times.append(float(value))
+    return max(times, default=float("inf"))   # unknown: never old enough to sweep
 
 
 def _fix(meta: CheckpointMetadata) -> str:

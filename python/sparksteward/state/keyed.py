@@ -164,6 +164,15 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
     return run
 
 
+def _streaming_query(df: Any) -> str | None:
+    """The id of the streaming query whose ``foreachBatch`` runs this (Spark sets it as a local
+    property of the batch's thread); None outside a streaming query."""
+    try:
+        return df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId") or None
+    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext: no query to record
+        return None
+
+
 class KeyedState:
     """A keyed state of this application (see the module docstring). Use ``Steward.keyed_state``."""
 
@@ -252,7 +261,7 @@ class KeyedState:
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
         begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id,
-                                 parallelism=self.parallelism)
+                                 parallelism=self.parallelism, query=_streaming_query(df))
         cid = begun["checkpoint_id"]
         p = self.parallelism
         routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))

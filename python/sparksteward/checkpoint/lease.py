@@ -1,0 +1,350 @@
+"""One live writer per state root: the writer lease ``<state root>/_lease``.
+
+Two writers on one state root (two applications with the same checkpoint dir and state name, a
+zombie driver and its replacement) would sweep each other's uploads and write the same ``chk-N``
+ids. The coordinator of a state therefore writes only while it holds this lease (decision 0013).
+
+The record is versioned JSON::
+
+    {"version": 1, "holder": <32 hex>, "application": ..., "hostname": ..., "boot_id": ..., "pid": ...,
+     "start_time": ..., "pid_ns": ..., "since": <epoch s>, "renewed": <epoch s>, "ttl": <s>, "seq": <n>,
+     "released": false}
+
+**Acquire.** The record is created with a conditional write (``os.link`` of a staged file locally;
+``PUT If-None-Match: *`` on S3). If one exists, its holder is another writer unless it is provably
+gone, and only then is it taken over:
+
+- it released the lease (a clean close marks the record ``released``);
+- it ran on this host and its process is proven dead (:meth:`OwnerRecord.is_dead`);
+- its record did not change for a whole ``ttl`` timed on this process's monotonic clock (its
+  renewals stopped). The record's wall-clock ``renewed`` time only decides whether watching is worth
+  it: a record renewed less than ``ttl`` ago by the wall clock is refused at once. Clock skew can
+  make a dead holder look alive for longer, never an alive one dead.
+
+A takeover is a compare-and-swap against the observed version (``If-Match`` on the ETag on object
+stores; locally the bytes are compared under an ``flock`` of ``_lease.lock``), so of two contenders
+only one wins.
+
+**Hold.** :meth:`StateLease.renew` rewrites the record with the same compare-and-swap every
+``ttl / 3`` (the driver agent's lease thread). A failed swap means another writer took the lease
+over: it is lost for good. :meth:`StateLease.check` raises :class:`StateLeaseError` once the lease
+is lost, or when the last successful renewal started more than ``0.8 * ttl`` ago, so a holder cut off
+from its store stops writing before anyone else may take over.
+
+Thread-safe: one lock guards the record and the renewal state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from typing import Protocol
+
+import orjson
+import xxhash
+
+from sparksteward.errors import CorruptRecordError, StateLeaseError, StorageError
+from sparksteward.owner import OwnerRecord
+from sparksteward.storage import Location
+
+__all__ = ["LEASE_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "read_lease"]
+
+log = logging.getLogger("sparksteward.checkpoint.lease")
+
+LEASE_FILE = "_lease"
+_LOCK_FILE = "_lease.lock"
+_VERSION = 1
+_VALID_FRACTION = 0.8   # a holder writes only within this fraction of ttl after its last renewal began
+_MAX_RECORD = 1 << 16
+
+
+class Fence(Protocol):
+    """What a coordinator asks before it writes or deletes: may this process write the state now?"""
+
+    def check(self) -> None:
+        """Raise :class:`StateLeaseError` unless this process may write the state root now."""
+
+
+class CallerIsTheOnlyWriter:
+    """The null fence: the caller guarantees it is the only writer (a test, or a tool that holds the
+    lease itself)."""
+
+    def check(self) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """Who holds a state root, since when, and how long a silent holder keeps it."""
+
+    holder: str
+    application: str
+    hostname: str
+    boot_id: str
+    pid: int
+    start_time: float | None
+    pid_ns: str
+    since: float
+    renewed: float
+    ttl: float
+    seq: int = 0
+    released: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("holder", "application", "hostname", "boot_id", "pid_ns"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string")
+        if not isinstance(self.pid, int) or isinstance(self.pid, bool) or self.pid <= 0:
+            raise ValueError(f"pid must be a positive integer, not {self.pid!r}")
+        for name in ("since", "renewed", "ttl"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number >= 0, not {value!r}")
+        if isinstance(self.seq, bool) or not isinstance(self.seq, int) or self.seq < 0:
+            raise ValueError(f"seq must be an integer >= 0, not {self.seq!r}")
+        if not isinstance(self.released, bool):
+            raise ValueError(f"released must be a boolean, not {self.released!r}")
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({"version": _VERSION, **asdict(self)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> LeaseRecord:
+        try:
+            rec = orjson.loads(data)
+            if not isinstance(rec, dict) or rec.get("version") != _VERSION:
+                raise ValueError(f"unknown version {rec.get('version') if isinstance(rec, dict) else rec!r}")
+            return cls(rec["holder"], rec["application"], rec["hostname"], rec["boot_id"], rec["pid"],
+                       rec["start_time"], rec["pid_ns"], rec["since"], rec["renewed"], rec["ttl"], rec["seq"],
+                       rec["released"])
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecordError(
+                f"lease record {source} is unreadable ({exc}): if no application writes this state any more, "
+                f"delete the file; otherwise stop the application that does") from exc
+
+    def owner(self) -> OwnerRecord:
+        return OwnerRecord(self.hostname, self.boot_id, self.pid, self.start_time, self.pid_ns)
+
+    def describe(self) -> str:
+        since = datetime.fromtimestamp(self.since, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return f"application {self.application} on host {self.hostname} (pid {self.pid}) since {since}"
+
+
+def _version(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _read(loc: Location, path: str) -> tuple[bytes, str] | None:
+    """The record's bytes and version (the ETag on object stores, a hash of the bytes locally), read
+    consistently; None when there is no record."""
+    for _ in range(5):
+        if loc.is_local:
+            try:
+                data = loc.read_bytes(path)
+            except FileNotFoundError:
+                return None
+            return data, _version(data)
+        before = loc.version(path)
+        if before is None:
+            return None
+        try:
+            data = loc.read_bytes(path)
+        except FileNotFoundError:
+            continue
+        if loc.version(path) == before:
+            return data, before
+    raise StorageError(f"lease record {loc.display(path)} kept changing while it was read")
+
+
+def read_lease(loc: Location) -> LeaseRecord | None:
+    """The lease record of the state root ``loc``; None when no writer ever took it."""
+    path = loc.path(LEASE_FILE)
+    got = _read(loc, path)
+    if got is None:
+        return None
+    if len(got[0]) > _MAX_RECORD:
+        raise CorruptRecordError(f"lease record {loc.display(path)} is {len(got[0])} bytes, not a lease record: "
+                                 f"delete it if no application writes this state any more")
+    return LeaseRecord.from_bytes(got[0], loc.display(path))
+
+
+class StateLease:
+    """This process's hold on one state root (see the module docstring)."""
+
+    def __init__(self, loc: Location, state: str, *, application: str, ttl: float,
+                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep, owner: OwnerRecord | None = None) -> None:
+        if not ttl > 0:
+            raise ValueError(f"lease ttl must be > 0, not {ttl!r}")
+        self.loc = loc
+        self.state = state
+        self.application = application
+        self.ttl = float(ttl)
+        self.path = loc.path(LEASE_FILE)
+        self._monotonic, self._wall, self._sleep = monotonic, wall, sleep
+        self._owner = owner   # None: this process (tests pass another host's)
+        self._lock = threading.Lock()
+        self._record: LeaseRecord | None = None
+        self._version: str | None = None
+        self._valid_from: float | None = None   # monotonic start of the last successful write
+        self._lost: str | None = None
+        self.took_over: LeaseRecord | None = None   # the expired holder this lease replaced
+
+    # --- acquire -----------------------------------------------------------------------------
+    def acquire(self) -> None:
+        """Hold the lease or raise :class:`StateLeaseError` naming the live holder."""
+        with self._lock:
+            me = self._owner or OwnerRecord.current()
+            now = self._wall()
+            mine = LeaseRecord(uuid.uuid4().hex, self.application, me.hostname, me.boot_id, me.pid, me.start_time,
+                               me.pid_ns, now, now, self.ttl)
+            started = self._monotonic()
+            data = mine.to_bytes()
+            if self.loc.create_exclusive(self.path, data):
+                self._hold(mine, started)
+                return
+            got = _read(self.loc, self.path)
+            if got is None:   # released and deleted between the two calls: try once more
+                if self.loc.create_exclusive(self.path, data):
+                    self._hold(mine, started)
+                    return
+                got = _read(self.loc, self.path)
+                if got is None:
+                    raise StateLeaseError(f"cannot take the lease {self.loc.display(self.path)} of keyed state "
+                                          f"{self.state!r}: it keeps appearing and disappearing")
+            theirs = LeaseRecord.from_bytes(got[0], self.loc.display(self.path))
+            version = self._expired_version(theirs, got[1])
+            mine = replace(mine, seq=theirs.seq + 1)
+            started = self._monotonic()
+            if not self._swap(version, mine.to_bytes()):
+                raise self._held_error(theirs, "it was taken by another writer at the same moment")
+            self.took_over = theirs
+            log.warning("keyed state %s: took over the lease of %s from %s (%s)", self.state, self.loc.url,
+                        theirs.describe(), "released" if theirs.released else "expired")
+            self._hold(mine, started)
+
+    def _expired_version(self, theirs: LeaseRecord, version: str) -> str:
+        """The version to swap against when ``theirs`` provably no longer holds the lease; else raise."""
+        if theirs.released:
+            return version
+        with contextlib.suppress(ValueError):
+            if theirs.owner().is_dead():
+                return version
+        age = self._wall() - theirs.renewed
+        if age < theirs.ttl:
+            raise self._held_error(theirs, f"it renewed the lease {max(age, 0.0):.0f} s ago")
+        # it looks stale by the wall clock: watch the record for a whole ttl on our own clock
+        deadline = self._monotonic() + theirs.ttl
+        while self._monotonic() < deadline:
+            self._sleep(min(1.0, theirs.ttl / 10))
+            got = _read(self.loc, self.path)
+            if got is None or got[1] != version:
+                raise self._held_error(theirs, "it renewed the lease while this application waited for it")
+        return version
+
+    def _held_error(self, theirs: LeaseRecord, why: str) -> StateLeaseError:
+        return StateLeaseError(
+            f"keyed state {self.state!r} at {self.loc.url} is being written by {theirs.describe()}; {why}. One state "
+            f"has one writer: a second one would delete the first one's files. Stop that application (its lease "
+            f"is released when it stops), or, if it died, wait until its lease expires ({theirs.ttl:g} s without "
+            f"renewal) and start again; to run both, give this one another state name or spark.steward.cluster-id")
+
+    def _hold(self, record: LeaseRecord, started: float) -> None:
+        got = _read(self.loc, self.path)
+        if got is None or got[0] != record.to_bytes():
+            raise StateLeaseError(f"the lease {self.loc.display(self.path)} of keyed state {self.state!r} changed "
+                                  f"right after it was written: another writer took it; stop that one first")
+        self._record, self._version, self._valid_from, self._lost = record, got[1], started, None
+        log.info("keyed state %s: holding the writer lease of %s (ttl %g s)", self.state, self.loc.url, self.ttl)
+
+    # --- compare-and-swap --------------------------------------------------------------------
+    def _swap(self, version: str | None, data: bytes) -> bool:
+        if not self.loc.is_local:
+            return self.loc.replace_if(self.path, data, version)
+        lock_path = self.loc.path(_LOCK_FILE)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            got = _read(self.loc, self.path)
+            if got is None or got[1] != version:
+                return False
+            self.loc.write_atomic(self.path, data)
+            return True
+        finally:
+            os.close(fd)   # releases the flock
+
+    # --- hold --------------------------------------------------------------------------------
+    @property
+    def held(self) -> bool:
+        with self._lock:
+            return self._record is not None and self._lost is None
+
+    def renew(self) -> bool:
+        """Rewrite the record (a new ``seq`` and ``renewed`` time); False once the lease is lost."""
+        with self._lock:
+            if self._record is None or self._lost is not None:
+                return False
+            record = replace(self._record, renewed=self._wall(), seq=self._record.seq + 1)
+            started = self._monotonic()
+            try:
+                swapped = self._swap(self._version, record.to_bytes())
+            except StorageError as exc:   # the store is unreachable: check() runs out on its own
+                log.warning("keyed state %s: renewing the lease of %s failed: %s", self.state, self.loc.url, exc)
+                return True
+            if not swapped:
+                got = _read(self.loc, self.path)
+                who = "nobody (the record was deleted)"
+                if got is not None:
+                    with contextlib.suppress(CorruptRecordError):
+                        who = LeaseRecord.from_bytes(got[0], self.loc.display(self.path)).describe()
+                self._lost = f"another writer took the lease over: {who}"
+                log.error("keyed state %s: lost the writer lease of %s: %s; this application stops writing it",
+                          self.state, self.loc.url, self._lost)
+                return False
+            got = _read(self.loc, self.path)
+            if got is None or got[0] != record.to_bytes():
+                self._lost = "another writer replaced the lease record right after a renewal"
+                return False
+            self._record, self._version, self._valid_from = record, got[1], started
+            return True
+
+    def check(self) -> None:
+        """Raise :class:`StateLeaseError` unless this process may write the state root now."""
+        with self._lock:
+            if self._record is None:
+                raise StateLeaseError(f"keyed state {self.state!r}: this application does not hold the writer "
+                                      f"lease of {self.loc.url}")
+            if self._lost is not None:
+                raise StateLeaseError(f"keyed state {self.state!r} at {self.loc.url} can no longer be written by "
+                                      f"this application: {self._lost}. Stop this application")
+            assert self._valid_from is not None
+            silent = self._monotonic() - self._valid_from
+            if silent > _VALID_FRACTION * self.ttl:
+                raise StateLeaseError(
+                    f"keyed state {self.state!r}: the writer lease of {self.loc.url} was last renewed {silent:.0f} s "
+                    f"ago (ttl {self.ttl:g} s), so another application may take it over; this checkpoint is not "
+                    f"written. Check that the checkpoint store is reachable")
+
+    def release(self) -> None:
+        """Mark the record released (idempotent), so the next writer takes over at once."""
+        with self._lock:
+            if self._record is None or self._lost is not None:
+                self._record = None
+                return
+            record = replace(self._record, renewed=self._wall(), seq=self._record.seq + 1, released=True)
+            try:
+                if not self._swap(self._version, record.to_bytes()):
+                    log.warning("keyed state %s: the lease of %s was taken over before it was released",
+                                self.state, self.loc.url)
+            except (StorageError, OSError) as exc:
+                log.warning("keyed state %s: releasing the lease of %s failed (it expires after %g s): %s",
+                            self.state, self.loc.url, self.ttl, exc)
+            self._record = None
