@@ -133,3 +133,55 @@ def test_a_corrupt_lease_record_is_refused_by_name(tmp_path):
     storage.location.write_atomic(storage.location.path(LEASE_FILE), b"{not json")
     with pytest.raises(CorruptRecordError, match="_lease.*delete the file"):
         StateLease(storage.location, "clicks", application="a", ttl=5).acquire()
+
+
+# --- the sweep, under the coordinator ------------------------------------------------------------
+from sparksteward.checkpoint.coordinator import CheckpointCoordinator  # noqa: E402
+from sparksteward.errors import CheckpointError  # noqa: E402
+from sparksteward.testing.clock import FakeClock  # noqa: E402
+from tests.test_checkpoint_coordinator import BATCHES, M, P, _counts, _expected, _run_batch  # noqa: E402
+
+
+def test_a_restart_sweeps_only_old_orphans_and_never_completes_on_a_deleted_upload(tmp_path, store_url):
+    """A driver restarts while a batch's uploads are in flight: with a grace period its start leaves
+    them alone; without one (grace 0) it deletes them, and a late ack of the lost attempt pointing at
+    them can no longer complete a checkpoint that would not restore."""
+    storage = CheckpointStorage.open(store_url, "clicks")
+    coord = CheckpointCoordinator(storage, P, M)
+    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    coord.complete(0)
+    _, results = _run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False)   # uploaded, not acked yet
+    uploads = {p for r in results for p in r.uploaded}
+    assert uploads and uploads <= storage.shared_files()
+
+    clock = FakeClock(start=__import__("time").time())
+    graced = CheckpointCoordinator(storage, P, M, orphan_grace=600, clock=clock)
+    assert graced.swept == 0 and uploads <= storage.shared_files()   # too young to be orphans
+    clock.advance(601)
+    assert graced.sweep() == len(uploads) and not uploads & storage.shared_files()
+
+    graced.begin(1)   # the restarted driver applies batch 1 again; the lost attempt's acks come late
+    for r in results:
+        graced.ack(1, r)
+    with pytest.raises(CheckpointError, match=r"cannot complete: it references .*deleted after their upload"):
+        graced.complete(1)
+    graced.abort(1)
+    _run_batch(graced, storage, tmp_path, 1, BATCHES[1], attempt="b")
+    meta = graced.complete(1)
+    assert _counts(storage, meta, tmp_path, "r") == _expected(BATCHES[:2])
+
+
+def test_no_sweep_without_the_lease(tmp_path):
+    storage = CheckpointStorage.open(f"file://{tmp_path}/chk", "clicks", "c1")
+    storage.location.makedirs(storage.location.path("shared"))
+    orphan = storage.location.path("shared", "0" * 32)
+    storage.location.write_atomic(orphan, b"x")
+    holder = StateLease(storage.location, "clicks", application="app-1", ttl=60)
+    holder.acquire()
+    lost = StateLease(storage.location, "clicks", application="app-2", ttl=60)   # never acquired
+    coord = CheckpointCoordinator(storage, P, M, lease=lost)
+    assert coord.swept == 0 and os.path.exists(orphan)
+    with pytest.raises(StateLeaseError, match="does not hold the writer lease"):
+        coord.begin(0)
+    mine = CheckpointCoordinator(storage, P, M, lease=holder)
+    assert mine.swept == 1 and not os.path.exists(orphan)

@@ -15,7 +15,7 @@ from sparksteward import Steward
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointOrderError, StateError
 from tests.conftest import spark_session, wait_until
-from tests.test_state_spark import SCHEMA, make_batches, reference, state_of
+from tests.test_state_spark import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
 
@@ -168,3 +168,99 @@ def test_process_arguments_are_checked(spark, tmp_path):
         ks.process(counting(tmp_path / "x"), SCHEMA, sink=None)
     with pytest.raises(StateError, match="form='polars' must be 'pandas'"):
         ks.process(counting(tmp_path / "x"), SCHEMA, sink=print, form="polars")
+
+
+def _stream(spark, source: Path, chk: Path, run):
+    """One streaming query over the JSON files in ``source``, run until they are all processed;
+    returns the query (stopped), its exception (if it failed) included."""
+    q = (spark.readStream.schema("k string, v long").option("maxFilesPerTrigger", 1).json(str(source))
+         .writeStream.foreachBatch(run).option("checkpointLocation", str(chk)).trigger(availableNow=True).start())
+    try:
+        q.awaitTermination(120)
+    except Exception:  # noqa: BLE001 - the test reads q.exception()
+        pass
+    q.stop()
+    return q
+
+
+def test_one_state_belongs_to_one_streaming_query(spark, tmp_path):
+    """Query B's batch 0 is not a re-run of query A's batch 0 (B's rows would never reach the state),
+    nor is the batch 0 of A restarted on a deleted checkpointLocation: both are refused by name."""
+    st = Steward.get(spark)
+    ks = st.keyed_state("one-query", key="k", parallelism=2, max_parallelism=16,
+                        checkpoint_dir=str(tmp_path / "state"))
+    batches = make_batches(21, count=1)
+    source_a, source_b = tmp_path / "in-a", tmp_path / "in-b"
+    for d, b in ((source_a, batches[0]), (source_b, make_batches(22, count=1)[0])):
+        d.mkdir()
+        b.to_json(d / "part-0.json", orient="records", lines=True)
+    written = {}
+    run = ks.process(count_sum, SCHEMA, sink=lambda out, batch_id: written.setdefault(batch_id, out.count()))
+    a = _stream(spark, source_a, tmp_path / "chk-a", run)
+    assert a.exception() is None and state_of(ks) == reference(batches)
+
+    b = _stream(spark, source_b, tmp_path / "chk-b", run)
+    assert b.exception() is not None
+    message = str(b.exception())
+    assert f"batch 0 of streaming query {b.id}" in message and f"belongs to streaming query {a.id}" in message
+    assert "one state belongs to one query" in message and "restore_from" in message
+
+    again = _stream(spark, source_a, tmp_path / "chk-a-deleted", run)   # A with its checkpointLocation gone
+    assert again.exception() is not None and f"belongs to streaming query {a.id}" in str(again.exception())
+    assert state_of(ks) == reference(batches) and ks.info()["pending"] == []
+
+
+_SECOND_APP = """
+import sys
+import pandas as pd
+from pyspark.sql import SparkSession
+import sparksteward
+from tests.conftest import spark_session
+from tests.test_state_spark import SCHEMA, count_sum
+
+state_dir, checkpoint_dir, cluster = sys.argv[1:4]
+with spark_session("local[1]", **{"spark.steward.state-dir": state_dir, "spark.steward.cluster-id": cluster}) as spark:
+    ks = sparksteward.Steward.get(spark).keyed_state("shared", key="k", parallelism=2, max_parallelism=16,
+                                                      checkpoint_dir=checkpoint_dir)
+    try:
+        ks.apply(spark.createDataFrame(pd.DataFrame({"k": ["x"], "v": [1]})), count_sum, SCHEMA).collect()
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
+    else:
+        print("ACCEPTED", flush=True)
+"""
+
+
+def test_a_second_application_on_a_state_is_refused_and_the_first_restores(spark, tmp_path):
+    """Must-show 3: two applications on one state (same checkpoint dir, cluster id and name): the
+    second is refused naming the state, its root and the holder; every checkpoint of the first restores."""
+    import subprocess
+    import sys
+
+    st = Steward.get(spark)
+    chk = tmp_path / "chk"
+    ks = st.keyed_state("shared", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(chk), num_retained=3)
+    batches = make_batches(31, count=4)
+    run = ks.process(count_sum, SCHEMA, sink=lambda out, batch_id: out.count())
+    for i, b in enumerate(batches[:2]):
+        run(spark.createDataFrame(b), i)
+    second = subprocess.run([sys.executable, "-c", _SECOND_APP, str(tmp_path / "app2"), str(chk), CLUSTER],
+                            capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[1]))
+    line = next((x for x in second.stdout.splitlines() if x.startswith(("REFUSED", "ACCEPTED"))), second.stderr[-3000:])
+    assert line.startswith("REFUSED StateLeaseError"), line
+    root = CheckpointStorage.open(str(chk), "shared", CLUSTER).url
+    assert "keyed state 'shared'" in line and root in line and f"application {spark.sparkContext.applicationId}" in line
+    assert "since" in line and "Stop that application" in line
+    for i, b in enumerate(batches[2:], start=2):   # the first goes on, untouched
+        run(spark.createDataFrame(b), i)
+    storage = CheckpointStorage.open(str(chk), "shared", CLUSTER)
+    from sparksteward.state.keyed import _read_values
+
+    retained = ks.info()["retained"]
+    assert retained == [1, 2, 3]
+    for cid in retained:   # every retained checkpoint restores, to the values of its batches
+        import orjson
+
+        meta = storage.read_metadata(cid).to_json()
+        values = {k: tuple(orjson.loads(v).values()) for k, v in _read_values(str(chk), "shared", CLUSTER, meta)}
+        assert values == reference(batches[:cid + 1]), cid

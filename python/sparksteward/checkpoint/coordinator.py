@@ -142,7 +142,7 @@ class CheckpointCoordinator:
         self.swept: int = 0
         self.lease: Fence = lease or CallerIsTheOnlyWriter()
         self.orphan_grace = float(orphan_grace)
-        self._deleted: dict[str, None] = {}   # files this coordinator deleted and no ack uploaded again since
+        self._deleted: dict[str, None] = {}   # files this coordinator deleted, not seen again since
                                               # (oldest first, at most _MAX_DELETED)
         self._recover()
 
@@ -366,8 +366,6 @@ class CheckpointCoordinator:
                     f"already completed or aborted): the ack of subtask {handle.subtask} is refused and its "
                     f"uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
-            for p in uploaded:   # uploaded again after a deletion
-                self._deleted.pop(p, None)
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
                                          f"{self.parallelism}")
@@ -492,8 +490,15 @@ class CheckpointCoordinator:
                 self._delete_late()
                 return meta
             subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
-            missing_files = sorted({f.path for h in subtasks for f in (*h.files, *h.channel_state)}
-                                   & self._deleted.keys())
+            # a file deleted here since some upload of it: an ack cannot tell whether its upload came
+            # before the deletion (a lost attempt's late ack) or after, so look
+            once_deleted = sorted({f.path for h in subtasks for f in (*h.files, *h.channel_state)}
+                                  & self._deleted.keys())
+            missing_files = [p for p in once_deleted if not self.storage.location.exists(
+                self.storage.location.path(*p.split("/")))]
+            for p in once_deleted:
+                if p not in missing_files:
+                    del self._deleted[p]
             if missing_files:
                 raise CheckpointError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: it references "
