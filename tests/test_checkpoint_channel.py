@@ -1,6 +1,6 @@
-"""FLIP-76 channel state (issue 10, first slice): the versioned file format, the writer's byte cap,
-deferring at a buffer boundary once the timeout passed, and the key-group filter of a rescaled replay.
-Spark-free; real Arrow IPC files on disk."""
+"""FLIP-76 channel state: the versioned file format, the writer's byte cap, cuts that make every
+attempt of a checkpoint process and defer the same rows whatever their order and timing, and the
+key-group filter of a rescaled replay. Spark-free; real Arrow IPC files on disk."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 from sparksteward.checkpoint.channel import (
     AlignmentOptions,
     ChannelStateWriter,
-    iter_deferring,
+    logical_size,
     read_channel_state,
     replay,
 )
-from sparksteward.errors import CheckpointCorruptError, ConfigError
+from sparksteward.checkpoint.cut import iter_cut
+from sparksteward.errors import CheckpointCorruptError, CheckpointOrderError, ConfigError
 from sparksteward.state.keygroups import KeyGroupRange, key_group
 
 
@@ -54,64 +55,126 @@ def test_a_bad_channel_state_file_is_named(tmp_path, damage, message):
         list(read_channel_state(tmp_path / "ch"))
 
 
-def test_defers_everything_after_the_deadline_and_always_processes_one_buffer(tmp_path):
-    src = _batches(6)
+def _sorted_input(n: int, rows: int = 100, m: int = 16, seed: int = 0) -> list[pa.RecordBatch]:
+    """``n`` buffers of one subtask's new input, sorted by key group (as the task sorts it for an
+    unaligned state), split at arbitrary points: another seed is another arrival order and chunking."""
+    import random
+
+    rnd = random.Random(seed)
+    recs = [(f"u{i % 37}", i) for i in range(n * rows)]
+    rnd.shuffle(recs)
+    recs.sort(key=lambda r: key_group(r[0], m))
+    cuts = sorted(rnd.sample(range(1, len(recs)), n - 1))
+    out = []
+    for a, b in zip([0, *cuts], [*cuts, len(recs)]):
+        part = recs[a:b]
+        out.append(pa.RecordBatch.from_pydict({"k": [r[0] for r in part], "v": [r[1] for r in part],
+                                               "kg": [key_group(r[0], m) for r in part]}))
+    return out
+
+
+class Cuts:
+    """What the coordinator answers to state.cut (CheckpointCoordinator.cut/amend_cut): the first
+    proposal of a subtask stands; an overflow at the recorded cut moves it to the end."""
+
+    def __init__(self) -> None:
+        self.recorded: int | None = None
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, cut: int, overflow: bool) -> int:
+        self.calls.append((cut, overflow))
+        if overflow and self.recorded == cut:
+            self.recorded = 16
+        elif self.recorded is None:
+            self.recorded = cut
+        return self.recorded
+
+
+def _run(batches, *, cut=None, deadline=None, cuts, writer, counters=None, replayed=()):
+    counters = {} if counters is None else counters
+    out = list(iter_cut(replayed, batches, kg_column="kg", start=0, stop=16, cut=cut, deadline_passed=deadline,
+                        propose=cuts, writer=writer, counters=counters))
+    return out, counters
+
+
+def _rows(batches) -> list[tuple]:
+    return sorted(zip(*(pa.Table.from_batches(batches).column(c).to_pylist() for c in ("k", "v")))) if batches else []
+
+
+def test_every_attempt_cuts_the_same_rows_whatever_the_order_or_timing(tmp_path):
+    """A first attempt defers once its timeout passes; a second attempt (another arrival order and
+    chunking, another clock) that opens after the cut was recorded processes and defers exactly the
+    same rows; one that learns of it later keeps going up to it."""
+    cuts = Cuts()
+    calls = iter([False, False, True])
+    w1 = ChannelStateWriter(tmp_path / "a1")
+    out1, c1 = _run(_sorted_input(6, seed=1), deadline=lambda: next(calls, True), cuts=cuts, writer=w1)
+    deferred1 = list(read_channel_state(w1.close().path))
+    assert cuts.recorded is not None and 0 < cuts.recorded < 16 and c1["unaligned"] == 1
+    assert c1["rows_processed"] + c1["rows_deferred"] == 600 and "kg" not in out1[0].schema.names
+    w2 = ChannelStateWriter(tmp_path / "a2")   # opened after the cut was recorded: follows it, no clock
+    out2, _ = _run(_sorted_input(6, seed=2), cut=cuts.recorded, cuts=cuts, writer=w2)
+    assert _rows(out2) == _rows(out1) and _rows(list(read_channel_state(w2.close().path))) == _rows(deferred1)
+    w3 = ChannelStateWriter(tmp_path / "a3")   # its own timeout passed at once: it proposed earlier, and goes on
+    out3, _ = _run(_sorted_input(6, seed=3), deadline=lambda: True, cuts=cuts, writer=w3)
+    assert _rows(out3) == _rows(out1) and _rows(list(read_channel_state(w3.close().path))) == _rows(deferred1)
+
+
+def test_an_attempt_past_the_recorded_cut_is_discarded_and_one_that_finished_first_records_none(tmp_path):
+    cuts = Cuts()
+    w = ChannelStateWriter(tmp_path / "a")
+    out, c = _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts, writer=w)   # never late
+    assert cuts.recorded == 16 and w.close() is None and c == {"rows_processed": 600, "rows_deferred": 0,
+                                                                "unaligned": 0}
+    cuts2 = Cuts()
+    cuts2.recorded = 3   # another attempt cut at key group 3 while this one was processing past it
+    with pytest.raises(CheckpointOrderError, match=r"another attempt of this checkpoint cut its input at key "
+                                                   r"group 3, but this attempt already processed key group"):
+        _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts2, writer=ChannelStateWriter(tmp_path / "b"))
+
+
+def test_the_replay_is_processed_whole_first_and_a_timeout_of_0_defers_all_new_input(tmp_path):
+    replayed = [pa.RecordBatch.from_pydict({"k": ["old"], "v": [-1]})]
+    cuts = Cuts()
     w = ChannelStateWriter(tmp_path / "ch")
-    counters: dict[str, int] = {}
-    calls = iter([False, False, True])   # the deadline passes before the 4th buffer
-    out = list(iter_deferring(src, deadline_passed=lambda: next(calls, True), writer=w, counters=counters))
-    assert out == src[:3]
-    assert pa.Table.from_batches(list(read_channel_state(w.close().path))) == pa.Table.from_batches(src[3:])
-    assert counters == {"rows_processed": 300, "rows_deferred": 300, "unaligned": 1}
-    # timeout 0: still one buffer processed, so every batch makes progress
-    w2 = ChannelStateWriter(tmp_path / "ch2")
-    assert list(iter_deferring(src, deadline_passed=lambda: True, writer=w2, counters={})) == src[:1]
-    assert pa.Table.from_batches(list(read_channel_state(w2.close().path))).num_rows == 500
-    # full buffers are written as they came; pieces (a filtered replay) are joined up to a full buffer
-    assert [b.num_rows for b in read_channel_state(w2.path)] == [100] * 5
+    out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=w, replayed=replayed)
+    assert out == replayed and cuts.recorded == 0 and c["rows_deferred"] == 300
+    # with no replay, timeout 0 still processes one buffer, so every batch makes progress
+    cuts = Cuts()
+    out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=ChannelStateWriter(tmp_path / "c2"))
+    assert c["rows_processed"] >= 1 and cuts.recorded >= 1
+
+
+def test_buffers_are_written_as_they_came_and_pieces_are_joined(tmp_path):
+    src = _batches(6)
     w3 = ChannelStateWriter(tmp_path / "ch3")
     for b in [src[0]] + [src[1].slice(i, 10) for i in range(0, 100, 10)]:
         w3.append(b)
     assert [b.num_rows for b in read_channel_state(w3.close().path)] == [100, 100]
 
 
-def test_max_inflight_takes_the_deferred_buffers_back_and_finishes_aligned_in_order(tmp_path):
-    src = _batches(6)
-    cap = src[0].nbytes * 2 + 10  # room for two deferred buffers, not three
+def test_max_inflight_moves_the_cut_to_the_end_for_every_attempt_alike(tmp_path):
+    """The deferred rows pass the cap by their logical size, which chunking does not change: the first
+    attempt to pass it processes everything and moves the cut to the end; the next follows."""
+    one = _sorted_input(6, seed=1)
+    without_kg = [b.drop_columns(["kg"]) for b in one]
+    whole = pa.Table.from_batches(without_kg).combine_chunks().to_batches()[0]
+    assert sum(logical_size(b) for b in without_kg) == logical_size(whole)   # chunking changes nothing
+    cap = logical_size(whole) // 3
+    cuts = Cuts()
     w = ChannelStateWriter(tmp_path / "ch", max_bytes=cap)
-    counters: dict[str, int] = {}
-    out = list(iter_deferring(src, deadline_passed=lambda: True, writer=w, counters=counters))
-    assert [b["v"][0].as_py() for b in out] == [b["v"][0].as_py() for b in src]  # every row, in order
-    assert w.close() is None and not list(tmp_path.iterdir())
-    assert counters == {"rows_processed": 600, "rows_deferred": 0, "unaligned": 0}
+    out, c = _run(one, deadline=lambda: True, cuts=cuts, writer=w)
+    assert cuts.recorded == 16 and cuts.calls[-1][1] is True and w.close() is None
+    assert c == {"rows_processed": 600, "rows_deferred": 0, "unaligned": 0} and len(_rows(out)) == 600
+    w2 = ChannelStateWriter(tmp_path / "ch2", max_bytes=cap)
+    out2, _ = _run(_sorted_input(6, seed=9), cut=cuts.recorded, cuts=cuts, writer=w2)
+    assert _rows(out2) == _rows(out) and w2.close() is None
 
 
-def test_bad_options_and_a_cap_below_one_buffer_are_named(tmp_path):
+def test_bad_options_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"aligned_checkpoint_timeout=-1 must be a number of seconds >= 0"):
         AlignmentOptions(alignment="unaligned", aligned_checkpoint_timeout=-1)
     with pytest.raises(ConfigError, match=r"alignment='sideways' is not valid"):
         AlignmentOptions(alignment="sideways")
     with pytest.raises(ConfigError, match=r"max_inflight_bytes=0 must be a positive"):
         AlignmentOptions(max_inflight_bytes=0)
-    w = ChannelStateWriter(tmp_path / "ch", max_bytes=100)
-    with pytest.raises(ConfigError, match=r"an input buffer of \d+ bytes is larger than max_inflight_bytes=100: a "
-                                          r"cap below one buffer can never defer anything"):
-        w.append(_batches(1)[0])
-
-
-def test_a_rescaled_replay_keeps_only_its_key_groups(tmp_path):
-    m = 16
-    files = []
-    for i in range(3):  # three old subtasks' channel state
-        w = ChannelStateWriter(tmp_path / f"ch{i}")
-        for b in _batches(2):
-            w.append(b)
-        files.append((f"ch{i}", tmp_path / f"ch{i}"))
-        w.close()
-    keep = KeyGroupRange(0, 8)
-    rows = pa.Table.from_batches(list(replay(files, "k", keep, m, "string")))
-    assert rows.num_rows > 0
-    assert all(key_group(k, m, "string") < 8 for k in rows.column("k").to_pylist())
-    every = pa.Table.from_batches([b for _, f in files for b in read_channel_state(f)])
-    expected = sum(1 for k in every.column("k").to_pylist() if key_group(k, m, "string") < 8)
-    assert rows.num_rows == expected

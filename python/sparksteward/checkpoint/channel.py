@@ -1,8 +1,8 @@
 """FLIP-76 channel state: the input a straggling subtask deferred into its checkpoint (issue 10).
 
 When a subtask is still processing once its batch's aligned-checkpoint timeout has passed, it stops
-at a buffer boundary, appends the rest of its input to a :class:`ChannelStateWriter` and takes its
-state snapshot. The file becomes part of checkpoint N (``SubtaskHandle.channel_state``, merged like
+at a key-group boundary (the cut, the same for every attempt: :mod:`sparksteward.checkpoint.cut`),
+appends the rest of its new input to a :class:`ChannelStateWriter` and takes its state snapshot. The file becomes part of checkpoint N (``SubtaskHandle.channel_state``, merged like
 every small file, FLIP-306), and batch N+1 first replays it (:func:`read_channel_state`), then its
 own input.
 
@@ -20,13 +20,13 @@ file; the reader never returns a partial replay silently.
 **Policies** (:class:`AlignmentOptions`, Flink's ``execution.checkpointing.unaligned.*``):
 
 - ``aligned``: never defer (today's behaviour);
-- ``unaligned``: defer everything left once the timeout passed;
-- ``unaligned_max_inflight``: defer only while the deferred bytes fit in ``max_inflight_bytes``; once
+- ``unaligned``: defer the new input left once the timeout passed;
+- ``unaligned_max_inflight``: defer only while the deferred rows fit in ``max_inflight_bytes``; once
   the next buffer would not fit, the subtask takes back what it deferred and finishes aligned. Order
   is kept either way: a deferred buffer is never followed by a processed one of the same subtask.
 
-A batch always processes at least one buffer (the first replayed one, if any), so a subtask makes
-progress even with a timeout of 0.
+A batch always processes its replayed channel state whole and, before any cut, at least one buffer,
+so a subtask makes progress even with a timeout of 0.
 """
 
 from __future__ import annotations
@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 
 from sparksteward.errors import CheckpointCorruptError, ConfigError
 
 __all__ = ["CHANNEL_STATE_VERSION", "AlignmentMode", "AlignmentOptions", "ChannelStateWriter", "ChannelStats",
-           "read_channel_state"]
+           "logical_size", "read_channel_state"]
 
 MAGIC = b"STWCHAN"
 CHANNEL_STATE_VERSION = 1
@@ -122,13 +123,29 @@ class ChannelStats:
     bytes: int
 
 
+def logical_size(batch: pa.RecordBatch) -> int:
+    """The bytes of ``batch``'s values (variable-width values plus 4 per row, fixed-width values by
+    their bit width), the same however the rows are split into batches."""
+    bits = 0
+    for col in batch.columns:
+        t = col.type
+        if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) \
+                or pa.types.is_large_binary(t):
+            bits += 8 * (int(pc.sum(pc.binary_length(col)).as_py() or 0) + 4 * len(col))
+        else:
+            try:
+                bits += t.bit_width * len(col)
+            except ValueError:   # nested types: their buffers are as good as it gets
+                bits += 8 * col.nbytes
+    return (bits + 7) // 8
+
+
 class ChannelStateWriter:
     """Appends deferred record batches to one channel-state file, written whole or not at all.
 
     ``max_bytes``: with ``unaligned_max_inflight``, :meth:`append` returns False (and writes nothing)
-    when the buffer would take the file past the cap. A buffer larger than the cap on its own raises
-    :class:`~sparksteward.errors.ConfigError` naming both sizes, since no cap that small can ever defer it.
-    Not thread-safe (one task writes one file).
+    when the buffer would take the deferred rows past the cap, counted by :func:`logical_size` so that
+    the same rows pass it or not however they are chunked. Not thread-safe (one task writes one file).
     """
 
     def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
@@ -139,6 +156,7 @@ class ChannelStateWriter:
         self._writer: ipc.RecordBatchStreamWriter | None = None
         self._pending: list[pa.RecordBatch] = []   # small buffers coalesced before they are written
         self._pending_bytes = self._pending_rows = self._max_rows = 0
+        self._logical = 0   # logical_size of what is deferred, which the byte cap applies to
         self._schema: pa.Schema | None = None
         self.batches = self.rows = 0
         self._closed = False
@@ -173,13 +191,10 @@ class ChannelStateWriter:
             raise ValueError("the channel-state writer is closed")
         size = batch.nbytes
         if self.max_bytes is not None:
-            if size > self.max_bytes:
-                raise ConfigError(
-                    f"an input buffer of {size} bytes is larger than max_inflight_bytes={self.max_bytes}: a cap below "
-                    f"one buffer can never defer anything. Raise spark.steward.checkpoint.unaligned."
-                    f"max-inflight-bytes above {size}, or use alignment 'unaligned'")
-            if self.bytes + size > self.max_bytes:
+            logical = logical_size(batch)   # the same for the same rows however they are chunked
+            if self._logical + logical > self.max_bytes:
                 return False
+            self._logical += logical
         if self._pending and batch.schema != self._pending[0].schema:
             self._flush()
         if self._schema is not None and batch.schema != self._schema:
@@ -201,6 +216,7 @@ class ChannelStateWriter:
         """Give back the deferred batches in order and drop the file (``unaligned_max_inflight``: the
         subtask finishes aligned after all)."""
         pending, self._pending, self._pending_bytes, self._pending_rows = self._pending, [], 0, 0
+        self._logical = 0
         if self._writer is None:
             self.batches = self.rows = 0
             return iter(pending)
@@ -279,43 +295,6 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
     finally:
         if f is not source:
             f.close()
-
-
-def iter_deferring(batches: Iterable[pa.RecordBatch], *, deadline_passed: Any, writer: ChannelStateWriter | None,
-                   counters: dict[str, int]) -> Iterator[pa.RecordBatch]:
-    """The batches a subtask processes: every one until ``deadline_passed()`` turns true (checked at
-    buffer boundaries, after at least one processed buffer), then none: the rest go to ``writer``.
-
-    With a byte cap, a buffer the writer refuses makes the subtask take its deferred buffers back and
-    process everything in order (it finishes aligned). ``counters`` gets ``rows_processed``,
-    ``rows_deferred`` and ``unaligned`` (1 when anything stays deferred).
-    """
-    counters.setdefault("rows_processed", 0)
-    counters.setdefault("rows_deferred", 0)
-    counters.setdefault("unaligned", 0)
-    processed = 0
-    deferring = False
-    it = iter(batches)
-    for batch in it:
-        if batch.num_rows == 0:
-            continue
-        if not deferring and writer is not None and processed > 0 and deadline_passed():
-            deferring = True
-        if deferring:
-            if writer.append(batch):  # type: ignore[union-attr]
-                counters["rows_deferred"] += batch.num_rows
-                counters["unaligned"] = 1
-                continue
-            deferring = False  # over the cap: finish aligned, in order
-            for back in writer.take_back():  # type: ignore[union-attr]
-                counters["rows_deferred"] -= back.num_rows
-                counters["rows_processed"] += back.num_rows
-                yield back
-            counters["unaligned"] = 0
-            writer = None
-        processed += 1
-        counters["rows_processed"] += batch.num_rows
-        yield batch
 
 
 def replay(sources: Iterable[tuple[str, BinaryIO | str | os.PathLike[str]]], key: str, keep: Any,

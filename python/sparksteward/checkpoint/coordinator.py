@@ -142,6 +142,8 @@ class CheckpointCoordinator:
         self.swept: int = 0
         self.lease: Fence = lease or CallerIsTheOnlyWriter()
         self.orphan_grace = float(orphan_grace)
+        self._cuts: dict[int, dict[int, int]] = {}   # checkpoint -> subtask -> its cut (FLIP-76), kept across
+                                                      # the attempts of that checkpoint until a newer completes
         self._deleted: dict[str, None] = {}   # files this coordinator deleted, not seen again since
                                               # (oldest first, at most _MAX_DELETED)
         self._recover()
@@ -323,6 +325,38 @@ class CheckpointCoordinator:
                 f"id of another query means other rows, so taking it for a re-run would lose them). Give this "
                 f"query its own state name; to start it from this state's data, take a savepoint "
                 f"(ks.savepoint(url)) and open a new state with restore_from=url")
+
+    # --- unaligned cuts (FLIP-76) ----------------------------------------------------------------
+    def cut(self, checkpoint_id: int, subtask: int, proposed: int | None = None) -> int | None:
+        """The cut of ``subtask`` in checkpoint ``checkpoint_id``: the first key group whose new input
+        it defers (the end of its key-group range: nothing deferred). The first attempt to propose one
+        records it; every later attempt, a re-run of the completed checkpoint included, gets the same.
+        None when nothing is recorded and nothing is proposed."""
+        with self._lock:
+            done = self._completed.get(checkpoint_id)
+            if done is not None:   # a re-run keeps the first result: no cut recorded means none was made
+                return _cuts_of(done).get(subtask, key_group_range(self.max_parallelism, done.parallelism,
+                                                                   subtask).stop)
+            cuts = self._cuts.setdefault(checkpoint_id, {})
+            if proposed is not None and subtask not in cuts:
+                expected = key_group_range(self.max_parallelism, self.parallelism, subtask)
+                if not expected.start <= proposed <= expected.stop:
+                    raise InvalidRecordError(f"cut {proposed} of subtask {subtask} lies outside its key groups "
+                                             f"{expected}")
+                cuts[subtask] = proposed
+            return cuts.get(subtask)
+
+    def amend_cut(self, checkpoint_id: int, subtask: int, cut: int) -> int:
+        """``subtask`` could not defer past ``cut`` (its channel state would pass the byte cap, which
+        every attempt at that cut finds alike): from now on it processes everything. Returns the cut
+        that stands."""
+        with self._lock:
+            recorded = self.cut(checkpoint_id, subtask)
+            stop = key_group_range(self.max_parallelism, self.parallelism, subtask).stop
+            if recorded == cut and checkpoint_id not in self._completed:
+                self._cuts[checkpoint_id][subtask] = stop
+                return stop
+            return recorded if recorded is not None else stop
 
     def base(self, checkpoint_id: int) -> BeginResult:
         """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
@@ -508,6 +542,8 @@ class CheckpointCoordinator:
             properties: dict[str, object] = {"base": pending.base_id}
             if pending.query is not None:
                 properties["query"] = pending.query
+            if self._cuts.get(checkpoint_id):
+                properties["cuts"] = {str(i): c for i, c in sorted(self._cuts[checkpoint_id].items())}
             claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
@@ -527,6 +563,7 @@ class CheckpointCoordinator:
             self._abort_older(checkpoint_id)
             self._subsume()
             self._aborted = {c for c in self._aborted if c > checkpoint_id}
+            self._cuts = {c: v for c, v in self._cuts.items() if c > checkpoint_id}
             self._delete_late()
             self._control_space()
             return meta
@@ -560,6 +597,7 @@ class CheckpointCoordinator:
                     f"{parallelism} while checkpoints {pending} are pending: commit or abort them first")
             old, self.parallelism = self.parallelism, parallelism
             if old != parallelism:
+                self._cuts.clear()   # cuts name subtasks of the old parallelism
                 log.info("state %s rescales %d -> %d from its next checkpoint", self.storage.state, old, parallelism)
             return old
 
@@ -648,6 +686,13 @@ class CheckpointCoordinator:
         if parent:
             with contextlib.suppress(OSError):
                 os.rmdir(parent)  # the empty chk-N directory, locally (object stores have none)
+
+
+def _cuts_of(meta: CheckpointMetadata) -> dict[int, int]:
+    cuts = meta.properties.get("cuts")
+    if not isinstance(cuts, dict):
+        return {}
+    return {int(k): int(v) for k, v in cuts.items() if str(k).isdigit() and isinstance(v, int)}
 
 
 def _query_of(meta: CheckpointMetadata) -> str | None:

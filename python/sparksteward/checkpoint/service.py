@@ -154,7 +154,7 @@ class StateService:
                        "state.commit": self._op_commit, "state.abort": self._op_abort,
                        "state.info": self._op_info, "state.check": self._op_check,
                        "state.savepoint": self._op_savepoint, "state.merge_poll": self._op_merge_poll,
-                       "state.sealed": self._op_sealed}.items():
+                       "state.sealed": self._op_sealed, "state.cut": self._op_cut}.items():
             server.add_handler(op, fn)
 
     # --- helpers -----------------------------------------------------------------------------
@@ -182,6 +182,10 @@ class StateService:
                 "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
                 "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json(),
                 "alignment": st.alignment.to_json(), "deadline_in": self._deadline_in(st, cid)}
+
+    @staticmethod
+    def _recorded_cut(st: _State, cid: int, subtask: int | None) -> int | None:
+        return None if subtask is None else st.coordinator.cut(cid, subtask)
 
     @staticmethod
     def _deadline_in(st: _State, cid: int) -> float | None:
@@ -373,7 +377,20 @@ class StateService:
             st.failures.pop(cid, None)
             if not begun.rerun:
                 st.stats.pop(cid, None)
-        return {"checkpoint_id": cid, "rerun": begun.rerun}
+        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": st.alignment.unaligned}
+
+    def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
+        group) and gets the cut that stands; ``overflow``: its channel state at that cut passes the byte
+        cap, so it processes everything."""
+        f = Fields(req)
+        _, st = self._state(f)
+        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
+        subtask = f.integer("subtask", lo=0, hi=32768)
+        proposed = f.integer("cut", lo=0, hi=32768)
+        if f.integer("overflow", default=0, lo=0, hi=1):
+            return {"cut": st.coordinator.amend_cut(cid, subtask, proposed)}
+        return {"cut": st.coordinator.cut(cid, subtask, proposed)}
 
     def _op_base(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -391,7 +408,7 @@ class StateService:
                     st.stats.pop(cid, None)
             if agent and subtask is not None:
                 self._working_on(st, agent, cid, subtask)
-        return self._reply_base(st, cid, begun)
+        return {**self._reply_base(st, cid, begun), "cut": self._recorded_cut(st, cid, subtask)}
 
     def _working_on(self, st: _State, agent: str, cid: int, subtask: int) -> None:
         """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds the lock)."""

@@ -109,7 +109,7 @@ class SubtaskService:
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.open": self._op_open, "state.upload": self._op_upload,
-                       "state.release": self._op_release}.items():
+                       "state.release": self._op_release, "state.cut": self._op_cut}.items():
             server.add_handler(op, fn)
 
     def _driver(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -160,7 +160,7 @@ class SubtaskService:
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
                 "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
                 "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
-                "channel": str(opened.channel), "replay": replay,
+                "channel": str(opened.channel), "replay": replay, "cut": base.get("cut"),
                 "replay_filter": meta is not None and meta.parallelism != p}
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
@@ -177,6 +177,20 @@ class SubtaskService:
                 out.append({"name": f"channel state {f.name} of checkpoint {meta.checkpoint_id}, subtask {old.subtask} "
                                     f"({storage.url_of(f.path)})", "path": str(path)})
         return out
+
+    def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+        """FLIP-76: the task of an open subtask proposes its cut; the driver agent answers the cut
+        that stands for every attempt of the checkpoint."""
+        f = Fields(req)
+        token = f.text("token", max_len=64)
+        cut = f.integer("cut", lo=0, hi=32768)
+        overflow = f.integer("overflow", default=0, lo=0, hi=1)
+        with self._lock:
+            opened = self._open.get(token)
+        if opened is None:
+            raise InvalidRequestError(f"{f.op}: no open subtask with token {token!r} (released already?)")
+        return self._driver("state.cut", name=opened.name, checkpoint_id=opened.checkpoint_id,
+                            subtask=opened.subtask, cut=cut, overflow=overflow)
 
     def _take(self, f: Fields) -> _Open:
         token = f.text("token", max_len=64)

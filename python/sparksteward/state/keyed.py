@@ -42,6 +42,7 @@ refused from then on; another max parallelism is refused with
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import tempfile
@@ -58,6 +59,7 @@ log = logging.getLogger("sparksteward.state.keyed")
 
 _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
 _ROUTE_COL = "__steward_subtask"
+_KG_COL = "__steward_key_group"   # unaligned states: the key group the task sorts its new input by
 
 
 def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
@@ -78,39 +80,66 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 
 
-def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int
-                     ) -> tuple[Iterator[Any], Any, dict[str, int]]:
+def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
+                     propose: Callable[[int, bool], int], what: str) -> tuple[Iterator[Any], Any, dict[str, int]]:
     """A subtask's input (FLIP-76): the base's channel state first (filtered by key group after a
-    rescale), then its own batches; with an unaligned alignment, the buffers left once the deadline
-    passed go to a channel-state writer instead (returned, for the caller to close)."""
-    import itertools
+    rescale), then its own batches; with an unaligned alignment (or a cut another attempt recorded),
+    the new rows from the cut on go to a channel-state writer instead (returned, for the caller to
+    close). See :mod:`sparksteward.checkpoint.cut`."""
     import time
 
     from sparksteward.checkpoint.channel import (
         AlignmentMode,
         AlignmentOptions,
         ChannelStateWriter,
-        iter_deferring,
         read_channel_state,
         replay,
     )
+    from sparksteward.checkpoint.cut import iter_cut
 
     sources = [(r["name"], r["path"]) for r in opened.get("replay") or []]
     if sources and opened.get("replay_filter"):
         replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
     else:
         replayed = (b for n, path in sources for b in read_channel_state(path, n))
-    source = itertools.chain(replayed, batches)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
-    writer = None
+    cut = opened.get("cut")
     deadline_in = opened.get("deadline_in")
     deadline = time.monotonic() + float(deadline_in or 0)
-    if alignment.unaligned and deadline_in is not None:
+    writer = None
+    counters: dict[str, int] = {}
+    if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < kg.stop):
         cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
         writer = ChannelStateWriter(opened["channel"], max_bytes=cap)
-    counters: dict[str, int] = {}
-    return (iter_deferring(source, deadline_passed=lambda: time.monotonic() >= deadline, writer=writer,
-                           counters=counters), writer, counters)
+    if writer is None:   # aligned: everything, with no key-group column to drop when none was added
+        source = itertools.chain(replayed, (b.drop_columns([_KG_COL]) if _KG_COL in b.schema.names else b
+                                            for b in batches))
+        return _count_rows(source, counters), None, counters
+    passed = None if cut is not None or deadline_in is None else (lambda: time.monotonic() >= deadline)
+    return (iter_cut(replayed, _sorted_by_key_group(batches), kg_column=_KG_COL, start=kg.start, stop=kg.stop,
+                     cut=cut, deadline_passed=passed, propose=propose, writer=writer, counters=counters, what=what),
+            writer, counters)
+
+
+def _sorted_by_key_group(batches: Iterator[Any]) -> Iterator[Any]:
+    """The subtask's new input sorted by key group, so that a cut is the same rows in every attempt
+    whatever order the shuffle delivered them in. Held in memory: one partition of one batch."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    items = [b for b in batches if b.num_rows]
+    if not items:
+        return
+    table = pa.Table.from_batches(items)
+    table = table.take(pc.sort_indices(table, sort_keys=[(_KG_COL, "ascending")]))
+    yield from table.to_batches(max_chunksize=max(b.num_rows for b in items))
+
+
+def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any]:
+    counters.update(rows_processed=0, rows_deferred=0, unaligned=0)
+    for batch in source:
+        counters["rows_processed"] += batch.num_rows
+        yield batch
 
 
 def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
@@ -140,7 +169,13 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
             try:
                 runner = run_arrow if form == "arrow" else run_pandas
                 cleaned = (b.drop_columns([_ROUTE_COL]) if _ROUTE_COL in b.schema.names else b for b in batches)
-                source, writer, counters = _unaligned_input(opened, cleaned, key, kg, m)
+
+                def propose(cut: int, overflow: bool) -> int:
+                    return conn.request("state.cut", token=token, cut=cut, overflow=int(overflow))["cut"]
+
+                source, writer, counters = _unaligned_input(
+                    opened, cleaned, key, kg, m, propose,
+                    f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
                 yield from runner(source, key, fn, backend, schema)
                 channel = writer.close() if writer is not None else None
                 writer = None
@@ -254,7 +289,7 @@ class KeyedState:
     def _apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str) -> Any:
         from pyspark.sql import functions as F
 
-        from sparksteward.state.routing import route_sql, subtask_sql
+        from sparksteward.state.routing import key_group_sql, route_sql, subtask_sql
 
         if not callable(fn):
             raise StateError(f"fn={fn!r} must be a function")
@@ -265,6 +300,10 @@ class KeyedState:
         cid = begun["checkpoint_id"]
         p = self.parallelism
         routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
+        if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/cut.py);
+            # computed before the exchange: no node may sit between it and mapInArrow, or AQE drops the
+            # state stage of an empty batch, whose subtasks must still replay and checkpoint
+            routed = routed.withColumn(_KG_COL, F.expr(key_group_sql(self.key, self.max_parallelism)).cast("int"))
         if hasattr(routed, "repartitionById"):
             routed = routed.repartitionById(p, _ROUTE_COL)
         else:
