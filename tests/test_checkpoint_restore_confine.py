@@ -1,24 +1,28 @@
 """Restores and savepoints touch only what they may: a savepoint target never overlaps a checkpoint
 dir, a failed copy deletes only what it created, a restored record names only its state's data files
-(or files its state claimed), every duplicated segment is verified, and CLAIM takes over only files
-under the source's root. On file:// and moto S3."""
+(or files its state claimed), every duplicated segment is verified, CLAIM takes over only files under
+the source's root, and `gc --min-age` does not take a hard link's old mtime for its age. On file://
+and moto S3."""
 
 from __future__ import annotations
 
 import os
 import posixpath
 import re
+import time
 import uuid
 from dataclasses import replace
 
 import pytest
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.cli import find_orphans
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.cli import main
 from sparksteward.errors import CheckpointCorruptError, CheckpointError, StorageError
 from sparksteward.storage import open_location
 from sparksteward.wire import AgentServer, Connection, new_secret
@@ -255,3 +259,28 @@ def test_claim_takes_over_only_files_under_the_source_root(tmp_path, store_url, 
     assert {f.checksum for f in restored.files() if f.is_relative} == {p.rsplit("/", 1)[1] for p in from_a}
     assert CheckpointCoordinator(d, P, M).claimed() == absolute
     assert _counts(d, restored, tmp_path, "d") == expected
+
+
+# --- gc ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("store_url", ["file"], indirect=True)  # hard links: local stores only
+def test_gc_does_not_take_a_hard_linked_files_old_mtime_for_its_age(tmp_path, store_url, source, capsys):
+    src, meta = source
+    old = time.time() - 7200
+    for p in src.shared_files():   # the source's files were written two hours ago
+        os.utime(src.location.path(*p.split("/")), (old, old))
+
+    class GcWhileRestoring(Duplicator):
+        def duplicate(self, pairs):
+            super().duplicate(pairs)   # linked, not yet referenced by restored/_metadata
+            assert main(["checkpoints", "gc", store_url, "b", "--min-age", "1h"]) == 0
+
+    dst = CheckpointStorage.open(store_url, "b")
+    dup = GcWhileRestoring()
+    restored = restore_from(src.url_of("chk-1"), dst, max_parallelism=M, duplicator=dup)
+    assert dup.stats.linked and "deleted 0 orphaned" in capsys.readouterr().out
+    assert {f.path for f in restored.files()} <= dst.shared_files()
+    assert _counts(dst, restored, tmp_path, "b") == _expected(BATCHES[:2])
+
+    dst.delete_checkpoint_dir(-1)   # now unreferenced: they are orphans, aged from their link
+    assert find_orphans(dst, 3600, time.time()) == []
+    assert find_orphans(dst, 3600, time.time() + 7200) == sorted(dst.shared_files())
