@@ -5,14 +5,19 @@
   with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
   checkpoints hold, and their space amplification;
 - ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
-  crash, if older than ``--min-age`` (default 1h, so uploads of a running query are never touched).
-  Nothing is deleted while any ``_metadata`` of the state is unreadable (it may be a newer version's).
+  crash, if they entered the state's directory more than ``--min-age`` ago (default 1h, so uploads of a
+  running query are never touched). A file's age counts from its latest timestamp: on a local store
+  the later of mtime and ctime, since a hard link (a NO_CLAIM restore) keeps the source's old mtime
+  but sets the ctime; on S3 its LastModified, which a CopyObject sets. A file without a timestamp is
+  kept unless ``--min-age`` is 0. Nothing is deleted while any ``_metadata`` of the state is
+  unreadable (it may be a newer version's).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import posixpath
 import time
 from typing import Any
@@ -45,18 +50,28 @@ def _records(storage: CheckpointStorage) -> tuple[dict[int, CheckpointMetadata],
     return records, unreadable
 
 
-def _mtime(info: dict[str, Any]) -> float | None:
-    for key in ("mtime", "LastModified", "last_modified", "created"):
+def _entered(storage: CheckpointStorage, info: dict[str, Any]) -> float | None:
+    """When the listed file entered ``storage``'s directory, at the earliest: its latest timestamp.
+    Locally that includes the ctime, which a hard link sets (its mtime is the source's)."""
+    times = []
+    for key in ("mtime", "LastModified", "last_modified"):
         v = info.get(key)
         if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, _dt.datetime):
-            return v.timestamp()
-    return None
+            times.append(float(v))
+        elif isinstance(v, _dt.datetime):
+            times.append(v.timestamp())
+    if storage.location.is_local:
+        try:
+            st = os.lstat(info["name"])
+        except FileNotFoundError:
+            return None
+        times += [st.st_mtime, st.st_ctime]
+    return max(times, default=None)
 
 
 def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
-    """Relative paths under ``shared/`` that no retained checkpoint references, older than ``min_age``."""
+    """Relative paths under ``shared/`` and ``merged/`` that no retained checkpoint references and that
+    entered the directory at least ``min_age`` seconds before ``now``."""
     records, unreadable = _records(storage)
     if unreadable:
         raise CheckpointError(f"not collecting garbage in {storage.url}: unreadable records "
@@ -69,8 +84,8 @@ def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list
             rel = posixpath.join(sub, name)
             if rel in referenced:
                 continue
-            mtime = _mtime(info)
-            if mtime is not None and now - mtime < min_age:
+            entered = _entered(storage, info)
+            if min_age > 0 and (entered is None or now - entered < min_age):
                 continue
             out.append(rel)
     return sorted(out)

@@ -8,7 +8,10 @@ the bytes in every other case. It counts the bytes that passed through the proce
 (``bytes_streamed``), so callers and tests can assert that a NO_CLAIM restore moved nothing.
 
 Destinations are written all-or-nothing: a streamed or kernel copy goes to a staged temp file that is
-renamed; an S3 CopyObject is atomic.
+renamed, a link over an existing file is made under a temp name and renamed; an S3 CopyObject is
+atomic. A pair whose source and destination are one place (:func:`place`) is refused before anything
+is copied: on S3 a CopyObject onto itself fails, and a caller cleaning up after that failure would
+delete the source.
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from dataclasses import dataclass
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from sparksteward.errors import CheckpointNotFoundError, StorageError
+from sparksteward.errors import CheckpointError, CheckpointNotFoundError, StorageError
 from sparksteward.storage import fsync_file, open_location
 
-__all__ = ["Duplicator", "DuplicationStats", "can_fast_duplicate"]
+__all__ = ["Duplicator", "DuplicationStats", "can_fast_duplicate", "overlaps", "place"]
 
 log = logging.getLogger("sparksteward.checkpoint.duplicate")
 _CHUNK = 4 << 20
@@ -46,6 +49,26 @@ def _existing_parent(path: str) -> str:
             break
         p = parent
     return p
+
+
+def place(url: str) -> str:
+    """``url`` in one canonical form, to compare locations without remote calls: a local path as
+    ``file://`` + its real absolute path (symlinks resolved), any other URL as ``<protocol>://`` + its
+    non-empty path components (``s3a`` is ``s3``), never with a trailing slash."""
+    protocol = _protocol(url)
+    rest = url.split("://", 1)[-1]
+    if protocol in ("file", "local"):
+        return "file://" + os.path.realpath(os.path.expanduser(rest))
+    protocol = "s3" if protocol == "s3a" else protocol
+    return f"{protocol}://" + "/".join(p for p in rest.split("/") if p)
+
+
+def overlaps(a: str, b: str) -> bool:
+    """True if the :func:`place` ``a`` is, contains or lies under the place ``b``."""
+    (pa, ra), (pb, rb) = a.split("://", 1), b.split("://", 1)
+    ca, cb = [c for c in ra.split("/") if c], [c for c in rb.split("/") if c]
+    n = min(len(ca), len(cb))
+    return pa == pb and ca[:n] == cb[:n]
 
 
 def can_fast_duplicate(src: str, dst: str) -> bool:
@@ -81,8 +104,14 @@ class Duplicator:
         return self.stats.bytes_streamed
 
     def duplicate(self, pairs: Iterable[tuple[str, str]]) -> None:
-        """Copy every ``src`` URL to its ``dst`` URL. A missing source raises CheckpointNotFoundError."""
+        """Copy every ``src`` URL to its ``dst`` URL. A missing source raises CheckpointNotFoundError;
+        a pair whose source and destination are one place raises CheckpointError before anything is
+        copied."""
         pairs = list(pairs)
+        for src, dst in pairs:
+            if place(src) == place(dst):
+                raise CheckpointError(f"cannot duplicate {src} onto itself ({dst} is the same place): nothing was "
+                                      f"copied. Copy it to another path")
         by_kind: dict[str, list[tuple[str, str]]] = {}
         for src, dst in pairs:
             kind = "local" if _protocol(src) in ("file", "local") and _protocol(dst) in ("file", "local") else (
@@ -107,10 +136,8 @@ class Duplicator:
         except FileExistsError:
             if os.path.samefile(src, dst):
                 return
-            os.unlink(dst)
-            os.link(src, dst)
-            self._count(linked=1)
-            return
+            if self._relink(src, dst):  # dst stays whole: a linked temp name is renamed over it
+                return
         except OSError as exc:
             if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
                 raise StorageError(f"cannot link {src} to {dst}: {exc}") from exc
@@ -135,6 +162,23 @@ class Duplicator:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+
+    def _relink(self, src: str, dst: str) -> bool:
+        """Replace ``dst`` by a hard link of ``src`` atomically; False if the file system refuses links."""
+        tmp = f"{dst}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            os.link(src, tmp)
+        except OSError as exc:
+            if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                return False
+            raise StorageError(f"cannot link {src} to {dst}: {exc}") from exc
+        try:
+            os.replace(tmp, dst)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._count(linked=1)
+        return True
 
     # --- s3 ----------------------------------------------------------------------------------
     def _s3(self, pairs: list[tuple[str, str]]) -> None:

@@ -637,6 +637,7 @@ class StateService:
         url = f.text("url", max_len=4096)
         with self._cond:
             st = self._states.get(name)
+            checkpoint_dirs = {self.default_checkpoint_dir, *(s.checkpoint_dir for s in self._states.values())}
             if st is not None:
                 c = st.coordinator
                 latest = c.last_completed
@@ -661,7 +662,7 @@ class StateService:
             meta = storage.read_metadata(latest)
         dup = Duplicator()
         try:
-            path = write_savepoint(storage, meta, url, dup,
+            path = write_savepoint(storage, meta, url, dup, checkpoint_dirs=sorted(checkpoint_dirs),
                                    source=storage.location.display(storage.metadata_path(latest)))
         finally:
             if st is not None:
