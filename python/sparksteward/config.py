@@ -327,6 +327,13 @@ OPTIONS = OPTIONS + (
            "sync phase writes and fsyncs nothing); the executor agent folds a snapshot with more WAL "
            "than this into an SST before uploading it (the async phase). Larger: fewer, larger SSTs, "
            "and more WAL to upload and to replay at each open.", check=_positive),
+    Option("spark.steward.state.open-timeout", "duration", "6h",
+           "How long an executor agent keeps a subtask that a task opened and neither uploaded nor released "
+           "(the task was killed) before it deletes its working dir. Such a subtask is released sooner once "
+           "its checkpoint completes or is aborted at the driver, or when the same subtask of a newer "
+           "checkpoint opens on that executor; this is the backstop for a checkpoint left pending (a query "
+           "stopped mid-batch). Keep it above the longest a task of a batch can run: a task still running "
+           "past it has its upload refused.", check=_positive),
     Option("spark.steward.state.cache.max-size", "bytes", "10g",
            "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
            check=_positive),

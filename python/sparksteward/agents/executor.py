@@ -49,7 +49,8 @@ class ExecutorAgent(Agent):
         self.states = SubtaskService(self.cfg.state_local_dir or self.rendezvous.dir, endpoint, self.secret,
                                      upload_threads=self.cfg.checkpoint_upload_threads,
                                      cache_max_bytes=self.cfg.state_cache_max_size,
-                                     wal_flush_bytes=self.cfg.state_wal_flush_size)  # keyed state (issue 8)
+                                     wal_flush_bytes=self.cfg.state_wal_flush_size,
+                                     open_timeout=self.cfg.state_open_timeout, clock=self.clock)  # keyed state
         self.states.register_handlers(self.server)
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id, timeout=self.cfg.rpc_timeout)
 

@@ -4,7 +4,8 @@ A subtask that lands on an executor which already holds some of its files (from 
 its own upload) hard-links them instead of downloading them again. Entries are read-only files
 ``<root>/<checksum>``; every lookup re-hashes the entry (xxh3 runs at several GB/s), so a damaged
 entry is dropped and fetched again rather than restored. Downloads of one checksum are single-flight:
-concurrent callers wait for the first.
+concurrent callers wait for the first. Past ``max_bytes`` the least recently used entries are evicted,
+except the newest and any held by :meth:`pinned` (a caller between a fetch and its hard link).
 
 Thread-safe.
 """
@@ -17,7 +18,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -38,6 +39,7 @@ class LocalFileCache:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._inflight: dict[str, threading.Lock] = {}
+        self._pins: dict[str, int] = {}   # checksum -> holders of pinned()
         found = []
         for p in self.root.iterdir():
             if p.name.startswith("."):
@@ -62,12 +64,29 @@ class LocalFileCache:
             if self.max_bytes is None:
                 return
             total = sum(self._lru.values())
-            while total > self.max_bytes and len(self._lru) > 1:
-                victim, vsize = self._lru.popitem(last=False)
+            for victim in list(self._lru)[:-1]:   # never the newest
+                if total <= self.max_bytes:
+                    break
+                if victim in self._pins:
+                    continue
+                vsize = self._lru.pop(victim)
                 with contextlib.suppress(FileNotFoundError):
                     self.path(victim).unlink()
                 total -= vsize
                 log.debug("evicted %s (%d bytes) from the checkpoint file cache", victim, vsize)
+
+    @contextlib.contextmanager
+    def pinned(self, checksum: str) -> Iterator[None]:
+        """Keep ``checksum``'s entry from eviction while the block runs (it may exceed ``max_bytes``)."""
+        with self._lock:
+            self._pins[checksum] = self._pins.get(checksum, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self._pins.pop(checksum) - 1
+                if left:
+                    self._pins[checksum] = left
 
     def path(self, checksum: str) -> Path:
         return self.root / checksum

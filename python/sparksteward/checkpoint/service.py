@@ -494,7 +494,10 @@ class StateService:
                     break
                 self._cond.wait(left)
             self._seen[agent] = time.monotonic()
-        return {"actions": actions}
+            pending = {n: set(self._states[n].coordinator.pending()) for n, _, _ in busy if n in self._states}
+            stale = sorted({(n, c) for n, c, _ in busy if n in pending and c not in pending[n]})
+        # the agent releases what it still holds open of those (a task killed before its upload)
+        return {"actions": actions, "stale": [{"name": n, "checkpoint_id": c} for n, c in stale]}
 
     def _seal_action(self, name: str, cid: int) -> str:
         st = self._states.get(name)

@@ -17,6 +17,18 @@ A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
                     is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
+**Replayed channel state** (FLIP-76) is hard-linked from the cache into the open's own ``replay/``
+dir, so the cache bound cannot evict it before the task reads it; the links go with the upload or
+release.
+
+**Abandoned opens.** A task killed between open and upload never releases its subtask, so the agent
+releases it (deletes its dirs, drops it from ``working``) when the driver agent answers a heartbeat
+saying its checkpoint is no longer pending (completed or aborted), when the same subtask of a newer
+checkpoint of that state opens here, or ``open_timeout`` after the open. Opens of the same subtask and
+checkpoint (a retried or speculative task) never release each other. A late ``state.upload`` of a
+released token is refused with :class:`~sparksteward.errors.CheckpointOrderError` saying why; a late
+``state.release`` is a no-op.
+
 **File merging (FLIP-306, issue 9).** When the state's ``file_merging`` is enabled (the base reply
 says), the async phase appends each small new file to this agent's :class:`FileMerger` pool of the
 checkpoint instead of uploading it, and acks the segments with the physical files they went to. A
@@ -39,6 +51,7 @@ import socket
 import tempfile
 import threading
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +65,14 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.checkpoint.uploader import SnapshotUploader
-from sparksteward.errors import AgentUnavailableError, CheckpointError, InvalidRequestError, ParallelismError
+from sparksteward.clock import Clock, SystemClock
+from sparksteward.errors import (
+    AgentUnavailableError,
+    CheckpointError,
+    CheckpointOrderError,
+    InvalidRequestError,
+    ParallelismError,
+)
 from sparksteward.owner import OwnerRecord, private_dir
 from sparksteward.state.backend import WAL_FLUSH_BYTES, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
@@ -63,6 +83,8 @@ __all__ = ["STATE_DIR_PREFIX", "SubtaskService"]
 log = logging.getLogger("sparksteward.checkpoint.subtasks")
 
 STATE_DIR_PREFIX = "state-"
+OPEN_TIMEOUT = 6 * 3600.0   # spark.steward.state.open-timeout
+_RELEASED_KEPT = 10_000     # released tokens remembered, so a late upload learns why
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +100,28 @@ class _Open:
     restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
     merging: MergingOptions = MergingOptions(enabled=False)
     channel: Path | None = None    # where the task writes its deferred input (FLIP-76)
+    replay: Path | None = None     # the links to the base's channel state the task replays
+    opened_at: float = 0.0         # clock.now() at the open (the open timeout counts from it)
+
+    def delete(self) -> None:
+        """Delete everything of this open on the executor's disk."""
+        for d in (self.workdir, self.snapshot, self.replay):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+        if self.channel is not None:
+            self.channel.unlink(missing_ok=True)
 
 
 class SubtaskService:
-    """Working dirs, cache and uploads of one executor's keyed-state subtasks."""
+    """Working dirs, cache and uploads of one executor's keyed-state subtasks.
+
+    ``open_timeout``: seconds after which an open subtask that was neither uploaded nor released is
+    released (measured on ``clock``).
+    """
 
     def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
-                 cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES) -> None:
+                 cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES,
+                 open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None) -> None:
         parent = private_dir(Path(parent))
         sweep_dead_caches(parent, prefix=STATE_DIR_PREFIX)
         self.root = Path(tempfile.mkdtemp(prefix=f"{STATE_DIR_PREFIX}{os.getpid()}-", dir=parent))
@@ -96,6 +133,9 @@ class SubtaskService:
         self._secret = secret
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
+        self._released: OrderedDict[str, str] = OrderedDict()   # token -> why the agent released it
+        self.open_timeout = open_timeout
+        self.clock = clock or SystemClock()
         self._closed = False
         self.agent_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
         self.merger = FileMerger(self.root / "merging")
@@ -140,23 +180,33 @@ class SubtaskService:
             orjson.dumps(base["base"]), f"the base of checkpoint {cid} of {name}")
         token = uuid.uuid4().hex
         workdir = self.root / "work" / token
-        backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                      key_type=base["key_type"])
-        backend.close()
+        replay_dir = self.root / "replay" / token
+        try:
+            backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                          key_type=base["key_type"])
+            backend.close()
+            replay = self._replay(storage, meta, p, subtask, m, replay_dir) if meta is not None else []
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(replay_dir, ignore_errors=True)
+            raise
         restore = None
         if stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         known = {k: (v if isinstance(v, str) else (str(v[0]), int(v[1]))) for k, v in base["known"].items()}
-        replay = self._replay(storage, meta, p, subtask, m) if meta is not None else []
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
                        known, key_group_range(m, p, subtask), restore,
                        MergingOptions.from_json(base.get("merging")),
-                       self.root / "snapshots" / f"channel-{subtask}-{token}")
+                       self.root / "snapshots" / f"channel-{subtask}-{token}", replay_dir, self.clock.now())
         with self._lock:
             if self._closed:
-                shutil.rmtree(workdir, ignore_errors=True)
+                opened.delete()
                 raise CheckpointError("the executor agent is shutting down")
             self._open[token] = opened
+            older = [t for t, o in self._open.items() if o.name == name and o.subtask == subtask
+                     and o.checkpoint_id < cid]
+        self._release(older, f"subtask {subtask} of checkpoint {cid} opened on this executor agent, so no task "
+                             f"uploads an older checkpoint's subtask any more")
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
                 "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
                 "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
@@ -164,18 +214,26 @@ class SubtaskService:
                 "replay_filter": meta is not None and meta.parallelism != p}
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
-                max_parallelism: int) -> list[dict[str, str]]:
+                max_parallelism: int, dest: Path) -> list[dict[str, str]]:
         """The base's channel state this subtask replays first (FLIP-76): its own, or after a rescale
-        that of every old subtask overlapping its key groups; fetched into the cache, verified."""
+        that of every old subtask overlapping its key groups; fetched into the cache, verified, and
+        hard-linked into ``dest``, which the task reads (the cache may evict its entries any time)."""
         kg = key_group_range(max_parallelism, parallelism, subtask)
         out = []
         for old in meta.subtasks:
             if old.key_groups.stop <= kg.start or old.key_groups.start >= kg.stop:
                 continue
             for f in old.channel_state:
-                path, _, _ = storage._fetch(meta, old, f, self.cache)
+                dest.mkdir(parents=True, exist_ok=True)
+                link = dest / str(len(out))
+                with self.cache.pinned(f.checksum):
+                    path, _, _ = storage._fetch(meta, old, f, self.cache)
+                    try:
+                        os.link(path, link)
+                    except OSError:   # a file system without hard links
+                        shutil.copyfile(path, link)
                 out.append({"name": f"channel state {f.name} of checkpoint {meta.checkpoint_id}, subtask {old.subtask} "
-                                    f"({storage.url_of(f.path)})", "path": str(path)})
+                                    f"({storage.url_of(f.path)})", "path": str(link)})
         return out
 
     def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -196,9 +254,48 @@ class SubtaskService:
         token = f.text("token", max_len=64)
         with self._lock:
             opened = self._open.pop(token, None)
+            why = self._released.get(token)
+        if opened is None and why is not None:
+            raise CheckpointOrderError(f"{f.op}: {why}; its snapshot is not uploaded (the task's attempt was "
+                                       f"abandoned; Spark runs the subtask again if its batch still needs it)")
         if opened is None:
             raise InvalidRequestError(f"{f.op}: no open subtask with token {token!r} (released already?)")
         return opened
+
+    def _release(self, tokens: list[str], why: str) -> None:
+        """Release the opens ``tokens`` that are still open: their tasks are gone or no longer count."""
+        released = []
+        with self._lock:
+            for token in tokens:
+                opened = self._open.pop(token, None)
+                if opened is None:
+                    continue
+                self._released[token] = (f"subtask {opened.subtask} of checkpoint {opened.checkpoint_id} of keyed "
+                                         f"state {opened.name!r} was released by the executor agent: {why}")
+                while len(self._released) > _RELEASED_KEPT:
+                    self._released.popitem(last=False)
+                released.append(opened)
+        for opened in released:
+            opened.delete()
+            log.info("released subtask %d of checkpoint %d of %s (never uploaded): %s", opened.subtask,
+                     opened.checkpoint_id, opened.name, why)
+
+    def _expire(self) -> None:
+        """Release the opens older than ``open_timeout``."""
+        now = self.clock.now()
+        with self._lock:
+            expired = [t for t, o in self._open.items() if now - o.opened_at >= self.open_timeout]
+        if expired:
+            self._release(expired, f"it was open for more than {self.open_timeout:g} s without an upload "
+                                   f"(spark.steward.state.open-timeout)")
+
+    def _release_stale(self, reply: dict[str, Any], opens: dict[str, tuple[str, int]]) -> None:
+        """Release the opens (of those a heartbeat reported) whose checkpoint the driver agent says is
+        no longer pending. Opens made after the heartbeat was sent are not among ``opens``."""
+        stale = {(s.get("name"), s.get("checkpoint_id")) for s in reply.get("stale") or [] if isinstance(s, dict)}
+        if stale:
+            self._release([t for t, key in opens.items() if key in stale],
+                          "its checkpoint is no longer pending at the driver agent (it completed or was aborted)")
 
     def _op_upload(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -213,6 +310,8 @@ class SubtaskService:
         opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
         shutil.rmtree(opened.workdir, ignore_errors=True)
+        if opened.replay is not None:
+            shutil.rmtree(opened.replay, ignore_errors=True)
         if not opened.snapshot.is_dir():
             raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
         snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms, flush_ms)
@@ -277,25 +376,30 @@ class SubtaskService:
             raise
         return {}
 
-    def _working(self) -> list[dict[str, Any]]:
-        """The subtasks open here (their task runs) or uploading (their ack is still to come)."""
+    def _working(self) -> tuple[list[dict[str, Any]], dict[str, tuple[str, int]]]:
+        """The subtasks open here (their task runs) or uploading (their ack is still to come), and
+        the opens among them (token -> state, checkpoint)."""
         with self._lock:
+            opens = {t: (o.name, o.checkpoint_id) for t, o in self._open.items()}
             busy = {(o.name, o.checkpoint_id, o.subtask) for o in self._open.values()}
             busy.update(self._uploading.values())
-        return [{"name": n, "checkpoint_id": c, "subtask": s} for n, c, s in sorted(busy)]
+        return [{"name": n, "checkpoint_id": c, "subtask": s} for n, c, s in sorted(busy)], opens
 
     # --- file merging: seal or discard the pools the driver agent decides on -------------------
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
+            self._expire()
             pools = [(url, cid) for url, cid in self.merger.pending() if (url, cid) not in self._sealing]
             closed = self.merger.drain_closed()
-            working = self._working()
+            working, opens = self._working()
             if not pools and not closed:
                 if working:   # a heartbeat: the driver agent learns this agent still works on them
                     try:
-                        self._driver("state.merge_poll", agent=self.agent_id, wait=0, working=working)
+                        beat = self._driver("state.merge_poll", agent=self.agent_id, wait=0, working=working)
                     except Exception as exc:  # noqa: BLE001 - the driver agent is busy or gone
                         log.debug("heartbeat to the driver agent failed: %s", exc)
+                    else:
+                        self._release_stale(beat, opens)
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
@@ -309,6 +413,7 @@ class SubtaskService:
                 log.warning("file-merging poll of the driver agent failed: %s", exc)
                 self._stop.wait(1.0)
                 continue
+            self._release_stale(reply, opens)
             urls = {n: u for u, n in names.items()}
             for a in reply.get("actions", []):
                 url = urls.get(a.get("name"))
@@ -347,10 +452,7 @@ class SubtaskService:
         with self._lock:
             opened = self._open.pop(token, None)
         if opened is not None:
-            shutil.rmtree(opened.workdir, ignore_errors=True)
-            shutil.rmtree(opened.snapshot, ignore_errors=True)
-            if opened.channel is not None:
-                opened.channel.unlink(missing_ok=True)
+            opened.delete()
         return {"released": opened is not None}
 
     def open_subtasks(self) -> int:
