@@ -451,7 +451,8 @@ def test_hostile_merged_paths_from_a_peer_are_refused_by_name(tmp_path):
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()
         for bad in ("merged/../../etc/passwd", "merged/a/b", "merged/" + "0" * 31, "shared/" + "0" * 32):
             with pytest.raises(StewardError, match=rf"\['{bad}'\] are not merged/ paths"):
-                rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=[bad], agent="x")
+                rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=[bad], agent="x",
+                                 attempt="a")
             with pytest.raises(StewardError, match=rf"sealed files \['{bad}'\] are not merged/ paths"):
                 rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x",
                                   files=[{"path": bad, "size": 1}])

@@ -85,7 +85,9 @@ class Cluster:
                      "spark.steward.checkpoint.commit-timeout": commit_timeout,
                      "spark.steward.checkpoint.upload-threads": "2",
                      "spark.steward.checkpoint.file-merging.enabled": "true",
-                     "spark.steward.checkpoint.file-merging.max-file-size": max_file_size}
+                     "spark.steward.checkpoint.file-merging.max-file-size": max_file_size,
+                     # a restarted driver agent sweeps the orphans of the killed one at once
+                     "spark.steward.checkpoint.orphan-grace": "0s"}
         if s3 is not None:  # the agents are told the endpoint explicitly, as Spark's would be
             self.conf["spark.steward.storage.options"] = s3.storage_options()
         self.driver: AgentProcess | None = None

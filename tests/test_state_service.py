@@ -75,6 +75,7 @@ def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
     assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0
     # checkpoint 1, applied twice (a retried batch): both attempts start from checkpoint 0
     for _ in range(2):
+        dconn.request("state.begin", name="s", checkpoint_id=1)   # the driver applies the batch; only it begins
         for i, part in enumerate(split(keys)):
             run_task(econn, 1, i, part)
     meta = dconn.request("state.commit", name="s", checkpoint_id=None, wait=30)["metadata"]
@@ -189,9 +190,86 @@ def test_the_agent_folds_a_wal_past_wal_flush_size_before_the_upload(rig):
             else:  # one key's write, under the limit: kept as a WAL by the subtask that owns it
                 # (an empty ZSTD-compressed WAL still records its compression type: a few bytes)
                 assert (wal > 32) == bool(split(few)[i]) and wal < 64 << 10, sub["files"]
+    dconn.request("state.begin", name="s", checkpoint_id=2)
     opened = econn.request("state.open", name="s", checkpoint_id=2, subtask=0)
     with RocksDBStateBackend(opened["workdir"], key_group_range(M, P, 0), M, "string", create=False) as b:
         assert b.wal_bytes < 64 << 10
         part = split(many)[0]
         assert b.value("value").get_many(list(part)) == [2 if k in few else 1 for k in part]
     econn.request("state.release", token=opened["token"])
+
+
+# --- attempt identity ------------------------------------------------------------------------------
+def _handle_of(dconn, econn, cid: int, subtask: int, delta: dict[str, int]) -> tuple[dict, dict]:
+    """A subtask's upload as an executor agent acks it, without the ack: (handle, the open reply)."""
+    from sparksteward.checkpoint.storage import CheckpointStorage
+
+    opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
+    backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
+    vs = backend.value("value")
+    for k, d in delta.items():
+        vs.update(k, d)
+    snap = backend.snapshot(opened["snapshot"])
+    backend.close()
+    storage = CheckpointStorage.open(dconn.request("state.info", name="s")["checkpoint_dir"], "s", "c1")
+    result = storage.upload_snapshot(snap.path, subtask, key_group_range(M, P, subtask))
+    econn.request("state.release", token=opened["token"])
+    return result.handle.to_json(), opened, list(result.uploaded)
+
+
+def test_an_ack_or_failure_of_a_replaced_attempt_is_refused(rig):
+    """Every begin starts a new attempt with a new token: an ack of the replaced one (a driver that
+    began again, a restarted driver agent) is refused, and a failure report of it, or of a subtask
+    that another copy acked, no longer aborts a checkpoint."""
+    dconn, econn, subtasks, tmp = rig
+    keys = {f"k{i}": i for i in range(10)}
+    first = dconn.request("state.begin", name="s", checkpoint_id=0)
+    handle, opened, uploaded = _handle_of(dconn, econn, 0, 0, split(keys)[0])
+    old_attempt = opened["attempt"]
+    assert old_attempt
+    dconn.request("state.begin", name="s", checkpoint_id=0)   # the driver applies the batch again
+    with pytest.raises(CheckpointError, match="begun again since"):
+        dconn.request("state.ack", name="s", checkpoint_id=0, handle=handle, uploaded=uploaded, agent="old",
+                      attempt=old_attempt)
+    for i, part in enumerate(split(keys)):
+        run_task(econn, 0, i, part)
+    # late failure reports: of the replaced attempt, and of a speculative copy of a subtask that acked
+    assert dconn.request("state.fail", name="s", checkpoint_id=0, subtask=0, message="late copy",
+                         attempt=old_attempt)["ignored"] is True
+    from tests.conftest import wait_until
+
+    wait_until(lambda: subtasks.uploads_in_flight() == 0, timeout=30, what="every subtask's ack")
+    current = econn.request("state.open", name="s", checkpoint_id=0, subtask=1)   # a speculative copy
+    econn.request("state.release", token=current["token"])
+    dconn.request("state.fail", name="s", checkpoint_id=0, subtask=1, message="speculative copy lost",
+                  attempt=current["attempt"])
+    assert dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)["checkpoint_id"] == 0
+    assert first["checkpoint_id"] == 0
+
+
+def test_a_task_cannot_begin_a_checkpoint_on_a_fresh_driver_agent(tmp_path):
+    """A straggler task of a lost attempt opens its subtask after the driver agent restarted: it may
+    not create a pending checkpoint there (its files would be the only trace of an attempt nobody
+    commits); the driver's own begin of the batch is what starts it again."""
+    secret = new_secret()
+    driver = AgentServer("127.0.0.1", 0, secret, {})
+    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30)
+    states.register_handlers(driver)
+    executor = AgentServer("127.0.0.1", 0, secret, {})
+    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
+    subtasks.register_handlers(executor)
+    try:
+        with Connection.connect(driver.endpoint, secret) as dconn, Connection.connect(executor.endpoint, secret) as econn:
+            dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
+                          key_type="string", num_retained=1)
+            with pytest.raises(CheckpointError, match="was not begun by this driver agent"):
+                econn.request("state.open", name="s", checkpoint_id=4, subtask=0)
+            assert dconn.request("state.info", name="s")["pending"] == []
+            dconn.request("state.begin", name="s", checkpoint_id=4)
+            opened = econn.request("state.open", name="s", checkpoint_id=4, subtask=0)
+            econn.request("state.release", token=opened["token"])
+    finally:
+        subtasks.close()
+        executor.close()
+        driver.close()
+        states.close()

@@ -61,6 +61,7 @@ import contextlib
 import logging
 import os
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class BeginResult:
     known: Mapping[str, tuple[str, int]]  # checksum -> (path, offset) of every file the base holds that
                                           # the next checkpoint may reuse (space control leaves some out)
     rerun: bool                           # True: checkpoint_id already completed (a re-run)
+    attempt: str = ""                     # this attempt's token: acks and failures must carry it
 
 
 @dataclass
@@ -108,6 +110,7 @@ class _Pending:
     unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
     sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
     query: str | None = None                                 # the streaming query that began it
+    attempt: str = field(default_factory=lambda: uuid.uuid4().hex)   # changes on every begin
 
 
 class CheckpointCoordinator:
@@ -142,6 +145,8 @@ class CheckpointCoordinator:
         self.swept: int = 0
         self.lease: Fence = lease or CallerIsTheOnlyWriter()
         self.orphan_grace = float(orphan_grace)
+        self._begun_here: set[int] = set()   # ids the driver began in this coordinator's life (a task may
+                                              # re-begin only those: never a pending checkpoint on a fresh one)
         self._cuts: dict[int, dict[int, int]] = {}   # checkpoint -> subtask -> its cut (FLIP-76), kept across
                                                       # the attempts of that checkpoint until a newer completes
         self._deleted: dict[str, None] = {}   # files this coordinator deleted, not seen again since
@@ -279,6 +284,11 @@ class CheckpointCoordinator:
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is older than its last completed "
                     f"checkpoint {last}: a batch that old cannot be applied again (its base is gone). Restart "
                     f"the query from a Spark checkpoint that is not older than batch {last}")
+            if by_task and checkpoint_id not in self._begun_here:
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} was not begun by this driver agent "
+                    f"(it restarted since, or the batch was never applied here): a task cannot start it; apply the "
+                    f"batch again with checkpoint_id={checkpoint_id}")
             if by_task and checkpoint_id in self._aborted and checkpoint_id not in self._pending:
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} was aborted: a task of the "
@@ -295,12 +305,14 @@ class CheckpointCoordinator:
                         f"{self._latest_begun} began")
                 base_id = recorded
             self._aborted.discard(checkpoint_id)
+            self._begun_here.add(checkpoint_id)
             self._abort_older(checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
                 self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun, query=query)
             else:  # a new attempt: earlier acks are replaced as the new ones arrive
                 pending.acks.clear()
+                pending.attempt = uuid.uuid4().hex
                 pending.query = pending.query or query
             if rerun:
                 log.info("checkpoint %d of %s completed already: this re-run restores the same base and keeps the "
@@ -309,7 +321,7 @@ class CheckpointCoordinator:
                 self._latest_begun = checkpoint_id
             self._subsume()
             base = self._completed.get(base_id) if base_id is not None else None
-            return BeginResult(checkpoint_id, base, self._known(base), rerun)
+            return BeginResult(checkpoint_id, base, self._known(base), rerun, self._pending[checkpoint_id].attempt)
 
     def _check_query(self, checkpoint_id: int, query: str) -> None:
         """Refuse a batch of ``query`` when the state belongs to another streaming query."""
@@ -370,7 +382,7 @@ class CheckpointCoordinator:
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending: call begin first")
             base = self._completed.get(pending.base_id) if pending.base_id is not None else None
-            return BeginResult(checkpoint_id, base, self._known(base), pending.rerun)
+            return BeginResult(checkpoint_id, base, self._known(base), pending.rerun, pending.attempt)
 
     def _known(self, base: CheckpointMetadata | None) -> dict[str, tuple[str, int]]:
         if base is None:
@@ -378,10 +390,13 @@ class CheckpointCoordinator:
         return {f.checksum: (f.path, f.offset) for f in base.files() if f.path not in self._no_reuse}
 
     def ack(self, checkpoint_id: int, result: UploadResult | SubtaskHandle,
-            uploaded: tuple[str, ...] = (), merged: tuple[str, ...] = (), agent: str = "") -> None:
+            uploaded: tuple[str, ...] = (), merged: tuple[str, ...] = (), agent: str = "",
+            attempt: str | None = None) -> None:
         """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint.
 
         ``merged``: the physical files its segments went to, which ``agent`` seals later.
+        ``attempt``: the token of the attempt the subtask ran in (:class:`BeginResult`); an ack of
+        another attempt is refused like a late one. None only from this process (tests, tools).
         """
         handle = result.handle if isinstance(result, UploadResult) else result
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
@@ -392,13 +407,15 @@ class CheckpointCoordinator:
         uploaded = (*uploaded, *merged)
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            if pending is not None and attempt is not None and attempt != pending.attempt:
+                pending = None   # an ack of a replaced attempt (a driver restart, a new begin): refused
             if pending is None:  # a replaced or aborted attempt: nothing may keep its files
                 self._late.update(uploaded)
                 self._delete_late()
                 raise CheckpointOrderError(
-                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending (never begun, "
-                    f"already completed or aborted): the ack of subtask {handle.subtask} is refused and its "
-                    f"uploaded files deleted")
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not pending in the attempt "
+                    f"this ack belongs to (never begun, already completed or aborted, or begun again since): the "
+                    f"ack of subtask {handle.subtask} is refused and its uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
@@ -442,6 +459,12 @@ class CheckpointCoordinator:
                 pending.unsealed.pop(p, None)
                 pending.sealed[p] = int(size)
                 pending.uploaded.add(p)
+
+    def attempt(self, checkpoint_id: int) -> str | None:
+        """The token of the current attempt of pending ``checkpoint_id`` (None if not pending)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            return pending.attempt if pending is not None else None
 
     def acked(self, checkpoint_id: int) -> set[int]:
         """The subtasks whose ack pending checkpoint ``checkpoint_id`` holds (empty if not pending)."""

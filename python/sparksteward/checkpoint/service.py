@@ -22,8 +22,10 @@ Ops (every request names its state with ``name``)::
                     not pending: a second action on a lazy output after commit re-runs N from the same
                     base; an aborted N is refused, only state.begin restarts it). ``agent`` (the
                     executor agent opening ``subtask``) is then expected to ack it
-    state.ack       checkpoint_id, handle, uploaded, stats (from executor agents, after the async phase)
-    state.fail      checkpoint_id, subtask, message   (an upload or a seal failed: commit aborts)
+    state.ack       checkpoint_id, attempt, handle, uploaded, stats (from executor agents, after the async
+                    phase); an ack of another attempt than the current one is refused
+    state.fail      checkpoint_id, attempt, subtask, message (an upload or a seal failed: commit aborts),
+                    ignored when its attempt is over or another copy of the subtask acked
     state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], working [{name,
                     checkpoint_id, subtask}], wait
                     -> actions [{name, checkpoint_id, action: seal|wait|discard}] (FLIP-306: an executor
@@ -88,7 +90,7 @@ _MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
 class _State:
     coordinator: CheckpointCoordinator
     checkpoint_dir: str
-    failures: dict[int, list[str]] = field(default_factory=dict)
+    failures: dict[int, dict[str, str]] = field(default_factory=dict)   # checkpoint -> who -> what failed
     stats: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # checkpoint -> subtask -> ack stats
     restore: dict[str, Any] | None = None  # what register did with restore_from
     working: dict[int, dict[int, str]] = field(default_factory=dict)  # pending checkpoint -> subtask -> the
@@ -177,7 +179,8 @@ class StateService:
 
     def _reply_base(self, st: _State, cid: int, begun: Any) -> dict[str, Any]:
         c = st.coordinator
-        return {"checkpoint_id": cid, "rerun": begun.rerun, "checkpoint_dir": st.checkpoint_dir,
+        return {"checkpoint_id": cid, "rerun": begun.rerun, "attempt": begun.attempt,
+                "checkpoint_dir": st.checkpoint_dir,
                 "cluster_id": self.cluster_id, "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                 "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
                 "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json(),
@@ -398,6 +401,12 @@ class StateService:
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
         subtask = f.integer("subtask", default=None, lo=0, hi=32768)
         agent = f.text("agent", default="", max_len=200)
+        routed = f.integer("parallelism", default=None, lo=1, hi=32768)
+        if routed is not None and routed != st.coordinator.parallelism:
+            raise ParallelismError(
+                f"the rows of checkpoint {cid} of keyed state {st.coordinator.storage.state!r} were routed to {routed} "
+                f"subtasks, but the state now has parallelism {st.coordinator.parallelism} (it was opened again with "
+                f"another parallelism): apply the batch again with the KeyedState of the latest st.keyed_state(...) call")
         with self._cond:  # one begin per checkpoint, even when every task asks at once
             if cid in st.coordinator.pending():
                 begun = st.coordinator.base(cid)
@@ -431,11 +440,13 @@ class StateService:
         if not isinstance(merged, list) or not all(isinstance(p, str) for p in merged):
             raise InvalidRequestError(f"{f.op}: field 'merged' must be a list of paths")
         agent = f.text("agent", default="", max_len=200)
+        attempt = f.text("attempt", max_len=64)
         stats = f.mapping("stats", default=None)
         with self._cond:
             if agent:
                 self._seen[agent] = time.monotonic()
-            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent)
+            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt)
+            st.failures.get(cid, {}).pop(f"subtask {handle.subtask}", None)   # a retry or copy that made it
             if stats is not None and cid not in st.coordinator.retained():  # a re-run keeps the first stats
                 per = st.stats.setdefault(cid, {})
                 per[handle.subtask] = stats
@@ -450,11 +461,21 @@ class StateService:
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
         subtask = f.integer("subtask", lo=0, default=None)
         message = f.text("message", default="")
+        attempt = f.text("attempt", default=None, max_len=64)
         who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
         with self._cond:
-            st.failures.setdefault(cid, []).append(f"{who}: {message}")
+            current = st.coordinator.attempt(cid)
+            if current is None or (attempt is not None and attempt != current):
+                log.info("ignoring a failure report of %s for checkpoint %d of %s: its attempt is over (%s)",
+                         who, cid, st.coordinator.storage.state, message)
+                return {"ignored": True}
+            if subtask is not None and subtask in st.coordinator.acked(cid):
+                log.info("ignoring a failure report of %s for checkpoint %d of %s: another copy of it acked (%s)",
+                         who, cid, st.coordinator.storage.state, message)
+                return {"ignored": True}
+            st.failures.setdefault(cid, {})[who] = f"{who}: {message}"
             self._cond.notify_all()
-        return {}
+        return {"ignored": False}
 
     def _op_merge_poll(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -551,7 +572,7 @@ class StateService:
                     st.failures.pop(cid, None)
                     st.stats.pop(cid, None)
                     raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
-                                          f"({'; '.join(failures)})")
+                                          f"({'; '.join(failures.values())})")
                 silent, lost = self._silent_agents(st, cid)
                 if silent:
                     holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))

@@ -102,6 +102,7 @@ class _Open:
     channel: Path | None = None    # where the task writes its deferred input (FLIP-76)
     replay: Path | None = None     # the links to the base's channel state the task replays
     opened_at: float = 0.0         # clock.now() at the open (the open timeout counts from it)
+    attempt: str = ""              # the checkpoint attempt's token, carried by the ack and a failure
 
     def delete(self) -> None:
         """Delete everything of this open on the executor's disk."""
@@ -166,7 +167,8 @@ class SubtaskService:
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
         routed = f.integer("parallelism", default=None, lo=1)
-        base = self._driver("state.base", name=name, checkpoint_id=cid, subtask=subtask, agent=self.agent_id)
+        base = self._driver("state.base", name=name, checkpoint_id=cid, subtask=subtask, agent=self.agent_id,
+                            parallelism=routed)
         p, m = base["parallelism"], base["max_parallelism"]
         if routed is not None and routed != p:
             raise ParallelismError(
@@ -197,7 +199,8 @@ class SubtaskService:
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
                        known, key_group_range(m, p, subtask), restore,
                        MergingOptions.from_json(base.get("merging")),
-                       self.root / "snapshots" / f"channel-{subtask}-{token}", replay_dir, self.clock.now())
+                       self.root / "snapshots" / f"channel-{subtask}-{token}", replay_dir, self.clock.now(),
+                       str(base.get("attempt") or ""))
         with self._lock:
             if self._closed:
                 opened.delete()
@@ -210,7 +213,7 @@ class SubtaskService:
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
                 "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
                 "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
-                "channel": str(opened.channel), "replay": replay, "cut": base.get("cut"),
+                "channel": str(opened.channel), "replay": replay, "cut": base.get("cut"), "attempt": opened.attempt,
                 "replay_filter": meta is not None and meta.parallelism != p}
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
@@ -337,7 +340,7 @@ class SubtaskService:
                          "unaligned": counters["unaligned"], "wal_bytes": counters["wal_bytes"]}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
-                             stats=stats)
+                             stats=stats, attempt=opened.attempt)
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
                 log.warning("ack of checkpoint %d subtask %d of %s failed: %s", cid, opened.subtask, opened.name, exc)
             finally:
@@ -346,7 +349,7 @@ class SubtaskService:
         def failed(cid: int, subtask: int, exc: BaseException) -> None:
             try:
                 self._driver("state.fail", name=opened.name, checkpoint_id=cid, subtask=subtask,
-                             message=f"{type(exc).__name__}: {exc}")
+                             message=f"{type(exc).__name__}: {exc}", attempt=opened.attempt)
             except Exception as exc2:  # noqa: BLE001
                 log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
             finally:
@@ -458,6 +461,11 @@ class SubtaskService:
     def open_subtasks(self) -> int:
         with self._lock:
             return len(self._open)
+
+    def uploads_in_flight(self) -> int:
+        """Uploads queued or running whose ack (or failure report) has not been sent yet."""
+        with self._lock:
+            return len(self._uploading)
 
     def close(self) -> None:
         """Finish the uploads in flight, then delete the root. Idempotent."""
