@@ -33,6 +33,11 @@ aborted) is refused and its uploads are deleted once nothing is pending: an uplo
 attempt, not acked yet, may hold the same content (files are named by content), so while one is
 pending the deletion waits for it to complete or abort.
 
+**Paths from peers.** An ack may name as uploads only data files (``shared/<checksum>``,
+``merged/<32 hex>``) its handle references, and its handle only data files or what its base or a
+claimed checkpoint holds; a seal only merged files its agent's acks listed. Anything else is refused
+before it is recorded, and deletion reaches only data files and the URLs this state claimed.
+
 **Merged files (FLIP-306).** A subtask's small files are segments of ``merged/<uuid>`` physical
 files that its executor agent writes for all the subtasks that ran there. An ack lists them as
 *unsealed*; once every subtask has acked, :meth:`seal_wanted` tells the agents to seal (fsync and
@@ -68,7 +73,7 @@ from dataclasses import dataclass, field
 from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, choose_no_reuse, is_merged, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
+from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, UploadResult, is_data_path
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
     CheckpointError,
@@ -104,6 +109,7 @@ class _Pending:
     uploaded: set[str] = field(default_factory=set)
     unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
     sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
+    writers: dict[str, str] = field(default_factory=dict)    # merged path -> the agent whose ack listed it
 
 
 class CheckpointCoordinator:
@@ -297,12 +303,10 @@ class CheckpointCoordinator:
         handle = result.handle if isinstance(result, UploadResult) else result
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
         merged = result.merged if isinstance(result, UploadResult) else tuple(merged)
-        bad = [p for p in merged if not is_merged(p)]
-        if bad:
-            raise InvalidRecordError(f"ack of subtask {handle.subtask}: {bad} are not merged/ paths")
-        uploaded = (*uploaded, *merged)
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            self._check_ack_paths(checkpoint_id, pending, handle, uploaded, merged, agent)
+            uploaded = (*uploaded, *merged)
             if pending is None:  # a replaced or aborted attempt: nothing may keep its files
                 self._late.update(uploaded)
                 self._delete_late()
@@ -311,6 +315,8 @@ class CheckpointCoordinator:
                     f"already completed or aborted): the ack of subtask {handle.subtask} is refused and its "
                     f"uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
+            for p in merged:   # and its agent may seal them
+                pending.writers[p] = agent
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
                                          f"{self.parallelism}")
@@ -325,6 +331,37 @@ class CheckpointCoordinator:
                 if p not in pending.sealed:
                     pending.unsealed[p] = agent
 
+    def _check_ack_paths(self, checkpoint_id: int, pending: _Pending | None, handle: SubtaskHandle,
+                         uploaded: tuple[str, ...], merged: tuple[str, ...], agent: str) -> None:
+        """Refuse an ack naming a path it has no business with, before anything of it is recorded
+        (what an ack records is deleted on abort): its uploads and merged files are data files its
+        handle references, the handle references data files or what its base or a claimed
+        checkpoint holds, and no other agent writes its merged files."""
+        who = f"ack of subtask {handle.subtask} of checkpoint {checkpoint_id} of state {self.storage.state!r}"
+        bad = [p for p in merged if not is_merged(p)]
+        if bad:
+            raise InvalidRecordError(f"{who}: {bad} are not merged/ paths (merged/<32 hex>)")
+        referenced = {f.path for f in handle.all_files}
+        bad = [p for p in (*uploaded, *merged) if not is_data_path(p) or p not in referenced]
+        if bad:
+            raise InvalidRecordError(
+                f"{who}: uploaded files {bad} are not data files its handle references; an upload is a "
+                f"file of the handle named {DATA_PATH_FORMS}")
+        if pending is None:
+            return   # refused as late by the caller; only its uploads (checked above) are kept, to delete
+        base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+        held = base.physical_paths() if base is not None else set()
+        bad = sorted(p for p in referenced if not is_data_path(p) and p not in held and p not in self._claimed)
+        if bad:
+            raise InvalidRecordError(
+                f"{who}: its handle references {bad}, which are neither data files ({DATA_PATH_FORMS}) nor "
+                f"files its base checkpoint {pending.base_id} or a claimed checkpoint holds")
+        taken = sorted(p for p in merged if pending.writers.get(p, agent) != agent
+                       or any(p in files for a, files in self._open.items() if a != agent))
+        if taken:
+            raise InvalidRecordError(f"{who}: merged files {taken} are written by another executor agent, "
+                                     f"not {agent!r}")
+
     def seal_wanted(self, checkpoint_id: int) -> str:
         """What an agent holding unsealed files of ``checkpoint_id`` should do: ``seal`` (every subtask
         acked), ``wait``, or ``discard`` (the checkpoint is not pending, or is a re-run whose first
@@ -335,13 +372,20 @@ class CheckpointCoordinator:
                 return "discard"
             return "seal" if len(pending.acks) >= self.parallelism else "wait"
 
-    def sealed(self, checkpoint_id: int, files: Mapping[str, int]) -> None:
-        """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store."""
+    def sealed(self, checkpoint_id: int, files: Mapping[str, int], agent: str = "") -> None:
+        """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store, says
+        ``agent``: only files its acks of a pending checkpoint listed are taken."""
         bad = [p for p in files if not is_merged(p)]
         if bad:
-            raise InvalidRecordError(f"sealed files {bad} are not merged/ paths")
+            raise InvalidRecordError(f"sealed files {bad} are not merged/ paths (merged/<32 hex>)")
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            foreign = sorted(p for p in files if pending is not None and pending.writers.get(p) != agent)
+            if foreign:
+                raise InvalidRecordError(
+                    f"seal of checkpoint {checkpoint_id} of state {self.storage.state!r} by executor agent "
+                    f"{agent!r}: {foreign} are not merged files its acks listed; an agent seals only the "
+                    f"files it wrote")
             if pending is None or pending.rerun:   # too late: nothing will reference them
                 if pending is not None:
                     pending.uploaded.update(files)
@@ -539,11 +583,18 @@ class CheckpointCoordinator:
             log.info("subsumed checkpoint %d of %s", cid, self.storage.state)
 
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
+        """Delete what no retained checkpoint, no pending ack and no open ``across`` file needs among
+        ``paths``: data files of this root, and absolute URLs only if this state claimed them."""
         in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
         in_flight.update(*self._open.values())
-        doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
+        unused = [p for p in paths if self._refs[p] <= 0 and p not in in_flight]
+        foreign = sorted(p for p in unused if not is_data_path(p) and "://" not in p)
+        if foreign:
+            log.error("not deleting %s of %s: only data files (%s) are deleted", foreign, self.storage.state,
+                      DATA_PATH_FORMS)
+        doomed = sorted(p for p in unused if is_data_path(p))
         n = self.storage.delete_files(doomed) if doomed else 0
-        claimed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and p in self._claimed)
+        claimed = sorted(p for p in unused if "://" in p and p in self._claimed)
         if claimed:
             n += self.storage.delete_claimed(claimed)
             self._claimed.difference_update(claimed)
