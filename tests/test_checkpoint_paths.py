@@ -195,3 +195,95 @@ def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_pa
         assert rig.storage.stored_files() == rig.referenced()
     finally:
         rig.close()
+
+
+# --- item: across-mode files are durable before a checkpoint completes on them ------------------------
+def test_across_completes_only_once_the_appended_segments_are_sealed(tmp_path):
+    """Checkpoint 1 appends to the physical file checkpoint 0 holds: it cannot complete until a
+    seal covers the new segment, and its record lists the size that seal reported."""
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
+    coord = CheckpointCoordinator(storage, 1, M, merging=ACROSS)
+    merger = FileMerger(tmp_path / "staging")
+    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    coord.begin(0)
+    seg0 = _segment(merger, storage, tmp_path, 0, ACROSS, "000001.sst", b"0" * 1000)
+    coord.ack(0, _handle(current, seg0), uploaded=(current.path,), merged=(seg0.path,))
+    assert coord.unsealed(0) == {seg0.path: ""}
+    _seal(coord, merger, storage, 0)
+    assert coord.complete(0).properties["merged"] == {seg0.path: 1000}
+
+    coord.begin(1)
+    seg1 = _segment(merger, storage, tmp_path, 1, ACROSS, "000002.sst", b"1" * 500)
+    assert (seg1.path, seg1.offset) == (seg0.path, 1000)   # appended to checkpoint 0's file
+    coord.ack(1, _handle(current, seg0, seg1), merged=(seg1.path,))
+    assert coord.unsealed(1) == {seg1.path: ""}
+    with pytest.raises(CheckpointError, match=r"checkpoint 1 of state 's' cannot complete: 1 merged files are "
+                                              r"not sealed yet"):
+        coord.complete(1)
+    # a seal reporting less than the segments reach does not do either
+    coord.sealed(1, {seg1.path: 1200})
+    assert coord.unsealed(1) == {seg1.path: ""}
+    _seal(coord, merger, storage, 1)
+    meta = coord.complete(1)
+    assert meta.properties["merged"] == {seg0.path: 1500}
+    assert Path(storage.local_target(seg0.path)).stat().st_size == 1500
+    merger.close()
+
+
+# --- item: channel-state segments count like state segments ---------------------------------------------
+def test_channel_state_segments_wait_for_their_seal_and_are_recorded(tmp_path):
+    """A subtask whose only new segment is channel state (FLIP-76 deferred input merged into a
+    physical file): the checkpoint waits for its seal and lists the file's size."""
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
+    coord = CheckpointCoordinator(storage, 1, M, merging=MergingOptions())
+    merger = FileMerger(tmp_path / "staging")
+    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    coord.begin(0)
+    chan = _segment(merger, storage, tmp_path, 0, MergingOptions(), "channel-0.arrow", b"c" * 300)
+    coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path,), merged=(chan.path,))
+    assert coord.unsealed(0) == {chan.path: ""}
+    with pytest.raises(CheckpointError, match=r"1 merged files are not sealed yet"):
+        coord.complete(0)   # the physical file is not even in the store yet
+    _seal(coord, merger, storage, 0)
+    meta = coord.complete(0)
+    assert meta.properties["merged"] == {chan.path: 300}
+    assert storage.stored_files() == meta.physical_paths()
+    merger.close()
+
+
+def test_an_across_file_only_channel_state_references_is_not_deleted_when_its_agent_closes_it(tmp_path):
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
+    coord = CheckpointCoordinator(storage, 1, M, merging=ACROSS)
+    merger = FileMerger(tmp_path / "staging")
+    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    coord.begin(0)
+    chan = _segment(merger, storage, tmp_path, 0, ACROSS, "channel-0.arrow", b"c" * 300)
+    coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path,), merged=(chan.path,), agent="a")
+    coord.files_closed("a", {chan.path})   # the agent rotated it (full): the pending ack still needs it
+    assert storage.merged_files() == {chan.path}
+    _seal(coord, merger, storage, 0, "a")
+    assert coord.complete(0).physical_paths() == {current.path, chan.path}
+    assert storage.merged_files() == {chan.path}
+    merger.close()
+
+
+def test_claimed_channel_state_files_are_recorded_as_claimed(tmp_path):
+    """After a CLAIM restore, a checkpoint that still references the source's channel-state file
+    records it in ``claimed``, so the state deletes it once no checkpoint needs it."""
+    src = CheckpointStorage.open(str(tmp_path / "src"), "a")
+    coord = CheckpointCoordinator(src, 1, M)
+    current = _shared(src, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    chan = _shared(src, tmp_path, "channel-0.arrow", b"deferred rows")
+    coord.begin(0)
+    coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path, chan.path))
+    coord.complete(0)
+    dst = CheckpointStorage.open(str(tmp_path / "dst"), "b")
+    restore_from(src.url_of("chk-0"), dst, max_parallelism=M, claim_mode="claim")
+    coord = CheckpointCoordinator(dst, 1, M)
+    begun = coord.begin(0)
+    base = begun.base.subtasks[0]
+    coord.ack(0, _handle(*base.files, channel=base.channel_state))
+    meta = coord.complete(0)
+    urls = {f.path for f in (*base.files, *base.channel_state)}
+    assert len(urls) == 2 and sorted(meta.properties["claimed"]) == sorted(urls)
+    assert coord.claimed() == urls

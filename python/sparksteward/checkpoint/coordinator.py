@@ -41,9 +41,11 @@ before it is recorded, and deletion reaches only data files and the URLs this st
 **Merged files (FLIP-306).** A subtask's small files are segments of ``merged/<uuid>`` physical
 files that its executor agent writes for all the subtasks that ran there. An ack lists them as
 *unsealed*; once every subtask has acked, :meth:`seal_wanted` tells the agents to seal (fsync and
-upload), and ``complete`` waits for :meth:`sealed`. The record lists each physical file's size in
-``properties.merged``. A physical file is counted like any other path: it goes once no retained
-checkpoint references it. After each completion, space control (``max_space_amplification``) marks
+upload), and ``complete`` waits for :meth:`sealed` until every segment the acks reference (state and
+channel state) lies within a size a seal reported (``across`` files grow across checkpoints, so a
+file a retained checkpoint holds is sealed again for what was appended since). The record lists that
+durable size of each physical file in ``properties.merged``. A physical file is counted like any
+other path: it goes once no retained checkpoint references it. After each completion, space control (``max_space_amplification``) marks
 the most wasteful physical files no-reuse: ``known`` leaves their segments out, so the next
 checkpoint writes them again, and the old files go with the checkpoints that reference them.
 ``across``-mode files that an agent still appends to are never deleted while it says they are open.
@@ -395,7 +397,7 @@ class CheckpointCoordinator:
                 return
             for p, size in files.items():
                 pending.unsealed.pop(p, None)
-                pending.sealed[p] = int(size)
+                pending.sealed[p] = max(pending.sealed.get(p, 0), int(size))
                 pending.uploaded.add(p)
 
     def acked(self, checkpoint_id: int) -> set[int]:
@@ -411,16 +413,32 @@ class CheckpointCoordinator:
             return dict(pending.sealed) if pending is not None else {}
 
     def unsealed(self, checkpoint_id: int) -> dict[str, str]:
-        """The merged files the current acks of ``checkpoint_id`` need and no agent has sealed yet."""
+        """The merged files the current acks of ``checkpoint_id`` need beyond the size a seal reported
+        (path -> the agent that writes it, "" if no ack listed it)."""
         with self._lock:
             pending = self._pending.get(checkpoint_id)
             if pending is None:
                 return {}
-            needed = {f.path for h in pending.acks.values() for f in h.files if is_merged(f.path)}
-            # a needed file neither sealed for this checkpoint nor held by a retained one is unsealed,
-            # even if no ack listed it: a checkpoint never completes pointing at a missing file
-            return {p: pending.unsealed.get(p, "") for p in needed
-                    if p not in pending.sealed and self._refs[p] <= 0}
+            return {p: pending.writers.get(p) or pending.unsealed.get(p, "") for p in self._not_durable(pending)}
+
+    def _not_durable(self, pending: _Pending) -> set[str]:
+        """Merged files that a segment (state or channel state) of the current acks of ``pending``
+        lies beyond the durable size of: the largest a seal of this checkpoint or a retained record
+        reported. ``across`` files grow across checkpoints, so a file a retained checkpoint holds
+        needs a seal again for the segments appended since; a checkpoint never completes pointing at
+        bytes that are missing or not synced. A segment the base itself references is durable (a
+        record written before sizes were checked may list a smaller size)."""
+        base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+        reused = {(f.path, f.offset, f.length) for f in base.files()} if base is not None else set()
+        out = set()
+        for h in pending.acks.values():
+            for f in h.all_files:
+                if not is_merged(f.path) or f.path in out:
+                    continue
+                durable = max(pending.sealed.get(f.path, -1), self._sizes.get(f.path, -1))
+                if f.offset + f.length > durable and (f.path, f.offset, f.length) not in reused:
+                    out.add(f.path)
+        return out
 
     def files_closed(self, agent: str, paths: set[str] | None = None) -> None:
         """``across`` mode: ``agent`` stopped appending to ``paths`` (None: to all, e.g. it went
@@ -480,11 +498,13 @@ class CheckpointCoordinator:
                 return meta
             subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
             properties: dict[str, object] = {"base": pending.base_id}
-            claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
+            paths = {f.path for h in subtasks for f in h.all_files}
+            claimed = sorted(paths & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
-            self._sizes.update(pending.sealed)
-            merged = sorted({f.path for h in subtasks for f in h.files if is_merged(f.path)})
+            for p, size in pending.sealed.items():   # the durable size each segment lies within
+                self._sizes[p] = max(self._sizes.get(p, 0), size)
+            merged = sorted(p for p in paths if is_merged(p))
             if merged:
                 properties["merged"] = {p: self._sizes.get(p, 0) for p in merged}
             meta = CheckpointMetadata(
@@ -585,7 +605,7 @@ class CheckpointCoordinator:
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
         """Delete what no retained checkpoint, no pending ack and no open ``across`` file needs among
         ``paths``: data files of this root, and absolute URLs only if this state claimed them."""
-        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
+        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.all_files}
         in_flight.update(*self._open.values())
         unused = [p for p in paths if self._refs[p] <= 0 and p not in in_flight]
         foreign = sorted(p for p in unused if not is_data_path(p) and "://" not in p)
