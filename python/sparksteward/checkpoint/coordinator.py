@@ -33,12 +33,19 @@ aborted) is refused and its uploads are deleted once nothing is pending: an uplo
 attempt, not acked yet, may hold the same content (files are named by content), so while one is
 pending the deletion waits for it to complete or abort.
 
+**Paths from peers.** An ack may name as uploads only data files (``shared/<checksum>``,
+``merged/<32 hex>``) its handle references, and its handle only data files or what its base or a
+claimed checkpoint holds; a seal only merged files its agent's acks listed. Anything else is refused
+before it is recorded, and deletion reaches only data files and the URLs this state claimed.
+
 **Merged files (FLIP-306).** A subtask's small files are segments of ``merged/<uuid>`` physical
 files that its executor agent writes for all the subtasks that ran there. An ack lists them as
 *unsealed*; once every subtask has acked, :meth:`seal_wanted` tells the agents to seal (fsync and
-upload), and ``complete`` waits for :meth:`sealed`. The record lists each physical file's size in
-``properties.merged``. A physical file is counted like any other path: it goes once no retained
-checkpoint references it. After each completion, space control (``max_space_amplification``) marks
+upload), and ``complete`` waits for :meth:`sealed` until every segment the acks reference (state and
+channel state) lies within a size a seal reported (``across`` files grow across checkpoints, so a
+file a retained checkpoint holds is sealed again for what was appended since). The record lists that
+durable size of each physical file in ``properties.merged``. A physical file is counted like any
+other path: it goes once no retained checkpoint references it. After each completion, space control (``max_space_amplification``) marks
 the most wasteful physical files no-reuse: ``known`` leaves their segments out, so the next
 checkpoint writes them again, and the old files go with the checkpoints that reference them.
 ``across``-mode files that an agent still appends to are never deleted while it says they are open.
@@ -70,7 +77,7 @@ from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, choose_no_reuse, is_merged, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, UploadResult
+from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, UploadResult, is_data_path
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
     CheckpointError,
@@ -109,6 +116,7 @@ class _Pending:
     uploaded: set[str] = field(default_factory=set)
     unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
     sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
+    writers: dict[str, str] = field(default_factory=dict)    # merged path -> the agent whose ack listed it
     query: str | None = None                                 # the streaming query that began it
     attempt: str = field(default_factory=lambda: uuid.uuid4().hex)   # changes on every begin
 
@@ -401,14 +409,20 @@ class CheckpointCoordinator:
         handle = result.handle if isinstance(result, UploadResult) else result
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
         merged = result.merged if isinstance(result, UploadResult) else tuple(merged)
-        bad = [p for p in merged if not is_merged(p)]
-        if bad:
-            raise InvalidRecordError(f"ack of subtask {handle.subtask}: {bad} are not merged/ paths")
-        uploaded = (*uploaded, *merged)
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            self._check_ack_paths(checkpoint_id, pending, handle, uploaded, merged, agent)
+            uploaded = (*uploaded, *merged)
             if pending is not None and attempt is not None and attempt != pending.attempt:
-                pending = None   # an ack of a replaced attempt (a driver restart, a new begin): refused
+                # an ack of a replaced attempt (a driver restart, a new begin): refused. Its files go
+                # with this checkpoint's end unless referenced, and its agent still seals the merged
+                # files it shares with the current attempt's segments
+                pending.uploaded.update(uploaded)
+                for p in merged:
+                    pending.writers.setdefault(p, agent)
+                raise CheckpointOrderError(
+                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} was begun again since this ack's "
+                    f"attempt: the ack of subtask {handle.subtask} is refused")
             if pending is None:  # a replaced or aborted attempt: nothing may keep its files
                 self._late.update(uploaded)
                 self._delete_late()
@@ -417,6 +431,8 @@ class CheckpointCoordinator:
                     f"this ack belongs to (never begun, already completed or aborted, or begun again since): the "
                     f"ack of subtask {handle.subtask} is refused and its uploaded files deleted")
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
+            for p in merged:   # and its agent may seal them
+                pending.writers[p] = agent
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
                                          f"{self.parallelism}")
@@ -431,6 +447,37 @@ class CheckpointCoordinator:
                 if p not in pending.sealed:
                     pending.unsealed[p] = agent
 
+    def _check_ack_paths(self, checkpoint_id: int, pending: _Pending | None, handle: SubtaskHandle,
+                         uploaded: tuple[str, ...], merged: tuple[str, ...], agent: str) -> None:
+        """Refuse an ack naming a path it has no business with, before anything of it is recorded
+        (what an ack records is deleted on abort): its uploads and merged files are data files its
+        handle references, the handle references data files or what its base or a claimed
+        checkpoint holds, and no other agent writes its merged files."""
+        who = f"ack of subtask {handle.subtask} of checkpoint {checkpoint_id} of state {self.storage.state!r}"
+        bad = [p for p in merged if not is_merged(p)]
+        if bad:
+            raise InvalidRecordError(f"{who}: {bad} are not merged/ paths (merged/<32 hex>)")
+        referenced = {f.path for f in handle.all_files}
+        bad = [p for p in (*uploaded, *merged) if not is_data_path(p) or p not in referenced]
+        if bad:
+            raise InvalidRecordError(
+                f"{who}: uploaded files {bad} are not data files its handle references; an upload is a "
+                f"file of the handle named {DATA_PATH_FORMS}")
+        if pending is None:
+            return   # refused as late by the caller; only its uploads (checked above) are kept, to delete
+        base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+        held = base.physical_paths() if base is not None else set()
+        bad = sorted(p for p in referenced if not is_data_path(p) and p not in held and p not in self._claimed)
+        if bad:
+            raise InvalidRecordError(
+                f"{who}: its handle references {bad}, which are neither data files ({DATA_PATH_FORMS}) nor "
+                f"files its base checkpoint {pending.base_id} or a claimed checkpoint holds")
+        taken = sorted(p for p in merged if pending.writers.get(p, agent) != agent
+                       or any(p in files for a, files in self._open.items() if a != agent))
+        if taken:
+            raise InvalidRecordError(f"{who}: merged files {taken} are written by another executor agent, "
+                                     f"not {agent!r}")
+
     def seal_wanted(self, checkpoint_id: int) -> str:
         """What an agent holding unsealed files of ``checkpoint_id`` should do: ``seal`` (every subtask
         acked), ``wait``, or ``discard`` (the checkpoint is not pending, or is a re-run whose first
@@ -441,13 +488,20 @@ class CheckpointCoordinator:
                 return "discard"
             return "seal" if len(pending.acks) >= self.parallelism else "wait"
 
-    def sealed(self, checkpoint_id: int, files: Mapping[str, int]) -> None:
-        """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store."""
+    def sealed(self, checkpoint_id: int, files: Mapping[str, int], agent: str = "") -> None:
+        """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store, says
+        ``agent``: only files its acks of a pending checkpoint listed are taken."""
         bad = [p for p in files if not is_merged(p)]
         if bad:
-            raise InvalidRecordError(f"sealed files {bad} are not merged/ paths")
+            raise InvalidRecordError(f"sealed files {bad} are not merged/ paths (merged/<32 hex>)")
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            foreign = sorted(p for p in files if pending is not None and pending.writers.get(p) != agent)
+            if foreign:
+                raise InvalidRecordError(
+                    f"seal of checkpoint {checkpoint_id} of state {self.storage.state!r} by executor agent "
+                    f"{agent!r}: {foreign} are not merged files its acks listed; an agent seals only the "
+                    f"files it wrote")
             if pending is None or pending.rerun:   # too late: nothing will reference them
                 if pending is not None:
                     pending.uploaded.update(files)
@@ -457,7 +511,7 @@ class CheckpointCoordinator:
                 return
             for p, size in files.items():
                 pending.unsealed.pop(p, None)
-                pending.sealed[p] = int(size)
+                pending.sealed[p] = max(pending.sealed.get(p, 0), int(size))
                 pending.uploaded.add(p)
 
     def attempt(self, checkpoint_id: int) -> str | None:
@@ -479,16 +533,32 @@ class CheckpointCoordinator:
             return dict(pending.sealed) if pending is not None else {}
 
     def unsealed(self, checkpoint_id: int) -> dict[str, str]:
-        """The merged files the current acks of ``checkpoint_id`` need and no agent has sealed yet."""
+        """The merged files the current acks of ``checkpoint_id`` need beyond the size a seal reported
+        (path -> the agent that writes it, "" if no ack listed it)."""
         with self._lock:
             pending = self._pending.get(checkpoint_id)
             if pending is None:
                 return {}
-            needed = {f.path for h in pending.acks.values() for f in h.files if is_merged(f.path)}
-            # a needed file neither sealed for this checkpoint nor held by a retained one is unsealed,
-            # even if no ack listed it: a checkpoint never completes pointing at a missing file
-            return {p: pending.unsealed.get(p, "") for p in needed
-                    if p not in pending.sealed and self._refs[p] <= 0}
+            return {p: pending.writers.get(p) or pending.unsealed.get(p, "") for p in self._not_durable(pending)}
+
+    def _not_durable(self, pending: _Pending) -> set[str]:
+        """Merged files that a segment (state or channel state) of the current acks of ``pending``
+        lies beyond the durable size of: the largest a seal of this checkpoint or a retained record
+        reported. ``across`` files grow across checkpoints, so a file a retained checkpoint holds
+        needs a seal again for the segments appended since; a checkpoint never completes pointing at
+        bytes that are missing or not synced. A segment the base itself references is durable (a
+        record written before sizes were checked may list a smaller size)."""
+        base = self._completed.get(pending.base_id) if pending.base_id is not None else None
+        reused = {(f.path, f.offset, f.length) for f in base.files()} if base is not None else set()
+        out = set()
+        for h in pending.acks.values():
+            for f in h.all_files:
+                if not is_merged(f.path) or f.path in out:
+                    continue
+                durable = max(pending.sealed.get(f.path, -1), self._sizes.get(f.path, -1))
+                if f.offset + f.length > durable and (f.path, f.offset, f.length) not in reused:
+                    out.add(f.path)
+        return out
 
     def files_closed(self, agent: str, paths: set[str] | None = None) -> None:
         """``across`` mode: ``agent`` stopped appending to ``paths`` (None: to all, e.g. it went
@@ -567,11 +637,13 @@ class CheckpointCoordinator:
                 properties["query"] = pending.query
             if self._cuts.get(checkpoint_id):
                 properties["cuts"] = {str(i): c for i, c in sorted(self._cuts[checkpoint_id].items())}
-            claimed = sorted({f.path for h in subtasks for f in h.files} & self._claimed)
+            paths = {f.path for h in subtasks for f in h.all_files}
+            claimed = sorted(paths & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
-            self._sizes.update(pending.sealed)
-            merged = sorted({f.path for h in subtasks for f in h.files if is_merged(f.path)})
+            for p, size in pending.sealed.items():   # the durable size each segment lies within
+                self._sizes[p] = max(self._sizes.get(p, 0), size)
+            merged = sorted(p for p in paths if is_merged(p))
             if merged:
                 properties["merged"] = {p: self._sizes.get(p, 0) for p in merged}
             meta = CheckpointMetadata(
@@ -679,17 +751,25 @@ class CheckpointCoordinator:
             del self._deleted[next(iter(self._deleted))]
 
     def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
+        """Delete what no retained checkpoint, no pending ack and no open ``across`` file needs among
+        ``paths``: data files of this root, and absolute URLs only if this state claimed them. Nothing
+        without the writer lease: another writer may hold the state now."""
         try:
             self.lease.check()
-        except CheckpointError as exc:   # another writer may hold the state now: its files are not ours
+        except CheckpointError as exc:
             log.warning("not deleting %d files of %s: %s", len(paths), self.storage.state, exc)
             return 0
-        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.files}
+        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.all_files}
         in_flight.update(*self._open.values())
-        doomed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and "://" not in p)
+        unused = [p for p in paths if self._refs[p] <= 0 and p not in in_flight]
+        foreign = sorted(p for p in unused if not is_data_path(p) and "://" not in p)
+        if foreign:
+            log.error("not deleting %s of %s: only data files (%s) are deleted", foreign, self.storage.state,
+                      DATA_PATH_FORMS)
+        doomed = sorted(p for p in unused if is_data_path(p))
         n = self.storage.delete_files(doomed) if doomed else 0
         self._remember_deleted(doomed)
-        claimed = sorted(p for p in paths if self._refs[p] <= 0 and p not in in_flight and p in self._claimed)
+        claimed = sorted(p for p in unused if "://" in p and p in self._claimed)
         if claimed:
             n += self.storage.delete_claimed(claimed)
             self._claimed.difference_update(claimed)

@@ -115,8 +115,13 @@ class SubtaskHandle:
             raise InvalidRecordError(f"subtask {self.subtask} has files but no CURRENT: not a RocksDB snapshot")
 
     @property
+    def all_files(self) -> tuple[FileHandle, ...]:
+        """Every file the subtask references: its state and its channel state (both hold segments)."""
+        return (*self.files, *self.channel_state)
+
+    @property
     def size(self) -> int:
-        return sum(f.length for f in self.files) + sum(f.length for f in self.channel_state)
+        return sum(f.length for f in self.all_files)
 
     def to_json(self) -> dict[str, Any]:
         return {"subtask": self.subtask, "key_groups": self.key_groups.to_json(),
@@ -167,7 +172,7 @@ class CheckpointMetadata:
 
     def files(self) -> list[FileHandle]:
         """Every file handle of every subtask (state and channel state)."""
-        return [f for s in self.subtasks for f in (*s.files, *s.channel_state)]
+        return [f for s in self.subtasks for f in s.all_files]
 
     def physical_paths(self) -> set[str]:
         return {f.path for f in self.files()}

@@ -538,7 +538,7 @@ class StateService:
             sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
         with self._cond:
             self._seen[agent] = time.monotonic()
-            st.coordinator.sealed(cid, sealed)
+            st.coordinator.sealed(cid, sealed, agent)
             self._cond.notify_all()
         return {}
 

@@ -43,14 +43,33 @@ from sparksteward.ids import validate_id
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.storage import Location, NotRegularFileError, fsync_dir, fsync_file, open_location, regular_files
 
-__all__ = ["METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult", "checkpoint_dir_name",
-           "open_checkpoint"]
+__all__ = ["DATA_PATH_FORMS", "METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult",
+           "checkpoint_dir_name", "is_data_path", "open_checkpoint"]
 
 log = logging.getLogger("sparksteward.checkpoint.storage")
 
 METADATA_FILE = "_metadata"
 _CHK = re.compile(r"^chk-(\d+)$")
 MERGED_DIR = "merged"   # FLIP-306 physical files (see checkpoint/merging.py)
+_DATA_NAME = re.compile(r"^[0-9a-f]{32}$")                    # an xxh3-128 checksum or a uuid4 hex
+_STAGED_NAME = re.compile(r"^\.[A-Za-z0-9_-][A-Za-z0-9._-]*\.tmp$")   # a staged upload (see staged_files)
+DATA_PATH_FORMS = "shared/<32 hex checksum> or merged/<32 hex>"
+
+
+def is_data_path(path: str) -> bool:
+    """True for a data file of a state root exactly: ``shared/<32 hex>`` or ``merged/<32 hex>``.
+
+    Anything else (``chk-0/_metadata``, ``shared/../x``, a nested path, a URL) is not one, so a path
+    a peer sends cannot be taken for one.
+    """
+    head, _, name = path.partition("/") if isinstance(path, str) else ("", "", "")
+    return head in ("shared", MERGED_DIR) and bool(_DATA_NAME.match(name))
+
+
+def _deletable(path: str) -> bool:
+    """A data file, or a staged upload of one that a crash left behind."""
+    head, _, name = path.partition("/")
+    return is_data_path(path) or (head in ("shared", MERGED_DIR) and bool(_STAGED_NAME.match(name)))
 
 
 RESTORED = -1  # the id under which a restored (restore_from) checkpoint is kept: ``restored/_metadata``
@@ -297,10 +316,18 @@ class CheckpointStorage:
         return out
 
     def delete_files(self, paths: list[str]) -> int:
-        """Delete relative paths under this root (never absolute URLs: those are not ours)."""
+        """Delete data files of this root (:func:`is_data_path`, and staged uploads of them); return
+        how many existed.
+
+        Anything else (a ``_metadata``, a path outside ``shared/`` and ``merged/``, an absolute URL:
+        claimed files go through :meth:`delete_claimed`) is never deleted: it is logged as an error
+        and skipped, so a bad path cannot fail the caller half-way through its deletions either.
+        """
         n = 0
         for p in paths:
-            if "://" in p:
+            if not isinstance(p, str) or not _deletable(p):
+                log.error("not deleting %r in %s: only data files (%s) are deleted here", p, self.url,
+                          DATA_PATH_FORMS)
                 continue
             if self.location.delete(self.location.path(*p.split("/"))):
                 n += 1
