@@ -163,10 +163,10 @@ def test_hostile_acks_over_the_driver_agents_socket_are_refused_and_delete_nothi
         rig.dconn.request("state.begin", name="s", checkpoint_id=1)
         with pytest.raises(StewardError, match=r"uploaded files \['chk-0/_metadata'\] are not data files"):
             rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, uploaded=["chk-0/_metadata"],
-                              agent="x")
+                              agent="x", attempt="a")
         evil = {**handle, "files": [{**handle["files"][0], "path": "chk-0/_metadata"}, *handle["files"][1:]]}
         with pytest.raises(StewardError, match=r"its handle references \['chk-0/_metadata'\]"):
-            rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=evil, agent="x")
+            rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=evil, agent="x", attempt="a")
         rig.dconn.request("state.abort", name="s", checkpoint_id=1)
         assert rig.storage.checkpoint_ids() == [0]
         assert rig.storage.stored_files() == rig.referenced()
@@ -185,8 +185,9 @@ def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_pa
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()
         merged = sorted({f["path"] for f in handle["files"] if f["path"].startswith("merged/")})
         assert merged
-        rig.dconn.request("state.begin", name="s", checkpoint_id=1)
-        rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=merged, agent="x")
+        attempt = rig.dconn.request("state.begin", name="s", checkpoint_id=1)["attempt"]
+        rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=merged, agent="x",
+                          attempt=attempt)
         with pytest.raises(StewardError, match=r"by executor agent 'y'.*are not merged files its acks listed"):
             rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="y",
                               files=[{"path": p, "size": 1 << 30} for p in merged])

@@ -380,7 +380,8 @@ class StateService:
             st.failures.pop(cid, None)
             if not begun.rerun:
                 st.stats.pop(cid, None)
-        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": st.alignment.unaligned}
+        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": st.alignment.unaligned,
+                "attempt": begun.attempt}
 
     def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
