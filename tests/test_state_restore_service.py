@@ -4,6 +4,8 @@ before the first checkpoint, ignored when open or checkpointed), state.savepoint
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
@@ -11,6 +13,8 @@ from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, new_secret
+from tests.conftest import wait_until
+from tests.state_helpers import _s3_server  # noqa: F401 - fixture
 from tests.test_checkpoint_coordinator import BATCHES, M, P, _run_batch
 
 
@@ -96,3 +100,57 @@ def test_savepoint_of_a_state_not_open_in_this_application(tmp_path, driver, sou
     assert saved["checkpoint_id"] == 1 and saved["bytes_streamed"] == 0
     reply = register(conn, "d", restore_from=sp)
     assert reply["restore"]["action"] == "restored" and reply["restore"]["source_state"] == "a"
+
+
+def test_a_slow_restore_of_one_state_holds_up_no_other_state_and_no_heartbeat(tmp_path, _s3_server):
+    """Item 10: state b restores from S3 while every CopyObject takes 1.5 s; meanwhile state a's
+    begin and info, and an executor agent's heartbeat, are answered at once (one service-wide lock
+    held them for the whole copy before)."""
+    import threading
+    import time
+
+    s3 = _s3_server
+    src = CheckpointStorage.open(s3.url(f"src-{uuid.uuid4().hex[:8]}"), "a", "c1")
+    coord = CheckpointCoordinator(src, P, M)
+    _run_batch(coord, src, tmp_path / "src", 0, BATCHES[0])
+    coord.complete(0)
+    secret = new_secret()
+    server = AgentServer("127.0.0.1", 0, secret, {})
+    service = StateService(s3.url(f"chk-{uuid.uuid4().hex[:8]}"), "c1", commit_timeout=30)
+    service.register_handlers(server)
+    conns = [Connection.connect(server.endpoint, secret) for _ in range(2)]
+    try:
+        register(conns[0], "fast")
+        errors = []
+
+        def slow_register():
+            try:
+                register(conns[1], "slow", restore_from=src.url_of("chk-0"))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        with s3.slow("CopyObject", 1.5):
+            t = threading.Thread(target=slow_register)
+            t.start()
+            wait_until(lambda: any(op == "CopyObject" for op, _ in s3.in_flight()), timeout=30, what="the copy")
+            timings = {}
+            for what, call in {
+                "begin": lambda: conns[0].request("state.begin", name="fast", checkpoint_id=0),
+                "info": lambda: conns[0].request("state.info", name="fast"),
+                "heartbeat": lambda: conns[0].request("state.merge_poll", agent="exec-1", wait=0, pools=[],
+                                                      closed=[], working=[]),
+            }.items():
+                started = time.monotonic()
+                call()
+                timings[what] = time.monotonic() - started
+            copying = any(op == "CopyObject" for op, _ in s3.in_flight())
+            t.join(120)
+        assert not errors, errors
+        assert copying, "the restore finished before the other requests were timed"
+        assert max(timings.values()) < 1.0, timings
+        assert conns[0].request("state.info", name="slow")["restore"]["action"] == "restored"
+    finally:
+        for c in conns:
+            c.close()
+        server.close()
+        service.close()

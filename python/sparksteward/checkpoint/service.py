@@ -44,7 +44,10 @@ Ops (every request names its state with ``name``)::
                     uploaded and reused and each subtask's restore (old subtasks and files read,
                     bytes downloaded)
 
-Thread-safe: requests run on connection threads; one condition guards the acks and failures.
+Thread-safe: requests run on connection threads. Each state has its own lock, and storage I/O (a
+restore, a recovery, a commit's ``_metadata`` and deletions) runs only under that state's lock, never
+under the service's condition, which guards the map of states and wakes waiters; an agent's
+heartbeat is recorded when its request arrives, so no state's I/O can make an agent look silent.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class _State:
     alignment: AlignmentOptions = AlignmentOptions()
     stage_started: dict[int, float] = field(default_factory=dict)  # checkpoint -> first task's open (monotonic)
     lease: StateLease | None = None   # this application's writer lease on the state root
+    lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
+                                                                      # under it, never under the service's
 
 
 class StateService:
@@ -114,8 +119,11 @@ class StateService:
         self.alignment = alignment or AlignmentOptions()
         self.agent_timeout = agent_timeout
         self._states: dict[str, _State] = {}
-        self._cond = threading.Condition()
-        self._seen: dict[str, float] = {}   # agent -> monotonic time of its last ack or poll
+        self._cond = threading.Condition()   # the states map and change notifications; never held over I/O
+        self._generation = 0                  # bumped by every change a waiter may be waiting for
+        self._registering: dict[str, threading.Lock] = {}   # state name -> its first registration
+        self._seen_lock = threading.Lock()
+        self._seen: dict[str, float] = {}   # agent -> monotonic time its last request arrived
         self.lease_timeout = lease_timeout
         self.orphan_grace = orphan_grace
         self._application = application
@@ -139,7 +147,7 @@ class StateService:
             for key, value in st.coordinator.space().to_json().items():
                 out[prefix + key] = value
             out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
-            with self._cond:   # FLIP-76: the latest checkpoint acked in this application
+            with st.lock:   # FLIP-76: the latest checkpoint acked in this application
                 latest = max((c for c in st.stats if c not in st.coordinator.pending()), default=None)
                 summary = _summary(latest, st.stats[latest]) if latest is not None else None
             if summary is not None:
@@ -160,6 +168,29 @@ class StateService:
             server.add_handler(op, fn)
 
     # --- helpers -----------------------------------------------------------------------------
+    def _notify(self) -> None:
+        """Wake the waiters (commit, merge polls): something changed."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def _wait(self, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` for a change after generation ``seen``; return the generation now."""
+        with self._cond:
+            if self._generation == seen and timeout > 0:
+                self._cond.wait(timeout)
+            return self._generation
+
+    def _generation_now(self) -> int:
+        with self._cond:
+            return self._generation
+
+    def _heard(self, agent: str) -> None:
+        """An executor agent's request arrived: liveness is judged on arrival, never behind a lock."""
+        if agent:
+            with self._seen_lock:
+                self._seen[agent] = time.monotonic()
+
     def _state(self, f: Fields) -> tuple[str, _State]:
         name = f.text("name", max_len=200)
         with self._cond:
@@ -217,7 +248,18 @@ class StateService:
         claim_mode = self._claim_mode(f)
         with self._cond:
             st = self._states.get(name)
-            if st is not None:
+            first = self._registering.setdefault(name, threading.Lock()) if st is None else None
+        if first is not None:   # the first registration: its storage I/O holds only this name's lock
+            with first:
+                with self._cond:
+                    st = self._states.get(name)
+                if st is None:
+                    st = self._register_new(f, name, checkpoint_dir, parallelism, max_parallelism, key_type,
+                                            num_retained, source, claim_mode)
+                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                            "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+        with st.lock:
+            if st is not None:   # registered before (always, here): only settings to settle
                 c = st.coordinator
                 _check_max_parallelism(name, c, max_parallelism)
                 if (checkpoint_dir, key_type) != (st.checkpoint_dir, c.key_type.value):
@@ -236,26 +278,32 @@ class StateService:
                     return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                             "restore": {"action": "ignored", "source": source, "note": note},
                             "rescaled_from": self._rescaled_from(st, parallelism)}
-            else:
-                storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
-                merging = self._merging(f, storage)
-                alignment = self._alignment(f)
-                lease = self._acquire(storage)
-                try:
-                    restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
-                    coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
-                                                  num_retained=num_retained, merging=merging, lease=lease,
-                                                  orphan_grace=self.orphan_grace)
-                except BaseException:
-                    lease.release()
-                    raise
-                st = self._states[name] = _State(coord, checkpoint_dir, restore=restore, alignment=alignment,
-                                                 lease=lease)
-                log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism,
-                         max_parallelism, key_type, storage.url)
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                 "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+
+    def _register_new(self, f: Fields, name: str, checkpoint_dir: str, parallelism: int, max_parallelism: int,
+                      key_type: str, num_retained: int, source: str | None, claim_mode: ClaimMode) -> _State:
+        """Open a state this application has not registered: the lease, restore_from, the coordinator's
+        recovery. Called under the name's registration lock only, so other states go on meanwhile."""
+        storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
+        merging = self._merging(f, storage)
+        alignment = self._alignment(f)
+        lease = self._acquire(storage)
+        try:
+            restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
+            coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
+                                          num_retained=num_retained, merging=merging, lease=lease,
+                                          orphan_grace=self.orphan_grace)
+        except BaseException:
+            lease.release()
+            raise
+        st = _State(coord, checkpoint_dir, restore=restore, alignment=alignment, lease=lease)
+        with self._cond:
+            self._states[name] = st
+        log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism, max_parallelism,
+                 key_type, storage.url)
+        return st
 
     # --- the writer lease --------------------------------------------------------------------
     def _acquire(self, storage: CheckpointStorage) -> StateLease:
@@ -365,7 +413,7 @@ class StateService:
         _, st = self._state(f)
         parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
         query = f.text("query", default=None, max_len=200) or None
-        with self._cond:
+        with st.lock:
             if parallelism is not None and parallelism != st.coordinator.parallelism:
                 raise ParallelismError(
                     f"keyed state {st.coordinator.storage.state!r} now has parallelism "
@@ -408,7 +456,8 @@ class StateService:
                 f"the rows of checkpoint {cid} of keyed state {st.coordinator.storage.state!r} were routed to {routed} "
                 f"subtasks, but the state now has parallelism {st.coordinator.parallelism} (it was opened again with "
                 f"another parallelism): apply the batch again with the KeyedState of the latest st.keyed_state(...) call")
-        with self._cond:  # one begin per checkpoint, even when every task asks at once
+        self._heard(agent)
+        with st.lock:  # one begin per checkpoint, even when every task asks at once
             if cid in st.coordinator.pending():
                 begun = st.coordinator.base(cid)
             else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
@@ -421,8 +470,7 @@ class StateService:
         return {**self._reply_base(st, cid, begun), "cut": self._recorded_cut(st, cid, subtask)}
 
     def _working_on(self, st: _State, agent: str, cid: int, subtask: int) -> None:
-        """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds the lock)."""
-        self._seen[agent] = time.monotonic()
+        """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds ``st.lock``)."""
         pending = st.coordinator.pending()
         if cid in pending:
             st.working.setdefault(cid, {})[subtask] = agent
@@ -443,9 +491,8 @@ class StateService:
         agent = f.text("agent", default="", max_len=200)
         attempt = f.text("attempt", max_len=64)
         stats = f.mapping("stats", default=None)
-        with self._cond:
-            if agent:
-                self._seen[agent] = time.monotonic()
+        self._heard(agent)
+        with st.lock:
             st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt)
             st.failures.get(cid, {}).pop(f"subtask {handle.subtask}", None)   # a retry or copy that made it
             if stats is not None and cid not in st.coordinator.retained():  # a re-run keeps the first stats
@@ -453,7 +500,7 @@ class StateService:
                 per[handle.subtask] = stats
                 while len(st.stats) > _MAX_STATS:
                     del st.stats[min(st.stats)]
-            self._cond.notify_all()
+        self._notify()
         return {}
 
     def _op_fail(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -464,7 +511,7 @@ class StateService:
         message = f.text("message", default="")
         attempt = f.text("attempt", default=None, max_len=64)
         who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
-        with self._cond:
+        with st.lock:
             current = st.coordinator.attempt(cid)
             if current is None or (attempt is not None and attempt != current):
                 log.info("ignoring a failure report of %s for checkpoint %d of %s: its attempt is over (%s)",
@@ -475,7 +522,7 @@ class StateService:
                          who, cid, st.coordinator.storage.state, message)
                 return {"ignored": True}
             st.failures.setdefault(cid, {})[who] = f"{who}: {message}"
-            self._cond.notify_all()
+        self._notify()
         return {"ignored": False}
 
     def _op_merge_poll(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -496,33 +543,38 @@ class StateService:
             wf = _sub(f, w)
             busy.append((wf.text("name", max_len=200), wf.integer("checkpoint_id", lo=0, hi=_MAX_ID),
                          wf.integer("subtask", lo=0, hi=32768)))
+        self._heard(agent)   # on arrival: a state busy with storage I/O never makes an agent look silent
+        by_name: dict[str, set[str]] = {}
+        for c in closed:
+            cf = _sub(f, c)
+            by_name.setdefault(cf.text("name", max_len=200), set()).add(cf.text("path", max_len=300))
         with self._cond:
-            self._seen[agent] = time.monotonic()
-            for name, cid, subtask in busy:
-                if name in self._states:
-                    self._working_on(self._states[name], agent, cid, subtask)
-            by_name: dict[str, set[str]] = {}
-            for c in closed:
-                cf = _sub(f, c)
-                by_name.setdefault(cf.text("name", max_len=200), set()).add(cf.text("path", max_len=300))
-            for name, paths in by_name.items():
-                if name in self._states:
-                    self._states[name].coordinator.files_closed(agent, paths)
-            deadline = time.monotonic() + wait
-            while True:
-                actions = [{"name": n, "checkpoint_id": c, "action": self._seal_action(n, c)} for n, c in asked]
-                left = deadline - time.monotonic()
-                if left <= 0 or any(a["action"] != "wait" for a in actions):
-                    break
-                self._cond.wait(left)
-            self._seen[agent] = time.monotonic()
-            pending = {n: set(self._states[n].coordinator.pending()) for n, _, _ in busy if n in self._states}
-            stale = sorted({(n, c) for n, c, _ in busy if n in pending and c not in pending[n]})
+            states = dict(self._states)
+        for name, cid, subtask in busy:
+            if name in states:
+                with states[name].lock:
+                    self._working_on(states[name], agent, cid, subtask)
+        for name, paths in by_name.items():
+            if name in states:
+                with states[name].lock:
+                    states[name].coordinator.files_closed(agent, paths)
+        deadline = time.monotonic() + wait
+        generation = self._generation_now()
+        while True:
+            actions = [{"name": n, "checkpoint_id": c, "action": self._seal_action(states, n, c)} for n, c in asked]
+            left = deadline - time.monotonic()
+            if left <= 0 or any(a["action"] != "wait" for a in actions):
+                break
+            generation = self._wait(generation, left)
+        self._heard(agent)
+        pending = {n: set(states[n].coordinator.pending()) for n, _, _ in busy if n in states}
+        stale = sorted({(n, c) for n, c, _ in busy if n in pending and c not in pending[n]})
         # the agent releases what it still holds open of those (a task killed before its upload)
         return {"actions": actions, "stale": [{"name": n, "checkpoint_id": c} for n, c in stale]}
 
-    def _seal_action(self, name: str, cid: int) -> str:
-        st = self._states.get(name)
+    @staticmethod
+    def _seal_action(states: dict[str, _State], name: str, cid: int) -> str:
+        st = states.get(name)
         return "discard" if st is None else st.coordinator.seal_wanted(cid)
 
     def _op_sealed(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -537,10 +589,10 @@ class StateService:
         for x in files:
             xf = _sub(f, x)
             sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
-        with self._cond:
-            self._seen[agent] = time.monotonic()
+        self._heard(agent)
+        with st.lock:
             st.coordinator.sealed(cid, sealed, agent)
-            self._cond.notify_all()
+        self._notify()
         return {}
 
     def _silent_agents(self, st: _State, cid: int) -> tuple[list[str], list[int]]:
@@ -550,7 +602,9 @@ class StateService:
         holders = set(st.coordinator.unsealed(cid).values())
         acked = st.coordinator.acked(cid)
         opened = {i: a for i, a in st.working.get(cid, {}).items() if i not in acked}
-        silent = sorted(a for a in holders | set(opened.values()) if now - self._seen.get(a, now) > self.agent_timeout)
+        with self._seen_lock:
+            seen = dict(self._seen)
+        silent = sorted(a for a in holders | set(opened.values()) if now - seen.get(a, now) > self.agent_timeout)
         return silent, sorted(i for i, a in opened.items() if a in silent)
 
     def _op_commit(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -559,40 +613,24 @@ class StateService:
         wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
         wait = self.commit_timeout if wait is None else wait
         deadline = time.monotonic() + wait
-        with self._cond:
-            cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID, default=None)
-            if cid is None:
-                pending = st.coordinator.pending()
-                if not pending:
-                    raise CheckpointOrderError(f"keyed state {name!r} has no pending checkpoint to commit")
-                cid = pending[-1]
-            while True:
-                failures = st.failures.get(cid)
-                if failures:
-                    st.coordinator.abort(cid)
-                    st.failures.pop(cid, None)
-                    st.stats.pop(cid, None)
-                    raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
-                                          f"({'; '.join(failures.values())})")
-                silent, lost = self._silent_agents(st, cid)
-                if silent:
-                    holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))
-                    deleted = st.coordinator.abort(cid)
-                    st.stats.pop(cid, None)
-                    st.working.pop(cid, None)
-                    for a in silent:
-                        st.coordinator.files_closed(a)
-                    what = (["hold merged checkpoint files it needs"] if holders else []) + \
-                        ([f"were uploading its subtasks {lost} (not acked)"] if lost else [])
-                    raise CheckpointError(
-                        f"checkpoint {cid} of keyed state {name!r} was aborted ({deleted} files deleted): executor "
-                        f"agents {silent} {' and '.join(what)} and have not answered for "
-                        f"{self.agent_timeout:g} s (their executor was lost?). Apply the batch again with the "
-                        f"same checkpoint_id")
+        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID, default=None)
+        if cid is None:
+            pending = st.coordinator.pending()
+            if not pending:
+                raise CheckpointOrderError(f"keyed state {name!r} has no pending checkpoint to commit")
+            cid = pending[-1]
+        generation = self._generation_now()
+        while True:
+            with st.lock:   # this state only: another state's commit or heartbeat never waits on its I/O
+                self._abort_if_failed(st, name, cid)
                 try:
                     sealed = st.coordinator.sealed_files(cid)
                     meta = st.coordinator.complete(cid)
                     st.working.pop(cid, None)
+                    if sealed and cid in st.stats:   # FLIP-306: the physical files this checkpoint wrote
+                        st.stats[cid][-1] = {"merged_files_written": len(sealed),
+                                             "merged_bytes_written": sum(sealed.values())}
+                    stats = _summary(cid, st.stats.get(cid, {}))
                     break
                 except (CheckpointOrderError, StateLeaseError):
                     raise
@@ -604,18 +642,41 @@ class StateService:
                         raise CheckpointError(f"{exc}; waited {wait:g} s, so checkpoint {cid} was aborted "
                                               f"({deleted} uploaded files deleted). Apply the batch again "
                                               f"with the same checkpoint_id") from None
-                    self._cond.wait(min(left, 1.0))
-            if sealed and cid in st.stats:   # FLIP-306: the physical files this checkpoint wrote
-                st.stats[cid][-1] = {"merged_files_written": len(sealed), "merged_bytes_written": sum(sealed.values())}
-            stats = _summary(cid, st.stats.get(cid, {}))
+            generation = self._wait(generation, min(left, 1.0))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained(),
                 "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
+
+    def _abort_if_failed(self, st: _State, name: str, cid: int) -> None:
+        """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
+        silent (the caller holds ``st.lock``)."""
+        failures = st.failures.get(cid)
+        if failures:
+            st.coordinator.abort(cid)
+            st.failures.pop(cid, None)
+            st.stats.pop(cid, None)
+            raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
+                                  f"({'; '.join(failures.values())})")
+        silent, lost = self._silent_agents(st, cid)
+        if silent:
+            holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))
+            deleted = st.coordinator.abort(cid)
+            st.stats.pop(cid, None)
+            st.working.pop(cid, None)
+            for a in silent:
+                st.coordinator.files_closed(a)
+            what = (["hold merged checkpoint files it needs"] if holders else []) + \
+                ([f"were uploading its subtasks {lost} (not acked)"] if lost else [])
+            raise CheckpointError(
+                f"checkpoint {cid} of keyed state {name!r} was aborted ({deleted} files deleted): executor "
+                f"agents {silent} {' and '.join(what)} and have not answered for "
+                f"{self.agent_timeout:g} s (their executor was lost?). Apply the batch again with the "
+                f"same checkpoint_id")
 
     def _op_abort(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         _, st = self._state(f)
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        with self._cond:
+        with st.lock:
             deleted = st.coordinator.abort(cid)
             st.failures.pop(cid, None)
             st.stats.pop(cid, None)
@@ -663,7 +724,8 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
             checkpoint_dirs = {self.default_checkpoint_dir, *(s.checkpoint_dir for s in self._states.values())}
-            if st is not None:
+        if st is not None:
+            with st.lock:
                 c = st.coordinator
                 latest = c.last_completed
                 latest = latest if latest is not None else (RESTORED if c.restored is not None else None)
@@ -691,7 +753,7 @@ class StateService:
                                    source=storage.location.display(storage.metadata_path(latest)))
         finally:
             if st is not None:
-                with self._cond:
+                with st.lock:
                     st.coordinator.unpin(latest)
         log.info("savepoint of %s checkpoint %d written to %s (%d files copied on the server, %d linked, %d B "
                  "streamed)", name, meta.checkpoint_id, path, dup.stats.server_side, dup.stats.linked,
@@ -704,7 +766,7 @@ class StateService:
         f = Fields(req)
         _, st = self._state(f)
         c = st.coordinator
-        with self._cond:
+        with st.lock:
             last = c.last_completed
             latest = max((i for i in c.retained()), default=None)
             meta = c.completed(latest).to_json() if latest is not None else None

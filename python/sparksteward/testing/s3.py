@@ -23,6 +23,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -96,11 +97,12 @@ class _RequestLog:
     """WSGI middleware recording every S3 request (thread-safe)."""
 
     def __init__(self, app, log: list[S3Request], lock: threading.Lock,  # noqa: ANN001
-                 in_flight: dict[int, tuple[str, str, str]]) -> None:
+                 in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]) -> None:
         self._app = app
         self._log = log
         self._lock = lock
         self._in_flight = in_flight
+        self._delays = delays
 
     def __call__(self, environ, start_response):  # noqa: ANN001, ANN204
         counting = _CountingInput(environ["wsgi.input"])
@@ -119,6 +121,9 @@ class _RequestLog:
         token = id(counting)
         with self._lock:
             self._in_flight[token] = (op, bucket, key)
+            delay = self._delays.get(op, 0.0)
+        if delay:   # a slow store, for tests of what must not wait on it
+            time.sleep(delay)
         try:
             chunks = list(self._app(environ, start))
         finally:
@@ -131,14 +136,14 @@ class _RequestLog:
 
 
 def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,  # noqa: ANN202
-                    in_flight: dict[int, tuple[str, str, str]]):
+                    in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]):
     from moto.server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
     class Server(ThreadedMotoServer):
         def _server_entry(self) -> None:
-            app = _RequestLog(DomainDispatcherApplication(create_backend_app), log, lock, in_flight)
+            app = _RequestLog(DomainDispatcherApplication(create_backend_app), log, lock, in_flight, delays)
             self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
             self._server_ready_event.set()
             self._server.serve_forever()
@@ -154,6 +159,18 @@ class LocalS3:
     requests: list[S3Request] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _in_flight: dict[int, tuple[str, str, str]] = field(default_factory=dict, repr=False)
+    _delays: dict[str, float] = field(default_factory=dict, repr=False)
+
+    @contextlib.contextmanager
+    def slow(self, op: str, seconds: float) -> Iterator[None]:
+        """Answer every ``op`` request (``CopyObject``, ``PutObject``, ...) ``seconds`` late meanwhile."""
+        with self._lock:
+            self._delays[op] = seconds
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._delays.pop(op, None)
 
     def mark(self) -> int:
         """A position in :attr:`requests`, for :meth:`requests_since`."""
@@ -183,7 +200,7 @@ class LocalS3:
     def restart(self) -> None:
         """Serve again on the same port, with the same objects."""
         port = int(self.endpoint.rsplit(":", 1)[1])
-        self.server = _logging_server(port, self.requests, self._lock, self._in_flight)
+        self.server = _logging_server(port, self.requests, self._lock, self._in_flight, self._delays)
         self.server.start()
 
     def url(self, *parts: str) -> str:
@@ -213,7 +230,7 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
 
     port = _free_port()
     s3 = LocalS3(f"http://127.0.0.1:{port}", bucket)
-    s3.server = _logging_server(port, s3.requests, s3._lock, s3._in_flight)
+    s3.server = _logging_server(port, s3.requests, s3._lock, s3._in_flight, s3._delays)
     s3.server.start()  # type: ignore[attr-defined]
     endpoint = s3.endpoint
     saved = {k: os.environ.get(k) for k in (*_ENV, "AWS_ENDPOINT_URL")}
