@@ -358,18 +358,19 @@ class CheckpointStorage:
         fetched: list[str] = []
         try:
             for f in handle.files:
-                path, hit, n = self._fetch(meta, handle, f, cache)
+                with cache.pinned(f.checksum):   # no other open evicts it between the fetch and the link
+                    path, hit, n = self._fetch(meta, handle, f, cache)
+                    dest = staging / f.name
+                    if _is_linkable(f.name):
+                        os.link(path, dest)
+                    else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
+                        shutil.copyfile(path, dest)
                 if not hit:
                     downloaded += 1
                     downloaded_bytes += n
                     fetched.append(f.path)
                 else:
                     cached += 1
-                dest = staging / f.name
-                if _is_linkable(f.name):
-                    os.link(path, dest)
-                else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
-                    shutil.copyfile(path, dest)
             os.replace(staging, db_dir)
         finally:
             if staging.exists():
