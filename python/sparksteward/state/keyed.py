@@ -102,6 +102,7 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
         replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
     else:
         replayed = (b for n, path in sources for b in read_channel_state(path, n))
+    replayed, batches = _one_schema(replayed, batches, what)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
     cut = opened.get("cut")
     deadline_in = opened.get("deadline_in")
@@ -119,6 +120,36 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
     return (iter_cut(replayed, _sorted_by_key_group(batches), kg_column=_KG_COL, start=kg.start, stop=kg.stop,
                      cut=cut, deadline_passed=passed, propose=propose, writer=writer, counters=counters, what=what),
             writer, counters)
+
+
+def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> tuple[Iterator[Any], Iterator[Any]]:
+    """``replayed`` and ``batches`` as they are, but a new row whose columns (names and types) differ
+    from those of the replayed channel state raises :class:`StateError`: the deferred rows of an
+    unaligned batch and the new input of another schema cannot be processed by one function."""
+    seen: list[Any] = []
+
+    def first(source: Iterator[Any]) -> Iterator[Any]:
+        for b in source:
+            if b.num_rows and not seen:
+                seen.append(b.schema)
+            yield b
+
+    def columns(schema: Any) -> list[tuple[str, Any]]:
+        return [(f.name, f.type) for f in schema if f.name != _KG_COL]
+
+    def checked(source: Iterator[Any]) -> Iterator[Any]:
+        for b in source:
+            if b.num_rows and seen and columns(b.schema) != columns(seen[0]):
+                old = ", ".join(f"{n} {t}" for n, t in columns(seen[0]))
+                new = ", ".join(f"{n} {t}" for n, t in columns(b.schema))
+                raise StateError(
+                    f"{what}: its new input has columns ({new}), but the rows an unaligned batch deferred into "
+                    f"the base checkpoint (channel state, processed first) have columns ({old}); one function "
+                    f"cannot process both. Drain the deferred rows with an aligned batch (ks.drain(...)) before "
+                    f"changing the input schema, then apply the new input")
+            yield b
+
+    return first(replayed), checked(batches)
 
 
 def _sorted_by_key_group(batches: Iterator[Any]) -> Iterator[Any]:
