@@ -116,6 +116,7 @@ def test_the_backlog_shows_a_growing_one_is_warned_and_a_drain_is_aligned_under_
     # after a restart the drain ids are read back: batch 6 again is a re-run of checkpoint 7
     again = Rig(tmp_path, "b")
     try:
+        assert again.d.request("state.info", name="s")["drains"] == [6]
         begun = again.d.request("state.begin", name="s", batch_id=6)
         assert (begun["checkpoint_id"], begun["rerun"]) == (7, True)
         assert again.d.request("state.begin", name="s", batch_id=7)["checkpoint_id"] == 8

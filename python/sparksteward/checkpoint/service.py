@@ -779,13 +779,15 @@ class StateService:
         _, st = self._state(f)
         c = st.coordinator
         backlog = self._backlog(st)
+        if st.drains is None:
+            st.drains = DrainLog.read(c.storage.location)
         with self._cond:
             last = c.last_completed
             latest = max((i for i in c.retained()), default=None)
             meta = c.completed(latest).to_json() if latest is not None else None
             return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
-                    "backlog": backlog, "drains": list(st.drains.drains) if st.drains is not None else None,
+                    "backlog": backlog, "drains": list(st.drains.drains),
                     "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore,
                     "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),
