@@ -99,7 +99,8 @@ def test_state_service_metrics_equal_info_space_per_state(tmp_path):
         assert {k: v for k, v in got.items() if ".unaligned." in k} == {
             "state.s.unaligned.checkpoint_id": 2, "state.s.unaligned.rows_processed": 0,
             "state.s.unaligned.rows_deferred": 0, "state.s.unaligned.channel_bytes": 0,
-            "state.s.unaligned.unaligned_subtasks": 0}
+            "state.s.unaligned.unaligned_subtasks": 0, "state.s.unaligned.backlog_rows": 0,
+            "state.s.unaligned.backlog_bytes": 0, "state.s.unaligned.backlog_growth": 0}
         assert protocol.decode(protocol.encode_metrics(got))["values"] == got  # every value is encodable
     finally:
         subtasks.close()

@@ -130,6 +130,11 @@ def test_no_claim_restore_moves_no_bytes_and_the_next_checkpoint_uploads_only_ne
 def test_claim_restore_copies_nothing_and_later_deletes_only_claimed_files(spark, st, s3, batches):
     make_source(spark, st, s3, batches, "claimed")  # CLAIM takes the source over: not the shared one
     src_root = root(s3, "chk", "claimed")
+    with pytest.raises(CheckpointError, match="still has a live writer"):   # its writer is this application
+        st.keyed_state("claimer", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=s3.url("third"),
+                       file_merging=False, restore_from=src_root + "/chk-2", claim_mode="claim", num_retained=1)
+    lease = orjson.loads(s3.filesystem().cat_file(src_root + "/_lease"))   # as if the source's writer stopped
+    s3.filesystem().pipe_file(src_root + "/_lease", orjson.dumps({**lease, "released": True}))
     src_url = src_root + "/chk-2"
     claimed = checksums(metadata(s3, src_url))
     chk1 = metadata(s3, src_root + "/chk-1")

@@ -243,3 +243,45 @@ def test_every_attempt_of_an_unaligned_batch_cuts_the_same_rows(spark, st, dirs,
     emitted = first + sorted(map(tuple, drained.collect()))
     ks.commit(1, wait=60)
     assert sorted(emitted) == sorted(map(tuple, rows.itertuples(index=False)))   # each row once, none lost
+
+
+def test_drain_processes_the_backlog_and_the_next_batch_is_not_taken_for_its_rerun(spark, st, dirs, tmp_path):
+    """Items 12-13: with no further input, drain() processes the deferred rows (aligned, under the next
+    checkpoint id) through process()'s fn and sink; Spark's next batch id, equal to the drain's
+    checkpoint id, gets the id after it (not a re-run that would drop its rows). A new input schema
+    while rows are deferred fails naming the fix."""
+    import pyarrow.parquet as pq
+
+    batches = make_batches(36, count=3, rows=400, keys=40)
+    ks = st.keyed_state("drain", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
+                        alignment="unaligned", aligned_checkpoint_timeout=0)
+    seen = []
+
+    def sink(out, cid):
+        seen.append(cid)
+        out.write.mode("append").parquet(str(tmp_path / f"id={cid}"))
+
+    run = ks.process(count_sum, SCHEMA, sink=sink)
+    for i in range(2):
+        run(spark.createDataFrame(batches[i], "k string, v long"), i)
+    backlog = ks.info()["backlog"]
+    assert backlog["checkpoint_id"] == 1 and backlog["rows"] > 0 and backlog["bytes"] > 0, backlog
+    renamed = spark.createDataFrame(batches[2], "k string, v long").withColumnRenamed("v", "w")
+    with pytest.raises(Exception, match=r"before changing the input schema"):
+        run(renamed, 2)   # fails and aborts checkpoint 2: the drain below takes that id, the retry the next
+    assert ks.info()["pending"] == []
+
+    assert ks.drain() == 2 and seen[-1] == 2
+    info = ks.info()
+    assert info["backlog"]["bytes"] == 0 and info["drains"] == [2]
+    assert state_of(ks) == reference(batches[:2])
+    assert ks.drain() is None   # nothing left
+
+    run(spark.createDataFrame(batches[2], "k string, v long"), 2)   # Spark's batch 2: checkpoint 3
+    assert seen == [0, 1, 2, 3] and ks.info()["last_completed"] == 3
+    assert ks.info()["backlog"]["rows"] > 0   # timeout 0: it deferred most of its rows again
+    assert ks.drain() == 4 and ks.info()["drains"] == [2, 4]
+    assert state_of(ks) == reference(batches)
+    rows = pq.read_table(tmp_path).to_pandas()
+    last = rows.sort_values("n").groupby("k").tail(1)
+    assert {r.k: (int(r.n), int(r.s)) for r in last.itertuples()} == reference(batches)

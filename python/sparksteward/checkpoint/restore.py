@@ -23,6 +23,11 @@ and a path that is not a data file are refused by name before anything is writte
 only files under the source's root: files the source had claimed from a third state are duplicated
 like NO_CLAIM, so this state never deletes them.
 
+**One writer.** CLAIM is refused while the source state has a live writer: its ``_lease`` record
+(:mod:`sparksteward.checkpoint.lease`) is not released and was renewed within its ttl, or its
+holder runs on this host and is not provably dead. That writer would go on subsuming and deleting
+the files this state now owns. NO_CLAIM copies, so it never needs the source's writer to stop.
+
 **Nothing half-written.** Before anything is written, the source's record is read (not a checkpoint,
 a newer version, another max parallelism or key type are refused), its paths are confined as above,
 and every file it lists is checked to exist with its length (exactly, for whole files; one listing
@@ -45,11 +50,14 @@ import enum
 import logging
 import os
 import posixpath
+import socket
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 
 from sparksteward.blob.key import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
+from sparksteward.checkpoint.lease import LeaseRecord, read_lease
 from sparksteward.checkpoint.merging import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
 from sparksteward.checkpoint.rescale import check_max_parallelism
@@ -302,6 +310,8 @@ def restore_from(url: str, dst: CheckpointStorage, *, max_parallelism: int,
             f"another checkpoint")
     inside = check_sources(src, meta, url)
     label = f"restore_from={url!r}"
+    if mode is ClaimMode.CLAIM:
+        _refuse_live_writer(src, label)
     props = {**meta.properties, "restored_from": url, "claim_mode": mode.value, "source_state": meta.state}
     props.pop("claimed", None)
     if dst.has_restored():
@@ -322,6 +332,34 @@ def restore_from(url: str, dst: CheckpointStorage, *, max_parallelism: int,
         _discard(dst, created)
         raise
     return restored
+
+
+def _live_writer(record: LeaseRecord | None, now: float | None = None) -> bool:
+    """Whether the lease ``record`` of a state root names a writer that may still be running: not
+    released, and renewed within its ttl (by the wall clock) or held by a process on this host that
+    is not provably dead."""
+    if record is None or record.released:
+        return False
+    if (time.time() if now is None else now) - record.renewed < record.ttl:
+        return True
+    if record.hostname != socket.gethostname():
+        return False
+    try:
+        return not record.owner().is_dead()
+    except ValueError:
+        return False
+
+
+def _refuse_live_writer(src: CheckpointStorage, label: str) -> None:
+    """CLAIM: refuse a source whose state root still has a live writer, naming it."""
+    record = read_lease(src.location)
+    if _live_writer(record):
+        assert record is not None
+        raise CheckpointError(
+            f"{label} with claim_mode='claim': state {src.state!r} ({src.url}) still has a live writer, "
+            f"{record.describe()}, which would go on subsuming and deleting the files this state would own; "
+            f"nothing was written. Stop that application first (its lease is released when it stops, or expires "
+            f"{record.ttl:g} s after its last renewal), or restore with claim_mode='no_claim', which copies")
 
 
 def _metadata_url(url: str) -> str:

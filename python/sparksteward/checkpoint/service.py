@@ -17,7 +17,12 @@ Ops (every request names its state with ``name``)::
                     ignored with a logged note: the state's latest checkpoint wins, as in Flink
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
-                    caller's routing: refused when the state was rescaled since) -> id, rerun
+                    caller's routing: refused when the state was rescaled since), batch_id (a
+                    streaming batch: its checkpoint id skips the ids drains took, see
+                    checkpoint/backlog.py), alignment (overrides for this checkpoint only), drain
+                    (an empty aligned batch under the next id that processes the backlog; refused
+                    while a checkpoint is pending; id null when there is no backlog)
+                    -> id, rerun, unaligned, backlog_warning
     state.base      checkpoint_id, subtask, agent -> the base every attempt restores (begins N if it is
                     not pending: a second action on a lazy output after commit re-runs N from the same
                     base; an aborted N is refused, only state.begin restarts it). ``agent`` (the
@@ -42,7 +47,8 @@ Ops (every request names its state with ``name``)::
     state.info      -> last completed, retained, pending, the latest completed metadata, restore,
                     parallelism, and per checkpoint (acked in this application) the files and bytes
                     uploaded and reused and each subtask's restore (old subtasks and files read,
-                    bytes downloaded)
+                    bytes downloaded); backlog (the deferred rows and bytes of the latest completed
+                    checkpoint, and for how many checkpoints it grew) and drains (ids drains took)
 
 Thread-safe: requests run on connection threads. Each state has its own lock, and storage I/O (a
 restore, a recovery, a commit's ``_metadata`` and deletions) runs only under that state's lock, never
@@ -60,8 +66,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparksteward.checkpoint.backlog import GROWTH_WARNING, DrainLog, growth
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.channel import AlignmentOptions
+from sparksteward.checkpoint.channel import AlignmentMode, AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.merging import MergingOptions
@@ -103,6 +110,9 @@ class _State:
     lease: StateLease | None = None   # this application's writer lease on the state root
     lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
                                                                       # under it, never under the service's
+    overrides: dict[int, AlignmentOptions] = field(default_factory=dict)  # checkpoint -> its own alignment
+    drains: DrainLog | None = None    # the ids drains took (read at the first begin)
+    warned: int | None = None         # the checkpoint whose growing backlog was last warned about
 
 
 class StateService:
@@ -135,9 +145,13 @@ class StateService:
         ``state.<name>.merged.<k>`` for each ``k`` of :meth:`SpaceStats.to_json` (physical and logical
         files and bytes, whole files and bytes, amplification) and ``no_reuse_files``; and
         ``state.<name>.unaligned.<k>`` of its latest checkpoint (FLIP-76): ``rows_processed``,
-        ``rows_deferred``, ``channel_bytes``, ``unaligned_subtasks``, ``checkpoint_id``.
+        ``rows_deferred``, ``channel_bytes``, ``unaligned_subtasks``, ``checkpoint_id``; and its backlog,
+        the channel state of the latest completed checkpoint that no batch processed yet:
+        ``backlog_bytes``, ``backlog_rows`` (when acked in this application) and ``backlog_growth``
+        (consecutive checkpoints it grew for).
 
-        Thread-safe: the states are listed under the service's lock; each coordinator guards its own.
+        Thread-safe: the states are listed under the service's condition; each state's numbers are read
+        under its own lock.
         """
         with self._cond:
             states = sorted(self._states.items())
@@ -156,7 +170,30 @@ class StateService:
                 for key in ("rows_processed", "rows_deferred", "channel_bytes"):
                     out[unaligned + key] = summary[key]
                 out[unaligned + "unaligned_subtasks"] = len(summary["unaligned_subtasks"])
+            backlog = self._backlog(st)
+            if backlog is not None:
+                unaligned = f"state.{name}.unaligned."
+                out[unaligned + "backlog_bytes"] = backlog["bytes"]
+                out[unaligned + "backlog_growth"] = backlog["growth"]
+                if backlog["rows"] is not None:
+                    out[unaligned + "backlog_rows"] = backlog["rows"]
         return out
+
+    def _backlog(self, st: _State) -> dict[str, Any] | None:
+        """The channel state of the latest completed checkpoint (see checkpoint/backlog.py): its bytes
+        (from the record), rows (from the acks, None unless acked in this application), the subtasks
+        that hold some, and for how many consecutive checkpoints it grew."""
+        c = st.coordinator
+        latest = max(c.retained(), default=None)
+        if latest is None:
+            return None
+        per = [sum(f.length for f in s.channel_state) for s in c.completed(latest).subtasks]
+        with st.lock:
+            pending = set(c.pending())
+            rows = {cid: sum(int(a.get("rows_deferred") or 0) for i, a in acks.items() if i >= 0)
+                    for cid, acks in st.stats.items() if cid not in pending}
+        return {"checkpoint_id": latest, "bytes": sum(per), "rows": rows.get(latest),
+                "subtasks": [i for i, b in enumerate(per) if b], "growth": growth(rows) if latest in rows else 0}
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
@@ -210,12 +247,14 @@ class StateService:
 
     def _reply_base(self, st: _State, cid: int, begun: Any) -> dict[str, Any]:
         c = st.coordinator
+        alignment = st.overrides.get(cid, st.alignment)   # a drain: aligned, whatever the state's alignment
         return {"checkpoint_id": cid, "rerun": begun.rerun, "attempt": begun.attempt,
                 "checkpoint_dir": st.checkpoint_dir,
                 "cluster_id": self.cluster_id, "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                 "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
                 "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json(),
-                "alignment": st.alignment.to_json(), "deadline_in": self._deadline_in(st, cid)}
+                "alignment": alignment.to_json(),
+                "deadline_in": self._deadline_in(st, cid) if alignment.unaligned else None}
 
     @staticmethod
     def _recorded_cut(st: _State, cid: int, subtask: int | None) -> int | None:
@@ -410,26 +449,83 @@ class StateService:
 
     def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        _, st = self._state(f)
+        name, st = self._state(f)
         parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
         query = f.text("query", default=None, max_len=200) or None
-        with st.lock:
-            if parallelism is not None and parallelism != st.coordinator.parallelism:
+        batch = f.integer("batch_id", default=None, lo=0, hi=_MAX_ID)
+        drain = f.flag("drain", default=False)
+        given = f.mapping("alignment", default=None)
+        try:
+            override = AlignmentOptions.from_json({**st.alignment.to_json(), **given}) if given else None
+        except StewardError as exc:
+            raise InvalidRequestError(f"{f.op}: {exc}") from None
+        warning = None
+        with st.lock:   # the drain record is written under this state's lock only
+            if st.drains is None:
+                st.drains = DrainLog.read(st.coordinator.storage.location)
+            c = st.coordinator
+            if parallelism is not None and parallelism != c.parallelism:
                 raise ParallelismError(
-                    f"keyed state {st.coordinator.storage.state!r} now has parallelism "
-                    f"{st.coordinator.parallelism} (it was opened again with that parallelism), but this "
+                    f"keyed state {c.storage.state!r} now has parallelism "
+                    f"{c.parallelism} (it was opened again with that parallelism), but this "
                     f"KeyedState object routes rows to {parallelism} subtasks: use the object returned by the "
                     f"latest st.keyed_state(...) call")
-            cid = self._checkpoint_id(f, st)
-            begun = st.coordinator.begin(cid, query=query)
+            if drain:
+                cid = self._drain_id(name, st)
+                if cid is None:
+                    return {"checkpoint_id": None, "rerun": False, "unaligned": False}
+                override = AlignmentOptions(alignment=AlignmentMode.ALIGNED)
+                last = c.last_completed
+                query = c.completed(last).properties.get("query") if last is not None else None
+            else:
+                cid = st.drains.checkpoint_of(batch) if batch is not None else self._checkpoint_id(f, st)
+            begun = c.begin(cid, query=query)
+            if override is not None:
+                st.overrides[cid] = override
+            else:
+                st.overrides.pop(cid, None)
+            for old in [i for i in st.overrides if i < cid]:
+                del st.overrides[old]
             st.stage_started.pop(cid, None)   # a new attempt: its stage starts with its first task
             for old in [c for c in st.stage_started if c < cid]:
                 del st.stage_started[old]
             st.failures.pop(cid, None)
             if not begun.rerun:
                 st.stats.pop(cid, None)
-        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": st.alignment.unaligned,
-                "attempt": begun.attempt}
+        backlog = self._backlog(st)
+        if backlog is not None and backlog["growth"] >= GROWTH_WARNING and st.warned != backlog["checkpoint_id"]:
+            st.warned = backlog["checkpoint_id"]
+            warning = (f"keyed state {name!r}: the unaligned backlog grew for {backlog['growth']} checkpoints in a "
+                       f"row, to {backlog['rows']} deferred rows ({backlog['bytes']} B) in checkpoint "
+                       f"{backlog['checkpoint_id']}: its subtasks defer more input than they catch up with. Raise "
+                       f"aligned_checkpoint_timeout, cap it with alignment='unaligned_max_inflight', add subtasks, "
+                       f"or drain it (ks.drain(...)) when the input pauses")
+            log.warning("%s", warning)
+        alignment = st.overrides.get(cid, st.alignment)
+        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": alignment.unaligned,
+                "backlog_warning": warning, "attempt": begun.attempt}
+
+    def _drain_id(self, name: str, st: _State) -> int | None:
+        """The checkpoint id of a drain (the next after the last completed one), recorded in the
+        state's drain record before it begins; None when the latest checkpoint has no backlog. Refused
+        while a checkpoint is pending. The caller holds the state's lock, so no batch begins between the
+        check and the record. A batch that failed since the last
+        completed checkpoint is re-delivered with the id after the drain's."""
+        c = st.coordinator
+        last = c.last_completed
+        latest = max(c.retained(), default=None)
+        if latest is None or not any(s.channel_state for s in c.completed(latest).subtasks):
+            return None
+        if c.pending():
+            raise CheckpointOrderError(
+                f"keyed state {name!r} cannot drain now: checkpoint {c.pending()[-1]} is pending (a batch is "
+                f"running, or was applied and neither committed nor aborted). Drain once it completed or was "
+                f"aborted; a batch processes the backlog first anyway")
+        cid = 0 if last is None else last + 1
+        assert st.drains is not None
+        st.drains = st.drains.with_drain(cid)
+        st.drains.write(c.storage.location)
+        return cid
 
     def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
@@ -766,12 +862,16 @@ class StateService:
         f = Fields(req)
         _, st = self._state(f)
         c = st.coordinator
+        backlog = self._backlog(st)
         with st.lock:
+            if st.drains is None:
+                st.drains = DrainLog.read(c.storage.location)
             last = c.last_completed
             latest = max((i for i in c.retained()), default=None)
             meta = c.completed(latest).to_json() if latest is not None else None
             return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
                     "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
+                    "backlog": backlog, "drains": list(st.drains.drains),
                     "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore,
                     "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),

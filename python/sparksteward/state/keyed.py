@@ -32,6 +32,13 @@ micro-batch N: apply with ``checkpoint_id=N``, persist the output and run the st
 every subtask, ``sink(out, N)``, ``commit(N)``; if anything fails it aborts N (the files only N
 uploaded are deleted) and re-raises, so the query fails and Spark re-delivers N when it restarts.
 
+**Drain** (FLIP-76). Spark runs no micro-batch without input, so the rows unaligned batches deferred
+wait until input comes again. ``drain()`` processes them now: an empty batch, aligned, under the
+next checkpoint id, through the ``fn``/``schema``/``sink`` of ``process`` (or given ones). That id
+is recorded in the state (``_drains``, see :mod:`sparksteward.checkpoint.backlog`) and later
+streaming batches skip it, so batch N's checkpoint id is N plus the drains before it, the id
+``sink`` gets too. ``info()["backlog"]`` shows what waits.
+
 **Rescale.** ``st.keyed_state(name, ..., parallelism=P2)`` with the state's max parallelism, in a new
 application or between batches of this one, makes the next checkpoint's tasks rebuild their subtasks
 from the last checkpoint's (``rebuild_subtask``: each reads only the old subtasks overlapping its key
@@ -46,6 +53,7 @@ import itertools
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,6 +68,16 @@ log = logging.getLogger("sparksteward.state.keyed")
 _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
 _ROUTE_COL = "__steward_subtask"
 _KG_COL = "__steward_key_group"   # unaligned states: the key group the task sorts its new input by
+_KEY_SQL = {"string": "string", "long": "bigint", "int": "int", "binary": "binary"}
+_BATCH_LOCKS: dict[str, threading.Lock] = {}   # state name -> held while a batch or a drain of it runs
+_BATCH_LOCKS_GUARD = threading.Lock()
+
+
+def _batch_lock(name: str) -> threading.Lock:
+    """One lock per state name in this driver process: a drain waits for a running batch of the
+    state (and the next batch for the drain), so a drain never takes an id a running batch began."""
+    with _BATCH_LOCKS_GUARD:
+        return _BATCH_LOCKS.setdefault(name, threading.Lock())
 
 
 def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
@@ -102,6 +120,7 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
         replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
     else:
         replayed = (b for n, path in sources for b in read_channel_state(path, n))
+    replayed, batches = _one_schema(replayed, batches, what)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
     cut = opened.get("cut")
     deadline_in = opened.get("deadline_in")
@@ -119,6 +138,36 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
     return (iter_cut(replayed, _sorted_by_key_group(batches), kg_column=_KG_COL, start=kg.start, stop=kg.stop,
                      cut=cut, deadline_passed=passed, propose=propose, writer=writer, counters=counters, what=what),
             writer, counters)
+
+
+def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> tuple[Iterator[Any], Iterator[Any]]:
+    """``replayed`` and ``batches`` as they are, but a new row whose columns (names and types) differ
+    from those of the replayed channel state raises :class:`StateError`: the deferred rows of an
+    unaligned batch and the new input of another schema cannot be processed by one function."""
+    seen: list[Any] = []
+
+    def first(source: Iterator[Any]) -> Iterator[Any]:
+        for b in source:
+            if b.num_rows and not seen:
+                seen.append(b.schema)
+            yield b
+
+    def columns(schema: Any) -> list[tuple[str, Any]]:
+        return [(f.name, f.type) for f in schema if f.name != _KG_COL]
+
+    def checked(source: Iterator[Any]) -> Iterator[Any]:
+        for b in source:
+            if b.num_rows and seen and columns(b.schema) != columns(seen[0]):
+                old = ", ".join(f"{n} {t}" for n, t in columns(seen[0]))
+                new = ", ".join(f"{n} {t}" for n, t in columns(b.schema))
+                raise StateError(
+                    f"{what}: its new input has columns ({new}), but the rows an unaligned batch deferred into "
+                    f"the base checkpoint (channel state, processed first) have columns ({old}); one function "
+                    f"cannot process both. Drain the deferred rows with an aligned batch (ks.drain(...)) before "
+                    f"changing the input schema, then apply the new input")
+            yield b
+
+    return first(replayed), checked(batches)
 
 
 def _sorted_by_key_group(batches: Iterator[Any]) -> Iterator[Any]:
@@ -232,6 +281,7 @@ class KeyedState:
         #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
         #: duplication counts), once the first apply registered the state; None without restore_from
         self.restore_info: dict[str, Any] | None = None
+        self._process_args: dict[str, Any] | None = None  # fn, schema, sink, form, persist, wait of process()
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
         self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
@@ -272,7 +322,13 @@ class KeyedState:
         """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
         parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
         its subtasks uploaded and reused, and each subtask's ``restores`` entry (the old subtasks and
-        files it read, the bytes it downloaded; rescaled ones ingested from several old subtasks)."""
+        files it read, the bytes it downloaded; rescaled ones ingested from several old subtasks).
+
+        ``backlog``: what unaligned batches deferred and no batch processed yet, the channel state of
+        the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when it was acked in
+        this application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints
+        in a row it grew; from 3 on, each batch logs a warning). :meth:`drain` processes it.
+        ``drains``: the checkpoint ids drains took."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._st.request("state.info", name=self.name)
@@ -287,6 +343,12 @@ class KeyedState:
         return self._apply(df, fn, schema, checkpoint_id, "pandas")
 
     def _apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str) -> Any:
+        return self._begin_apply(df, fn, schema, checkpoint_id, form)[0]
+
+    def _begin_apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str, *,
+                     batch_id: int | None = None, drain: bool = False) -> tuple[Any, int | None]:
+        """Begin a checkpoint (``checkpoint_id``; a streaming batch's by ``batch_id``; a drain's) and
+        return the lazy output and its id; ``(None, None)`` for a drain with nothing to drain."""
         from pyspark.sql import functions as F
 
         from sparksteward.state.routing import key_group_sql, route_sql, subtask_sql
@@ -295,9 +357,13 @@ class KeyedState:
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
-        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id,
-                                 parallelism=self.parallelism, query=_streaming_query(df))
+        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id,
+                                 parallelism=self.parallelism, query=_streaming_query(df), drain=drain)
+        if begun.get("backlog_warning"):
+            log.warning("%s", begun["backlog_warning"])
         cid = begun["checkpoint_id"]
+        if cid is None:
+            return None, None
         p = self.parallelism
         routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
         if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/cut.py);
@@ -309,7 +375,7 @@ class KeyedState:
         else:
             routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
         self.last_checkpoint_id = cid
-        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct)
+        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
@@ -323,7 +389,9 @@ class KeyedState:
         schema : StructType or str
             The output schema of ``fn``.
         sink : callable
-            ``sink(out, batch_id)`` writes the batch's output DataFrame ``out``.
+            ``sink(out, checkpoint_id)`` writes the batch's output DataFrame ``out``. The id is
+            Spark's batch id, plus one for every :meth:`drain` before the batch (drains take ids
+            of their own), so it rises with every batch and drain and is the same in every attempt.
         persist : bool
             Persist ``out`` (memory and disk) and materialise it on every subtask before the sink
             runs, so that the sink's actions read it instead of running the state stage again
@@ -334,8 +402,8 @@ class KeyedState:
         Returns
         -------
         callable
-            ``run(batch_df, batch_id)``: apply with ``checkpoint_id=batch_id``, ``sink(out,
-            batch_id)``, ``commit(batch_id)``. If the state stage, the sink or the commit raises,
+            ``run(batch_df, batch_id)``: apply as checkpoint ``batch_id`` (past the drains' ids),
+            ``sink(out, id)``, ``commit(id)``. If the state stage, the sink or the commit raises,
             checkpoint ``batch_id`` is aborted (its own uploads deleted) and the error re-raised: the
             query fails, and its restart re-delivers the batch, which starts again from the same base.
             A batch whose checkpoint completed already (the driver died after the commit, before
@@ -349,32 +417,107 @@ class KeyedState:
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' "
                              f"(fn(keys, rows, state))")
 
-        def run(batch_df: Any, batch_id: int) -> None:
-            cid = int(batch_id)
-            out = self._apply(batch_df, fn, schema, cid, form)  # begins cid, or refuses an old one
-            cached = False
-            try:
-                if persist:
-                    from pyspark import StorageLevel
+        self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist,
+                              "wait": wait}
 
-                    out = out.persist(StorageLevel.MEMORY_AND_DISK)
-                    cached = True
-                    out.count()  # the state stage, once, on every subtask
-                sink(out, batch_id)
-                self.commit(cid, wait=wait)
-            except BaseException:
-                try:
-                    deleted = self.abort(cid)
-                    log.warning("batch %s of keyed state %s failed: checkpoint %s aborted (%d files deleted)",
-                                batch_id, self.name, cid, deleted)
-                except Exception as exc:  # noqa: BLE001 - the batch's own error matters more
-                    log.warning("aborting checkpoint %s of keyed state %s failed: %s", cid, self.name, exc)
-                raise
-            finally:
-                if cached:
-                    out.unpersist()
+        def run(batch_df: Any, batch_id: int) -> None:
+            with _batch_lock(self.name):
+                # begins the batch's checkpoint, or refuses an old one
+                out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id))
+                self._write_and_commit(out, cid, sink, persist, wait, f"batch {batch_id}")
 
         return run
+
+    def _write_and_commit(self, out: Any, cid: int, sink: Callable[[Any, int], Any] | None, persist: bool,
+                          wait: float | None, what: str) -> Any:
+        """Run the state stage (persisted: once per subtask), ``sink(out, cid)``, ``commit(cid)``;
+        abort ``cid`` and re-raise if any of it fails. Returns the persisted ``out`` when there is
+        no sink (the caller unpersists it)."""
+        cached = False
+        try:
+            if persist or sink is None:
+                from pyspark import StorageLevel
+
+                out = out.persist(StorageLevel.MEMORY_AND_DISK)
+                cached = True
+                out.count()  # the state stage, once, on every subtask
+            if sink is not None:
+                sink(out, cid)
+            self.commit(cid, wait=wait)
+        except BaseException:
+            try:
+                deleted = self.abort(cid)
+                log.warning("%s of keyed state %s failed: checkpoint %s aborted (%d files deleted)",
+                            what, self.name, cid, deleted)
+            except Exception as exc:  # noqa: BLE001 - the batch's own error matters more
+                log.warning("aborting checkpoint %s of keyed state %s failed: %s", cid, self.name, exc)
+            if cached:
+                out.unpersist()
+            raise
+        if sink is None:
+            return out
+        if cached:
+            out.unpersist()
+        return None
+
+    def drain(self, fn: Callable[..., Any] | None = None, schema: Any = None,
+              sink: Callable[[Any, int], Any] | None = None, form: str | None = None, *,
+              wait: float | None = None) -> Any:
+        """Process the rows unaligned batches deferred (the backlog, ``info()["backlog"]``) now.
+
+        Spark runs no micro-batch without input, so when a stream's input stops, the deferred rows
+        wait for the next batch. Call ``drain`` when the input pauses for longer than their output
+        may wait, before ``read()`` or a savepoint that must include them, before stopping a query
+        for good, and before changing the input schema. It applies an empty batch aligned: every
+        subtask processes its deferred rows whole and defers nothing, under the next checkpoint id,
+        which later streaming batches skip (see :meth:`process`). A drain waits for a running batch
+        of this state in this process, and is refused while a checkpoint is pending or a batch
+        failed since the last completed checkpoint (its retry processes the backlog first anyway).
+
+        Parameters
+        ----------
+        fn, schema, form : optional
+            As in :meth:`process`; default: those given to the latest :meth:`process` call.
+        sink : callable, optional
+            ``sink(out, checkpoint_id)``; default: the sink of :meth:`process`. With no sink at all
+            the output is returned instead.
+        wait : float, optional
+            How long ``commit`` waits for the acks.
+
+        Returns
+        -------
+        int or DataFrame or None
+            With a sink: the drain's checkpoint id, or None when there was no backlog. Without: the
+            output DataFrame, persisted (``unpersist()`` it when done), empty when there was no
+            backlog.
+        """
+        given = self._process_args or {}
+        fn = fn if fn is not None else given.get("fn")
+        schema = schema if schema is not None else given.get("schema")
+        sink = sink if sink is not None else given.get("sink")
+        form = form or given.get("form") or "pandas"
+        wait = wait if wait is not None else given.get("wait")
+        if fn is None or schema is None:
+            raise StateError(f"drain of keyed state {self.name!r} needs the function and output schema that process "
+                             f"the deferred rows: pass fn= and schema= (the ones of process/apply), or call "
+                             f"process(...) first")
+        if form not in ("pandas", "arrow"):
+            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
+        spark = self._st.spark
+        key_type = self.key_type or self._st.request(
+            "state.check", name=self.name, checkpoint_dir=self.checkpoint_dir, max_parallelism=self.max_parallelism,
+            file_merging=self.file_merging, alignment=self.alignment).get("key_type")
+        if key_type is None:   # no checkpoint at all: nothing was deferred
+            return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])
+        empty = spark.createDataFrame([], f"`{self.key}` {_KEY_SQL[key_type]}")
+        with _batch_lock(self.name):
+            out, cid = self._begin_apply(empty, fn, schema, None, form, drain=True)
+            if cid is None:
+                log.info("keyed state %s has no backlog to drain", self.name)
+                return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])
+            result = self._write_and_commit(out, cid, sink, True, wait, f"drain {cid}")
+        log.info("keyed state %s drained its backlog in checkpoint %s", self.name, cid)
+        return cid if sink is not None else result
 
     def commit(self, checkpoint_id: int | None = None, wait: float | None = None) -> int:
         """Wait for every subtask's ack of ``checkpoint_id`` (default: the newest pending one) and
@@ -416,7 +559,7 @@ class KeyedState:
         spark = self._st.spark
         from pyspark.sql.types import StringType, StructField, StructType
 
-        key_sql = {"string": "string", "long": "bigint", "int": "int", "binary": "binary"}[self.key_type or "string"]
+        key_sql = _KEY_SQL[self.key_type or "string"]
         schema = StructType([StructField("key", spark.createDataFrame([], f"k {key_sql}").schema[0].dataType),
                              StructField("value", StringType())])
         meta = info["latest"]
