@@ -117,6 +117,8 @@ class _Pending:
     unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
     sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
     writers: dict[str, str] = field(default_factory=dict)    # merged path -> the agent whose ack listed it
+    early: dict[str, tuple[str, int]] = field(default_factory=dict)   # merged path -> (agent, size) of a seal
+                                                             # that came before the ack listing the file
     query: str | None = None                                 # the streaming query that began it
     attempt: str = field(default_factory=lambda: uuid.uuid4().hex)   # changes on every begin
 
@@ -433,6 +435,10 @@ class CheckpointCoordinator:
             pending.uploaded.update(uploaded)  # even a refused ack's uploads are cleaned up on abort
             for p in merged:   # and its agent may seal them
                 pending.writers[p] = agent
+                sealer, size = pending.early.pop(p, ("", 0))
+                if sealer == agent:   # its agent sealed it before this ack arrived: the seal stands
+                    pending.sealed[p] = max(pending.sealed.get(p, 0), size)
+                    pending.uploaded.add(p)
             if not 0 <= handle.subtask < self.parallelism:
                 raise InvalidRecordError(f"ack for subtask {handle.subtask} of a state with parallelism "
                                          f"{self.parallelism}")
@@ -496,7 +502,7 @@ class CheckpointCoordinator:
             raise InvalidRecordError(f"sealed files {bad} are not merged/ paths (merged/<32 hex>)")
         with self._lock:
             pending = self._pending.get(checkpoint_id)
-            foreign = sorted(p for p in files if pending is not None and pending.writers.get(p) != agent)
+            foreign = sorted(p for p in files if pending is not None and pending.writers.get(p, agent) != agent)
             if foreign:
                 raise InvalidRecordError(
                     f"seal of checkpoint {checkpoint_id} of state {self.storage.state!r} by executor agent "
@@ -510,6 +516,9 @@ class CheckpointCoordinator:
                     self._delete_late()
                 return
             for p, size in files.items():
+                if p not in pending.writers:   # sealed before the ack listing it arrived (a seal covers the
+                    pending.early[p] = (agent, int(size))   # whole pool): it counts once that agent acks it
+                    continue
                 pending.unsealed.pop(p, None)
                 pending.sealed[p] = max(pending.sealed.get(p, 0), int(size))
                 pending.uploaded.add(p)
