@@ -8,16 +8,18 @@ unaligned subtask defers input). A seeded schedule injects faults at random batc
 
 - ``driver``: SIGKILL the driver agent (the shim restarts it);
 - ``executor``: SIGKILL an executor agent (the shim restarts it);
-- ``worker``: SIGKILL a Python worker: during the stage the one running the user function, before it
-  an executor's Python daemon, after it the daemon's idle workers;
-- ``rerun@committed``: apply the committed batch again with the same id; ``second@stage``: a second
+- ``worker``: SIGKILL a Python worker: in the stage the one running the user function (``during``) or
+  a random one (``stage``), before it the executor's Python daemon, after it the idle workers;
+- ``rerun@committed``: apply the committed batch again with the same id; ``second@output``: a second
   action on the lazy output before the commit; both must emit the same rows as the first.
 
 Points: ``before`` (the batch begun, its state stage not started), ``during`` (a task of the state
-stage holds in the user function until the kill is done), ``after`` (the stage ran and the sink has
-its rows, the commit not sent) and, for the agents, ``commit`` (a random moment into the commit: the
-seals, ``_metadata``, the reply). A failed batch is retried with the same id until it commits, as
-Spark does on a query restart. The sink is this test's record, keyed by batch id, written after the
+stage holds in the user function until the kill is done), ``stage`` (a random moment into the state
+stage: tasks, uploads, seals), ``after`` (the stage ran and the sink has its rows, the commit not
+sent) and, for the agents, ``commit`` (a random moment into the commit: ``_metadata``, subsumption,
+the reply). A failed batch is retried with the same id until it commits, as Spark does on a query
+restart; each attempt opens the state again (a KeyedState made before a driver-agent restart is not
+registered with the new agent). The sink is this test's record, keyed by batch id, written after the
 commit (a re-run replaces, as an idempotent foreachBatch sink does). The user function emits one row
 per input row it processes, and an aligned batch drains the deferred rows at the end.
 
@@ -58,8 +60,8 @@ NAME = "soak"
 CLUSTER = f"soak-{uuid.uuid4().hex[:8]}"
 GRACE, LEASE = 5.0, 10.0
 OUT = "k string, v long"
-FAULTS = {"driver": 3, "executor": 3, "worker": 3, "rerun": 2, "second": 1}  # how many of each per run
-POINTS = ("before", "during", "after", "commit")   # "commit": agents only, not Python workers
+FAULTS = {"driver": 3, "executor": 4, "worker": 4, "rerun": 2, "second": 1}  # how many of each per run
+POINTS = ("before", "during", "stage", "after", "commit")   # "commit": agents only, not Python workers
 MAX_ATTEMPTS = 8
 
 
@@ -196,8 +198,8 @@ class Soak:
         rng.shuffle(kinds)
         at = sorted(rng.sample(range(1, BATCHES), len(kinds)))
         self.schedule: dict[int, tuple[str, str]] = {
-            b: (k, rng.choice(POINTS) if k in ("driver", "executor") else rng.choice(POINTS[:3]) if k == "worker"
-                else "committed" if k == "rerun" else "stage") for b, k in zip(at, kinds)}
+            b: (k, rng.choice(POINTS) if k in ("driver", "executor") else rng.choice(POINTS[:4]) if k == "worker"
+                else "committed" if k == "rerun" else "output") for b, k in zip(at, kinds)}
         self.committed: dict[int, list[tuple[str, int]]] = {}
         self.events: list[str] = []
         self.ks = None
@@ -264,13 +266,15 @@ class Soak:
                 cached = True
                 if point == "during":
                     self.gated(lambda: out.count(), kind, b)
+                elif point == "stage":
+                    self.racing(lambda: out.count(), kind, b, point, 1.5)
                 else:
                     out.count()
                 got = self.rows(out)
             if point == "after":
                 self.inject(kind, b, point)
             if point == "commit":
-                self.racing(lambda: ks.commit(b, wait=60), kind, b)
+                self.racing(lambda: ks.commit(b, wait=60), kind, b, point, 0.08)
             else:
                 ks.commit(b, wait=60)
         except BaseException:
@@ -322,11 +326,11 @@ class Soak:
         if failure:
             raise failure[0]
 
-    def racing(self, action, kind: str, b: int) -> None:
-        """Run ``action`` in a thread and inject ``kind`` after a random delay (while it runs, or just
-        after it returned)."""
+    def racing(self, action, kind: str, b: int, point: str, within: float) -> None:
+        """Run ``action`` in a thread and inject ``kind`` after a random delay up to ``within`` seconds
+        (while it runs, or just after it returned)."""
         failure: list[BaseException] = []
-        delay = self.rng.uniform(0.0, 0.08)
+        delay = self.rng.uniform(0.0, within)
 
         def run() -> None:
             try:
@@ -337,7 +341,7 @@ class Soak:
         thread = threading.Thread(target=run, name=f"soak-commit-{b}")
         thread.start()
         time.sleep(delay)
-        self.inject(kind, b, f"commit+{delay:.2f}s" + ("" if thread.is_alive() else " (it had returned)"))
+        self.inject(kind, b, f"{point}+{delay:.2f}s" + ("" if thread.is_alive() else " (it had returned)"))
         thread.join(300)
         if failure:
             raise failure[0]
@@ -353,11 +357,12 @@ class Soak:
             targets = _agents("driver")
         elif kind == "executor":
             targets = _children(jvm, "sparksteward.agents.executor") if jvm is not None else []
-        elif kind == "worker":   # the one in the stage; before it, the daemon; after it, the idle workers
+        elif kind == "worker":   # the held one; a random one; before the stage the daemon; after it the idle ones
             python = _python_workers(jvm) if jvm is not None else []
             daemons = [p for p in python if p.ppid() == jvm.pid]
             idle = [p for p in python if p.ppid() != jvm.pid]
-            targets = [worker] if worker is not None else (daemons or idle) if point == "before" else (idle or daemons)
+            targets = [worker] if worker is not None else (daemons or idle) if point == "before" else \
+                idle[self.rng.randrange(len(idle)):][:1] if point == "stage" and idle else (idle or daemons)
         else:
             return
         where = f"executor {_executor_id(jvm)}" if jvm is not None and kind != "driver" else ""
@@ -461,6 +466,14 @@ class Soak:
             left[:] = sorted(set(self.stored()) - referenced)
             return not left
 
+        fs = self.s3.filesystem()
+        prefix = self.root.split("://", 1)[1] + "/"
+        expected = {f"chk-{c}/_metadata" for c in metas} | {"_lease"}
+        other = sorted(p[len(prefix):] for p in fs.find(self.root)
+                       if not p[len(prefix):].startswith(("shared/", "merged/")) and p[len(prefix):] not in expected)
+        if other:
+            self.fail(f"at the end: the state root holds other files than the lease, the retained checkpoints' "
+                      f"records and data files: {other}")
         started = time.monotonic()
         try:
             wait_until(swept, timeout=GRACE + 4 * LEASE + 15, interval=1.0, what="the orphans to be swept")
