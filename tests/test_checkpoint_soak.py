@@ -504,9 +504,14 @@ def test_checkpoints_survive_a_seeded_schedule_of_kills_and_reruns(spark, s3, tm
     soak = Soak(spark, s3, hook, seed)
     print(f"\n[soak] {soak.replay}", flush=True)
     started = time.monotonic()
-    for b in range(BATCHES + 1):
-        soak.run_batch(b)
-        if b in soak.schedule:   # right after a fault: what is retained restores, nothing is missing
-            soak.check_checkpoints(f"after batch {b} ({soak.schedule[b][0]} @{soak.schedule[b][1]})")
-    soak.note(f"{BATCHES} batches and the drain committed in {time.monotonic() - started:.0f} s")
-    soak.check_end()
+    try:
+        for b in range(BATCHES + 1):
+            soak.run_batch(b)
+            if b in soak.schedule:   # right after a fault: what is retained restores, nothing is missing
+                soak.check_checkpoints(f"after batch {b} ({soak.schedule[b][0]} @{soak.schedule[b][1]})")
+        soak.note(f"{BATCHES} batches and the drain committed in {time.monotonic() - started:.0f} s")
+        soak.check_end()
+    except Exception as exc:
+        if "\nreplay: " in str(exc):
+            raise
+        soak.fail(f"{type(exc).__name__}: {exc}")   # any other failure names the seed and schedule too
