@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: quickstart example-state test bench docs clean
+.PHONY: quickstart example-state test soak bench docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,10 @@ example-state: $(VENV)/.installed
 	$(PY) examples/keyed_state_stream.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -m "not soak" --durations=15
+
+soak: $(VENV)/.installed
+	$(PY) -m pytest -q -ra -m soak -s
 
 bench: $(VENV)/.installed
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
