@@ -198,3 +198,33 @@ def test_a_value_that_cannot_be_encoded_fails_the_task_naming_it_and_writes_noth
     ks.apply(spark.createDataFrame(batches[1]), count_sum, SCHEMA, checkpoint_id=1).collect()
     ks.commit(1, wait=60)
     assert state_of(ks) == reference(batches)
+
+
+def test_a_keyed_state_survives_a_restart_of_the_driver_agent(spark, st, dirs):
+    """The shim restarts a SIGKILLed driver agent; the KeyedState a streaming query holds registers
+    again by itself (the new agent takes the lease over from the dead one) instead of failing every
+    later batch with "not registered"."""
+    import signal
+
+    from tests.conftest import agent_processes, wait_until
+
+    batches = make_batches(41, count=2)
+    ks = st.keyed_state("survivor", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"))
+    ks.apply(spark.createDataFrame(batches[0]), count_sum, SCHEMA, checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    (old,) = [p for p in agent_processes() if any("agents.driver" in c for c in p.cmdline())]
+    old.send_signal(signal.SIGKILL)
+    wait_until(lambda: [p for p in agent_processes() if any("agents.driver" in c for c in p.cmdline())
+                        and p.pid != old.pid], timeout=60, what="the shim to restart the driver agent")
+    wait_until(lambda: _answers(st), timeout=60, what="the new driver agent to answer")
+    ks.apply(spark.createDataFrame(batches[1]), count_sum, SCHEMA, checkpoint_id=1).collect()
+    assert ks.commit(1, wait=60) == 1
+    assert state_of(ks) == reference(batches)
+
+
+def _answers(st) -> bool:
+    try:
+        st.health()
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False

@@ -35,7 +35,8 @@ Tree::
         ├── CheckpointNotFoundError (FileNotFoundError)  CHECKPOINT_NOT_FOUND
         ├── CheckpointCorruptError (ValueError)          CHECKPOINT_CORRUPT
         ├── CheckpointOrderError (ValueError)            CHECKPOINT_ORDER
-        └── StateLeaseError                              STATE_LEASE
+        ├── StateLeaseError                              STATE_LEASE
+        └── StateNotRegisteredError                      STATE_NOT_REGISTERED
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ __all__ = [
     "StateBackendError",
     "StateEncodingError",
     "StateLeaseError",
+    "StateNotRegisteredError",
     "StateError",
     "StewardError",
     "StorageError",
@@ -285,6 +287,12 @@ class StateLeaseError(CheckpointError):
     one lost it."""
 
     code = "STATE_LEASE"
+
+
+class StateNotRegisteredError(CheckpointError):
+    """The driver agent does not know the keyed state (it restarted since the state was opened)."""
+
+    code = "STATE_NOT_REGISTERED"
 
 
 _BY_CODE: dict[str, type[StewardError]] = {}

@@ -82,6 +82,7 @@ from sparksteward.errors import (
     InvalidRequestError,
     ParallelismError,
     StateLeaseError,
+    StateNotRegisteredError,
     StewardError,
 )
 from sparksteward.ids import validate_id
@@ -233,7 +234,7 @@ class StateService:
         with self._cond:
             st = self._states.get(name)
         if st is None:
-            raise CheckpointError(f"keyed state {name!r} is not registered with the driver agent: create it "
+            raise StateNotRegisteredError(f"keyed state {name!r} is not registered with the driver agent: create it "
                                   f"with st.keyed_state({name!r}, key=...) first")
         return name, st
 

@@ -59,7 +59,7 @@ from typing import Any
 
 import orjson
 
-from sparksteward.errors import StateEncodingError, StateError
+from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
 
 __all__ = ["KeyedState"]
 
@@ -305,6 +305,19 @@ class KeyedState:
             if self.restore_info and self.restore_info.get("action") == "ignored":
                 log.warning("%s", self.restore_info["note"])
 
+    def _request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """A ``state.*`` request; when the driver agent restarted since this state was registered
+        (the shim restarts a dead agent), register again once and repeat it."""
+        try:
+            return self._st.request(op, name=self.name, **fields)
+        except StateNotRegisteredError:
+            if not self._registered or self.key_type is None:
+                raise
+            log.warning("keyed state %s: the driver agent restarted; registering the state again", self.name)
+            self._registered = False
+            self._register(self.key_type)
+            return self._st.request(op, name=self.name, **fields)
+
     def _key_type_of(self, df: Any) -> str:
         fields = {f.name: f for f in df.schema.fields}
         if self.key not in fields:
@@ -331,7 +344,7 @@ class KeyedState:
         ``drains``: the checkpoint ids drains took."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
-        return self._st.request("state.info", name=self.name)
+        return self._request("state.info")
 
     # --- the batch API -----------------------------------------------------------------------
     def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
@@ -357,7 +370,7 @@ class KeyedState:
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
-        begun = self._st.request("state.begin", name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id,
+        begun = self._request("state.begin", checkpoint_id=checkpoint_id, batch_id=batch_id,
                                  parallelism=self.parallelism, query=_streaming_query(df), drain=drain)
         if begun.get("backlog_warning"):
             log.warning("%s", begun["backlog_warning"])
@@ -524,7 +537,7 @@ class KeyedState:
         complete it; older checkpoints are subsumed. Returns the id. On a failed upload, or when
         ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
         aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
-        reply = self._st.request("state.commit", name=self.name, checkpoint_id=checkpoint_id, wait=wait)
+        reply = self._request("state.commit", checkpoint_id=checkpoint_id, wait=wait)
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
             scope.note_checkpoint(self.name, reply["checkpoint_id"], reply["path"])
@@ -532,7 +545,7 @@ class KeyedState:
 
     def abort(self, checkpoint_id: int) -> int:
         """Drop pending checkpoint ``checkpoint_id`` and delete the files only it uploaded."""
-        return self._st.request("state.abort", name=self.name, checkpoint_id=checkpoint_id)["deleted"]
+        return self._request("state.abort", checkpoint_id=checkpoint_id)["deleted"]
 
     def savepoint(self, url: str) -> str:
         """Write a self-contained copy of the latest completed checkpoint to ``url`` (any fsspec URL)
