@@ -40,6 +40,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -87,11 +88,7 @@ class LeaseRecord:
 
     holder: str
     application: str
-    hostname: str
-    boot_id: str
-    pid: int
-    start_time: float | None
-    pid_ns: str
+    owner: OwnerRecord   # the holding process: host, boot id, pid, start time (validated there)
     since: float
     renewed: float
     ttl: float
@@ -99,11 +96,11 @@ class LeaseRecord:
     released: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("holder", "application", "hostname", "boot_id", "pid_ns"):
+        for name in ("holder", "application"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"{name} must be a string")
-        if not isinstance(self.pid, int) or isinstance(self.pid, bool) or self.pid <= 0:
-            raise ValueError(f"pid must be a positive integer, not {self.pid!r}")
+        if not isinstance(self.owner, OwnerRecord):
+            raise ValueError(f"owner must be an OwnerRecord, not {self.owner!r}")
         for name in ("since", "renewed", "ttl"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -122,20 +119,31 @@ class LeaseRecord:
             rec = orjson.loads(data)
             if not isinstance(rec, dict) or rec.get("version") != _VERSION:
                 raise ValueError(f"unknown version {rec.get('version') if isinstance(rec, dict) else rec!r}")
-            return cls(rec["holder"], rec["application"], rec["hostname"], rec["boot_id"], rec["pid"],
-                       rec["start_time"], rec["pid_ns"], rec["since"], rec["renewed"], rec["ttl"], rec["seq"],
-                       rec["released"])
+            owner = rec["owner"]
+            if not isinstance(owner, dict):
+                raise ValueError(f"owner {owner!r} is not an object")
+            return cls(rec["holder"], rec["application"],
+                       OwnerRecord(owner["hostname"], owner["boot_id"], owner["pid"], owner["start_time"],
+                                   owner.get("pid_ns", "")),
+                       rec["since"], rec["renewed"], rec["ttl"], rec["seq"], rec["released"])
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(
                 f"lease record {source} is unreadable ({exc}): if no application writes this state any more, "
                 f"delete the file; otherwise stop the application that does") from exc
 
-    def owner(self) -> OwnerRecord:
-        return OwnerRecord(self.hostname, self.boot_id, self.pid, self.start_time, self.pid_ns)
+    def gone(self) -> bool:
+        """The holder provably no longer writes: it released the lease, or it ran on this host and its
+        process is dead."""
+        return self.released or self.owner.is_dead()
+
+    def may_be_live(self, now: float) -> bool:
+        """The holder may still write (a point check, without watching the record): not gone, and it
+        renewed within its ttl by the wall clock ``now`` or runs on this host."""
+        return not self.gone() and (now - self.renewed < self.ttl or self.owner.hostname == socket.gethostname())
 
     def describe(self) -> str:
         since = datetime.fromtimestamp(self.since, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-        return f"application {self.application} on host {self.hostname} (pid {self.pid}) since {since}"
+        return f"application {self.application} on host {self.owner.hostname} (pid {self.owner.pid}) since {since}"
 
 
 def _version(data: bytes) -> str:
@@ -204,8 +212,7 @@ class StateLease:
         with self._lock:
             me = self._owner or OwnerRecord.current()
             now = self._wall()
-            mine = LeaseRecord(uuid.uuid4().hex, self.application, me.hostname, me.boot_id, me.pid, me.start_time,
-                               me.pid_ns, now, now, self.ttl)
+            mine = LeaseRecord(uuid.uuid4().hex, self.application, me, now, now, self.ttl)
             started = self._monotonic()
             data = mine.to_bytes()
             if self.loc.create_exclusive(self.path, data):
@@ -233,11 +240,8 @@ class StateLease:
 
     def _expired_version(self, theirs: LeaseRecord, version: str) -> str:
         """The version to swap against when ``theirs`` provably no longer holds the lease; else raise."""
-        if theirs.released:
+        if theirs.gone():
             return version
-        with contextlib.suppress(ValueError):
-            if theirs.owner().is_dead():
-                return version
         age = self._wall() - theirs.renewed
         if age < theirs.ttl:
             raise self._held_error(theirs, f"it renewed the lease {max(age, 0.0):.0f} s ago")

@@ -50,14 +50,13 @@ import enum
 import logging
 import os
 import posixpath
-import socket
 import time
 from collections.abc import Iterable
 from dataclasses import replace
 
 from sparksteward.blob.key import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
-from sparksteward.checkpoint.lease import LeaseRecord, read_lease
+from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.merging import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
 from sparksteward.checkpoint.rescale import check_max_parallelism
@@ -334,27 +333,10 @@ def restore_from(url: str, dst: CheckpointStorage, *, max_parallelism: int,
     return restored
 
 
-def _live_writer(record: LeaseRecord | None, now: float | None = None) -> bool:
-    """Whether the lease ``record`` of a state root names a writer that may still be running: not
-    released, and renewed within its ttl (by the wall clock) or held by a process on this host that
-    is not provably dead."""
-    if record is None or record.released:
-        return False
-    if (time.time() if now is None else now) - record.renewed < record.ttl:
-        return True
-    if record.hostname != socket.gethostname():
-        return False
-    try:
-        return not record.owner().is_dead()
-    except ValueError:
-        return False
-
-
 def _refuse_live_writer(src: CheckpointStorage, label: str) -> None:
     """CLAIM: refuse a source whose state root still has a live writer, naming it."""
     record = read_lease(src.location)
-    if _live_writer(record):
-        assert record is not None
+    if record is not None and record.may_be_live(time.time()):
         raise CheckpointError(
             f"{label} with claim_mode='claim': state {src.state!r} ({src.url}) still has a live writer, "
             f"{record.describe()}, which would go on subsuming and deleting the files this state would own; "
