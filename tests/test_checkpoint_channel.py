@@ -74,20 +74,25 @@ def _sorted_input(n: int, rows: int = 100, m: int = 16, seed: int = 0) -> list[p
 
 
 class Cuts:
-    """What the coordinator answers to state.cut (CheckpointCoordinator.cut/amend_cut): the first
-    proposal of a subtask stands; an overflow at the recorded cut moves it to the end."""
+    """``propose`` as the task's state.cut reaches it: a real coordinator of one subtask over key
+    groups [0, 16) records the first proposal of checkpoint 0 and moves it to the end on an overflow."""
 
-    def __init__(self) -> None:
-        self.recorded: int | None = None
+    def __init__(self, tmp_path) -> None:
+        import uuid
+
+        from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+        from sparksteward.checkpoint.storage import CheckpointStorage
+
+        self.coord = CheckpointCoordinator(CheckpointStorage.open(str(tmp_path / uuid.uuid4().hex), "s"), 1, 16)
         self.calls: list[tuple[int, bool]] = []
+
+    @property
+    def recorded(self) -> int | None:
+        return self.coord.cut(0, 0)
 
     def __call__(self, cut: int, overflow: bool) -> int:
         self.calls.append((cut, overflow))
-        if overflow and self.recorded == cut:
-            self.recorded = 16
-        elif self.recorded is None:
-            self.recorded = cut
-        return self.recorded
+        return self.coord.amend_cut(0, 0, cut) if overflow else self.coord.cut(0, 0, cut)
 
 
 def _run(batches, *, cut=None, deadline=None, cuts, writer, counters=None, replayed=()):
@@ -105,7 +110,7 @@ def test_every_attempt_cuts_the_same_rows_whatever_the_order_or_timing(tmp_path)
     """A first attempt defers once its timeout passes; a second attempt (another arrival order and
     chunking, another clock) that opens after the cut was recorded processes and defers exactly the
     same rows; one that learns of it later keeps going up to it."""
-    cuts = Cuts()
+    cuts = Cuts(tmp_path)
     calls = iter([False, False, True])
     w1 = ChannelStateWriter(tmp_path / "a1")
     out1, c1 = _run(_sorted_input(6, seed=1), deadline=lambda: next(calls, True), cuts=cuts, writer=w1)
@@ -121,13 +126,13 @@ def test_every_attempt_cuts_the_same_rows_whatever_the_order_or_timing(tmp_path)
 
 
 def test_an_attempt_past_the_recorded_cut_is_discarded_and_one_that_finished_first_records_none(tmp_path):
-    cuts = Cuts()
+    cuts = Cuts(tmp_path)
     w = ChannelStateWriter(tmp_path / "a")
     out, c = _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts, writer=w)   # never late
     assert cuts.recorded == 16 and w.close() is None and c == {"rows_processed": 600, "rows_deferred": 0,
                                                                 "unaligned": 0}
-    cuts2 = Cuts()
-    cuts2.recorded = 3   # another attempt cut at key group 3 while this one was processing past it
+    cuts2 = Cuts(tmp_path)
+    cuts2(3, False)   # another attempt cut at key group 3 while this one was processing past it
     with pytest.raises(CheckpointOrderError, match=r"another attempt of this checkpoint cut its input at key "
                                                    r"group 3, but this attempt already processed key group"):
         _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts2, writer=ChannelStateWriter(tmp_path / "b"))
@@ -135,12 +140,12 @@ def test_an_attempt_past_the_recorded_cut_is_discarded_and_one_that_finished_fir
 
 def test_the_replay_is_processed_whole_first_and_a_timeout_of_0_defers_all_new_input(tmp_path):
     replayed = [pa.RecordBatch.from_pydict({"k": ["old"], "v": [-1]})]
-    cuts = Cuts()
+    cuts = Cuts(tmp_path)
     w = ChannelStateWriter(tmp_path / "ch")
     out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=w, replayed=replayed)
     assert out == replayed and cuts.recorded == 0 and c["rows_deferred"] == 300
     # with no replay, timeout 0 still processes one buffer, so every batch makes progress
-    cuts = Cuts()
+    cuts = Cuts(tmp_path)
     out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=ChannelStateWriter(tmp_path / "c2"))
     assert c["rows_processed"] >= 1 and cuts.recorded >= 1
 
@@ -161,7 +166,7 @@ def test_max_inflight_moves_the_cut_to_the_end_for_every_attempt_alike(tmp_path)
     whole = pa.Table.from_batches(without_kg).combine_chunks().to_batches()[0]
     assert sum(logical_size(b) for b in without_kg) == logical_size(whole)   # chunking changes nothing
     cap = logical_size(whole) // 3
-    cuts = Cuts()
+    cuts = Cuts(tmp_path)
     w = ChannelStateWriter(tmp_path / "ch", max_bytes=cap)
     out, c = _run(one, deadline=lambda: True, cuts=cuts, writer=w)
     assert cuts.recorded == 16 and cuts.calls[-1][1] is True and w.close() is None
@@ -178,3 +183,21 @@ def test_bad_options_are_named(tmp_path):
         AlignmentOptions(alignment="sideways")
     with pytest.raises(ConfigError, match=r"max_inflight_bytes=0 must be a positive"):
         AlignmentOptions(max_inflight_bytes=0)
+
+
+def test_a_rescaled_replay_keeps_only_its_key_groups(tmp_path):
+    m = 16
+    files = []
+    for i in range(3):  # three old subtasks' channel state
+        w = ChannelStateWriter(tmp_path / f"ch{i}")
+        for b in _batches(2):
+            w.append(b)
+        files.append((f"ch{i}", tmp_path / f"ch{i}"))
+        w.close()
+    keep = KeyGroupRange(0, 8)
+    rows = pa.Table.from_batches(list(replay(files, "k", keep, m, "string")))
+    assert rows.num_rows > 0
+    assert all(key_group(k, m, "string") < 8 for k in rows.column("k").to_pylist())
+    every = pa.Table.from_batches([b for _, f in files for b in read_channel_state(f)])
+    expected = sum(1 for k in every.column("k").to_pylist() if key_group(k, m, "string") < 8)
+    assert rows.num_rows == expected
