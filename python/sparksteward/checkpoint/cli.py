@@ -16,17 +16,14 @@
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import os
 import posixpath
 import time
-from typing import Any
 
 import orjson
 
 from sparksteward.checkpoint.merging import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.storage import MERGED_DIR, RESTORED, CheckpointStorage, checkpoint_dir_name
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, ConfigError, StewardError
 from sparksteward.storage import open_location
@@ -50,25 +47,6 @@ def _records(storage: CheckpointStorage) -> tuple[dict[int, CheckpointMetadata],
     return records, unreadable
 
 
-def _entered(storage: CheckpointStorage, info: dict[str, Any]) -> float | None:
-    """When the listed file entered ``storage``'s directory, at the earliest: its latest timestamp.
-    Locally that includes the ctime, which a hard link sets (its mtime is the source's)."""
-    times = []
-    for key in ("mtime", "LastModified", "last_modified"):
-        v = info.get(key)
-        if isinstance(v, (int, float)):
-            times.append(float(v))
-        elif isinstance(v, _dt.datetime):
-            times.append(v.timestamp())
-    if storage.location.is_local:
-        try:
-            st = os.lstat(info["name"])
-        except FileNotFoundError:
-            return None
-        times += [st.st_mtime, st.st_ctime]
-    return max(times, default=None)
-
-
 def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
     """Relative paths under ``shared/`` and ``merged/`` that no retained checkpoint references and that
     entered the directory at least ``min_age`` seconds before ``now``."""
@@ -77,18 +55,10 @@ def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list
         raise CheckpointError(f"not collecting garbage in {storage.url}: unreadable records "
                               f"({'; '.join(unreadable)}). Fix or move them first")
     referenced = set().union(*(m.physical_paths() for m in records.values())) if records else set()
-    out = []
-    for sub in ("shared", MERGED_DIR):
-        for info in storage.location.listdir(storage.location.path(sub)):
-            name = posixpath.basename(info["name"].rstrip("/"))
-            rel = posixpath.join(sub, name)
-            if rel in referenced:
-                continue
-            entered = _entered(storage, info)
-            if min_age > 0 and (entered is None or now - entered < min_age):
-                continue
-            out.append(rel)
-    return sorted(out)
+    # when each file entered the directory (CheckpointStorage.file_times: a hard link's ctime counts;
+    # a file without a timestamp never looks old)
+    return sorted(rel for rel, entered in storage.file_times().items()
+                  if rel not in referenced and (min_age <= 0 or now - entered >= min_age))
 
 
 def _base(args: argparse.Namespace):
