@@ -192,7 +192,11 @@ class CheckpointCoordinator:
         """Delete the files of this state that no retained checkpoint references and that are older
         than ``orphan_grace`` (orphans of a crashed upload, an abandoned attempt or a subsumption cut
         short); return how many. Only under a held lease, and only while nothing is pending: an
-        upload of a pending attempt is not known before its ack."""
+        upload of a pending attempt is not known before its ack. The listing runs outside the lock:
+        a file uploaded since is not in it, and one a checkpoint completed on since is referenced."""
+        if self._pending:
+            return 0
+        ages = self.storage.file_times()
         with self._lock:
             try:
                 self.lease.check()
@@ -202,7 +206,6 @@ class CheckpointCoordinator:
             if self._pending:
                 return 0
             now = self.clock.now()
-            ages = self.storage.file_times()
             orphans = sorted(p for p, t in ages.items() if self._refs[p] <= 0 and now - t >= self.orphan_grace
                              and not any(p in held for held in self._open.values()))
             n = self.storage.delete_files(orphans) if orphans else 0
