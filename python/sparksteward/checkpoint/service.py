@@ -258,10 +258,6 @@ class StateService:
                 "deadline_in": self._deadline_in(st, cid) if alignment.unaligned else None}
 
     @staticmethod
-    def _recorded_cut(st: _State, cid: int, subtask: int | None) -> int | None:
-        return None if subtask is None else st.coordinator.cut(cid, subtask)
-
-    @staticmethod
     def _deadline_in(st: _State, cid: int) -> float | None:
         """Seconds until checkpoint ``cid``'s subtasks defer their input (unaligned), counted from the
         start of its state stage: the first task's open of the attempt. Late waves get less; the
@@ -299,25 +295,25 @@ class StateService:
                     return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                             "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
         with st.lock:
-            if st is not None:   # registered before (always, here): only settings to settle
-                c = st.coordinator
-                _check_max_parallelism(name, c, max_parallelism)
-                if (checkpoint_dir, key_type) != (st.checkpoint_dir, c.key_type.value):
-                    raise CheckpointError(
-                        f"keyed state {name!r} is already open in this application with checkpoint_dir="
-                        f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
-                        f"key type {c.key_type.value}; open it with the same settings or use another name")
-                if parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
-                    c.rescale(parallelism)
-                if f.mapping("alignment", default=None) is not None:  # another alignment from the next batch on
-                    st.alignment = self._alignment(f)
-                if source and (st.restore is None or st.restore.get("source") != source):
-                    note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
-                            f"application")
-                    log.warning("%s", note)
-                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                            "restore": {"action": "ignored", "source": source, "note": note},
-                            "rescaled_from": self._rescaled_from(st, parallelism)}
+            # registered before: only settings to settle
+            c = st.coordinator
+            _check_max_parallelism(name, c, max_parallelism)
+            if (checkpoint_dir, key_type) != (st.checkpoint_dir, c.key_type.value):
+                raise CheckpointError(
+                    f"keyed state {name!r} is already open in this application with checkpoint_dir="
+                    f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
+                    f"key type {c.key_type.value}; open it with the same settings or use another name")
+            if parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
+                c.rescale(parallelism)
+            if f.mapping("alignment", default=None) is not None:  # another alignment from the next batch on
+                st.alignment = self._alignment(f)
+            if source and (st.restore is None or st.restore.get("source") != source):
+                note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
+                        f"application")
+                log.warning("%s", note)
+                return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
+                        "restore": {"action": "ignored", "source": source, "note": note},
+                        "rescaled_from": self._rescaled_from(st, parallelism)}
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                 "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
@@ -564,7 +560,8 @@ class StateService:
                     st.stats.pop(cid, None)
             if agent and subtask is not None:
                 self._working_on(st, agent, cid, subtask)
-        return {**self._reply_base(st, cid, begun), "cut": self._recorded_cut(st, cid, subtask)}
+        cut = None if subtask is None else st.coordinator.cut(cid, subtask)   # FLIP-76: recorded by an earlier attempt
+        return {**self._reply_base(st, cid, begun), "cut": cut}
 
     def _working_on(self, st: _State, agent: str, cid: int, subtask: int) -> None:
         """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds ``st.lock``)."""
