@@ -273,3 +273,17 @@ def test_a_task_cannot_begin_a_checkpoint_on_a_fresh_driver_agent(tmp_path):
         executor.close()
         driver.close()
         states.close()
+
+
+def test_a_lying_peer_cannot_record_a_cut_outside_its_subtask(rig):
+    """state.cut from a peer: a cut outside the subtask's key groups, or of a subtask the state does
+    not have, is refused by name and records nothing; the first valid proposal stands."""
+    dconn, econn, subtasks, tmp = rig
+    dconn.request("state.begin", name="s", checkpoint_id=0)
+    stop = key_group_range(M, P, 0).stop
+    with pytest.raises(StewardError, match=rf"cut {stop + 1} of subtask 0 lies outside its key groups"):
+        dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=stop + 1)
+    with pytest.raises(StewardError, match=r"subtask"):
+        dconn.request("state.cut", name="s", checkpoint_id=0, subtask=P + 5, cut=0)
+    assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=1)["cut"] == 1
+    assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=0)["cut"] == 1
