@@ -14,7 +14,7 @@ from sparksteward.checkpoint.channel import (
     read_channel_state,
     replay,
 )
-from sparksteward.checkpoint.cut import iter_cut
+from sparksteward.checkpoint.cut import iter_cut, merge_by_key_group
 from sparksteward.errors import CheckpointCorruptError, CheckpointOrderError, ConfigError
 from sparksteward.state.keygroups import KeyGroupRange, key_group
 
@@ -69,7 +69,7 @@ def _sorted_input(n: int, rows: int = 100, m: int = 16, seed: int = 0) -> list[p
     for a, b in zip([0, *cuts], [*cuts, len(recs)]):
         part = recs[a:b]
         out.append(pa.RecordBatch.from_pydict({"k": [r[0] for r in part], "v": [r[1] for r in part],
-                                               "kg": [key_group(r[0], m) for r in part]}))
+                                               "kg": pa.array([key_group(r[0], m) for r in part], pa.int32())}))
     return out
 
 
@@ -97,7 +97,9 @@ class Cuts:
 
 def _run(batches, *, cut=None, deadline=None, cuts, writer, counters=None, replayed=()):
     counters = {} if counters is None else counters
-    out = list(iter_cut(replayed, batches, kg_column="kg", start=0, stop=16, cut=cut, deadline_passed=deadline,
+    merged = merge_by_key_group(replayed, batches, kg_column="kg", key_groups=lambda b: pa.array(
+        [key_group(k, 16) for k in b.column("k").to_pylist()], pa.int32()))
+    out = list(iter_cut(merged, kg_column="kg", start=0, stop=16, cut=cut, deadline_passed=deadline,
                         propose=cuts, writer=writer, counters=counters))
     return out, counters
 
@@ -111,7 +113,7 @@ def test_every_attempt_cuts_the_same_rows_whatever_the_order_or_timing(tmp_path)
     chunking, another clock) that opens after the cut was recorded processes and defers exactly the
     same rows; one that learns of it later keeps going up to it."""
     cuts = Cuts(tmp_path)
-    calls = iter([False, False, True])
+    calls = iter([False, True])   # the deadline passes before the third buffer
     w1 = ChannelStateWriter(tmp_path / "a1")
     out1, c1 = _run(_sorted_input(6, seed=1), deadline=lambda: next(calls, True), cuts=cuts, writer=w1)
     deferred1 = list(read_channel_state(w1.close().path))
@@ -138,13 +140,30 @@ def test_an_attempt_past_the_recorded_cut_is_discarded_and_one_that_finished_fir
         _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts2, writer=ChannelStateWriter(tmp_path / "b"))
 
 
-def test_the_replay_is_processed_whole_first_and_a_timeout_of_0_defers_all_new_input(tmp_path):
-    replayed = [pa.RecordBatch.from_pydict({"k": ["old"], "v": [-1]})]
+def test_a_backlog_is_cut_with_the_new_input_by_key_group_and_keeps_its_place(tmp_path):
+    """Replayed rows and new rows are processed in key-group order, the replayed ones first within a
+    key group: a cut defers a key's old and new rows together, its old ones ahead, so a straggler
+    processes about one timeout's worth of work and never a key's new row before its old one."""
+    old = [pa.RecordBatch.from_pydict({"k": [f"u{i % 37}" for i in range(200)], "v": [-1 - i for i in range(200)]})]
     cuts = Cuts(tmp_path)
+    calls = iter([False, True])
     w = ChannelStateWriter(tmp_path / "ch")
-    out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=w, replayed=replayed)
-    assert out == replayed and cuts.recorded == 0 and c["rows_deferred"] == 300
-    # with no replay, timeout 0 still processes one buffer, so every batch makes progress
+    out, c = _run(_sorted_input(3, seed=4), deadline=lambda: next(calls, True), cuts=cuts, writer=w, replayed=old)
+    cut = cuts.recorded
+    assert 0 < cut < 16 and c["rows_processed"] + c["rows_deferred"] == 500
+    done = pa.Table.from_batches(out)
+    assert all(key_group(k, 16) < cut for k in done.column("k").to_pylist())
+    deferred = pa.Table.from_batches(list(read_channel_state(w.close().path)))
+    assert all(key_group(k, 16) >= cut for k in deferred.column("k").to_pylist())
+    assert sorted(done.column("v").to_pylist() + deferred.column("v").to_pylist()) == sorted(
+        list(range(-200, 0)) + list(range(300)))
+    for table in (done, deferred):   # per key: the old (negative) rows before the new ones
+        seen_new: set[str] = set()
+        for k, v in zip(table.column("k").to_pylist(), table.column("v").to_pylist()):
+            assert not (v < 0 and k in seen_new), k
+            if v >= 0:
+                seen_new.add(k)
+    # timeout 0 still processes one buffer first, so every batch makes progress
     cuts = Cuts(tmp_path)
     out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=ChannelStateWriter(tmp_path / "c2"))
     assert c["rows_processed"] >= 1 and cuts.recorded >= 1

@@ -302,16 +302,7 @@ class Soak:
         for p in self.hook.iterdir():
             p.unlink()
         (self.hook / "arm").touch()
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                action()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                failure.append(exc)
-
-        thread = threading.Thread(target=run, name=f"soak-batch-{b}")
-        thread.start()
+        thread, failure = _started(action, f"soak-batch-{b}")
         try:
             held = wait_until(lambda: [p for p in self.hook.iterdir() if p.name.startswith("held-")]
                               or not thread.is_alive(), timeout=120, what=f"a task of batch {b} to hold")
@@ -329,17 +320,8 @@ class Soak:
     def racing(self, action, kind: str, b: int, point: str, within: float) -> None:
         """Run ``action`` in a thread and inject ``kind`` after a random delay up to ``within`` seconds
         (while it runs, or just after it returned)."""
-        failure: list[BaseException] = []
         delay = self.rng.uniform(0.0, within)
-
-        def run() -> None:
-            try:
-                action()
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                failure.append(exc)
-
-        thread = threading.Thread(target=run, name=f"soak-commit-{b}")
-        thread.start()
+        thread, failure = _started(action, f"soak-commit-{b}")
         time.sleep(delay)
         self.inject(kind, b, f"{point}+{delay:.2f}s" + ("" if thread.is_alive() else " (it had returned)"))
         thread.join(300)
@@ -515,3 +497,18 @@ def test_checkpoints_survive_a_seeded_schedule_of_kills_and_reruns(spark, s3, tm
         if "\nreplay: " in str(exc):
             raise
         soak.fail(f"{type(exc).__name__}: {exc}")   # any other failure names the seed and schedule too
+
+
+def _started(action, name: str) -> tuple[threading.Thread, list[BaseException]]:
+    """``action`` running in a new thread, and the list its exception (if any) lands in."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except BaseException as exc:  # noqa: BLE001 - the caller re-raises it
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread, failure

@@ -25,8 +25,8 @@ file; the reader never returns a partial replay silently.
   the next buffer would not fit, the subtask takes back what it deferred and finishes aligned. Order
   is kept either way: a deferred buffer is never followed by a processed one of the same subtask.
 
-A batch always processes its replayed channel state whole and, before any cut, at least one buffer,
-so a subtask makes progress even with a timeout of 0.
+A batch always processes at least one buffer before any cut, so a subtask makes progress even with
+a timeout of 0.
 """
 
 from __future__ import annotations

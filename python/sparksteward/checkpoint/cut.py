@@ -6,21 +6,21 @@ copy, a re-run of a completed batch) decided by its own clock where to stop, eac
 rows and defer others, and the last ack would keep a state that does not match the rows the sink
 wrote. So the point is decided once per subtask and checkpoint:
 
-- The new input of an unaligned state reaches the task sorted by key group (``sortWithinPartitions``
-  on the key-group column), so "every new row whose key group is below ``c``" is the same set of rows
-  in every attempt, whatever order the shuffle delivered them in. The **cut** ``c`` of a subtask is the
-  first key group whose new rows it defers; the end of its key-group range means nothing is deferred.
-- The replayed channel state of the base is always processed whole, first: a key's deferred rows
-  come before its new ones, and a backlog is never deferred twice.
+- The task processes its input in key-group order (:func:`merge_by_key_group`): for each key group,
+  the base's replayed channel state first, then the new rows, so a key's deferred rows still come
+  before its new ones. "Every row whose key group is below ``c``" is then the same set of rows in
+  every attempt, whatever order the shuffle delivered them in. The **cut** ``c`` of a subtask is the
+  first key group it defers (replayed and new rows alike); the end of its key-group range means
+  nothing is deferred. A straggler thus processes about one timeout's worth of work per batch; the
+  rest, the older backlog included, waits for the next batch or a drain.
 - The first attempt to reach its timeout (at a buffer boundary, after a key group's last row) or its
   end proposes its position to the coordinator (``state.cut``), which records the first proposal; the
   completed checkpoint keeps the cuts in ``properties.cuts`` for re-runs. An attempt that opens after
   a cut was recorded follows it, clock or not. An attempt that learns of a cut later than its
   position keeps processing up to it; one that already processed past it raises, and Spark's retry
   follows the recorded cut.
-- ``unaligned_max_inflight``: the deferred rows pass the byte cap or not by their :func:`logical_size`,
-  (:func:`~sparksteward.checkpoint.channel.logical_size`),
-  which does not depend on how rows are chunked, so every attempt at one cut finds the same; the
+- ``unaligned_max_inflight``: the deferred rows pass the byte cap or not by their logical size
+  (:func:`~sparksteward.checkpoint.channel.logical_size`), which does not depend on how rows are chunked, so every attempt at one cut finds the same; the
   first to find it moves the cut to the end of the range (process everything), and the others follow.
 """
 
@@ -30,22 +30,47 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sparksteward.checkpoint.channel import ChannelStateWriter
 from sparksteward.errors import CheckpointOrderError
 
-__all__ = ["iter_cut"]
+__all__ = ["iter_cut", "merge_by_key_group"]
+
+_PHASE = "__steward_phase"   # 0: replayed, 1: new; sorted after the key group
 
 #: propose(cut, overflow) -> the cut that stands
 Propose = Callable[[int, bool], int]
 
 
-def iter_cut(replayed: Iterable[pa.RecordBatch], batches: Iterable[pa.RecordBatch], *, kg_column: str,
+def merge_by_key_group(replayed: Iterable[pa.RecordBatch], batches: Iterable[pa.RecordBatch], *,
+                       kg_column: str, key_groups: Callable[[pa.RecordBatch], pa.Array]) -> Iterator[pa.RecordBatch]:
+    """One subtask's input in key-group order, with ``kg_column``: per key group the ``replayed`` rows
+    (which lack the column: ``key_groups(batch)`` computes it) in their order, then the new ``batches``
+    (which carry it). Held in memory: the backlog and one partition of one batch."""
+    tables = []
+    for phase, source in ((0, replayed), (1, batches)):
+        items = [b for b in source if b.num_rows]
+        if not items:
+            continue
+        if phase == 0:
+            items = [b.append_column(kg_column, key_groups(b)) for b in items]
+        t = pa.Table.from_batches(items)
+        tables.append(t.append_column(_PHASE, pa.array([phase] * t.num_rows, pa.int8())))
+    if not tables:
+        return
+    table = pa.concat_tables(tables)
+    chunk = max(b.num_rows for t in tables for b in t.to_batches())
+    table = table.take(pc.sort_indices(table, sort_keys=[(kg_column, "ascending"), (_PHASE, "ascending")]))
+    yield from table.drop_columns([_PHASE]).to_batches(max_chunksize=chunk)
+
+
+def iter_cut(batches: Iterable[pa.RecordBatch], *, kg_column: str,
              start: int, stop: int, cut: int | None, deadline_passed: Callable[[], bool] | None,
              propose: Propose, writer: ChannelStateWriter | None, counters: dict[str, int],
              what: str = "this subtask") -> Iterator[pa.RecordBatch]:
-    """The batches a subtask processes (without ``kg_column``): ``replayed`` whole, then the new
-    ``batches`` (sorted by ``kg_column``) below the cut; the rest go to ``writer``.
+    """The batches a subtask processes (without ``kg_column``): its input (replayed and new rows,
+    sorted by ``kg_column``: :func:`merge_by_key_group`) below the cut; the rest go to ``writer``.
 
     ``cut``: the recorded cut (None: not recorded yet; the first deadline or the end proposes one).
     ``deadline_passed``: None when this attempt has no timeout (aligned, or a recorded cut).
@@ -54,11 +79,6 @@ def iter_cut(replayed: Iterable[pa.RecordBatch], batches: Iterable[pa.RecordBatc
     for key in ("rows_processed", "rows_deferred", "unaligned"):
         counters.setdefault(key, 0)
     processed = False
-    for batch in replayed:
-        if batch.num_rows:
-            processed = True
-            counters["rows_processed"] += batch.num_rows
-            yield batch
     last: int | None = None   # the key group of the last new row processed
 
     def conflict(recorded: int) -> CheckpointOrderError:

@@ -100,10 +100,11 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
 
 def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
                      propose: Callable[[int, bool], int], what: str) -> tuple[Iterator[Any], Any, dict[str, int]]:
-    """A subtask's input (FLIP-76): the base's channel state first (filtered by key group after a
-    rescale), then its own batches; with an unaligned alignment (or a cut another attempt recorded),
-    the new rows from the cut on go to a channel-state writer instead (returned, for the caller to
-    close). See :mod:`sparksteward.checkpoint.cut`."""
+    """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
+    and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
+    another attempt recorded), both in key-group order, and the rows from the cut on go to a
+    channel-state writer instead (returned, for the caller to close). See
+    :mod:`sparksteward.checkpoint.cut`."""
     import time
 
     from sparksteward.checkpoint.channel import (
@@ -113,7 +114,8 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
         read_channel_state,
         replay,
     )
-    from sparksteward.checkpoint.cut import iter_cut
+    from sparksteward.checkpoint.cut import iter_cut, merge_by_key_group
+    from sparksteward.state.keygroups import key_groups
 
     sources = [(r["name"], r["path"]) for r in opened.get("replay") or []]
     if sources and opened.get("replay_filter"):
@@ -135,9 +137,15 @@ def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, k
                                             for b in batches))
         return _count_rows(source, counters), None, counters
     passed = None if cut is not None or deadline_in is None else (lambda: time.monotonic() >= deadline)
-    return (iter_cut(replayed, _sorted_by_key_group(batches), kg_column=_KG_COL, start=kg.start, stop=kg.stop,
-                     cut=cut, deadline_passed=passed, propose=propose, writer=writer, counters=counters, what=what),
-            writer, counters)
+
+    def groups_of(batch: Any) -> Any:
+        import pyarrow as pa
+
+        return pa.array(key_groups(batch.column(key).to_pylist(), m, opened["key_type"]), pa.int32())
+
+    merged = merge_by_key_group(replayed, batches, kg_column=_KG_COL, key_groups=groups_of)
+    return (iter_cut(merged, kg_column=_KG_COL, start=kg.start, stop=kg.stop, cut=cut, deadline_passed=passed,
+                     propose=propose, writer=writer, counters=counters, what=what), writer, counters)
 
 
 def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> tuple[Iterator[Any], Iterator[Any]]:
@@ -168,20 +176,6 @@ def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> t
             yield b
 
     return first(replayed), checked(batches)
-
-
-def _sorted_by_key_group(batches: Iterator[Any]) -> Iterator[Any]:
-    """The subtask's new input sorted by key group, so that a cut is the same rows in every attempt
-    whatever order the shuffle delivered them in. Held in memory: one partition of one batch."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    items = [b for b in batches if b.num_rows]
-    if not items:
-        return
-    table = pa.Table.from_batches(items)
-    table = table.take(pc.sort_indices(table, sort_keys=[(_KG_COL, "ascending")]))
-    yield from table.to_batches(max_chunksize=max(b.num_rows for b in items))
 
 
 def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any]:
