@@ -341,3 +341,30 @@ def test_a_rerun_of_the_last_batch_works_after_a_coordinator_restart(tmp_path, s
         restarted.begin(0)
     _run_batch(restarted, storage, tmp_path, 2, BATCHES[2])
     assert _counts(storage, restarted.complete(2), tmp_path, "2") == _expected(BATCHES[:3])
+
+
+def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_a_checkpoint(tmp_path, _s3_server):  # noqa: F811
+    """Item 10's deleter thread and a content-addressed re-upload: attempt a of checkpoint 0 is
+    aborted (its files queued for deletion, every delete request 2 s late on S3); attempt b uploads
+    the same snapshot again (same checksums, so the same paths) and acks while one of them is being
+    deleted. complete() must wait for that delete and then find the file gone (the attempt is
+    refused, naming the fix), never write a record that names a file the delete removes after."""
+    import uuid
+
+    from tests.conftest import wait_until
+
+    s3 = _s3_server
+    storage = CheckpointStorage.open(s3.url(f"bg-{uuid.uuid4().hex[:8]}"), "s", "c1")
+    coord = CheckpointCoordinator(storage, P, M, background_deletes=True)
+    begun, _ = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="a")
+    with s3.slow("DeleteObjects", 2.0):
+        assert coord.abort(0) > 0
+        wait_until(lambda: coord._deleting, timeout=30, what="a delete in flight")
+        coord.begin(0)
+        for i in range(P):   # the same snapshot uploaded again: the same content-addressed paths
+            snap = tmp_path / f"snap-0-a-{i}"
+            coord.ack(0, storage.upload_snapshot(snap, i, key_group_range(M, P, i), known=begun.known))
+        with pytest.raises(CheckpointError, match=r"which were deleted after their upload\. Apply the batch again"):
+            coord.complete(0)
+    coord.close()
+    assert coord.last_completed is None

@@ -16,7 +16,7 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture
+from tests.state_helpers import _s3_server, guarded_rmtree  # noqa: F401 - fixtures
 
 P, M = 2, 8
 
@@ -287,3 +287,73 @@ def test_a_lying_peer_cannot_record_a_cut_outside_its_subtask(rig):
         dconn.request("state.cut", name="s", checkpoint_id=0, subtask=P + 5, cut=0)
     assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=1)["cut"] == 1
     assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=0)["cut"] == 1
+
+
+def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, _s3_server):  # noqa: F811
+    """Item 10: the files a commit subsumes are deleted on the coordinator's deleter thread. While
+    every delete request takes 1 s, the same state's info and an executor agent's heartbeat are answered
+    at once (the subsume deleted under the state's lock before); the commit still replies only once
+    its deletes are done, and the next begin starts after them."""
+    import threading
+    import time
+    import uuid
+
+    from tests.conftest import wait_until
+
+    s3 = _s3_server
+    secret = new_secret()
+    driver = AgentServer("127.0.0.1", 0, secret, {})
+    states = StateService(s3.url(f"chk-{uuid.uuid4().hex[:8]}"), "c1", commit_timeout=60,
+                          merging=MergingOptions(enabled=False))   # whole files: each snapshot has its own MANIFEST
+    states.register_handlers(driver)
+    executor = AgentServer("127.0.0.1", 0, secret, {})
+    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
+    subtasks.register_handlers(executor)
+    dconn, other, econn = (Connection.connect(driver.endpoint, secret), Connection.connect(driver.endpoint, secret),
+                           Connection.connect(executor.endpoint, secret))
+    try:
+        dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
+                      key_type="string", num_retained=1)
+        for cid in range(2):
+            dconn.request("state.begin", name="s", checkpoint_id=cid)
+            for i, part in enumerate(split({f"k{j}": j + cid for j in range(50)})):
+                run_task(econn, cid, i, part)
+            dconn.request("state.commit", name="s", checkpoint_id=cid, wait=60)
+        mark = s3.mark()
+        done = []
+
+        def batch_2():   # its begin subsumes checkpoint 0 (a re-run of 1 can no longer come)
+            dconn.request("state.begin", name="s", checkpoint_id=2)
+            for i, part in enumerate(split({f"k{j}": j + 2 for j in range(50)})):
+                run_task(econn, 2, i, part)
+            done.append(dconn.request("state.commit", name="s", checkpoint_id=2, wait=60))
+
+        with s3.slow("DeleteObjects", 1.0):   # s3fs deletes with POST ?delete
+            t = threading.Thread(target=batch_2, daemon=True)
+            t.start()
+            wait_until(lambda: any(op == "DeleteObjects" for op, _ in s3.in_flight()), timeout=30,
+                       what="checkpoint 0's files to be deleted")
+            timings = {}
+            for what, call in {
+                "info": lambda: other.request("state.info", name="s"),
+                "heartbeat": lambda: other.request("state.merge_poll", agent="exec-1", wait=0, pools=[], closed=[],
+                                                   working=[]),
+            }.items():
+                started = time.monotonic()
+                call()
+                timings[what] = time.monotonic() - started
+            deleting = any(op == "DeleteObjects" for op, _ in s3.in_flight())
+            t.join(120)
+        deletes = [r for r in s3.requests_since(mark) if r.op == "DeleteObjects"]
+        assert done and done[0]["checkpoint_id"] == 2
+        assert deleting and len(deletes) >= 2, (timings, len(deletes), "checkpoint 0 must be deleted, slowly")
+        assert max(timings.values()) < 0.8, timings
+        assert not states._states["s"].coordinator._jobs, "the commit replies after its deletes"
+        assert other.request("state.info", name="s")["retained"] == [1, 2]
+    finally:
+        for c in (dconn, other, econn):
+            c.close()
+        subtasks.close()
+        executor.close()
+        driver.close()
+        states.close()

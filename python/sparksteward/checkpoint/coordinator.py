@@ -64,6 +64,7 @@ Thread-safe: one lock around every operation (the agent calls it from connection
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -92,6 +93,8 @@ __all__ = ["BeginResult", "CheckpointCoordinator"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordinator")
 
+_DELETE_BATCH = 1000     # files per delete request batch of the deleter thread
+_DELETE_WAIT = 120.0     # how long complete() waits for a delete of a file it references to finish
 _MAX_DELETED = 100_000   # deleted paths remembered, so that complete() refuses a record naming one
 
 
@@ -123,13 +126,25 @@ class _Pending:
     attempt: str = field(default_factory=lambda: uuid.uuid4().hex)   # changes on every begin
 
 
+@dataclass
+class _DeleteJob:
+    """A delete for the deleter thread: a subsumed checkpoint's record (and the source record a CLAIM
+    restore took over), or data files, which wait for the record job ``after`` and stay if it failed."""
+
+    files: list[str] = field(default_factory=list)
+    checkpoint_id: int | None = None
+    record: CheckpointMetadata | None = None
+    after: int | None = None
+    seq: int = 0
+
+
 class CheckpointCoordinator:
     """Pending and completed checkpoints of one state, and the reference counts of its files."""
 
     def __init__(self, storage: CheckpointStorage, parallelism: int, max_parallelism: int, *,
                  key_type: KeyType | str = KeyType.STRING, num_retained: int = 1,
                  clock: Clock | None = None, merging: MergingOptions | None = None,
-                 lease: Fence | None = None, orphan_grace: float = 0.0) -> None:
+                 lease: Fence | None = None, orphan_grace: float = 0.0, background_deletes: bool = False) -> None:
         validate_parallelism(parallelism, max_parallelism)
         if isinstance(num_retained, bool) or not isinstance(num_retained, int) or num_retained < 1:
             raise CheckpointError(f"num_retained={num_retained!r} must be an int >= 1")
@@ -161,6 +176,15 @@ class CheckpointCoordinator:
                                                       # the attempts of that checkpoint until a newer completes
         self._deleted: dict[str, None] = {}   # files this coordinator deleted, not seen again since
                                               # (oldest first, at most _MAX_DELETED)
+        # background deletes: the storage I/O of a deletion runs on a thread of its own, outside the lock
+        self.background_deletes = background_deletes
+        self._jobs: collections.deque[_DeleteJob] = collections.deque()   # queued deletes, in order
+        self._failed_records: set[int] = set()   # record jobs that failed: the files after them stay
+        self._job_seq = 0
+        self._deleting: set[str] = set()      # data files being deleted now
+        self._deletions = threading.Condition(self._lock)
+        self._deleter: threading.Thread | None = None
+        self._closing = False
         self._recover()
 
     # --- start -------------------------------------------------------------------------------
@@ -629,6 +653,13 @@ class CheckpointCoordinator:
                 self._delete_late()
                 return meta
             subtasks = tuple(pending.acks[i] for i in range(self.parallelism))
+            referenced = {f.path for h in subtasks for f in h.all_files}
+            if referenced & self._deleting:   # a re-upload of a file being deleted: wait for the delete, then look
+                if not self._deletions.wait_for(lambda: not referenced & self._deleting, timeout=_DELETE_WAIT):
+                    raise CheckpointError(
+                        f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: files it "
+                        f"references are still being deleted after {_DELETE_WAIT:g} s (is the store answering?)")
+                return self.complete(checkpoint_id)   # the lock was released: look at everything again
             # a file deleted here since some upload of it: an ack cannot tell whether its upload came
             # before the deletion (a lost attempt's late ack) or after, so look
             once_deleted = sorted({f.path for h in subtasks for f in (*h.files, *h.channel_state)}
@@ -744,15 +775,20 @@ class CheckpointCoordinator:
             if cid in keep:
                 continue
             meta = self._completed.pop(cid)
-            self.storage.delete_checkpoint_dir(cid)  # the record first, then its files
-            if cid == RESTORED and meta.properties.get("claim_mode") == "claim":
-                self._delete_claimed_record(meta)
+            claimed_record = cid == RESTORED and meta.properties.get("claim_mode") == "claim"
+            record = None
+            if self.background_deletes:   # the record first, then its files: the files wait for the record
+                record = self._enqueue(_DeleteJob(record=meta if claimed_record else None, checkpoint_id=cid))
+            else:
+                self.storage.delete_checkpoint_dir(cid)
+                if claimed_record:
+                    self._delete_claimed_record(meta)
             self._refs.subtract(meta.physical_paths())
             gone = [p for p in meta.physical_paths() if self._refs[p] <= 0]
             for p in gone:
                 del self._refs[p]
                 self._sizes.pop(p, None)
-            self._delete_unreferenced(gone)
+            self._delete_unreferenced(gone, after=record)
             log.info("subsumed checkpoint %d of %s", cid, self.storage.state)
 
     def _remember_deleted(self, paths: list[str]) -> None:
@@ -762,24 +798,29 @@ class CheckpointCoordinator:
         while len(self._deleted) > _MAX_DELETED:
             del self._deleted[next(iter(self._deleted))]
 
-    def _delete_unreferenced(self, paths: set[str] | list[str]) -> int:
+    def _delete_unreferenced(self, paths: set[str] | list[str], after: int | None = None) -> int:
         """Delete what no retained checkpoint, no pending ack and no open ``across`` file needs among
         ``paths``: data files of this root, and absolute URLs only if this state claimed them. Nothing
-        without the writer lease: another writer may hold the state now."""
+        without the writer lease: another writer may hold the state now. With background deletes the
+        data files are queued (after the record job ``after``, if given) and counted."""
         try:
             self.lease.check()
         except CheckpointError as exc:
             log.warning("not deleting %d files of %s: %s", len(paths), self.storage.state, exc)
             return 0
-        in_flight = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.all_files}
-        in_flight.update(*self._open.values())
+        in_flight = self._in_flight()
         unused = [p for p in paths if self._refs[p] <= 0 and p not in in_flight]
         foreign = sorted(p for p in unused if not is_data_path(p) and "://" not in p)
         if foreign:
             log.error("not deleting %s of %s: only data files (%s) are deleted", foreign, self.storage.state,
                       DATA_PATH_FORMS)
         doomed = sorted(p for p in unused if is_data_path(p))
-        n = self.storage.delete_files(doomed) if doomed else 0
+        if self.background_deletes:
+            if doomed:
+                self._enqueue(_DeleteJob(files=doomed, after=after))
+            n = len(doomed)
+        else:
+            n = self.storage.delete_files(doomed) if doomed else 0
         self._remember_deleted(doomed)
         claimed = sorted(p for p in unused if "://" in p and p in self._claimed)
         if claimed:
@@ -788,6 +829,79 @@ class CheckpointCoordinator:
             log.info("deleted %d claimed files of %s no retained checkpoint references", len(claimed),
                      self.storage.state)
         return n
+
+    # --- background deletes ----------------------------------------------------------------------
+    def _in_flight(self) -> set[str]:
+        """Files a pending ack or an agent's open ``across`` file needs: never deleted."""
+        held = {f.path for p in self._pending.values() for h in p.acks.values() for f in h.all_files}
+        held.update(*self._open.values())
+        return held
+
+    def _enqueue(self, job: _DeleteJob) -> int:
+        """Hand a delete to the deleter thread (the caller holds the lock); returns the job's number."""
+        self._job_seq += 1
+        job.seq = self._job_seq
+        self._jobs.append(job)
+        if self._deleter is None or not self._deleter.is_alive():
+            self._deleter = threading.Thread(target=self._delete_loop, daemon=True,
+                                             name=f"steward-deletes-{self.storage.state}")
+            self._deleter.start()
+        self._deletions.notify_all()
+        return job.seq
+
+    def _delete_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._deletions.wait_for(lambda: self._jobs or self._closing)
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                files: list[str] = []
+                if job.after in self._failed_records:
+                    log.warning("not deleting %d files of %s: the record they belonged to could not be "
+                                "deleted (the orphan sweep retries once it is)", len(job.files), self.storage.state)
+                elif job.files:
+                    try:
+                        self.lease.check()
+                    except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
+                        log.warning("not deleting %d files of %s: %s", len(job.files), self.storage.state, exc)
+                    else:
+                        held = self._in_flight()   # referenced again since they were queued: they stay
+                        files = [p for p in job.files if self._refs[p] <= 0 and p not in held]
+                self._deleting.update(files)
+            try:
+                if job.checkpoint_id is not None:
+                    self.storage.delete_checkpoint_dir(job.checkpoint_id)
+                    if job.record is not None:
+                        self._delete_claimed_record(job.record)
+                for i in range(0, len(files), _DELETE_BATCH):
+                    self.storage.delete_files(files[i:i + _DELETE_BATCH])
+            except Exception as exc:  # noqa: BLE001 - left as orphans: the sweep deletes them after the grace
+                log.warning("deleting %s of %s failed (the orphan sweep retries): %s",
+                            f"checkpoint {job.checkpoint_id}" if job.checkpoint_id is not None
+                            else f"{len(files)} unreferenced files", self.storage.state, exc)
+                if job.checkpoint_id is not None:
+                    with self._lock:
+                        self._failed_records.add(job.seq)
+            finally:
+                with self._lock:
+                    self._deleting.difference_update(files)
+                    self._deletions.notify_all()
+
+    def flush_deletions(self, timeout: float = 60.0) -> bool:
+        """Wait (without holding the caller's locks) until the queued deletes are done; False on timeout."""
+        with self._lock:
+            return self._deletions.wait_for(lambda: not self._jobs and not self._deleting, timeout=timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Finish the queued deletes (up to ``timeout``) and stop the deleter thread. Idempotent."""
+        self.flush_deletions(timeout)
+        with self._lock:
+            self._closing = True
+            self._deletions.notify_all()
+            deleter = self._deleter
+        if deleter is not None:
+            deleter.join(timeout)
 
     def _delete_claimed_record(self, meta: CheckpointMetadata) -> None:
         """Delete the source ``_metadata`` a subsumed CLAIM restore took over (its files go as their

@@ -330,7 +330,7 @@ class StateService:
             restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
             coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
                                           num_retained=num_retained, merging=merging, lease=lease,
-                                          orphan_grace=self.orphan_grace)
+                                          orphan_grace=self.orphan_grace, background_deletes=True)
         except BaseException:
             lease.release()
             raise
@@ -378,6 +378,7 @@ class StateService:
         with self._cond:
             states = list(self._states.values())
         for st in states:
+            st.coordinator.close()   # the queued deletes, under the lease
             if st.lease is not None:
                 st.lease.release()
 
@@ -457,6 +458,7 @@ class StateService:
         except StewardError as exc:
             raise InvalidRequestError(f"{f.op}: {exc}") from None
         warning = None
+        st.coordinator.flush_deletions()   # an upload of this attempt never races a delete queued before it
         with st.lock:   # the drain record is written under this state's lock only
             if st.drains is None:
                 st.drains = DrainLog.read(st.coordinator.storage.location)
@@ -713,6 +715,12 @@ class StateService:
             if not pending:
                 raise CheckpointOrderError(f"keyed state {name!r} has no pending checkpoint to commit")
             cid = pending[-1]
+        try:
+            return self._complete_when_acked(st, name, cid, wait, deadline)
+        finally:   # the deletes it queued run outside this state's lock: its acks and seals go on meanwhile
+            st.coordinator.flush_deletions()
+
+    def _complete_when_acked(self, st: _State, name: str, cid: int, wait: float, deadline: float) -> dict[str, Any]:
         generation = self._generation_now()
         while True:
             with st.lock:   # this state only: another state's commit or heartbeat never waits on its I/O
@@ -775,6 +783,7 @@ class StateService:
             st.failures.pop(cid, None)
             st.stats.pop(cid, None)
             st.working.pop(cid, None)
+        st.coordinator.flush_deletions()
         return {"deleted": deleted}
 
     def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
