@@ -2,15 +2,17 @@
 
 ``with standalone_cluster(work_dir) as cluster:`` starts a Master on 127.0.0.1 and one Worker, and
 yields :class:`StandaloneCluster` (``cluster.master_url`` for ``SparkSession.builder.master``).
+``workers=n`` starts n Workers, worker i on the loopback address ``127.0.0.<i+1>``: Spark sees n hosts
+(a speculative copy of a task, for one, never runs on the host of its original).
 
-With ``isolated=True`` the Worker (and so its executors, their Python workers and spark-steward's
+With ``isolated=True`` each Worker (and so its executors, their Python workers and spark-steward's
 executor agents) runs in its own mount namespace (``unshare --mount --propagation private``) where
 
 - ``/tmp`` is a fresh tmpfs, and so is every directory in ``hide`` (e.g. the spark-steward state dir),
   so the executor sees none of the driver's files there; only the installed software (this checkout,
   the Python environment, Spark) stays visible where it lives under /tmp, as on any real host;
 - ``/proc/sys/kernel/random/boot_id`` is a bind mount of a file holding another uuid, so the executor
-  believes it runs under another kernel.
+  believes it runs under another kernel (each isolated Worker its own).
 
 The network is shared (everything talks over 127.0.0.1). That needs root (or ``CAP_SYS_ADMIN``);
 :func:`isolation_unavailable` probes once and returns why it cannot work here, or ``None``.
@@ -122,7 +124,9 @@ class StandaloneCluster:
 
     def __init__(self, work_dir: str | os.PathLike[str], *, isolated: bool = True, hide: Sequence[str] = (),
                  worker_boot_id: str | None = None, worker_env: dict[str, str] | None = None,
-                 cores: int = 1, memory: str = "1g", start_timeout: float = 60.0) -> None:
+                 cores: int = 1, memory: str = "1g", start_timeout: float = 60.0, workers: int = 1) -> None:
+        if not 1 <= workers <= 250:
+            raise ValueError(f"workers={workers}: give 1 to 250 (worker i listens on 127.0.0.<i+1>)")
         self.work_dir = Path(work_dir)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.isolated = isolated
@@ -141,26 +145,34 @@ class StandaloneCluster:
                               "--webui-port", str(self.webui_port)], "master")
             self._wait(lambda: _get_json(self.webui + "/json/").get("status") == "ALIVE", start_timeout,
                        "the standalone master")
-            worker = [spark_class, _WORKER, self.master_url, "--host", "127.0.0.1", "--cores", str(cores),
-                      "--memory", memory, "--webui-port", str(_free_port())]
-            wenv = {**env, **(worker_env or {})}
-            if isolated:
-                unavailable = isolation_unavailable()
-                if unavailable:
-                    raise RuntimeError(f"cannot isolate the worker: {unavailable}")
-                work = "/tmp/work"
-                script = _namespace_script(list(hide), self.worker_boot_id,
-                                           f"mkdir -p {work} && exec " + shlex.join([*worker, "--work-dir", work]),
-                                           keep=_software_paths())
-                cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
-            else:
-                cmd = [*worker, "--work-dir", str(self.work_dir / "worker")]
-            self._start(wenv, cmd, "worker")
-            self._wait(lambda: any(w.get("state") == "ALIVE" for w in _get_json(self.webui + "/json/")["workers"]),
-                       start_timeout, "the worker to register with the master")
+            for i in range(workers):
+                self._start_worker(i, env, spark_class, worker_env, hide, cores, memory)
+            self._wait(lambda: sum(w.get("state") == "ALIVE" for w in _get_json(self.webui + "/json/")["workers"])
+                       >= workers, start_timeout, f"{workers} worker(s) to register with the master")
         except BaseException:
             self.close()
             raise
+
+    def _start_worker(self, i: int, env: dict[str, str], spark_class: str, worker_env: dict[str, str] | None,
+                      hide: Sequence[str], cores: int, memory: str) -> None:
+        host = f"127.0.0.{i + 1}"
+        worker = [spark_class, _WORKER, self.master_url, "--host", host, "--cores", str(cores),
+                  "--memory", memory, "--webui-port", str(_free_port())]
+        wenv = {**env, "SPARK_LOCAL_IP": host, **(worker_env or {})}
+        name = "worker" if i == 0 else f"worker{i}"
+        if self.isolated:
+            unavailable = isolation_unavailable()
+            if unavailable:
+                raise RuntimeError(f"cannot isolate the worker: {unavailable}")
+            work = "/tmp/work"
+            boot_id = self.worker_boot_id if i == 0 else str(uuid.uuid4())
+            script = _namespace_script(list(hide), boot_id,
+                                       f"mkdir -p {work} && exec " + shlex.join([*worker, "--work-dir", work]),
+                                       keep=_software_paths())
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+        else:
+            cmd = [*worker, "--work-dir", str(self.work_dir / name)]
+        self._start(wenv, cmd, name)
 
     @property
     def webui(self) -> str:
