@@ -454,7 +454,7 @@ def test_hostile_merged_paths_from_a_peer_are_refused_by_name(tmp_path):
                 rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=[bad], agent="x",
                                  attempt="a")
             with pytest.raises(StewardError, match=rf"sealed files \['{bad}'\] are not merged/ paths"):
-                rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x",
+                rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt="a",
                                   files=[{"path": bad, "size": 1}])
         rig.dconn.request("state.abort", name="s", checkpoint_id=1)
         assert (tmp_path / "chk").is_dir() and rig.storage.stored_files() == rig.referenced()

@@ -191,10 +191,40 @@ def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_pa
         rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=merged, agent="x",
                           attempt=attempt)
         with pytest.raises(StewardError, match=r"by executor agent 'y'.*are not merged files its acks listed"):
-            rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="y",
+            rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="y", attempt=attempt,
                               files=[{"path": p, "size": 1 << 30} for p in merged])
         assert rig.states._states["s"].coordinator.sealed_files(1) == {}
         rig.dconn.request("state.abort", name="s", checkpoint_id=1)
+        assert rig.storage.stored_files() == rig.referenced()
+    finally:
+        rig.close()
+
+
+def test_a_seal_of_a_replaced_attempt_records_nothing_and_a_seal_without_one_is_refused(tmp_path):
+    """Item 4 for seals: agent x acked merged files in attempt A of checkpoint 1, which was then
+    aborted and begun again (attempt B, the same ack again). x's seal asked for under A arrives now:
+    it records no durable size for B (and deletes nothing); B's own seal does. A seal naming no
+    attempt is refused by name."""
+    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    try:
+        rig.batch(0, {"a": 1})
+        handle = rig.storage.read_metadata(0).subtasks[0].to_json()
+        merged = sorted({f["path"] for f in handle["files"] if f["path"].startswith("merged/")})
+        sizes = [{"path": p, "size": 1 << 20} for p in merged]
+        old = rig.dconn.request("state.begin", name="s", checkpoint_id=1)["attempt"]
+        rig.dconn.request("state.abort", name="s", checkpoint_id=1)
+        new = rig.dconn.request("state.begin", name="s", checkpoint_id=1)["attempt"]
+        assert new != old
+        rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=merged, agent="x",
+                          attempt=new)
+        coord = rig.states._states["s"].coordinator
+        rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt=old, files=sizes)
+        assert coord.sealed_files(1) == {}, "a replaced attempt's seal must not count for the current one"
+        with pytest.raises(StewardError, match=r"field 'attempt'"):
+            rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", files=sizes)
+        rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt=new, files=sizes)
+        assert coord.sealed_files(1) == {p: 1 << 20 for p in merged}
+        assert rig.dconn.request("state.commit", name="s", checkpoint_id=1, wait=10)["checkpoint_id"] == 1
         assert rig.storage.stored_files() == rig.referenced()
     finally:
         rig.close()

@@ -521,14 +521,21 @@ class CheckpointCoordinator:
                 return "discard"
             return "seal" if len(pending.acks) >= self.parallelism else "wait"
 
-    def sealed(self, checkpoint_id: int, files: Mapping[str, int], agent: str = "") -> None:
+    def sealed(self, checkpoint_id: int, files: Mapping[str, int], agent: str = "",
+               attempt: str | None = None) -> None:
         """``files`` (merged path -> size) of ``checkpoint_id`` are durable in the store, says
-        ``agent``: only files its acks of a pending checkpoint listed are taken."""
+        ``agent``: only files its acks of a pending checkpoint listed are taken. A seal of another
+        ``attempt`` than the pending one (it was asked for before an abort or a coordinator restart)
+        records nothing and deletes nothing: the current attempt's own seal follows."""
         bad = [p for p in files if not is_merged(p)]
         if bad:
             raise InvalidRecordError(f"sealed files {bad} are not merged/ paths (merged/<32 hex>)")
         with self._lock:
             pending = self._pending.get(checkpoint_id)
+            if pending is not None and attempt is not None and attempt != pending.attempt:
+                log.info("seal of %d merged files of checkpoint %d of %s by %r ignored: it belongs to a "
+                         "replaced attempt", len(files), checkpoint_id, self.storage.state, agent)
+                return
             foreign = sorted(p for p in files if pending is not None and pending.writers.get(p, agent) != agent)
             if foreign:
                 raise InvalidRecordError(

@@ -33,13 +33,14 @@ Ops (every request names its state with ``name``)::
                     ignored when its attempt is over or another copy of the subtask acked
     state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], working [{name,
                     checkpoint_id, subtask}], wait
-                    -> actions [{name, checkpoint_id, action: seal|wait|discard}] (FLIP-306: an executor
+                    -> actions [{name, checkpoint_id, action: seal|wait|discard, attempt (seal)}] (FLIP-306: an executor
                     agent holding unsealed merged files long-polls; once every subtask acked, it
                     seals them. The polls are its heartbeat, sent too while it has subtasks open or
                     uploading (``working``): when an agent holding merged files a pending checkpoint
                     needs, or the agent that opened a subtask not acked yet, goes silent for
                     agent_timeout, commit aborts the checkpoint, since that upload will never come)
-    state.sealed    name, checkpoint_id, agent, files [{path, size}] (merged files now durable)
+    state.sealed    name, checkpoint_id, agent, attempt, files [{path, size}] (merged files now durable;
+                    a seal of a replaced attempt records nothing)
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
                     returns the checkpoint's stats;
                     on a failure or when the wait runs out the checkpoint is aborted and an error raised
@@ -657,7 +658,7 @@ class StateService:
         deadline = time.monotonic() + wait
         generation = self._generation_now()
         while True:
-            actions = [{"name": n, "checkpoint_id": c, "action": self._seal_action(states, n, c)} for n, c in asked]
+            actions = [self._seal_action(states, n, c) for n, c in asked]
             left = deadline - time.monotonic()
             if left <= 0 or any(a["action"] != "wait" for a in actions):
                 break
@@ -669,15 +670,21 @@ class StateService:
         return {"actions": actions, "stale": [{"name": n, "checkpoint_id": c} for n, c in stale]}
 
     @staticmethod
-    def _seal_action(states: dict[str, _State], name: str, cid: int) -> str:
+    def _seal_action(states: dict[str, _State], name: str, cid: int) -> dict[str, Any]:
+        """What the agent does with its pool of ``cid``; a seal carries the attempt it is for."""
         st = states.get(name)
-        return "discard" if st is None else st.coordinator.seal_wanted(cid)
+        action = "discard" if st is None else st.coordinator.seal_wanted(cid)
+        out: dict[str, Any] = {"name": name, "checkpoint_id": cid, "action": action}
+        if action == "seal":
+            out["attempt"] = st.coordinator.attempt(cid)
+        return out
 
     def _op_sealed(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         _, st = self._state(f)
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
         agent = f.text("agent", max_len=200)
+        attempt = f.text("attempt", max_len=64)
         files = req.get("files")
         if not isinstance(files, list) or len(files) > 100_000:
             raise InvalidRequestError(f"{f.op}: field 'files' must be a list of {{path, size}}")
@@ -687,7 +694,7 @@ class StateService:
             sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
         self._heard(agent)
         with st.lock:
-            st.coordinator.sealed(cid, sealed, agent)
+            st.coordinator.sealed(cid, sealed, agent, attempt)
         self._notify()
         return {}
 

@@ -428,13 +428,13 @@ class SubtaskService:
                 elif a.get("action") == "seal":
                     with self._lock:
                         self._sealing.add((url, cid))
-                    threading.Thread(target=self._seal, args=(a["name"], url, cid), daemon=True,
+                    threading.Thread(target=self._seal, args=(a["name"], url, cid, a.get("attempt")), daemon=True,
                                      name=f"steward-seal-{cid}").start()
 
-    def _seal(self, name: str, url: str, cid: int) -> None:
+    def _seal(self, name: str, url: str, cid: int, attempt: str | None) -> None:
         try:
             files = self.merger.seal(url, cid)
-            self._driver("state.sealed", name=name, checkpoint_id=cid, agent=self.agent_id,
+            self._driver("state.sealed", name=name, checkpoint_id=cid, agent=self.agent_id, attempt=attempt,
                          files=[{"path": f.path, "size": f.size} for f in files])
         except Exception as exc:  # noqa: BLE001 - the coordinator aborts the checkpoint
             log.warning("sealing checkpoint %d of %s failed: %s", cid, name, exc)
