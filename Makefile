@@ -18,6 +18,7 @@ example-state: $(VENV)/.installed
 	$(PY) examples/keyed_state_stream.py
 
 test: $(VENV)/.installed
+	$(PY) -m ruff check --no-cache .
 	$(PY) -m pytest -q -ra -m "not soak" --durations=15
 
 soak: $(VENV)/.installed

@@ -154,7 +154,7 @@ def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
     cache = LocalFileCache(root / "task-cache")
     sync, opened, wal = [], [], []
     with SnapshotUploader(4, cache=cache) as uploader:
-        for r in range(rounds):
+        for _ in range(rounds):
             cid = meta.checkpoint_id + 1
             begun = coord.begin(cid)
             futs = []

@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Iterator
 
 import psutil
-import pytest
 
 MARKER = "SPARK_STEWARD_TEST_SESSION"
 _SESSION = uuid.uuid4().hex

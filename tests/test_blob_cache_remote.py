@@ -203,7 +203,7 @@ def test_a_missing_blob_is_not_retried(server, tmp_path):
 def test_the_sweeper_drops_a_deleted_jobs_blobs_but_not_what_a_task_still_uses(server, tmp_path):
     from sparksteward.blob.job_sweeper import CacheJobSweeper
 
-    (k1, d1), (k2, _), (k3, _) = _blob(server, 2 << 20, "done-job"), _blob(server, 1000, "done-job"), \
+    (k1, _), (k2, _), (k3, _) = _blob(server, 2 << 20, "done-job"), _blob(server, 1000, "done-job"), \
         _blob(server, 1000, "live-job")
     cache = BlobCache(tmp_path / "cache", server.ha, server.sock.endpoint, server.secret, boot_id=OTHER_BOOT_ID)
     p1 = cache.open("done-job", k1)

@@ -250,7 +250,7 @@ def test_void_store_keeps_nothing(tmp_path):
 def test_ha_store_detects_corruption(ha, tmp_path):
     src = tmp_path / "src"
     src.write_bytes(b"hello")
-    from sparksteward.blob.key import hash_file
+    from sparksteward.hashing import hash_file
 
     key = BlobKey(BlobType.PERMANENT, hash_file(src))
     ha.put("j", key, src)

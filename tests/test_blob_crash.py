@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from sparksteward.agents.driver import _server_dir
-from sparksteward.blob.key import BlobKey, hash_file
+from sparksteward.blob.key import BlobKey
+from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.testing.s3 import local_s3
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.blob.key import BlobKey, BlobType, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.errors import ChecksumMismatchError
 from tests.test_blob_core import Rig, ha, s3  # noqa: F401 - fixtures

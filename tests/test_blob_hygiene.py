@@ -16,7 +16,8 @@ import pytest
 
 from sparksteward.agents.driver import _server_dir
 from sparksteward.blob.cache import BlobCache
-from sparksteward.blob.key import BlobKey, BlobType, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import hash_file
 from sparksteward.blob.payload import write_payload
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import FileSystemBlobStore, VoidBlobStore
@@ -24,7 +25,6 @@ from sparksteward.errors import BlobNotFoundError, InvalidIdError
 from sparksteward.owner import OwnerRecord, process_start_time
 from sparksteward.rendezvous import Rendezvous
 from sparksteward.testing.agent import AgentProcess
-from sparksteward.testing.clock import FakeClock
 from sparksteward.wire import AgentServer
 from tests.conftest import wait_until
 from tests.test_blob_core import Rig

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from sparksteward.blob.key import BlobKey, BlobType, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.cli import main
 from sparksteward.jobs.fs_store import FileSystemJobResultStore

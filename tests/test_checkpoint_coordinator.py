@@ -17,7 +17,6 @@ from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.rescale import open_subtask, restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
-from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.testing.clock import FakeClock
 

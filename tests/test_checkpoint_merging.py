@@ -46,7 +46,7 @@ def _files(tmp_path: Path, sizes: list[int]) -> list[Path]:
 
 
 def test_segments_of_many_subtasks_share_physical_files_rotated_at_max_size(tmp_path, store_url):
-    from sparksteward.blob.key import hash_file
+    from sparksteward.hashing import hash_file
 
     storage = CheckpointStorage.open(store_url, "s")
     opts = MergingOptions(max_file_size=100 << 10)
@@ -212,7 +212,7 @@ class Rig:
         self.p = parallelism
 
     def values(self, meta: CheckpointMetadata) -> dict[str, int]:
-        from sparksteward.state.keyed import _read_values
+        from sparksteward.keyed_state import _read_values
 
         return {k: int(v) for k, v in _read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.blob.key import hash_file
+from sparksteward.hashing import hash_file
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.records import FileHandle, SubtaskHandle

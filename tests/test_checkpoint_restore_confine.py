@@ -174,7 +174,7 @@ def test_a_record_naming_anything_but_its_data_files_is_refused_by_name(tmp_path
 
 
 def _xxh(data: bytes) -> str:
-    from sparksteward.blob.key import Hasher
+    from sparksteward.hashing import Hasher
 
     h = Hasher()
     h.update(data)

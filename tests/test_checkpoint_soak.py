@@ -399,7 +399,7 @@ class Soak:
     def check_checkpoints(self, when: str) -> dict[int, dict]:
         """Every retained checkpoint restores to the values of the rows its batches emitted, and every
         file it references is in the bucket, long enough."""
-        from sparksteward.state.keyed import _read_values
+        from sparksteward.keyed_state import _read_values
 
         metas = self.metadata()
         stored = self.stored()

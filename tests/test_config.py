@@ -53,7 +53,7 @@ def test_unknown_keys_are_warned_about_with_a_suggestion(caplog):
 
 def test_config_is_frozen():
     cfg = StewardConfig.from_conf({})
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):   # dataclasses.FrozenInstanceError
         cfg.cluster_id = "x"  # type: ignore[misc]
 
 

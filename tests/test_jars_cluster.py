@@ -138,7 +138,6 @@ def test_corrupt_ha_copy_is_served_by_the_server_and_the_scoped_job_end_deletes_
 
 def test_add_file_and_a_url_put_ahead_of_time_and_a_foreign_scope(env):
     from sparksteward.blob.url import BlobUrl, app_scope
-    from sparksteward.cli import main
     from sparksteward.wire import new_secret
 
     spark, tmp, ha = env

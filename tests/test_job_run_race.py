@@ -29,7 +29,7 @@ import pytest
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
-from sparksteward.jobs.store import open_store
+from sparksteward.jobs.fs_store import open_store
 from sparksteward.testing.s3 import local_s3
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import sparksteward
 from sparksteward import JobAlreadyCompleted, Steward
 from sparksteward.jar import shim_jar
 from sparksteward.jobs.result import JobStatus

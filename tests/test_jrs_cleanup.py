@@ -227,7 +227,8 @@ def test_steps_are_idempotent(tmp_path, s3):
 
 
 def test_default_blob_job_dir_deletes_the_ha_directory(tmp_path, s3):
-    from sparksteward.blob.key import BlobKey, BlobType, hash_file
+    from sparksteward.blob.key import BlobKey, BlobType
+    from sparksteward.hashing import hash_file
     from sparksteward.blob.store import FileSystemBlobStore
 
     src = tmp_path / "lib.whl"

@@ -64,7 +64,7 @@ def test_sigkill_during_cleanup_then_restart_finishes_everything(s3, tmp_path):
                 reply = _begin(conn, job)  # a re-run attempt of the same job id
                 assert not reply["started"], "a completed job must not run again"
                 assert reply["entry"]["result"]["payload"] == {"run": run}
-                wait_until(lambda: conn.request("jobs.get", job_id=job)["entry"]["state"] == "clean",
+                wait_until(lambda job=job: conn.request("jobs.get", job_id=job)["entry"]["state"] == "clean",
                            timeout=30, what=f"{job} to be cleaned by the restarted agent")
         assert not any(fs.exists(t) for t in targets), f"{job}: a registered path survived"
         assert not fs.exists(blob_dir), f"{job}: its blob directory survived"

@@ -138,10 +138,10 @@ def test_sigkill_during_finish_loses_no_acknowledged_result(s3, tmp_path):
             proc = subprocess.Popen([sys.executable, CHILD, "finishloop", url, str(spool), "0.3", "0.1"], env=env,
                                     stdout=subprocess.PIPE, stderr=errf, text=True)
         lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader = threading.Thread(target=lambda lines=lines, proc=proc: lines.extend(proc.stdout), daemon=True)
         reader.start()
         try:
-            wait_until(lambda: len(lines) >= 1 or proc.poll() is not None, timeout=60,
+            wait_until(lambda lines=lines, proc=proc: len(lines) >= 1 or proc.poll() is not None, timeout=60,
                        what="the child to finish its first job")
             if outage:
                 time.sleep(rng.uniform(0.0, 0.3))  # usually lands in a job's body: its finish() meets the outage

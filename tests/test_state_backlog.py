@@ -17,7 +17,7 @@ from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CorruptRecordError, StateError, StewardError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keyed import _KG_COL, _unaligned_input
+from sparksteward.keyed_state import _KG_COL, _unaligned_input
 from sparksteward.state.keygroups import KeyGroupRange, key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture

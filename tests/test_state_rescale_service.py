@@ -72,7 +72,7 @@ class App:
 
 
 def values(tmp: Path, meta: dict) -> dict[str, int]:
-    from sparksteward.state.keyed import _read_values
+    from sparksteward.keyed_state import _read_values
 
     return {k: int(v) for k, v in _read_values(str(tmp / "chk"), "s", "c1", meta)}
 

@@ -7,7 +7,7 @@ import pytest
 
 from sparksteward.errors import ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
-from sparksteward.state.routing import key_group_sql, route_sql, routing_values, spark_hash_int, subtask_sql
+from sparksteward.routing import key_group_sql, route_sql, routing_values, spark_hash_int, subtask_sql
 
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from sparksteward.blob.key import hash_file
+from sparksteward.hashing import hash_file
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.channel import ChannelStateWriter, read_channel_state
 from sparksteward.checkpoint.merging import MergingOptions

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from sparksteward.checkpoint.subtasks import STATE_DIR_PREFIX, SubtaskService
 from tests.state_helpers import guarded_rmtree  # noqa: F401 - autouse fixture

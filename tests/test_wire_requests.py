@@ -9,7 +9,6 @@ import time
 import orjson
 import pytest
 
-from sparksteward.blob.client import BlobClient
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.client import Steward

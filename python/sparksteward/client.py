@@ -316,7 +316,7 @@ class Steward:
                     restore_from: str | None = None, claim_mode: str | None = None,
                     file_merging: bool | dict[str, Any] | None = None, alignment: str | None = None,
                     aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None) -> Any:
-        """A :class:`~sparksteward.state.keyed.KeyedState` named ``name`` keyed by column ``key``, with
+        """A :class:`~sparksteward.keyed_state.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
         ``spark.steward.checkpoint.dir``), keeping ``num_retained`` completed checkpoints.
@@ -339,7 +339,7 @@ class Steward:
         replays it first."""
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
-        from sparksteward.state.keyed import KeyedState
+        from sparksteward.keyed_state import KeyedState
         from sparksteward.state.keygroups import validate_parallelism
 
         conf = self.spark.sparkContext.getConf() if self.spark is not None else None

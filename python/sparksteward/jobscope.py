@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import traceback
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -23,12 +23,18 @@ from urllib.parse import quote, unquote
 from sparksteward.errors import InvalidIdError, JobAlreadyCompleted
 from sparksteward.ids import validate_job_id
 
-if TYPE_CHECKING:
-    from sparksteward.client import Steward
-
 __all__ = ["JobScope", "TAG_PREFIX", "job_id_from_tag", "job_tag"]
 
 TAG_PREFIX = "sparksteward-job-"
+
+
+class _Steward(Protocol):
+    """What a scope needs of its :class:`~sparksteward.client.Steward` (which imports this module)."""
+
+    spark: Any
+    _local: Any
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]: ...
 
 
 def job_tag(job_id: str) -> str:
@@ -62,7 +68,7 @@ def _is_cancellation(exc: BaseException) -> bool:
 class JobScope:
     """One scoped job; returned by :meth:`Steward.job`. See the module docstring."""
 
-    def __init__(self, steward: Steward, job_id: str, *, force: bool = False,
+    def __init__(self, steward: _Steward, job_id: str, *, force: bool = False,
                  wait: float | None = None) -> None:
         self.steward = steward
         self.job_id = validate_job_id(job_id)
@@ -126,7 +132,7 @@ class JobScope:
         self.steward._local.scope_objects = [s for s in objects if s is not self]
         try:
             self._sc().removeJobTag(self.tag)
-        except Exception:  # the context may already be stopped; the result still matters
+        except Exception:  # noqa: BLE001 - the context may already be stopped; the result still matters
             pass
         failure = None
         if exc is None:

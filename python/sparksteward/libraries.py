@@ -73,7 +73,7 @@ class LibraryFinder(importlib.abc.MetaPathFinder):
             self._busy = True
             try:
                 new_paths = self._refresh()
-            except Exception as exc:  # an import must fail as ImportError, not with our error
+            except Exception as exc:  # noqa: BLE001 - an import must fail as ImportError, not with our error
                 log.debug("library lookup for %s failed: %s", fullname, exc)
                 return None
             finally:

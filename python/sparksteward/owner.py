@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
+import shutil
 import socket
 import stat
 import uuid
@@ -30,7 +32,10 @@ import orjson
 
 from sparksteward.errors import CorruptRecordError
 
-__all__ = ["OWNER_FILE", "OwnerRecord", "boot_id", "owned_dir_is_dead", "private_dir", "process_start_time"]
+log = logging.getLogger("sparksteward.owner")
+
+__all__ = ["OWNER_FILE", "OwnerRecord", "boot_id", "owned_dir_is_dead", "private_dir", "process_start_time",
+           "sweep_dead"]
 
 OWNER_FILE = "owner.json"
 _VERSION = 1
@@ -212,3 +217,23 @@ def owned_dir_is_dead(directory: str | os.PathLike[str]) -> bool:
     except CorruptRecordError:
         return False
     return owner is not None and owner.is_dead()
+
+
+def sweep_dead(parent: Path, prefix: str, keep: Path | None = None) -> list[Path]:
+    """Delete the ``<prefix>*`` dirs under ``parent`` whose owner file names a process proven dead on
+    this host (a killed or restarted agent's cache or state dir); return them. Dirs without an owner
+    file, symlinks and ``keep`` stay."""
+    swept: list[Path] = []
+    try:
+        entries = list(parent.iterdir())
+    except FileNotFoundError:
+        return swept
+    for d in entries:
+        if not d.name.startswith(prefix) or (keep is not None and d == keep):
+            continue
+        if not d.is_symlink() and d.is_dir() and owned_dir_is_dead(d):
+            shutil.rmtree(d, ignore_errors=True)
+            swept.append(d)
+    if swept:
+        log.info("swept %d dir(s) of dead agents under %s: %s", len(swept), parent, ", ".join(d.name for d in swept))
+    return swept

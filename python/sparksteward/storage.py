@@ -22,7 +22,6 @@ import logging
 import os
 import posixpath
 import stat
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -387,8 +386,3 @@ def open_location(url: str, **storage_options: Any) -> Location:
         ) from exc
     return Location(fs, root, url)
 
-
-def local_temp_dir(parent: str, prefix: str) -> str:
-    """Make a private (0700) temp directory under ``parent``."""
-    os.makedirs(parent, exist_ok=True)
-    return tempfile.mkdtemp(prefix=prefix, dir=parent)

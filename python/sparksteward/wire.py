@@ -653,7 +653,7 @@ class AgentServer:
                 return
             if not self._slots.acquire(timeout=self._timeout):
                 conn.send({"ok": False, "error": AgentUnavailableError(
-                    f"the agent already serves its maximum number of connections; retry later").to_wire()})
+                    "the agent already serves its maximum number of connections; retry later").to_wire()})
                 return
             slot = True
             while not self._closed:

@@ -14,11 +14,11 @@ import sys
 from typing import Any
 
 from sparksteward.agents.base import Agent, run_agent
-from sparksteward.blob.cache import BlobCache, sweep_dead_caches
+from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
 from sparksteward.checkpoint.subtasks import SubtaskService
-from sparksteward.owner import private_dir
+from sparksteward.owner import private_dir, sweep_dead
 from sparksteward.rendezvous import Rendezvous
 
 __all__ = ["ExecutorAgent"]
@@ -38,7 +38,7 @@ class ExecutorAgent(Agent):
         ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)
         private_dir(self.rendezvous.dir)
         cache_dir = self.rendezvous.dir / f"cache-{os.getpid()}"
-        sweep_dead_caches(self.rendezvous.dir, keep=cache_dir)  # caches of killed or restarted agents
+        sweep_dead(self.rendezvous.dir, "cache-", keep=cache_dir)  # caches of killed or restarted agents
         self.cache = BlobCache(cache_dir, ha, hello.get("driver_endpoint"),
                                self.secret, max_size=self.cfg.blob_cache_max_size,
                                fetch_retries=self.cfg.blob_fetch_retries, rpc_timeout=self.cfg.rpc_timeout)

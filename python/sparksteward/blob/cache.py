@@ -17,7 +17,7 @@ Eviction holds the blob's key lock while it unlinks, so it cannot race ``open``.
 release their references through the executor plugin's task events (``release_task``).
 
 The cache directory is private (0700) and holds an owner file (:mod:`sparksteward.owner`);
-:func:`sweep_dead_caches` deletes sibling caches whose owner is proven dead (a killed or restarted
+:func:`sparksteward.owner.sweep_dead` deletes sibling caches whose owner is proven dead (a killed or restarted
 executor agent). ``close`` deletes the cache directory; a new cache removes temp files a killed
 process left behind.
 
@@ -38,42 +38,23 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, hash_file
+from sparksteward.blob.key import BlobKey
+from sparksteward.hashing import hash_file
 from sparksteward.blob.locks import KeyedLocks
-from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name, verified_copy
 from sparksteward.blob.url import BlobUrl
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
 from sparksteward.libraries import library_kind
-from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
+from sparksteward.owner import OwnerRecord, private_dir
+from sparksteward.owner import boot_id as host_boot_id
 from sparksteward.wire import Connection, Fields, RawReader
 
-__all__ = ["BlobCache", "sweep_dead_caches"]
+__all__ = ["BlobCache"]
 
 log = logging.getLogger("sparksteward.blob.cache")
 
 Ref = tuple["str | None", BlobKey]
-
-
-def sweep_dead_caches(parent: Path, prefix: str = "cache-", keep: Path | None = None) -> list[Path]:
-    """Delete the ``<prefix>*`` dirs under ``parent`` whose owner file names a process proven dead on
-    this host (see :mod:`sparksteward.owner`); return them. Dirs without an owner file are kept."""
-    swept = []
-    try:
-        entries = list(parent.iterdir())
-    except FileNotFoundError:
-        return swept
-    for d in entries:
-        if not d.name.startswith(prefix) or (keep is not None and d == keep):
-            continue
-        if not d.is_symlink() and d.is_dir() and owned_dir_is_dead(d):
-            shutil.rmtree(d, ignore_errors=True)
-            swept.append(d)
-    if swept:
-        log.info("swept %d blob cache dir(s) of dead executor agents: %s", len(swept),
-                 ", ".join(d.name for d in swept))
-    return swept
 
 
 class BlobCache:
@@ -101,7 +82,7 @@ class BlobCache:
         self._pinned: set[Ref] = set()  # libraries handed to workers: never evicted
         self._task_refs: dict[int, collections.Counter[Ref]] = collections.defaultdict(collections.Counter)
         #: this host's kernel boot id, sent with ``blob.get``; the server names its file only when it matches
-        self.boot_id = BOOT_ID if boot_id is None else boot_id
+        self.boot_id = host_boot_id() if boot_id is None else boot_id
         self._same_host = bool(self.boot_id) if same_host is None else same_host
         if not 0 < initial_backoff <= max_backoff:
             raise ConfigError(f"blob fetch backoff: need 0 < initial ({initial_backoff}) <= max ({max_backoff})")
@@ -273,7 +254,7 @@ class BlobCache:
             if total > self.max_size:
                 log.warning("blob cache holds %d bytes, over its %d limit, all referenced by running tasks "
                             "or pinned libraries", total, self.max_size)
-        for ref, size in victims:
+        for ref, _size in victims:
             with self._key_locks.try_hold(ref) as got:
                 if not got:
                     continue  # being opened right now: not a victim

@@ -10,7 +10,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, BlobType, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.blob.url import BlobUrl, cluster_scope, validate_file_name
 from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, InvalidIdError

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, BlobType, Hasher
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import Hasher
 from sparksteward.blob.store import verified_copy
 from sparksteward.errors import ChecksumMismatchError, ProtocolError, StewardError
 from sparksteward.wire import Connection, RawReader

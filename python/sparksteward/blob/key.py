@@ -10,16 +10,12 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from pathlib import Path
-
-import xxhash
 
 from sparksteward.errors import InvalidIdError
 
-__all__ = ["BlobKey", "BlobType", "Hasher", "hash_file"]
+__all__ = ["BlobKey", "BlobType"]
 
 _TEXT = re.compile(r"^([pt])-([0-9a-f]{32})$")
-_CHUNK = 4 << 20
 
 
 class BlobType(str, enum.Enum):
@@ -65,25 +61,3 @@ class BlobKey:
     @property
     def permanent(self) -> bool:
         return self.type is BlobType.PERMANENT
-
-
-class Hasher:
-    """Incremental xxh3-128."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_128()
-
-    def update(self, data: bytes | memoryview) -> None:
-        self._h.update(data)
-
-    def digest(self) -> bytes:
-        return self._h.digest()
-
-
-def hash_file(path: str | Path) -> bytes:
-    """The xxh3-128 digest of a file's content, read in 4 MiB chunks."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.digest()

@@ -42,7 +42,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, BlobType, Hasher, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.hashing import Hasher, hash_file
 from sparksteward.blob.locks import KeyedLocks
 from sparksteward.blob.store import job_dir_name
 from sparksteward.blob.url import BlobUrl
@@ -50,6 +51,7 @@ from sparksteward.errors import BlobNotFoundError, ConfigError, ChecksumMismatch
 from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
 from sparksteward.libraries import validate_library_name
+from sparksteward.owner import boot_id
 from sparksteward.wire import AgentServer, Connection, Fields
 
 __all__ = ["BlobServer"]
@@ -57,16 +59,8 @@ __all__ = ["BlobServer"]
 log = logging.getLogger("sparksteward.blob.server")
 
 
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 #: Identifies this machine's running kernel: equal boot ids mean the same host.
-BOOT_ID = _boot_id()
+BOOT_ID = boot_id()
 
 #: How many deleted job ids ``blob.deleted_jobs`` remembers (oldest forgotten first).
 _DELETED_JOBS_KEPT = 4096

@@ -26,7 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from sparksteward.blob.key import BlobKey, Hasher
+from sparksteward.blob.key import BlobKey
+from sparksteward.hashing import Hasher
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StorageError
 from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
 from sparksteward.storage import Location, fsync_dir, fsync_file, open_location

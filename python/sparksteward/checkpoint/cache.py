@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from sparksteward.blob.key import Hasher, hash_file
+from sparksteward.hashing import Hasher, hash_file
 
 __all__ = ["LocalFileCache"]
 

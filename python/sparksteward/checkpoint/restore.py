@@ -54,7 +54,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from sparksteward.blob.key import Hasher
+from sparksteward.hashing import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
 from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.merging import is_merged

@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import hash_file
+from sparksteward.hashing import hash_file
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError

@@ -1,7 +1,7 @@
 """The executor agent's side of keyed state: working dirs, the local file cache, the uploader, and the
 ``state.*`` ops the Python workers call (issue 8).
 
-A task (a ``mapInArrow`` partition, see :mod:`sparksteward.state.keyed`) does::
+A task (a ``mapInArrow`` partition, see :mod:`sparksteward.keyed_state`) does::
 
     state.open      name, checkpoint_id, subtask, parallelism (the task's routing: refused when the state
                     was rescaled since) -> token, workdir, snapshot dir, restore
@@ -58,7 +58,6 @@ from typing import Any
 
 import orjson
 
-from sparksteward.blob.cache import sweep_dead_caches
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.records import CheckpointMetadata
@@ -73,7 +72,7 @@ from sparksteward.errors import (
     InvalidRequestError,
     ParallelismError,
 )
-from sparksteward.owner import OwnerRecord, private_dir
+from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
 from sparksteward.state.backend import WAL_FLUSH_BYTES, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
@@ -124,7 +123,7 @@ class SubtaskService:
                  cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES,
                  open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None) -> None:
         parent = private_dir(Path(parent))
-        sweep_dead_caches(parent, prefix=STATE_DIR_PREFIX)
+        sweep_dead(parent, STATE_DIR_PREFIX)
         self.root = Path(tempfile.mkdtemp(prefix=f"{STATE_DIR_PREFIX}{os.getpid()}-", dir=parent))
         OwnerRecord.current().write(self.root)
         self.cache = LocalFileCache(self.root / "cache", max_bytes=cache_max_bytes)

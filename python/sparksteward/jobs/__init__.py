@@ -1,7 +1,7 @@
 """The JobResultStore (FLIP-194) and guaranteed, retried job cleanup.
 
 - :mod:`~sparksteward.jobs.result`: the ``JobResult`` record and its versioned JSON encoding;
-- :mod:`~sparksteward.jobs.store`: the store interfaces, the in-memory store and ``open_store``;
+- :mod:`~sparksteward.jobs.store`: the store interfaces and the in-memory store;
 - :mod:`~sparksteward.jobs.fs_store`: the store on any fsspec file system;
 - :mod:`~sparksteward.jobs.lease`: leases and the store lock (``flock`` on local stores);
 - :mod:`~sparksteward.jobs.steps`: declarative cleanup steps and the registry of their executors;
@@ -14,13 +14,12 @@
 """
 
 from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
-from sparksteward.jobs.fs_store import FileSystemJobResultStore
+from sparksteward.jobs.fs_store import FileSystemJobResultStore, open_store
 from sparksteward.jobs.result import Failure, JobResult, JobResultEntry, JobStatus, SparkJobOutcome, StepState
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import BlobJobDirCleanup, CleanupStep, StepRegistry
-from sparksteward.jobs.store import (InMemoryJobResultStore, JobResultStore, JobResultView, JobResultWriter, Listing,
-                                     open_store)
+from sparksteward.jobs.store import InMemoryJobResultStore, JobResultStore, JobResultView, JobResultWriter, Listing
 
 __all__ = ["BlobJobDirCleanup", "CleanupOutcome", "CleanupRunner", "CleanupStep", "Failure",
            "FileSystemJobResultStore", "InMemoryJobResultStore", "JobResult", "JobResultEntry", "JobResultStore",

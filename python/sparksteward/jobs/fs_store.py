@@ -44,10 +44,11 @@ from sparksteward.errors import (CorruptRecordError, InvalidIdError, JobResultEx
 from sparksteward.ids import is_hashed_filename, job_id_from_filename, validate_id
 from sparksteward.jobs.lease import Lease, acquire_file_lease, is_file_leased, store_lock
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
-from sparksteward.jobs.store import CLEAN_SUFFIX, DIRTY_SUFFIX, Listing, StoreBase, job_file_stem
+from sparksteward.jobs.store import (CLEAN_SUFFIX, DIRTY_SUFFIX, InMemoryJobResultStore, Listing, StoreBase,
+                                     job_file_stem)
 from sparksteward.storage import Location, NotRegularFileError, open_location, read_regular
 
-__all__ = ["FileSystemJobResultStore"]
+__all__ = ["FileSystemJobResultStore", "open_store"]
 
 log = logging.getLogger("sparksteward.jobs.fs_store")
 
@@ -210,7 +211,7 @@ class FileSystemJobResultStore(StoreBase):
                     wanted[f[clean]] = (stem, clean)
             blobs = self._read_many(sorted(wanted)) if wanted else {}
         entries, ids = [], {}
-        for path, (stem, clean) in sorted(wanted.items()):
+        for path, (stem, _clean) in sorted(wanted.items()):
             data, source = blobs.get(path), self.base.display(path)
             if isinstance(data, FileNotFoundError):
                 continue  # removed since the listing (committed, pruned or deleted)
@@ -420,3 +421,11 @@ class FileSystemJobResultStore(StoreBase):
         if not self.base.is_local:
             return False
         return is_file_leased(self._lease_path(job_id))
+
+
+def open_store(url: str, cluster_id: str = "default",
+               delete_on_commit: bool = False) -> InMemoryJobResultStore | FileSystemJobResultStore:
+    """``memory`` gives an in-memory store; any other path or URL a filesystem store there."""
+    if url == "memory":
+        return InMemoryJobResultStore(cluster_id, delete_on_commit)
+    return FileSystemJobResultStore(url, cluster_id, delete_on_commit)

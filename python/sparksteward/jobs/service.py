@@ -52,7 +52,8 @@ from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, 
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.jobs.steps import CleanupStep, StepRegistry
-from sparksteward.jobs.store import Listing, job_file_stem, open_store
+from sparksteward.jobs.fs_store import open_store
+from sparksteward.jobs.store import Listing, job_file_stem
 from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]

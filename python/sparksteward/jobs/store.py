@@ -2,7 +2,7 @@
 
 This module holds the contract, read and write sides apart (:class:`JobResultView`,
 :class:`JobResultWriter`, both: :class:`JobResultStore`), what the implementations share
-(:class:`StoreBase`), the in-memory store and :func:`open_store`. Two implementations share one
+(:class:`StoreBase`) and the in-memory store (:func:`~sparksteward.jobs.fs_store.open_store` picks one). Two implementations share one
 contract (``tests/test_jrs_contract.py``):
 
 - :class:`InMemoryJobResultStore`, for tests and ``spark.steward.jrs.storage-path=memory``;
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from sparksteward.errors import (InvalidRecordError, JobResultExistsError, JobResultNotFoundError, JobStoreError,
                                  RunConflictError)
@@ -35,11 +35,8 @@ from sparksteward.ids import MAX_STEM_BYTES, job_id_to_filename, validate_id
 from sparksteward.jobs.lease import Lease
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
 
-if TYPE_CHECKING:
-    from sparksteward.jobs.fs_store import FileSystemJobResultStore
-
 __all__ = ["InMemoryJobResultStore", "JobResultStore", "JobResultView", "JobResultWriter", "Listing", "MAX_STEM_BYTES",
-           "StoreBase", "job_file_stem", "open_store"]
+           "StoreBase", "job_file_stem"]
 
 log = logging.getLogger("sparksteward.jobs.store")
 
@@ -336,13 +333,3 @@ class InMemoryJobResultStore(StoreBase):
     def is_leased(self, job_id: str) -> bool:
         with self._lock:
             return job_id in self._leases
-
-
-def open_store(url: str, cluster_id: str = "default",
-               delete_on_commit: bool = False) -> InMemoryJobResultStore | FileSystemJobResultStore:
-    """``memory`` gives an in-memory store; any other path or URL a filesystem store there."""
-    if url == "memory":
-        return InMemoryJobResultStore(cluster_id, delete_on_commit)
-    from sparksteward.jobs.fs_store import FileSystemJobResultStore  # fs_store builds on this module
-
-    return FileSystemJobResultStore(url, cluster_id, delete_on_commit)

@@ -1,7 +1,8 @@
 """Keyed state: key groups, routing, the value encoding, the task-side RocksDB backend and the
 Arrow/pandas runners (issue 8). See ``docs/state.md``.
 
-Nothing here imports pyspark or ``agents/``; the Spark integration builds on these layers.
+Nothing here imports pyspark, ``checkpoint/`` or ``agents/``; checkpoints (``checkpoint/``) and the
+Spark-facing ``KeyedState`` (``keyed_state.py``) build on this layer.
 """
 
 from sparksteward.state.backend import (

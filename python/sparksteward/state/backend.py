@@ -325,15 +325,6 @@ class RocksDBStateBackend:
         self._iterators.add(gen)
         return gen
 
-    def write_raw(self, items: Iterable[tuple[bytes, bytes]]) -> int:
-        wb = rocksdict.WriteBatch(raw_mode=True)
-        n = 0
-        for k, v in items:
-            wb.put(k, v)
-            n += 1
-        self.db.write(wb)
-        return n
-
     def delete_outside(self, keep: KeyGroupRange, compact: bool = False) -> None:
         """Drop every key group outside ``keep`` (range tombstones; ``compact`` drops the bytes too)."""
         lo, hi = group_bounds(keep.start, keep.stop)

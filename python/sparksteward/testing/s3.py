@@ -247,5 +247,5 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
                 os.environ[k] = v
         try:
             s3.server.stop()  # type: ignore[attr-defined]
-        except Exception:  # already stopped by the test
+        except Exception:  # noqa: BLE001 - already stopped by the test
             pass

@@ -63,7 +63,7 @@ from sparksteward.errors import StateEncodingError, StateError, StateNotRegister
 
 __all__ = ["KeyedState"]
 
-log = logging.getLogger("sparksteward.state.keyed")
+log = logging.getLogger("sparksteward.keyed_state")
 
 _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
 _ROUTE_COL = "__steward_subtask"
@@ -358,7 +358,7 @@ class KeyedState:
         return the lazy output and its id; ``(None, None)`` for a drain with nothing to drain."""
         from pyspark.sql import functions as F
 
-        from sparksteward.state.routing import key_group_sql, route_sql, subtask_sql
+        from sparksteward.routing import key_group_sql, route_sql, subtask_sql
 
         if not callable(fn):
             raise StateError(f"fn={fn!r} must be a function")
