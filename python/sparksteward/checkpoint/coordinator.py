@@ -93,7 +93,6 @@ __all__ = ["BeginResult", "CheckpointCoordinator"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordinator")
 
-_DELETE_BATCH = 1000     # files per delete request batch of the deleter thread
 _DELETE_WAIT = 120.0     # how long complete() waits for a delete of a file it references to finish
 _MAX_DELETED = 100_000   # deleted paths remembered, so that complete() refuses a record naming one
 
@@ -182,6 +181,8 @@ class CheckpointCoordinator:
         self._failed_records: set[int] = set()   # record jobs that failed: the files after them stay
         self._job_seq = 0
         self._deleting: set[str] = set()      # data files being deleted now
+        self._busy = False                    # the deleter thread is working on a job
+        self._acked_since: set[str] = set()   # files acks referenced while the deleter works: they stay
         self._deletions = threading.Condition(self._lock)
         self._deleter: threading.Thread | None = None
         self._closing = False
@@ -474,6 +475,8 @@ class CheckpointCoordinator:
                 raise InvalidRecordError(
                     f"subtask {handle.subtask} acked key groups {handle.key_groups}, expected {expected}")
             pending.acks[handle.subtask] = handle
+            if self._busy or self._jobs:   # the deleter spares what this ack references from now on
+                self._acked_since.update(f.path for f in handle.all_files)
             if merged and self.merging.mode is MergingMode.ACROSS:   # appended to until the agent closes it
                 self._open.setdefault(agent, set()).update(merged)
             for p in merged:
@@ -863,6 +866,7 @@ class CheckpointCoordinator:
                 if not self._jobs:
                     return
                 job = self._jobs.popleft()
+                self._busy = True
                 files: list[str] = []
                 if job.after in self._failed_records:
                     log.warning("not deleting %d files of %s: the record they belonged to could not be "
@@ -870,35 +874,57 @@ class CheckpointCoordinator:
                 elif job.files:
                     try:
                         self.lease.check()
+                        files = job.files
                     except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
                         log.warning("not deleting %d files of %s: %s", len(job.files), self.storage.state, exc)
-                    else:
-                        held = self._in_flight()   # referenced again since they were queued: they stay
-                        files = [p for p in job.files if self._refs[p] <= 0 and p not in held]
-                self._deleting.update(files)
             try:
                 if job.checkpoint_id is not None:
-                    self.storage.delete_checkpoint_dir(job.checkpoint_id)
-                    if job.record is not None:
-                        self._delete_claimed_record(job.record)
-                for i in range(0, len(files), _DELETE_BATCH):
-                    self.storage.delete_files(files[i:i + _DELETE_BATCH])
-            except Exception as exc:  # noqa: BLE001 - left as orphans: the sweep deletes them after the grace
-                log.warning("deleting %s of %s failed (the orphan sweep retries): %s",
-                            f"checkpoint {job.checkpoint_id}" if job.checkpoint_id is not None
-                            else f"{len(files)} unreferenced files", self.storage.state, exc)
-                if job.checkpoint_id is not None:
+                    self._delete_record(job)
+                if files:
                     with self._lock:
-                        self._failed_records.add(job.seq)
+                        held = self._in_flight()
+                        self._acked_since = set()
+                    for path in files:
+                        self._delete_one(path, held)
             finally:
                 with self._lock:
-                    self._deleting.difference_update(files)
+                    self._busy = False
                     self._deletions.notify_all()
+
+    def _delete_record(self, job: _DeleteJob) -> None:
+        """A subsumed checkpoint's record (and a CLAIMed source record); the files after it wait for it."""
+        try:
+            self.storage.delete_checkpoint_dir(job.checkpoint_id)
+            if job.record is not None:
+                self._delete_claimed_record(job.record)
+        except Exception as exc:  # noqa: BLE001 - the record stays (recovery subsumes it again), its files too
+            log.warning("deleting checkpoint %s of %s failed (recovery subsumes it again): %s", job.checkpoint_id,
+                        self.storage.state, exc)
+            with self._lock:
+                self._failed_records.add(job.seq)
+
+    def _delete_one(self, path: str, held: set[str]) -> None:
+        """Delete ``path`` unless a record or a pending ack (``held``, and the acks since) references it
+        again since it was queued. While the delete runs, ``complete()`` of a checkpoint referencing it
+        waits, then finds it gone (see there): a re-upload racing the delete costs a retry, never a
+        lost file."""
+        with self._lock:
+            if self._refs[path] > 0 or path in held or path in self._acked_since:
+                return
+            self._deleting.add(path)
+        try:
+            self.storage.delete_files([path])
+        except Exception as exc:  # noqa: BLE001 - left as an orphan: the sweep deletes it after the grace
+            log.warning("deleting %s of %s failed (the orphan sweep retries): %s", path, self.storage.state, exc)
+        finally:
+            with self._lock:
+                self._deleting.discard(path)
+                self._deletions.notify_all()
 
     def flush_deletions(self, timeout: float = 60.0) -> bool:
         """Wait (without holding the caller's locks) until the queued deletes are done; False on timeout."""
         with self._lock:
-            return self._deletions.wait_for(lambda: not self._jobs and not self._deleting, timeout=timeout)
+            return self._deletions.wait_for(lambda: not self._jobs and not self._busy, timeout=timeout)
 
     def close(self, timeout: float = 60.0) -> None:
         """Finish the queued deletes (up to ``timeout``) and stop the deleter thread. Idempotent."""
