@@ -233,8 +233,10 @@ class CheckpointCoordinator:
             now = self.clock.now()
             orphans = sorted(p for p, t in ages.items() if self._refs[p] <= 0 and now - t >= self.orphan_grace
                              and not any(p in held for held in self._open.values()))
-            n = self.storage.delete_files(orphans) if orphans else 0
             self._remember_deleted(orphans)
+            if orphans:
+                self._enqueue(_DeleteJob(files=orphans))
+            n = len(orphans)
         if n:
             log.info("swept %d orphaned files of %s (older than %g s, referenced by no retained checkpoint)",
                      n, self.storage.state, self.orphan_grace)
@@ -672,8 +674,7 @@ class CheckpointCoordinator:
                 return self.complete(checkpoint_id)   # the lock was released: look at everything again
             # a file deleted here since some upload of it: an ack cannot tell whether its upload came
             # before the deletion (a lost attempt's late ack) or after, so look
-            once_deleted = sorted({f.path for h in subtasks for f in (*h.files, *h.channel_state)}
-                                  & self._deleted.keys())
+            once_deleted = sorted(referenced & self._deleted.keys())
             missing_files = [p for p in once_deleted if not self.storage.location.exists(
                 self.storage.location.path(*p.split("/")))]
             for p in once_deleted:
@@ -690,13 +691,12 @@ class CheckpointCoordinator:
                 properties["query"] = pending.query
             if self._cuts.get(checkpoint_id):
                 properties["cuts"] = {str(i): c for i, c in sorted(self._cuts[checkpoint_id].items())}
-            paths = {f.path for h in subtasks for f in h.all_files}
-            claimed = sorted(paths & self._claimed)
+            claimed = sorted(referenced & self._claimed)
             if claimed:
                 properties["claimed"] = claimed
             for p, size in pending.sealed.items():   # the durable size each segment lies within
                 self._sizes[p] = max(self._sizes.get(p, 0), size)
-            merged = sorted(p for p in paths if is_merged(p))
+            merged = sorted(p for p in referenced if is_merged(p))
             if merged:
                 properties["merged"] = {p: self._sizes.get(p, 0) for p in merged}
             meta = CheckpointMetadata(
@@ -786,13 +786,8 @@ class CheckpointCoordinator:
                 continue
             meta = self._completed.pop(cid)
             claimed_record = cid == RESTORED and meta.properties.get("claim_mode") == "claim"
-            record = None
-            if self.background_deletes:   # the record first, then its files: the files wait for the record
-                record = self._enqueue(_DeleteJob(record=meta if claimed_record else None, checkpoint_id=cid))
-            else:
-                self.storage.delete_checkpoint_dir(cid)
-                if claimed_record:
-                    self._delete_claimed_record(meta)
+            # the record first, then its files: the files wait for the record
+            record = self._enqueue(_DeleteJob(record=meta if claimed_record else None, checkpoint_id=cid))
             self._refs.subtract(meta.physical_paths())
             gone = [p for p in meta.physical_paths() if self._refs[p] <= 0]
             for p in gone:
@@ -811,8 +806,8 @@ class CheckpointCoordinator:
     def _delete_unreferenced(self, paths: set[str] | list[str], after: int | None = None) -> int:
         """Delete what no retained checkpoint, no pending ack and no open ``across`` file needs among
         ``paths``: data files of this root, and absolute URLs only if this state claimed them. Nothing
-        without the writer lease: another writer may hold the state now. With background deletes the
-        data files are queued (after the record job ``after``, if given) and counted."""
+        without the writer lease: another writer may hold the state now. The data files go through
+        :meth:`_enqueue` (after the record job ``after``, if given); returns how many."""
         try:
             self.lease.check()
         except CheckpointError as exc:
@@ -825,13 +820,10 @@ class CheckpointCoordinator:
             log.error("not deleting %s of %s: only data files (%s) are deleted", foreign, self.storage.state,
                       DATA_PATH_FORMS)
         doomed = sorted(p for p in unused if is_data_path(p))
-        if self.background_deletes:
-            if doomed:
-                self._enqueue(_DeleteJob(files=doomed, after=after))
-            n = len(doomed)
-        else:
-            n = self.storage.delete_files(doomed) if doomed else 0
         self._remember_deleted(doomed)
+        if doomed:
+            self._enqueue(_DeleteJob(files=doomed, after=after))
+        n = len(doomed)
         claimed = sorted(p for p in unused if "://" in p and p in self._claimed)
         if claimed:
             n += self.storage.delete_claimed(claimed)
@@ -848,9 +840,13 @@ class CheckpointCoordinator:
         return held
 
     def _enqueue(self, job: _DeleteJob) -> int:
-        """Hand a delete to the deleter thread (the caller holds the lock); returns the job's number."""
+        """Hand a delete to the deleter thread, or with ``background_deletes`` off run it now (the
+        caller holds the lock); returns the job's number."""
         self._job_seq += 1
         job.seq = self._job_seq
+        if not self.background_deletes:
+            self._run(job)
+            return job.seq
         self._jobs.append(job)
         if self._deleter is None or not self._deleter.is_alive():
             self._deleter = threading.Thread(target=self._delete_loop, daemon=True,
@@ -867,29 +863,36 @@ class CheckpointCoordinator:
                     return
                 job = self._jobs.popleft()
                 self._busy = True
-                files: list[str] = []
-                if job.after in self._failed_records:
-                    log.warning("not deleting %d files of %s: the record they belonged to could not be "
-                                "deleted (the orphan sweep retries once it is)", len(job.files), self.storage.state)
-                elif job.files:
-                    try:
-                        self.lease.check()
-                        files = job.files
-                    except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
-                        log.warning("not deleting %d files of %s: %s", len(job.files), self.storage.state, exc)
             try:
-                if job.checkpoint_id is not None:
-                    self._delete_record(job)
-                if files:
-                    with self._lock:
-                        held = self._in_flight()
-                        self._acked_since = set()
-                    for path in files:
-                        self._delete_one(path, held)
+                self._run(job)
             finally:
                 with self._lock:
                     self._busy = False
                     self._deletions.notify_all()
+
+    def _run(self, job: _DeleteJob) -> None:
+        """One delete job: the record, then the files still unreferenced (under the lease, and only if
+        the record they wait for is gone). The storage I/O runs outside the lock unless the caller
+        holds it (``background_deletes`` off)."""
+        files: list[str] = []
+        with self._lock:
+            if job.after in self._failed_records:
+                log.warning("not deleting %d files of %s: the record they belonged to could not be "
+                            "deleted (the orphan sweep retries once it is)", len(job.files), self.storage.state)
+            elif job.files:
+                try:
+                    self.lease.check()
+                    files = job.files
+                except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
+                    log.warning("not deleting %d files of %s: %s", len(job.files), self.storage.state, exc)
+        if job.checkpoint_id is not None:
+            self._delete_record(job)
+        if files:
+            with self._lock:
+                held = self._in_flight()
+                self._acked_since = set()
+            for path in files:
+                self._delete_one(path, held)
 
     def _delete_record(self, job: _DeleteJob) -> None:
         """A subsumed checkpoint's record (and a CLAIMed source record); the files after it wait for it."""

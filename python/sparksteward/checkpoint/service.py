@@ -335,6 +335,7 @@ class StateService:
         except BaseException:
             lease.release()
             raise
+        coord.flush_deletions()   # the start-up subsumption and sweep: done before the state is used
         st = _State(coord, checkpoint_dir, restore=restore, alignment=alignment, lease=lease)
         with self._cond:
             self._states[name] = st
