@@ -236,6 +236,8 @@ def test_an_ack_or_failure_of_a_replaced_attempt_is_refused(rig):
     # late failure reports: of the replaced attempt, and of a speculative copy of a subtask that acked
     assert dconn.request("state.fail", name="s", checkpoint_id=0, subtask=0, message="late copy",
                          attempt=old_attempt)["ignored"] is True
+    with pytest.raises(StewardError, match=r"field 'attempt'"):   # a report naming no attempt is refused
+        dconn.request("state.fail", name="s", checkpoint_id=0, subtask=0, message="no token")
     from tests.conftest import wait_until
 
     wait_until(lambda: subtasks.uploads_in_flight() == 0, timeout=30, what="every subtask's ack")

@@ -607,11 +607,11 @@ class StateService:
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
         subtask = f.integer("subtask", lo=0, default=None)
         message = f.text("message", default="")
-        attempt = f.text("attempt", default=None, max_len=64)
+        attempt = f.text("attempt", max_len=64)
         who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
         with st.lock:
             current = st.coordinator.attempt(cid)
-            if current is None or (attempt is not None and attempt != current):
+            if attempt != current:
                 log.info("ignoring a failure report of %s for checkpoint %d of %s: its attempt is over (%s)",
                          who, cid, st.coordinator.storage.state, message)
                 return {"ignored": True}

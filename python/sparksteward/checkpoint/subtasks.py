@@ -430,7 +430,7 @@ class SubtaskService:
                     threading.Thread(target=self._seal, args=(a["name"], url, cid, a.get("attempt")), daemon=True,
                                      name=f"steward-seal-{cid}").start()
 
-    def _seal(self, name: str, url: str, cid: int, attempt: str | None) -> None:
+    def _seal(self, name: str, url: str, cid: int, attempt: str) -> None:
         try:
             files = self.merger.seal(url, cid)
             self._driver("state.sealed", name=name, checkpoint_id=cid, agent=self.agent_id, attempt=attempt,
@@ -439,7 +439,7 @@ class SubtaskService:
             log.warning("sealing checkpoint %d of %s failed: %s", cid, name, exc)
             self.merger.discard(url, cid)
             try:
-                self._driver("state.fail", name=name, checkpoint_id=cid, agent=self.agent_id,
+                self._driver("state.fail", name=name, checkpoint_id=cid, agent=self.agent_id, attempt=attempt,
                              message=f"sealing merged files failed: {type(exc).__name__}: {exc}")
             except Exception as exc2:  # noqa: BLE001
                 log.warning("reporting the failed seal of %s failed: %s", name, exc2)
