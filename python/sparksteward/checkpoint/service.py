@@ -113,7 +113,7 @@ class _State:
     lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
                                                                       # under it, never under the service's
     overrides: dict[int, AlignmentOptions] = field(default_factory=dict)  # checkpoint -> its own alignment
-    drains: DrainLog | None = None    # the ids drains took (read at the first begin)
+    drains: DrainLog = DrainLog()     # the ids drains took (read at registration)
     warned: int | None = None         # the checkpoint whose growing backlog was last warned about
 
 
@@ -336,7 +336,8 @@ class StateService:
             lease.release()
             raise
         coord.flush_deletions()   # the start-up subsumption and sweep: done before the state is used
-        st = _State(coord, checkpoint_dir, restore=restore, alignment=alignment, lease=lease)
+        st = _State(coord, checkpoint_dir, restore=restore, alignment=alignment, lease=lease,
+                    drains=DrainLog.read(storage.location))
         with self._cond:
             self._states[name] = st
         log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism, max_parallelism,
@@ -461,9 +462,7 @@ class StateService:
             raise InvalidRequestError(f"{f.op}: {exc}") from None
         warning = None
         st.coordinator.flush_deletions()   # an upload of this attempt never races a delete queued before it
-        with st.lock:   # the drain record is written under this state's lock only
-            if st.drains is None:
-                st.drains = DrainLog.read(st.coordinator.storage.location)
+        with st.lock:   # a drain record is written under this state's lock only
             c = st.coordinator
             if parallelism is not None and parallelism != c.parallelism:
                 raise ParallelismError(
@@ -523,7 +522,6 @@ class StateService:
                 f"running, or was applied and neither committed nor aborted). Drain once it completed or was "
                 f"aborted; a batch processes the backlog first anyway")
         cid = 0 if last is None else last + 1
-        assert st.drains is not None
         st.drains = st.drains.with_drain(cid)
         st.drains.write(c.storage.location)
         return cid
@@ -879,8 +877,6 @@ class StateService:
         c = st.coordinator
         backlog = self._backlog(st)
         with st.lock:
-            if st.drains is None:
-                st.drains = DrainLog.read(c.storage.location)
             last = c.last_completed
             latest = max((i for i in c.retained()), default=None)
             meta = c.completed(latest).to_json() if latest is not None else None
