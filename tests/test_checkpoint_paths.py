@@ -61,6 +61,15 @@ def _seal(coord: CheckpointCoordinator, merger: FileMerger, storage: CheckpointS
         coord.sealed(cid, files)
     return files
 
+def _merging_state(tmp: Path, merging: MergingOptions) -> tuple[CheckpointStorage, CheckpointCoordinator,
+                                                                  FileMerger, FileHandle]:
+    """A one-subtask state with file merging: its storage, coordinator, an executor's merger and a
+    whole CURRENT file for its handles."""
+    storage = CheckpointStorage.open(str(tmp / "chk"), "s")
+    coord = CheckpointCoordinator(storage, 1, M, merging=merging)
+    return storage, coord, FileMerger(tmp / "staging"), _shared(storage, tmp, "CURRENT", b"MANIFEST-000001\n")
+
+
 
 @pytest.fixture
 def chk0(tmp_path):
@@ -132,10 +141,7 @@ def test_deletion_helpers_delete_only_data_files(tmp_path, chk0):
 def test_a_seal_names_only_files_its_agent_acked(tmp_path):
     """Agent b cannot seal (and so complete the checkpoint on, or have deleted) a merged file that
     agent a wrote; a seal of a file no ack listed yet counts only once its own agent acks it."""
-    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
-    coord = CheckpointCoordinator(storage, 1, M, merging=MergingOptions())
-    merger = FileMerger(tmp_path / "staging")
-    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    storage, coord, merger, current = _merging_state(tmp_path, MergingOptions())
     coord.begin(0)
     seg = _segment(merger, storage, tmp_path, 0, MergingOptions(), "000001.sst", b"a" * 100)
     coord.ack(0, _handle(current, seg), uploaded=(current.path,), merged=(seg.path,), agent="a")
@@ -234,10 +240,7 @@ def test_a_seal_of_a_replaced_attempt_records_nothing_and_a_seal_without_one_is_
 def test_across_completes_only_once_the_appended_segments_are_sealed(tmp_path):
     """Checkpoint 1 appends to the physical file checkpoint 0 holds: it cannot complete until a
     seal covers the new segment, and its record lists the size that seal reported."""
-    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
-    coord = CheckpointCoordinator(storage, 1, M, merging=ACROSS)
-    merger = FileMerger(tmp_path / "staging")
-    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    storage, coord, merger, current = _merging_state(tmp_path, ACROSS)
     coord.begin(0)
     seg0 = _segment(merger, storage, tmp_path, 0, ACROSS, "000001.sst", b"0" * 1000)
     coord.ack(0, _handle(current, seg0), uploaded=(current.path,), merged=(seg0.path,))
@@ -267,10 +270,7 @@ def test_across_completes_only_once_the_appended_segments_are_sealed(tmp_path):
 def test_channel_state_segments_wait_for_their_seal_and_are_recorded(tmp_path):
     """A subtask whose only new segment is channel state (FLIP-76 deferred input merged into a
     physical file): the checkpoint waits for its seal and lists the file's size."""
-    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
-    coord = CheckpointCoordinator(storage, 1, M, merging=MergingOptions())
-    merger = FileMerger(tmp_path / "staging")
-    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    storage, coord, merger, current = _merging_state(tmp_path, MergingOptions())
     coord.begin(0)
     chan = _segment(merger, storage, tmp_path, 0, MergingOptions(), "channel-0.arrow", b"c" * 300)
     coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path,), merged=(chan.path,))
@@ -285,10 +285,7 @@ def test_channel_state_segments_wait_for_their_seal_and_are_recorded(tmp_path):
 
 
 def test_an_across_file_only_channel_state_references_is_not_deleted_when_its_agent_closes_it(tmp_path):
-    storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
-    coord = CheckpointCoordinator(storage, 1, M, merging=ACROSS)
-    merger = FileMerger(tmp_path / "staging")
-    current = _shared(storage, tmp_path, "CURRENT", b"MANIFEST-000001\n")
+    storage, coord, merger, current = _merging_state(tmp_path, ACROSS)
     coord.begin(0)
     chan = _segment(merger, storage, tmp_path, 0, ACROSS, "channel-0.arrow", b"c" * 300)
     coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path,), merged=(chan.path,), agent="a")

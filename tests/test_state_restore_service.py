@@ -14,7 +14,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.conftest import wait_until
-from tests.state_helpers import _s3_server  # noqa: F401 - fixture
+from tests.state_helpers import _s3_server, timed  # noqa: F401 - _s3_server: a fixture
 from tests.test_checkpoint_coordinator import BATCHES, M, P, _run_batch
 
 
@@ -107,7 +107,6 @@ def test_a_slow_restore_of_one_state_holds_up_no_other_state_and_no_heartbeat(tm
     begin and info, and an executor agent's heartbeat, are answered at once (one service-wide lock
     held them for the whole copy before)."""
     import threading
-    import time
 
     s3 = _s3_server
     src = CheckpointStorage.open(s3.url(f"src-{uuid.uuid4().hex[:8]}"), "a", "c1")
@@ -133,16 +132,12 @@ def test_a_slow_restore_of_one_state_holds_up_no_other_state_and_no_heartbeat(tm
             t = threading.Thread(target=slow_register)
             t.start()
             wait_until(lambda: any(op == "CopyObject" for op, _ in s3.in_flight()), timeout=30, what="the copy")
-            timings = {}
-            for what, call in {
+            timings = timed({
                 "begin": lambda: conns[0].request("state.begin", name="fast", checkpoint_id=0),
                 "info": lambda: conns[0].request("state.info", name="fast"),
                 "heartbeat": lambda: conns[0].request("state.merge_poll", agent="exec-1", wait=0, pools=[],
                                                       closed=[], working=[]),
-            }.items():
-                started = time.monotonic()
-                call()
-                timings[what] = time.monotonic() - started
+            })
             copying = any(op == "CopyObject" for op, _ in s3.in_flight())
             t.join(120)
         assert not errors, errors

@@ -16,7 +16,7 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.state_helpers import _s3_server, guarded_rmtree  # noqa: F401 - fixtures
+from tests.state_helpers import _s3_server, guarded_rmtree, timed  # noqa: F401 - fixtures
 
 P, M = 2, 8
 
@@ -297,7 +297,6 @@ def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, _s3_serve
     at once (the subsume deleted under the state's lock before); the commit still replies only once
     its deletes are done, and the next begin starts after them."""
     import threading
-    import time
     import uuid
 
     from tests.conftest import wait_until
@@ -335,15 +334,11 @@ def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, _s3_serve
             t.start()
             wait_until(lambda: any(op == "DeleteObjects" for op, _ in s3.in_flight()), timeout=30,
                        what="checkpoint 0's files to be deleted")
-            timings = {}
-            for what, call in {
+            timings = timed({
                 "info": lambda: other.request("state.info", name="s"),
                 "heartbeat": lambda: other.request("state.merge_poll", agent="exec-1", wait=0, pools=[], closed=[],
                                                    working=[]),
-            }.items():
-                started = time.monotonic()
-                call()
-                timings[what] = time.monotonic() - started
+            })
             deleting = any(op == "DeleteObjects" for op, _ in s3.in_flight())
             t.join(120)
         deletes = [r for r in s3.requests_since(mark) if r.op == "DeleteObjects"]
