@@ -355,15 +355,22 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
     s3 = _s3_server
     storage = CheckpointStorage.open(s3.url(f"bg-{uuid.uuid4().hex[:8]}"), "s", "c1")
     coord = CheckpointCoordinator(storage, P, M, background_deletes=True)
-    begun, _ = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="a")
+    begun, first = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="a")
+    queued = {p for r in first for p in r.uploaded}
+    referenced = set()
     with s3.slow("DeleteObjects", 2.0):
         assert coord.abort(0) > 0
         wait_until(lambda: coord._deleting, timeout=30, what="a delete in flight")
         coord.begin(0)
         for i in range(P):   # the same snapshot uploaded again: the same content-addressed paths
             snap = tmp_path / f"snap-0-a-{i}"
-            coord.ack(0, storage.upload_snapshot(snap, i, key_group_range(M, P, i), known=begun.known))
+            result = storage.upload_snapshot(snap, i, key_group_range(M, P, i), known=begun.known)
+            referenced |= {f.path for f in result.handle.all_files}
+            coord.ack(0, result)
         with pytest.raises(CheckpointError, match=r"which were deleted after their upload\. Apply the batch again"):
             coord.complete(0)
     coord.close()
     assert coord.last_completed is None
+    # the deleter skipped every queued file an ack referenced before its delete began
+    missing = {p for p in referenced if not storage.location.exists(storage.location.path(*p.split("/")))}
+    assert len(queued & referenced) > 2 and len(missing) <= 2, (len(queued & referenced), missing)
