@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -41,7 +40,7 @@ from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobscope import job_id_from_tag
-from sparksteward.owner import OwnerRecord, owned_dir_is_dead, private_dir
+from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
 from sparksteward.wire import Connection, Fields
 
 __all__ = ["DriverAgent"]
@@ -62,14 +61,7 @@ def _server_dir(state_dir: str) -> str:
     owner file is never deleted.
     """
     root = private_dir(Path(os.path.expanduser(state_dir)) / "blob-local")
-    swept = []
-    for entry in root.iterdir():
-        if entry.name.startswith("server-") and not entry.is_symlink() and entry.is_dir() \
-                and owned_dir_is_dead(entry):
-            shutil.rmtree(entry, ignore_errors=True)
-            swept.append(entry.name)
-    if swept:
-        log.info("swept %d local blob store(s) of dead driver agents: %s", len(swept), ", ".join(swept))
+    sweep_dead(root, "server-")   # the local blob stores of dead driver agents
     path = tempfile.mkdtemp(prefix=f"server-{os.getpid()}-", dir=root)  # 0700
     OwnerRecord.current().write(path)
     return path
