@@ -14,7 +14,7 @@ from sparksteward.blob.store import VoidBlobStore
 from sparksteward.client import Steward
 from sparksteward.errors import AgentUnavailableError, MessageTooLargeError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
-from sparksteward import wire
+from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.conftest import wait_until
 

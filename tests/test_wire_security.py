@@ -20,7 +20,7 @@ from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
-from sparksteward import wire
+from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.conftest import wait_until
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import mmap
 import os
 import secrets
@@ -59,7 +58,6 @@ import orjson
 from sparksteward.errors import (
     AgentUnavailableError,
     AuthenticationError,
-    InvalidRequestError,
     MessageTooLargeError,
     ProtocolError,
     StewardError,
@@ -71,8 +69,8 @@ try:  # a declared dependency; if it cannot be imported, bodies fall back to HMA
 except ImportError:  # pragma: no cover - depends on the environment
     _Poly1305 = None
 
-__all__ = ["AgentServer", "Connection", "Fields", "Handler", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE",
-           "parse_endpoint"]
+__all__ = ["BODY_MACS", "Connection", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE", "new_secret", "parse_endpoint",
+           "shutdown_socket"]
 
 log = logging.getLogger("sparksteward.wire")
 
@@ -91,7 +89,6 @@ _SESSION_KEY = b"sparksteward wire v2 session key\0"
 #: Body MACs this process can compute, preferred first. The client offers them, the server picks.
 BODY_MACS: tuple[str, ...] = (("poly1305",) if _Poly1305 is not None else ()) + ("hmac-sha256",)
 
-Handler = Callable[["Connection", dict[str, Any]], "dict[str, Any] | None"]
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -376,6 +373,33 @@ class Connection:
             raise AgentUnavailableError(f"handshake with the agent at {endpoint} failed: {exc}") from exc
         return conn
 
+    def answer_handshake(self, secret: str, timeout: float) -> None:
+        """The server side of the handshake (see the module docstring), within ``timeout`` seconds:
+        challenge, check the client's proof, pick a body MAC, prove the secret back. Raises
+        AuthenticationError or ProtocolError for the caller to send back; OSError when the peer is
+        too slow or gone."""
+        self._deadline = time.monotonic() + timeout
+        server_nonce = secrets.token_bytes(NONCE_SIZE)
+        self.send({"v": WIRE_VERSION, "op": "challenge", "nonce": server_nonce.hex()})
+        msg = self.recv()
+        mac = msg.get("mac")
+        if msg.get("op") != "auth" or msg.get("v") != WIRE_VERSION or not isinstance(mac, str):
+            raise ProtocolError(f"peer {self.peer} sent no wire-version-{WIRE_VERSION} auth message; "
+                                f"use the same spark-steward version everywhere")
+        client_nonce = _nonce(msg.get("nonce"), self.peer)
+        offer = msg.get("body_macs")
+        if not isinstance(offer, list) or not all(isinstance(m, str) for m in offer) or len(offer) > 8:
+            raise ProtocolError(f"peer {self.peer} sent no list of body MACs in its handshake")
+        expected = _derive(secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()
+        if not hmac.compare_digest(mac.encode(), expected.encode()):
+            raise AuthenticationError("authentication failed: the peer does not know this application's secret")
+        body_mac = next((m for m in BODY_MACS if m in offer), None)
+        if body_mac is None:
+            raise ProtocolError(f"peer {self.peer} offers body MACs {offer}; this agent knows {list(BODY_MACS)}")
+        self.send({"ok": True, "body_mac": body_mac,
+                   "mac": _derive(secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()})
+        self._start_session(secret, server_nonce, client_nonce, body_mac)
+
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply; an error reply raises the matching StewardError."""
         return self.call(op, fields)
@@ -482,298 +506,8 @@ class RawReader:
         return chunk
 
 
-_REQUIRED: Any = object()
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-class Fields:
-    """Typed access to one request's fields, for op handlers.
-
-    Each getter returns the field's value or raises :class:`InvalidRequestError` naming the op,
-    the field, the value and the expected type. A field with a ``default`` may be missing or null.
-    """
-
-    def __init__(self, req: dict[str, Any]) -> None:
-        self.req = req
-        self.op = str(req.get("op"))
-
-    def _get(self, name: str, default: Any) -> tuple[bool, Any]:
-        value = self.req.get(name)
-        if value is None:
-            if default is _REQUIRED:
-                self._bad(name, value, "a value" if name in self.req else "this field, which is required")
-            return False, default
-        return True, value
-
-    def _bad(self, name: str, value: object, expected: str) -> None:
-        shown = _show(value) if name in self.req else "(missing)"
-        raise InvalidRequestError(f"{self.op}: field {name!r} = {shown} is not valid: expected {expected}")
-
-    def text(self, name: str, *, default: Any = _REQUIRED, choices: tuple[str, ...] = (),
-             max_len: int = 1 << 16) -> Any:
-        present, value = self._get(name, default)
-        if present:
-            if not isinstance(value, str) or len(value) > max_len:
-                self._bad(name, value, f"a string of at most {max_len} characters")
-            if choices and value not in choices:
-                self._bad(name, value, "one of " + ", ".join(repr(c) for c in choices))
-        return value
-
-    def flag(self, name: str, *, default: Any = _REQUIRED) -> Any:
-        present, value = self._get(name, default)
-        if present and not isinstance(value, bool):
-            self._bad(name, value, "a JSON boolean (true or false)")
-        return value
-
-    def integer(self, name: str, *, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None) -> Any:
-        present, value = self._get(name, default)
-        if present and (not isinstance(value, int) or isinstance(value, bool)
-                        or (lo is not None and value < lo) or (hi is not None and value > hi)):
-            self._bad(name, value, f"an integer{_range(lo, hi)}")
-        return value
-
-    def number(self, name: str, *, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None) -> Any:
-        present, value = self._get(name, default)
-        if present:
-            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
-                    or (lo is not None and value < lo) or (hi is not None and value > hi)):
-                self._bad(name, value, f"a finite number{_range(lo, hi)}")
-            value = float(value)
-        return value
-
-    def mapping(self, name: str, *, default: Any = _REQUIRED) -> Any:
-        present, value = self._get(name, default)
-        if present and not isinstance(value, dict):
-            self._bad(name, value, "a JSON object")
-        return value
-
-    def job_id(self, name: str = "job_id", *, nullable: bool = False) -> Any:
-        """A job id, validated; the field must be present, and may be null only if ``nullable``."""
-        from sparksteward.ids import validate_job_id
-
-        if name not in self.req:
-            self._bad(name, None, "a job id" + (" or null" if nullable else ""))
-        value = self.req[name]
-        if value is None:
-            if not nullable:
-                self._bad(name, value, "a job id (this op needs one)")
-            return None
-        if not isinstance(value, str):
-            self._bad(name, value, "a job id string" + (" or null" if nullable else ""))
-        return validate_job_id(value)
-
-
-def _range(lo: float | None, hi: float | None) -> str:
-    if lo is not None and hi is not None:
-        return f" from {lo} to {hi}"
-    if lo is not None:
-        return f" >= {lo}"
-    return f" <= {hi}" if hi is not None else ""
-
-
-class AgentServer:
-    """A TCP server that authenticates every connection and dispatches requests to handlers.
-
-    ``handlers`` maps an op name to ``handler(conn, request) -> reply dict``. A handler that streams
-    raw bytes itself returns None after sending its reply frame. See the module docstring for the
-    bounds (``max_connections`` authenticated, ``max_handshakes`` pending, ``handshake_timeout``).
-    """
-
-    def __init__(self, bind_host: str, port: int, secret: str, handlers: dict[str, Handler], *,
-                 max_message: int = 16 << 20, max_connections: int = 64, timeout: float = 120.0,
-                 handshake_timeout: float = 10.0, max_handshakes: int = 64) -> None:
-        if not secret:
-            raise AuthenticationError("refusing to start an agent socket without an application secret")
-        self._secret = secret
-        self._handlers = dict(handlers)
-        self._max_message = max_message
-        self._timeout = timeout
-        self._handshake_timeout = handshake_timeout
-        self._max_handshakes = max(1, max_handshakes)
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._pending: dict[socket.socket, float] = {}  # unauthenticated, oldest first
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self.auth_failures = 0
-        self.handshakes_dropped = 0
-        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((bind_host, port))
-        self._sock.listen(512)
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._thread = threading.Thread(target=self._accept_loop, name="steward-accept", daemon=True)
-        self._thread.start()
-
-    def add_handler(self, op: str, handler: Handler) -> None:
-        self._handlers[op] = handler
-
-    def handler(self, op: str) -> Handler | None:
-        """The handler of ``op``, for requests that arrive by another channel (the shim's pipes)."""
-        return self._handlers.get(op)
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                sock, addr = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closed:
-                    sock.close()
-                    return
-                while len(self._pending) >= self._max_handshakes:  # evict the oldest, never refuse the new
-                    oldest = next(iter(self._pending))
-                    del self._pending[oldest]
-                    self.handshakes_dropped += 1
-                    _shutdown(oldest)
-                self._pending[sock] = time.monotonic()
-                self._conns.add(sock)
-                t = threading.Thread(target=self._serve, args=(sock, f"{addr[0]}:{addr[1]}"),
-                                     name="steward-conn", daemon=True)
-                self._threads.add(t)
-            t.start()
-
-    def _serve(self, sock: socket.socket, peer: str) -> None:
-        slot = False
-        sock.settimeout(self._timeout)
-        conn = Connection(sock, self._max_message, peer, server_side=True)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            ok = self._authenticate(conn)
-            with self._lock:
-                evicted = self._pending.pop(sock, None) is None
-            if not ok or evicted or self._closed:
-                return
-            if not self._slots.acquire(timeout=self._timeout):
-                conn.send({"ok": False, "error": AgentUnavailableError(
-                    "the agent already serves its maximum number of connections; retry later").to_wire()})
-                return
-            slot = True
-            while not self._closed:
-                try:
-                    req = conn.recv()
-                except ProtocolError as exc:
-                    if isinstance(exc, AuthenticationError):
-                        log.warning("closing the connection from %s: %s", peer, exc)
-                    return  # peer went away between requests, or sent a frame that does not verify
-                if not self._dispatch(conn, req):
-                    return
-        except (OSError, StewardError) as exc:
-            log.debug("connection from %s ended: %s", peer, exc)
-        finally:
-            with self._lock:
-                self._pending.pop(sock, None)
-                self._conns.discard(sock)
-                self._threads.discard(threading.current_thread())
-            conn.close()
-            if slot:
-                self._slots.release()
-
-    def _authenticate(self, conn: Connection) -> bool:
-        conn._deadline = time.monotonic() + self._handshake_timeout
-        server_nonce = secrets.token_bytes(NONCE_SIZE)
-        try:
-            conn.send({"v": WIRE_VERSION, "op": "challenge", "nonce": server_nonce.hex()})
-            msg = conn.recv()
-            mac = msg.get("mac")
-            if msg.get("op") != "auth" or msg.get("v") != WIRE_VERSION or not isinstance(mac, str):
-                raise ProtocolError(f"peer {conn.peer} sent no wire-version-{WIRE_VERSION} auth message; "
-                                    f"use the same spark-steward version everywhere")
-            client_nonce = _nonce(msg.get("nonce"), conn.peer)
-            offer = msg.get("body_macs")
-            if not isinstance(offer, list) or not all(isinstance(m, str) for m in offer) or len(offer) > 8:
-                raise ProtocolError(f"peer {conn.peer} sent no list of body MACs in its handshake")
-            expected = _derive(self._secret, _CLIENT_PROOF + _offer_text(offer), server_nonce, client_nonce).hex()
-            if not hmac.compare_digest(mac.encode(), expected.encode()):
-                raise AuthenticationError("authentication failed: the peer does not know this application's secret")
-            body_mac = next((m for m in BODY_MACS if m in offer), None)
-            if body_mac is None:
-                raise ProtocolError(f"peer {conn.peer} offers body MACs {offer}; this agent knows {list(BODY_MACS)}")
-            conn.send({"ok": True, "body_mac": body_mac,
-                       "mac": _derive(self._secret, _SERVER_PROOF + body_mac.encode(), server_nonce, client_nonce).hex()})
-        except StewardError as exc:  # before OSError: AuthenticationError is a PermissionError too
-            self._refuse(conn, exc)
-            return False
-        except OSError as exc:  # too slow, evicted, or gone
-            log.debug("handshake with %s dropped: %s", conn.peer, exc)
-            return False
-        conn._start_session(self._secret, server_nonce, client_nonce, body_mac)
-        return True
-
-    def _refuse(self, conn: Connection, exc: StewardError) -> None:
-        if isinstance(exc, AuthenticationError):
-            self.auth_failures += 1
-        log.warning("refused connection from %s: %s", conn.peer, exc)
-        try:
-            conn.send({"ok": False, "error": exc.to_wire()})
-        except OSError:
-            pass
-
-    def _dispatch(self, conn: Connection, req: dict[str, Any]) -> bool:
-        """Run one request; return False if the connection must close."""
-        op = req.get("op")
-        handler = self._handlers.get(op) if isinstance(op, str) else None
-        conn.unread_body = False
-        try:
-            if handler is None:
-                raise ProtocolError(f"unknown request op {op!r}; known: {', '.join(sorted(self._handlers))}")
-            reply = handler(conn, req)
-        except StewardError as exc:
-            if conn.broken:
-                return False
-            conn.send({"ok": False, "error": exc.to_wire()})
-            return not isinstance(exc, ProtocolError) and not conn.unread_body
-        except Exception as exc:  # a bug in a handler must not take the agent down
-            log.exception("request %r from %s failed", op, conn.peer)
-            if conn.broken:
-                return False
-            conn.send({"ok": False, "error": {"code": "INTERNAL", "message": f"{type(exc).__name__}: {exc}"}})
-            return not conn.unread_body
-        if reply is not None:
-            try:
-                conn.send({"ok": True, **reply})
-            except MessageTooLargeError as exc:
-                conn.send({"ok": False, "error": MessageTooLargeError(
-                    f"the reply to {op} was not sent: {exc}. Ask for less (a smaller limit; list and "
-                    f"events replies page with a cursor) or raise the setting").to_wire()})
-        return True
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def close(self) -> None:
-        """Stop accepting, close every connection and join the threads. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        _shutdown(self._sock)
-        self._sock.close()
-        with self._lock:
-            for s in list(self._conns):
-                _shutdown(s)
-            threads = list(self._threads)
-        self._thread.join(timeout=5)
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
-
-    def __enter__(self) -> AgentServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_socket(sock: socket.socket) -> None:
+    """Shut a socket down both ways; a socket that is gone already is left alone."""
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
