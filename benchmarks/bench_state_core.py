@@ -33,7 +33,8 @@ from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.rescale import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.state.backend import WAL_FLUSH_BYTES, RocksDBStateBackend
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.snapshot import WAL_FLUSH_BYTES
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
 KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pytest
 
 from sparksteward.errors import StateBackendError, StateEncodingError
-from sparksteward.state.backend import RocksDBStateBackend, fold_wal
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.snapshot import fold_wal
 from sparksteward.state.keygroups import KeyGroupRange, key_group, key_group_range
 
 M = 128
@@ -173,7 +174,8 @@ def test_close_releases_the_lock_even_after_iterating(tmp_path):
     b.close()
     b.close()  # idempotent
     code = textwrap.dedent(f"""
-        from sparksteward.state.backend import RocksDBStateBackend, fold_wal
+        from sparksteward.state.backend import RocksDBStateBackend
+        from sparksteward.state.snapshot import fold_wal
         from sparksteward.state.keygroups import KeyGroupRange
         with RocksDBStateBackend({str(tmp_path / 'w')!r}, KeyGroupRange(0, 128), 128, create=False) as b:
             print(b.map("m").items("k"))
@@ -202,7 +204,8 @@ def test_a_sigkilled_owner_leaves_a_reopenable_dir_and_an_intact_snapshot(tmp_pa
 
     code = textwrap.dedent(f"""
         import sys, time
-        from sparksteward.state.backend import RocksDBStateBackend, fold_wal
+        from sparksteward.state.backend import RocksDBStateBackend
+        from sparksteward.state.snapshot import fold_wal
         from sparksteward.state.keygroups import KeyGroupRange
         b = RocksDBStateBackend({str(tmp_path / 'w')!r}, KeyGroupRange(0, 128), 128)
         b.value("s").put_many([f"k{{i}}" for i in range(50000)], [1] * 50000)
@@ -244,7 +247,7 @@ def test_the_vectorized_key_path_encodes_exactly_like_the_single_key_path(tmp_pa
 def test_snapshot_files_never_name_anything_outside_the_db_dir(tmp_path):
     """A CURRENT that names '../secret' (a crafted checkpoint), a symlinked WAL and stray files: only
     entries of the dir itself are ever linked, and only the ones a copy needs."""
-    from sparksteward.state.backend import _snapshot_files
+    from sparksteward.state.snapshot import snapshot_files
 
     db = tmp_path / "db"
     db.mkdir()
@@ -253,7 +256,7 @@ def test_snapshot_files_never_name_anything_outside_the_db_dir(tmp_path):
     for name in ("000010.sst", "000011.log", "OPTIONS-000007", "OPTIONS-000012", "LOCK", "LOG", "x.tmp"):
         (db / name).write_bytes(b"x")
     (db / "000012.log").symlink_to(tmp_path / "secret")
-    names = _snapshot_files(db)
+    names = snapshot_files(db)
     assert names == ["000010.sst", "000011.log", "000012.log", "CURRENT", "OPTIONS-000012"]
     assert all("/" not in n and n != ".." for n in names)
     with RocksDBStateBackend(tmp_path / "w", ALL, M) as b:  # a real DB: the symlink is linked, not followed

@@ -28,7 +28,8 @@ from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import ParallelismError, StateEncodingError
-from sparksteward.state.backend import DB_DIR, RocksDBStateBackend, db_options
+from sparksteward.state.backend import DB_DIR, RocksDBStateBackend
+from sparksteward.state.rocksdb_options import db_options
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
 
 __all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "rebuild_subtask",

@@ -73,7 +73,7 @@ from sparksteward.errors import (
     ParallelismError,
 )
 from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
-from sparksteward.state.backend import WAL_FLUSH_BYTES, LocalSnapshot
+from sparksteward.state.snapshot import WAL_FLUSH_BYTES, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
 

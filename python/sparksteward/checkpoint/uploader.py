@@ -23,7 +23,7 @@ from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.errors import CheckpointError
-from sparksteward.state.backend import LocalSnapshot, fold_wal
+from sparksteward.state.snapshot import LocalSnapshot, fold_wal
 
 __all__ = ["SnapshotUploader"]
 

@@ -1,22 +1,15 @@
 """Keyed state: key groups, routing, the value encoding, the task-side RocksDB backend and the
-Arrow/pandas runners (issue 8). See ``docs/state.md``.
+Arrow/pandas runners. See ``docs/state.md``.
 
 Nothing here imports pyspark, ``checkpoint/`` or ``agents/``; checkpoints (``checkpoint/``) and the
 Spark-facing ``KeyedState`` (``keyed_state.py``) build on this layer.
 """
 
-from sparksteward.state.backend import (
-    BoundListState,
-    BoundMapState,
-    BoundValueState,
-    ListState,
-    LocalSnapshot,
-    MapState,
-    RocksDBStateBackend,
-    ValueState,
-)
+from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group, key_group_range, validate_parallelism
 from sparksteward.state.runner import KeyedStateAccess, KeyState, run_arrow, run_pandas
+from sparksteward.state.snapshot import LocalSnapshot
+from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
 __all__ = [
     "BoundListState",

@@ -24,15 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparksteward.errors import StateEncodingError, StateError
-from sparksteward.state.backend import (
-    BoundListState,
-    BoundMapState,
-    BoundValueState,
-    ListState,
-    MapState,
-    RocksDBStateBackend,
-    ValueState,
-)
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
 __all__ = ["DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow", "run_pandas"]
 
