@@ -12,6 +12,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.uploader import SnapshotUploader
 from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.snapshot import LocalSnapshot
 from sparksteward.state.keygroups import key_group, key_group_range
 
 from tests.conftest import wait_until
@@ -70,3 +71,34 @@ def test_a_failed_upload_is_reported(tmp_path, store_url):
         with pytest.raises(OSError, match="disk gone"):
             fut.result(30)
     assert errors == [(3, 0, "disk gone")] and not snap.path.exists()
+
+
+def test_an_upload_that_ends_before_submit_returns_does_not_hang_the_caller(tmp_path, store_url):
+    """An upload can end on a pool thread before ``submit`` registers its done-callback (a new pool
+    thread starts and runs it while the caller waits for that thread to start); the callback then
+    runs in the caller's thread, which must not be holding the uploader's lock."""
+    import sys
+
+    storage = CheckpointStorage.open(store_url, "s")
+
+    def broken(*a, **kw):
+        raise OSError("disk gone")
+
+    storage.upload_snapshot = broken
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)  # the new pool thread keeps the GIL until its upload has failed
+
+    def submit_many() -> None:
+        for i in range(50):
+            (tmp_path / f"snap-{i}").mkdir()
+            up = SnapshotUploader(threads=1)
+            up.submit(storage, i, 0, LocalSnapshot(tmp_path / f"snap-{i}", key_group_range(M, 1, 0), 0.0))
+            up.close()
+
+    try:
+        t = threading.Thread(target=submit_many, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "submit deadlocked on its own lock"
+    finally:
+        sys.setswitchinterval(interval)

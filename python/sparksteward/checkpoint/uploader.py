@@ -76,8 +76,9 @@ class SnapshotUploader:
 
             fut = self._pool.submit(work)
             self._inflight.add(fut)
-            fut.add_done_callback(self._forget)
-            return fut
+        # outside the lock: a future that is done already runs the callback in this thread
+        fut.add_done_callback(self._forget)
+        return fut
 
     def _forget(self, fut: Future[UploadResult]) -> None:
         with self._lock:
