@@ -391,7 +391,7 @@ def test_close_waits_at_most_its_timeout_and_leaves_the_entry_dirty(tmp_path):
             svc.begin("later")
     finally:
         gate.set()
-    wait_until(lambda: not any(t.is_alive() for t in svc._threads), what="the stopped threads to exit")
+    wait_until(lambda: not any(t.is_alive() for t in svc.scheduler._threads), what="the stopped threads to exit")
     wait_until(lambda: svc.get("stuck").result.cleanup[0].done, what="the finished step to be recorded")
     assert svc.get("stuck").dirty, "a stopped service does not commit"
 

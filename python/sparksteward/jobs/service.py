@@ -18,25 +18,19 @@ the shutdown timeout. If the store is still failing, the result is spooled local
 see :mod:`sparksteward.jobs.spool`) and ``finish`` returns it dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
 before anything else, and ``begin`` refuses a job id whose result is spooled.
 
-Cleanup runs on the service's own threads. One scheduler thread keeps the due time of every result
-being cleaned up. A few worker threads run one pass at a time, so a result waiting an hour for its
-next retry holds no thread. Nothing blocks the caller's thread on cleanup I/O (FLINK-27204). With a
-fake clock, the scheduler advances the clock through backoff delays when no pass is running, which
-makes retries instantaneous in tests.
+Cleanup runs on the threads of a :class:`~sparksteward.jobs.scheduler.CleanupScheduler`, so nothing
+blocks the caller's thread on cleanup I/O (FLINK-27204).
 
 Thread-safety: every public method may be called from any thread. One condition variable guards the
-service's state, and no store I/O runs while it is held.
+running jobs, and no store I/O runs while it is held; the scheduler's own lock is only ever taken
+inside it, never the other way round.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
-import queue
 import threading
-import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,11 +39,12 @@ from typing import Any
 from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobResultExistsError, JobStoreError,
                                  StewardError, StorageError)
 from sparksteward.ids import validate_job_id
-from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner, CleanupTask
+from sparksteward.jobs.cleanup import CleanupRunner, CleanupTask
 from sparksteward.jobs.pathguard import protect_path
 from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, JobResult, JobResultEntry,
                                       JobStatus, SparkJobOutcome)
 from sparksteward.jobs.retry import RetryPolicy
+from sparksteward.jobs.scheduler import CleanupScheduler
 from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.jobs.steps import CleanupStep, StepRegistry
 from sparksteward.jobs.fs_store import open_store
@@ -62,7 +57,6 @@ log = logging.getLogger("sparksteward.jobs.service")
 
 KINDS = ("scoped", "application")
 MAX_REASON = 4000
-JOIN_GRACE = 2.0
 """Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
 
 
@@ -142,15 +136,9 @@ class JobService:
         self.shutdown_timeout = shutdown_timeout
         self._stop = threading.Event()
         self.runner = CleanupRunner(store, self.registry, policy or RetryPolicy(), self.clock, self._stop)
+        self.scheduler = CleanupScheduler(store, self.runner, self.clock, self._stop, workers=workers)
         self._cond = threading.Condition(threading.RLock())
         self._running: dict[str, _Running] = {}
-        self._tasks: dict[str, CleanupTask] = {}
-        self._heap: list[tuple[float, int, CleanupTask]] = []
-        self._seq = itertools.count()
-        self._queue: queue.SimpleQueue[CleanupTask | None] = queue.SimpleQueue()
-        self._inflight = 0
-        self._workers = max(1, workers)
-        self._threads: list[threading.Thread] = []
         self._closed = False
         self.spool = (None if spool_dir is None
                       else ResultSpool(spool_dir, self.cluster_id, str(getattr(store, "url", repr(store)))))
@@ -199,7 +187,7 @@ class JobService:
                                     f"at a time")
             job = self._running[job_id] = _Running(job_id, kind, application_id, self.clock.now(),
                                                    run_id=new_run_id())
-            cleaning = self._tasks.get(job_id)
+            cleaning = self.scheduler.task(job_id)
             if cleaning is not None and cleaning.deferred:  # only waiting for another run's lease
                 cleaning = None
         try:
@@ -458,109 +446,15 @@ class JobService:
             if self._closed:
                 log.warning("job %s: the job service is closed; its cleanup is left for the next driver", task.job_id)
                 return None
-            current = self._tasks.get(task.job_id)
-            if current is not None and current.deferred and not task.deferred:
-                current.end(CleanupOutcome.STOPPED)  # a recovery waiting for this run's lease: this run takes over
-            elif current is not None:
-                return current
-            self._tasks[task.job_id] = task
-            heapq.heappush(self._heap, (self.clock.now(), next(self._seq), task))
-            if not self._threads:
-                self._start_threads()
-            self._cond.notify_all()
-            return task
-
-    def _start_threads(self) -> None:
-        self._threads.append(threading.Thread(target=self._schedule_loop, name="steward-cleanup-scheduler",
-                                              daemon=True))
-        self._threads.extend(threading.Thread(target=self._work, name=f"steward-cleanup-{i}", daemon=True)
-                             for i in range(self._workers))
-        for t in self._threads:
-            t.start()
-
-    def _schedule_loop(self) -> None:
-        real = isinstance(self.clock, SystemClock)
-        while True:
-            with self._cond:
-                if self._stop.is_set():
-                    return
-                if not self._heap:
-                    self._cond.wait()
-                    continue
-                delta = self._heap[0][0] - self.clock.now()
-                if delta <= 0:
-                    _, _, task = heapq.heappop(self._heap)
-                    self._inflight += 1
-                    self._queue.put(task)
-                    continue
-                if real or self._inflight:
-                    self._cond.wait(min(delta, 60.0) if real else None)
-                    continue
-            self.clock.sleep(delta)  # a fake clock with nothing running: move time to the next retry
-
-    def _work(self) -> None:
-        while True:
-            task = self._queue.get()
-            if task is None:
-                return
-            job_id = task.job_id
-            with self._cond:
-                if self._tasks.get(job_id) is not task:  # dropped by close(), or replaced by a live run's task
-                    self._inflight -= 1
-                    self._cond.notify_all()
-                    continue
-            try:
-                due = self._resume(task) if task.deferred else self.runner.run_pass(task)
-            except Exception:  # noqa: BLE001 - a bug must not kill the worker; retry the pass later
-                task.commit_failures += 1
-                log.exception("job %s: cleanup pass failed unexpectedly; retrying", job_id)
-                due = self.clock.now() + self.runner.policy.delay(task.commit_failures)
-            with self._cond:
-                self._inflight -= 1
-                current = self._tasks.get(job_id) is task
-                if due is None or task.outcome is not None or self._stop.is_set():
-                    if task.outcome is None:
-                        task.end(CleanupOutcome.STOPPED)
-                    if current:
-                        self._tasks.pop(job_id, None)
-                elif current:
-                    heapq.heappush(self._heap, (due, next(self._seq), task))
-                self._cond.notify_all()
-
-    def _resume(self, task: CleanupTask) -> float | None:
-        """A recovery deferred because a live run held the job's lease: poll the lease; once free, take
-        the job's current entry (a newer run's, if one was stored) and clean it up from now on."""
-        poll = max(0.05, min(self.runner.policy.initial, 1.0))
-        try:
-            if self.store.is_leased(task.job_id):
-                return self.clock.now() + poll
-            current = self.store.get(task.job_id)
-        except (StewardError, OSError) as exc:
-            log.warning("job %s: cannot check its lease or entry, retrying: %s", task.job_id, exc)
-            return self.clock.now() + poll
-        task.deferred = False
-        if current is None or current.clean:
-            task.entry = current or task.entry
-            log.info("job %s: the live run that held it has %s", task.job_id,
-                     "committed it" if current else "removed its result")
-            task.end(CleanupOutcome.COMMITTED if current else CleanupOutcome.GONE)
-            return None
-        if current.result != task.result:
-            task.result, task.entry = current.result, current
-            task.run_attempts = [0] * len(current.result.cleanup)
-        log.info("job %s: no live run holds it any more; finishing its cleanup (%d/%d steps done)", task.job_id,
-                 current.result.steps_done, len(current.result.cleanup))
-        return self.clock.now()
+        return self.scheduler.schedule(task)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every cleanup to end; True if none is left."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._tasks, timeout)
+        return self.scheduler.wait_idle(timeout)
 
     def cleaning(self) -> list[str]:
         """Ids of the results whose cleanup is scheduled or running here."""
-        with self._cond:
-            return sorted(self._tasks)
+        return self.scheduler.cleaning()
 
     # --- recovery, reads, retention ------------------------------------------------------------
     def recover(self, only: Iterable[str] | None = None, *, defer_leased: bool = True) -> list[str]:
@@ -592,9 +486,7 @@ class JobService:
         for entry in listing.entries:
             if wanted is not None and entry.job_id not in wanted:
                 continue
-            with self._cond:  # a job being begun right now still needs this (begin will refuse it)
-                busy = entry.job_id in self._tasks
-            if busy:
+            if self.scheduler.task(entry.job_id) is not None:  # begun right now (begin will refuse it)
                 continue
             try:
                 leased = self.store.is_leased(entry.job_id)
@@ -643,34 +535,11 @@ class JobService:
             unfinished = sorted(self._running)
         if unfinished:
             log.warning("jobs %s were still running at shutdown; no result is stored for them", ", ".join(unfinished))
-        timeout = self.shutdown_timeout if timeout is None else timeout
-        with self._cond:  # recoveries still waiting for another process's live run are not waited for
-            idle = self._cond.wait_for(lambda: all(t.deferred for t in self._tasks.values()), timeout)
-        if not idle:
-            log.warning("cleanup of %s did not finish within %.3g s; leaving the results dirty for the next driver "
-                        "(or `steward jobs cleanup`)", ", ".join(self.cleaning()), timeout)
-        self._stop.set()
+        self.scheduler.close(self.shutdown_timeout if timeout is None else timeout)
         with self._cond:
-            self._cond.notify_all()
-            threads = list(self._threads)
-        for _ in range(self._workers):
-            self._queue.put(None)
-        deadline = time.monotonic() + JOIN_GRACE
-        for t in threads:  # a pass ends at its next step boundary; a step's own I/O cannot be interrupted
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                log.warning("%s is still inside a cleanup step; not waiting for it (its result stays dirty)", t.name)
-        with self._cond:
-            for task in self._tasks.values():
-                if task.outcome is None:
-                    task.end(CleanupOutcome.STOPPED)
-            self._tasks.clear()
             leases = [job.lease for job in self._running.values() if job.lease is not None]
         for lease in leases:  # jobs begun and never finished: no result, and their id is free again
             lease.release()
-        with self._cond:
-            self._heap.clear()
-            self._cond.notify_all()
 
     def __enter__(self) -> JobService:
         return self
