@@ -100,6 +100,7 @@ class Agent:
         return {"role": self.role, "state": self.state, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
                 "auth_failures": self.server.auth_failures, "handshakes_dropped": self.server.handshakes_dropped,
+                "handshakes": self.server.handshakes, "requests": self.server.request_counts(),
                 "events_dropped": self.events_dropped, **self.health_details()}
 
     def health_details(self) -> dict[str, Any]:

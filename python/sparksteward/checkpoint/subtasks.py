@@ -76,6 +76,7 @@ from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
 from sparksteward.state.snapshot import WAL_FLUSH_BYTES, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
+from sparksteward.wire.link import AgentLink
 
 __all__ = ["STATE_DIR_PREFIX", "SubtaskService"]
 
@@ -84,6 +85,8 @@ log = logging.getLogger("sparksteward.checkpoint.subtasks")
 STATE_DIR_PREFIX = "state-"
 OPEN_TIMEOUT = 6 * 3600.0   # spark.steward.state.open-timeout
 _RELEASED_KEPT = 10_000     # released tokens remembered, so a late upload learns why
+#: ops to the driver agent that may arrive twice (sent again when a reused connection broke)
+_REPEATABLE = frozenset({"state.base", "state.cut", "state.merge_poll", "state.sealed", "state.fail"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ class SubtaskService:
         self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
         self.wal_flush_bytes = wal_flush_bytes  # a snapshot with more WAL is folded before its upload
         self._driver_endpoint = driver_endpoint
-        self._secret = secret
+        self._link = AgentLink(driver_endpoint or "", secret)   # one reused connection per sending thread
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._released: OrderedDict[str, str] = OrderedDict()   # token -> why the agent released it
@@ -156,8 +159,7 @@ class SubtaskService:
         if not self._driver_endpoint:
             raise AgentUnavailableError("this executor agent has no driver endpoint: keyed state needs the "
                                         "driver agent (is the plugin enabled on the driver?)")
-        with Connection.connect(self._driver_endpoint, self._secret) as conn:
-            return conn.request(op, **fields)
+        return self._link.request(op, retry=op in _REPEATABLE, **fields)
 
     # --- ops ---------------------------------------------------------------------------------
     def _op_open(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
@@ -476,5 +478,6 @@ class SubtaskService:
         self._stop.set()
         self._wake.set()
         self._poller.join(timeout=5)
+        self._link.close()
         self.merger.close()
         shutil.rmtree(self.root, ignore_errors=True)

@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,8 @@ class AgentServer:
         self._closed = False
         self.auth_failures = 0
         self.handshakes_dropped = 0
+        self.handshakes = 0   # connections authenticated
+        self.requests: Counter[str] = Counter()   # requests received, by op
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,6 +65,11 @@ class AgentServer:
         self.host, self.port = self._sock.getsockname()[:2]
         self._thread = threading.Thread(target=self._accept_loop, name="steward-accept", daemon=True)
         self._thread.start()
+
+    def request_counts(self) -> dict[str, int]:
+        """Requests received so far, by op."""
+        with self._lock:
+            return dict(self.requests)
 
     def add_handler(self, op: str, handler: Handler) -> None:
         self._handlers[op] = handler
@@ -131,6 +139,8 @@ class AgentServer:
     def _authenticate(self, conn: Connection) -> bool:
         try:
             conn.answer_handshake(self._secret, self._handshake_timeout)
+            with self._lock:
+                self.handshakes += 1
         except StewardError as exc:  # before OSError: AuthenticationError is a PermissionError too
             self._refuse(conn, exc)
             return False
@@ -152,6 +162,9 @@ class AgentServer:
         """Run one request; return False if the connection must close."""
         op = req.get("op")
         handler = self._handlers.get(op) if isinstance(op, str) else None
+        if handler is not None:
+            with self._lock:
+                self.requests[op] += 1
         conn.unread_body = False
         try:
             if handler is None:
