@@ -144,7 +144,7 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
     """Keyed state whose executor sees neither the driver's files nor its boot id: every checkpoint
     goes through S3, its small files merged into one object per executor (FLIP-306), and each batch
     restores what the previous one committed."""
-    from tests.test_state_spark import SCHEMA, count_sum, make_batches, reference, state_of
+    from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
 
     st = Steward.get(spark)
     ks = st.keyed_state("xhost", key="k", parallelism=4, max_parallelism=16, checkpoint_dir=s3.url("xhost-chk"))
@@ -166,7 +166,7 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
 def test_unaligned_channel_state_across_hosts(spark, s3):
     """Channel state (FLIP-76) deferred on an executor that sees neither the driver's files nor its
     boot id goes to S3 inside the merged file, and the next batches replay it there."""
-    from tests.test_state_spark import SCHEMA, count_sum, make_batches, reference, state_of
+    from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
 
     st = Steward.get(spark)
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "20")
