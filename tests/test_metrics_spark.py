@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from sparksteward import Steward
-from tests.conftest import spark_session, wait_until
+from tests.helpers import spark_session, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -55,7 +55,7 @@ def server(tmp_path):
 
 def _server_stat(server: _Server, name: str, value: int) -> None:
     """The server counts a stream once sendfile returned, which may be after the client has it all."""
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     wait_until(lambda: server.blobs.stats.get(name, 0) == value, timeout=5,
                what=f"server stat {name} == {value} (is {server.blobs.stats.get(name, 0)})")
@@ -228,7 +228,7 @@ def test_the_sweeper_drops_a_deleted_jobs_blobs_but_not_what_a_task_still_uses(s
 
 def test_the_sweeper_thread_drops_within_its_interval_and_close_joins_it(server, tmp_path):
     from sparksteward.blob.job_sweeper import CacheJobSweeper
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     key, _ = _blob(server, 1000, "short-job")
     cache = BlobCache(tmp_path / "cache", server.ha, server.sock.endpoint, server.secret, boot_id=OTHER_BOOT_ID)

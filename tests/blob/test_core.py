@@ -8,64 +8,15 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from sparksteward.blob.cache import BlobCache
-from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.blob.server import BlobServer
-from sparksteward.blob.store import FileSystemBlobStore, VoidBlobStore
+from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, BlobNotFoundError, ChecksumMismatchError, InvalidIdError
-from sparksteward.testing.clock import FakeClock
-from sparksteward.testing.s3 import local_s3
-from sparksteward.wire import AgentServer, Connection, new_secret
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
-
-
-_n = iter(range(10**6))
-
-
-@pytest.fixture(params=["file", "s3"])
-def ha(request, tmp_path):
-    if request.param == "file":
-        return FileSystemBlobStore(str(tmp_path / "ha"), "c1")
-    return FileSystemBlobStore(request.getfixturevalue("s3").url(f"ha-{next(_n)}"), "c1")
-
-
-class Rig:
-    """A BlobServer behind a real authenticated socket, and caches that talk to it."""
-
-    def __init__(self, tmp_path: Path, ha, retention: float = 60.0) -> None:
-        self.secret = new_secret()
-        self.clock = FakeClock()
-        self.server = BlobServer(tmp_path / "server", ha, retention=retention, clock=self.clock, timer=False)
-        self.sock = AgentServer("127.0.0.1", 0, self.secret, {})
-        self.server.register_handlers(self.sock)
-        self.ha, self.tmp = ha, tmp_path
-        self.client = BlobClient(lambda: self._conn)
-        self._conn = Connection.connect(self.sock.endpoint, self.secret)
-
-    def cache(self, name: str = "cache", **kw) -> BlobCache:
-        return BlobCache(self.tmp / name, self.ha, self.sock.endpoint, self.secret, **kw)
-
-    def close(self) -> None:
-        self._conn.close()
-        self.sock.close()
-        self.server.close()
-
-
-@pytest.fixture()
-def rig(tmp_path, ha):
-    r = Rig(tmp_path, ha)
-    yield r
-    r.close()
+from sparksteward.wire import Connection
+from tests.helpers.blob import BlobRig
 
 
 def test_keys_are_content_addressed_and_validated():
@@ -203,7 +154,7 @@ def test_recovery_serves_permanent_blobs_lazily_from_ha(rig, tmp_path):
     key = rig.client.put_bytes(b"survives", "job-h", permanent=True)
     rig.close()
     assert not (tmp_path / "server").exists(), "the old server deleted its local store"
-    again = Rig(tmp_path / "second", rig.ha)
+    again = BlobRig(tmp_path / "second", rig.ha)
     try:
         assert again.client.get_bytes(key, "job-h") == b"survives"
         assert again.server.stats["ha_fetches"] == 1

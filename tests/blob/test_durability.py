@@ -13,14 +13,7 @@ from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.errors import ChecksumMismatchError
-from tests.blob.test_core import Rig, ha, s3  # noqa: F401 - fixtures
-
-
-@pytest.fixture()
-def rig(tmp_path, ha):  # noqa: F811
-    r = Rig(tmp_path, ha)
-    yield r
-    r.close()
+from tests.helpers.blob import BlobRig
 
 
 class Journal:
@@ -114,17 +107,17 @@ def test_put_without_move_copies_so_the_caller_cannot_change_the_blob(rig):
 
 
 # --- item 11 ---------------------------------------------------------------------------------------
-def _orphans(tmp_path, ha, n):  # noqa: F811
-    first = Rig(tmp_path / "first", ha)
+def _orphans(tmp_path, ha, n):
+    first = BlobRig(tmp_path / "first", ha)
     keys = {f"old-{i}": first.client.put_bytes(os.urandom(1000 + i), f"old-{i}", permanent=True) for i in range(n)}
     first.close()
     return keys
 
 
 @pytest.mark.parametrize("ha", ["file", "s3"], indirect=True)
-def test_orphaned_ha_blobs_are_deleted_after_the_retention(tmp_path, ha):  # noqa: F811
+def test_orphaned_ha_blobs_are_deleted_after_the_retention(tmp_path, ha):
     keys = _orphans(tmp_path, ha, 3)
-    again = Rig(tmp_path / "second", ha)
+    again = BlobRig(tmp_path / "second", ha)
     try:
         assert set(again.server.retain_jobs(live={"old-0"})) == {"old-1", "old-2"}
         again.server.run_cleanup()  # marks
@@ -149,9 +142,9 @@ def test_a_jobless_permanent_blob_released_to_zero_leaves_ha_too(rig):
 
 
 @pytest.mark.parametrize("ha", ["file"], indirect=True)
-def test_a_put_revives_an_orphan_before_its_ha_copy_is_deleted(tmp_path, ha):  # noqa: F811
+def test_a_put_revives_an_orphan_before_its_ha_copy_is_deleted(tmp_path, ha):
     keys = _orphans(tmp_path, ha, 1)
-    again = Rig(tmp_path / "second", ha)
+    again = BlobRig(tmp_path / "second", ha)
     try:
         again.server.retain_jobs(live=set())
         again.server.run_cleanup()  # marked
@@ -170,12 +163,12 @@ def _chattr(flag: str, path: Path) -> bool:
 
 
 @pytest.mark.parametrize("ha", ["file"], indirect=True)
-def test_one_failing_ha_delete_does_not_abandon_the_pass_file(tmp_path, ha):  # noqa: F811
+def test_one_failing_ha_delete_does_not_abandon_the_pass_file(tmp_path, ha):
     keys = _orphans(tmp_path, ha, 4)
     stuck = Path(ha._path("old-2", keys["old-2"])).parent
     if not _chattr("+i", stuck):
         pytest.skip("chattr +i is not available here (needs root and ext4/xfs); cannot make a real delete fail")
-    again = Rig(tmp_path / "second", ha)
+    again = BlobRig(tmp_path / "second", ha)
     try:
         again.server.retain_jobs(live=set())
         again.server.run_cleanup()
@@ -191,9 +184,9 @@ def test_one_failing_ha_delete_does_not_abandon_the_pass_file(tmp_path, ha):  # 
 
 
 @pytest.mark.parametrize("ha", ["s3"], indirect=True)
-def test_ha_deletes_failing_during_an_outage_are_retried_next_pass_s3(tmp_path, ha, s3):  # noqa: F811
+def test_ha_deletes_failing_during_an_outage_are_retried_next_pass_s3(tmp_path, ha, s3):
     keys = _orphans(tmp_path, ha, 3)
-    again = Rig(tmp_path / "second", ha)
+    again = BlobRig(tmp_path / "second", ha)
     try:
         again.server.retain_jobs(live=set())
         again.server.run_cleanup()

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 
 from sparksteward import Steward
-from tests.conftest import spark_session, wait_until
+from tests.helpers import spark_session, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,13 @@ from sparksteward.owner import OwnerRecord, process_start_time
 from sparksteward.rendezvous import Rendezvous
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import AgentServer
-from tests.conftest import wait_until
-from tests.blob.test_core import Rig
+from tests.helpers import wait_until
+from tests.helpers.blob import BlobRig
 
 
 @pytest.fixture()
 def rig(tmp_path):
-    r = Rig(tmp_path, FileSystemBlobStore(str(tmp_path / "ha"), "c1"))
+    r = BlobRig(tmp_path, FileSystemBlobStore(str(tmp_path / "ha"), "c1"))
     yield r
     r.close()
 

@@ -15,8 +15,8 @@ import pytest
 
 from sparksteward.blob.cli import put
 from sparksteward.jar import shim_jar
-from tests.conftest import spark_session, wait_until
-from tests.blob.test_jars_cluster import _JAVAC, _cache_stats, build_udf_jar
+from tests.helpers import spark_session, wait_until
+from tests.helpers.jars import JAVAC, cache_stats_by_executor, build_udf_jar
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 def test_a_put_jar_in_spark_jars_reaches_every_executor_through_ha():
     from pyspark.sql.types import StringType
 
-    if not _JAVAC:
+    if not JAVAC:
         pytest.skip("no javac: the UDF jar is compiled in the test")
     with tempfile.TemporaryDirectory(prefix="steward-jars-start-") as tmp:
         ha = str(Path(tmp) / "ha")
@@ -48,7 +48,7 @@ def test_a_put_jar_in_spark_jars_reaches_every_executor_through_ha():
                 if len(seen) >= 2:
                     break
             assert len(seen) == 2, seen
-            stats = _cache_stats(spark)
+            stats = cache_stats_by_executor(spark)
             # each executor fetched the jar once, from HA, before its plugin ran; the driver served nothing
             assert {e: s.get("ha_fetches", 0) for e, s in stats.items()} == {e: 1 for e in stats}, stats
             assert all(s.get("transfers", 0) == 0 for s in stats.values()), stats

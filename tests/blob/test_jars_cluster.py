@@ -14,49 +14,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from sparksteward import Steward
-from sparksteward.jar import pyspark_jars_dir
-from tests.conftest import agent_processes, spark_session, wait_until
+from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers.jars import JAVAC, build_udf_jar, cache_stats_by_executor
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-_JAVAC = next((str(p) for p in (Path(os.environ.get("JAVA_HOME", "/nonexistent")) / "bin" / "javac",
-                                Path("/usr/lib/jvm/java-17-openjdk-amd64/bin/javac")) if p.exists()),
-              shutil.which("javac"))
-_UDF = """package stewardtest;
-import org.apache.spark.sql.api.java.UDF1;
-public class ExecUdf implements UDF1<Long, String> {
-  public String call(Long x) { return org.apache.spark.SparkEnv.get().executorId() + ":" + (x * 2); }
-}
-"""
-
-
-def build_udf_jar(out: Path, padding: bytes = b"") -> Path:
-    """Compile the UDF with javac against pyspark's jars; ``padding`` (a resource) changes the jar's key."""
-    src = out / "src" / "stewardtest"
-    src.mkdir(parents=True, exist_ok=True)
-    (src / "ExecUdf.java").write_text(_UDF)
-    classes = out / "classes"
-    classes.mkdir(exist_ok=True)
-    cp = os.pathsep.join(str(p) for p in sorted(pyspark_jars_dir().glob("*.jar")))
-    subprocess.run([_JAVAC, "-nowarn", "-cp", cp, "-d", str(classes), str(src / "ExecUdf.java")], check=True)
-    jar = out / f"steward-udf-{len(padding)}.jar"
-    with zipfile.ZipFile(jar, "w") as z:
-        z.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n\n")
-        z.write(classes / "stewardtest" / "ExecUdf.class", "stewardtest/ExecUdf.class")
-        if padding:
-            z.writestr("padding.bin", padding)
-    return jar
 
 
 @pytest.fixture(scope="module")
 def env():
-    if not _JAVAC:
+    if not JAVAC:
         pytest.skip("no javac: the UDF jar is compiled in the test")
     tmp = Path(tempfile.mkdtemp(prefix="steward-jars-"))
     ha = tmp / "ha"
@@ -71,22 +42,6 @@ def env():
     shutil.rmtree(tmp)
 
 
-def _cache_stats(spark) -> dict[str, dict[str, int]]:
-    """Each executor agent's BlobCache counters, by executor id (8 tasks reach both executors)."""
-    def probe(_):
-        from sparksteward.worker import executor_connection
-
-        conn = executor_connection()
-        return [(conn.request("health")["executor_id"], conn.request("blob.cache_stats")["stats"])]
-
-    out: dict[str, dict[str, int]] = {}
-    for _ in range(5):
-        out.update(spark.sparkContext.parallelize(range(8), 8).mapPartitions(probe).collect())
-        if len(out) >= 2:
-            return out
-    raise AssertionError(f"tasks reached only executors {sorted(out)}")
-
-
 def _fetches(stats: dict[str, int]) -> int:
     return stats.get("ha_fetches", 0) + stats.get("transfers", 0)
 
@@ -97,7 +52,7 @@ def test_udf_jar_is_fetched_once_per_executor_through_the_blob_cache(env):
     spark, tmp, ha = env
     st = Steward.get(spark)
     jar = build_udf_jar(tmp / "udf")
-    before = _cache_stats(spark)
+    before = cache_stats_by_executor(spark)
     url = st.add_jar(jar)
     assert url.startswith("steward://app-") and url.endswith("/steward-udf-0.jar")
     assert url in spark.sparkContext._jsc.sc().listJars().mkString(",")
@@ -106,7 +61,7 @@ def test_udf_jar_is_fetched_once_per_executor_through_the_blob_cache(env):
         rows = spark.range(0, 32, 1, 8).selectExpr("steward_udf(id) AS r").collect()
         assert {r.r.split(":")[0] for r in rows} == {"0", "1"}, rows
         assert sorted(int(r.r.split(":")[1]) for r in rows) == [2 * i for i in range(32)]
-    after = _cache_stats(spark)
+    after = cache_stats_by_executor(spark)
     for executor in ("0", "1"):
         got = after[executor]
         assert _fetches(got) - _fetches(before.get(executor, {})) == 1, (executor, got)
@@ -118,14 +73,14 @@ def test_corrupt_ha_copy_is_served_by_the_server_and_the_scoped_job_end_deletes_
     spark, tmp, ha = env
     st = Steward.get(spark)
     jar = build_udf_jar(tmp / "udf2", padding=os.urandom(4096))
-    before = _cache_stats(spark)
+    before = cache_stats_by_executor(spark)
     with st.job("jars-scoped"):
         url = st.add_jar(jar)
         key = url.split("/")[-2]
         ha_copies = list(ha.rglob(key))
         assert len(ha_copies) == 1
         ha_copies[0].write_bytes(b"corrupt" + ha_copies[0].read_bytes()[7:])
-        after = _cache_stats(spark)  # these tasks fetch the new jar first (Executor.updateDependencies)
+        after = cache_stats_by_executor(spark)  # these tasks fetch the new jar first (Executor.updateDependencies)
         server_store = Path(st.blobs.incoming).parent
         assert list(server_store.rglob(key))
     for executor in ("0", "1"):

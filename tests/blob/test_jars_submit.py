@@ -21,7 +21,7 @@ import pytest
 
 from sparksteward.blob.cli import put
 from sparksteward.jar import shim_jar
-from tests.blob.test_jars_cluster import _JAVAC, build_udf_jar
+from tests.helpers.jars import JAVAC, build_udf_jar
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -80,7 +80,7 @@ def _submit(tmp: Path, url: str, *extra_conf: str) -> subprocess.CompletedProces
 
 @pytest.fixture()
 def udf(tmp_path):
-    if not _JAVAC:
+    if not JAVAC:
         pytest.skip("no javac: the UDF jar is compiled in the test")
     jar = build_udf_jar(tmp_path / "udf", b"spark-submit")
     return jar, put(jar, str(tmp_path / "ha"))

@@ -8,14 +8,7 @@ import numpy as np
 import pytest
 
 from sparksteward import Steward
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import spark_session, wait_until
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
+from tests.helpers import spark_session, wait_until
 
 
 @pytest.fixture(scope="module")

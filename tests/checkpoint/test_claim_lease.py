@@ -14,8 +14,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError
 from sparksteward.owner import OwnerRecord
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _run_batch
+from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 
 ELSEWHERE = OwnerRecord("other-host", "boot", 4242, 1.0, "pid:[1]")
 
@@ -25,7 +24,7 @@ def source(tmp_path, store_url):
     """State 'a' with checkpoint 0 completed (written without a lease, like a finished writer)."""
     storage = CheckpointStorage.open(store_url, "a")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path / "a", 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path / "a", 0, BATCHES[0])
     coord.complete(0)
     return storage
 

@@ -8,15 +8,14 @@ from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _run_batch
+from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 
 
 def _state(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
     for n in range(2):
-        _run_batch(coord, storage, tmp_path, n, BATCHES[n])
+        run_batch(coord, storage, tmp_path, n, BATCHES[n])
         coord.complete(n)
     return storage
 

@@ -14,54 +14,12 @@ import pytest
 
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.rescale import open_subtask, restore_subtask_backend
+from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
-from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
+from sparksteward.state.keygroups import key_group_range
 from sparksteward.testing.clock import FakeClock
-
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-
-M, P = 16, 2
-KEYS = [f"user-{i}" for i in range(20_000)]
-
-
-def _run_batch(coord, storage, tmp_path, checkpoint_id, batch, *, ack=True, attempt="a", begin=True):
-    """What one batch does on every subtask: restore the base, count, snapshot, upload, ack."""
-    begun = coord.begin(checkpoint_id) if begin else coord.base(checkpoint_id)
-    results = []
-    p = coord.parallelism
-    for i in range(p):
-        work = tmp_path / f"work-{checkpoint_id}-{attempt}-{i}"
-        cache = LocalFileCache(tmp_path / f"cache-{i}")
-        b, _ = open_subtask(storage, begun.base, p, i, work, cache, max_parallelism=M)
-        mine = [k for k in batch if subtask_for_key_group(M, p, key_group(k, M)) == i]
-        s = b.value("count")
-        s.put_many(mine, [(c or 0) + 1 for c in s.get_many(mine)])
-        snap = b.snapshot(tmp_path / f"snap-{checkpoint_id}-{attempt}-{i}")
-        b.close()
-        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known, cache=cache)
-        results.append(r)
-        if ack:
-            coord.ack(checkpoint_id, r)
-    return begun, results
-
-
-def _counts(storage, meta, tmp_path, tag):
-    out = {}
-    for i in range(meta.parallelism):
-        b, _ = restore_subtask_backend(storage, meta, i, tmp_path / f"read-{tag}-{i}", LocalFileCache(tmp_path / "rc"))
-        out.update({k: b.value("count").get(k) for k in KEYS if key_group(k, M) in b.key_groups})
-        b.close()
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def _expected(batches):
-    out = {}
-    for batch in batches:
-        for k in batch:
-            out[k] = out.get(k, 0) + 1
-    return out
+from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 
 
 def _assert_files_match_refs(coord, storage, unacked=frozenset()):
@@ -70,20 +28,17 @@ def _assert_files_match_refs(coord, storage, unacked=frozenset()):
     assert storage.shared_files() - set(unacked) == referenced - set(unacked)
 
 
-BATCHES = [KEYS[:12_000], KEYS[::7], KEYS[5000:5100], KEYS[::3]]
-
-
 def test_checkpoints_complete_subsume_and_rerun(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M, num_retained=1, clock=FakeClock(1000.0))
     assert coord.last_completed is None
-    begun, _ = _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    begun, _ = run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     assert begun.base is None and not begun.rerun
     assert coord.pending() == [0]
     meta0 = coord.complete(0)
     assert meta0.created_at == 1000.0 and storage.checkpoint_ids() == [0]
 
-    begun, results = _run_batch(coord, storage, tmp_path, 1, BATCHES[1])
+    begun, results = run_batch(coord, storage, tmp_path, 1, BATCHES[1])
     assert begun.base == meta0 and begun.known
     assert all(r.files_reused > 0 for r in results)  # incremental: the base's SSTs are not re-sent
     meta1 = coord.complete(1)
@@ -91,20 +46,20 @@ def test_checkpoints_complete_subsume_and_rerun(tmp_path, store_url):
     assert coord.retained() == [0, 1]
 
     # the driver died after complete(1), before Spark recorded batch 1: the batch runs again
-    begun, _ = _run_batch(coord, storage, tmp_path, 1, BATCHES[1], attempt="rerun")
+    begun, _ = run_batch(coord, storage, tmp_path, 1, BATCHES[1], attempt="rerun")
     assert begun.rerun and begun.base == meta0
     assert coord.complete(1) == meta1  # the first result stands
     _assert_files_match_refs(coord, storage)  # the re-run's own uploads are gone
-    assert _counts(storage, meta1, tmp_path, "1") == _expected(BATCHES[:2])
+    assert stored_counts(storage, meta1, tmp_path, "1") == expected_counts(BATCHES[:2])
 
     # batch 2 begins: now checkpoint 0 may go
-    _run_batch(coord, storage, tmp_path, 2, BATCHES[2])
+    run_batch(coord, storage, tmp_path, 2, BATCHES[2])
     assert coord.retained() == [1]
     assert storage.checkpoint_ids() == [1]
     meta2 = coord.complete(2)
     assert coord.retained() == [1, 2]
     _assert_files_match_refs(coord, storage)
-    assert _counts(storage, meta2, tmp_path, "2") == _expected(BATCHES[:3])
+    assert stored_counts(storage, meta2, tmp_path, "2") == expected_counts(BATCHES[:3])
 
     with pytest.raises(CheckpointOrderError, match=r"checkpoint 1 of state 'clicks' is older than its last "
                                                    r"completed checkpoint 2.*Restart the query"):
@@ -114,10 +69,10 @@ def test_checkpoints_complete_subsume_and_rerun(tmp_path, store_url):
 def test_abort_deletes_only_what_the_checkpoint_uploaded(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
     before = storage.shared_files()
-    _, results = _run_batch(coord, storage, tmp_path, 1, BATCHES[3], ack=False)
+    _, results = run_batch(coord, storage, tmp_path, 1, BATCHES[3], ack=False)
     coord.ack(1, results[0])  # subtask 1's task failed before its ack
     new_files = {p for r in results for p in r.uploaded}
     assert new_files and storage.shared_files() == before | new_files
@@ -141,7 +96,7 @@ def test_restart_rebuilds_references_and_keeps_newer_versions_files(tmp_path, st
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M, num_retained=2)
     for n in range(3):
-        _run_batch(coord, storage, tmp_path, n, BATCHES[n])
+        run_batch(coord, storage, tmp_path, n, BATCHES[n])
         coord.complete(n)
     assert coord.retained() == [1, 2]  # the base of the re-runnable 2 is 1, retained anyway
     again = CheckpointCoordinator(storage, P, M, num_retained=2)
@@ -186,7 +141,7 @@ UPLOADER = textwrap.dedent("""
 def test_orphans_of_a_sigkilled_uploader_are_swept(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
     before = storage.shared_files()
     proc = subprocess.run([sys.executable, "-c", UPLOADER, store_url, str(tmp_path / "u")], capture_output=True,
@@ -203,8 +158,8 @@ def test_orphans_of_a_sigkilled_uploader_are_swept(tmp_path, store_url):
 def test_a_speculative_duplicate_ack_replaces_the_first_and_its_files_go(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _, first = _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
-    _, second = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
+    _, first = run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    _, second = run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
     coord.ack(0, second[0])  # a speculative copy of subtask 0 finished last
     meta = coord.complete(0)
     assert meta.subtasks[0] == second[0].handle
@@ -215,13 +170,13 @@ def test_a_speculative_duplicate_ack_replaces_the_first_and_its_files_go(tmp_pat
     assert storage.shared_files() - referenced <= set(second[1].uploaded)
     CheckpointCoordinator(storage, P, M)
     _assert_files_match_refs(coord, storage)
-    assert _counts(storage, meta, tmp_path, "spec") == _expected(BATCHES[:1])
+    assert stored_counts(storage, meta, tmp_path, "spec") == expected_counts(BATCHES[:1])
 
 
 def test_restart_with_another_max_parallelism_or_key_type_is_refused(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
     with pytest.raises(ParallelismError, match=r"state 'clicks' was checkpointed with max_parallelism=16 "
                                                r"\(checkpoint 0\) and cannot be restored with max_parallelism=32"):
@@ -236,13 +191,13 @@ def test_restart_with_another_max_parallelism_or_key_type_is_refused(tmp_path, s
 def test_a_new_parallelism_continues_the_same_state(tmp_path, store_url):
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
     wider = CheckpointCoordinator(storage, 5, M)  # the query restarted with parallelism 5
-    _run_batch(wider, storage, tmp_path, 1, BATCHES[1])
+    run_batch(wider, storage, tmp_path, 1, BATCHES[1])
     meta = wider.complete(1)
     assert meta.parallelism == 5
-    assert _counts(storage, meta, tmp_path, "p5") == _expected(BATCHES[:2])
+    assert stored_counts(storage, meta, tmp_path, "p5") == expected_counts(BATCHES[:2])
 
 
 
@@ -252,9 +207,9 @@ def test_late_acks_of_replaced_attempts_leave_no_files(tmp_path, store_url):
     checkpoint is pending the deletion waits for it (a pending attempt may hold equal content)."""
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
-    _, spec = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
-    _, spec2 = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec2", begin=False)
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    _, spec = run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
+    _, spec2 = run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec2", begin=False)
     coord.complete(0)
     with pytest.raises(CheckpointOrderError, match=r"checkpoint 0 of state 'clicks' is not pending .*the ack of "
                                                    r"subtask 0 is refused and its uploaded files deleted"):
@@ -265,7 +220,7 @@ def test_late_acks_of_replaced_attempts_leave_no_files(tmp_path, store_url):
     _assert_files_match_refs(coord, storage, unacked=spec2_files)  # nothing pending: deleted at once
 
     # an aborted attempt's uploads ack after the abort
-    _, aborted = _run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False, attempt="x")
+    _, aborted = run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False, attempt="x")
     coord.abort(1)
     for r in aborted:
         with pytest.raises(CheckpointOrderError, match="is not pending"):
@@ -273,14 +228,14 @@ def test_late_acks_of_replaced_attempts_leave_no_files(tmp_path, store_url):
     _assert_files_match_refs(coord, storage, unacked=spec2_files)
 
     # late acks while checkpoint 1 runs again: their files wait until 1 is no longer pending
-    _run_batch(coord, storage, tmp_path, 1, BATCHES[1], attempt="y")
+    run_batch(coord, storage, tmp_path, 1, BATCHES[1], attempt="y")
     for r in spec2:
         with pytest.raises(CheckpointOrderError):
             coord.ack(0, r)
     assert spec2_files <= storage.shared_files()  # deferred
     meta1 = coord.complete(1)
     _assert_files_match_refs(coord, storage)
-    assert _counts(storage, meta1, tmp_path, "late") == _expected(BATCHES[:2])
+    assert stored_counts(storage, meta1, tmp_path, "late") == expected_counts(BATCHES[:2])
 
 
 def test_a_newer_checkpoint_drops_older_pending_ones_and_their_files(tmp_path, store_url):
@@ -288,20 +243,20 @@ def test_a_newer_checkpoint_drops_older_pending_ones_and_their_files(tmp_path, s
     attempt left pending by a failed batch: both are aborted when a newer checkpoint begins."""
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="second-action")  # a re-run, never committed
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="second-action")  # a re-run, never committed
     assert coord.pending() == [0]
-    _run_batch(coord, storage, tmp_path, 1, BATCHES[1])
+    run_batch(coord, storage, tmp_path, 1, BATCHES[1])
     assert coord.pending() == [1]
     coord.complete(1)
     _assert_files_match_refs(coord, storage)
-    _run_batch(coord, storage, tmp_path, 2, BATCHES[2], ack=False)  # a batch whose tasks never acked
+    run_batch(coord, storage, tmp_path, 2, BATCHES[2], ack=False)  # a batch whose tasks never acked
     assert coord.pending() == [2]
-    _run_batch(coord, storage, tmp_path, 3, BATCHES[2])
+    run_batch(coord, storage, tmp_path, 3, BATCHES[2])
     assert coord.pending() == [3]
     meta = coord.complete(3)
-    assert _counts(storage, meta, tmp_path, "3") == _expected(BATCHES[:3])
+    assert stored_counts(storage, meta, tmp_path, "3") == expected_counts(BATCHES[:3])
     # attempt 2's uploads were never acked: only they may be left (a coordinator start sweeps them)
     CheckpointCoordinator(storage, P, M)
     _assert_files_match_refs(coord, storage)
@@ -326,23 +281,23 @@ def test_a_rerun_of_the_last_batch_works_after_a_coordinator_restart(tmp_path, s
     the checkpoint dir, still has 1's base, re-runs 1 from it and refuses anything older."""
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M, num_retained=1)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     meta0 = coord.complete(0)
-    _run_batch(coord, storage, tmp_path, 1, BATCHES[1])
+    run_batch(coord, storage, tmp_path, 1, BATCHES[1])
     meta1 = coord.complete(1)
     restarted = CheckpointCoordinator(storage, P, M, num_retained=1)
     assert restarted.retained() == [0, 1] and restarted.swept == 0
-    begun, _ = _run_batch(restarted, storage, tmp_path, 1, BATCHES[1], attempt="rerun")
+    begun, _ = run_batch(restarted, storage, tmp_path, 1, BATCHES[1], attempt="rerun")
     assert begun.rerun and begun.base == meta0
     assert restarted.complete(1) == meta1
     _assert_files_match_refs(restarted, storage)
     with pytest.raises(CheckpointOrderError, match="checkpoint 0 .* is older than its last completed checkpoint 1"):
         restarted.begin(0)
-    _run_batch(restarted, storage, tmp_path, 2, BATCHES[2])
-    assert _counts(storage, restarted.complete(2), tmp_path, "2") == _expected(BATCHES[:3])
+    run_batch(restarted, storage, tmp_path, 2, BATCHES[2])
+    assert stored_counts(storage, restarted.complete(2), tmp_path, "2") == expected_counts(BATCHES[:3])
 
 
-def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_a_checkpoint(tmp_path, _s3_server):  # noqa: F811
+def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_a_checkpoint(tmp_path, s3):
     """Item 10's deleter thread and a content-addressed re-upload: attempt a of checkpoint 0 is
     aborted (its files queued for deletion, every delete request 2 s late on S3); attempt b uploads
     the same snapshot again (same checksums, so the same paths) and acks while one of them is being
@@ -350,12 +305,11 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
     refused, naming the fix), never write a record that names a file the delete removes after."""
     import uuid
 
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
-    s3 = _s3_server
     storage = CheckpointStorage.open(s3.url(f"bg-{uuid.uuid4().hex[:8]}"), "s", "c1")
     coord = CheckpointCoordinator(storage, P, M, background_deletes=True)
-    begun, first = _run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="a")
+    begun, first = run_batch(coord, storage, tmp_path, 0, BATCHES[0], attempt="a")
     queued = {p for r in first for p in r.uploaded}
     referenced = set()
     with s3.slow("DeleteObjects", 2.0):

@@ -11,7 +11,6 @@ from sparksteward.checkpoint.duplicate import Duplicator, can_fast_duplicate
 from sparksteward.errors import CheckpointNotFoundError
 from sparksteward.storage import open_location
 
-from tests.helpers.state import _s3_server  # noqa: F401 - fixture
 
 PAYLOAD = os.urandom(3 << 20)
 
@@ -31,8 +30,7 @@ def test_local_to_local_links_and_moves_no_bytes(tmp_path):
         d.duplicate([(str(tmp_path / "nope"), str(tmp_path / "x"))])
 
 
-def test_s3_to_s3_is_server_side_and_local_to_s3_streams(_s3_server, tmp_path):
-    s3 = _s3_server
+def test_s3_to_s3_is_server_side_and_local_to_s3_streams(s3, tmp_path):
     fs = s3.filesystem()
     src, dst = s3.url("a", "f.sst"), s3.url("b", "f.sst")
     fs.pipe_file(src.removeprefix("s3://"), PAYLOAD)

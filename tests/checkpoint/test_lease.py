@@ -16,8 +16,6 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CorruptRecordError, StateLeaseError
 from sparksteward.owner import OwnerRecord
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-
 
 class Clock:
     """Monotonic and wall clocks that only move when the test (or a sleep) moves them."""
@@ -139,7 +137,7 @@ def test_a_corrupt_lease_record_is_refused_by_name(tmp_path):
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator  # noqa: E402
 from sparksteward.errors import CheckpointError  # noqa: E402
 from sparksteward.testing.clock import FakeClock  # noqa: E402
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _counts, _expected, _run_batch  # noqa: E402
+from tests.helpers.checkpoint import BATCHES, M, P, stored_counts, expected_counts, run_batch  # noqa: E402
 
 
 def test_a_restart_sweeps_only_old_orphans_and_never_completes_on_a_deleted_upload(tmp_path, store_url):
@@ -148,9 +146,9 @@ def test_a_restart_sweeps_only_old_orphans_and_never_completes_on_a_deleted_uplo
     them can no longer complete a checkpoint that would not restore."""
     storage = CheckpointStorage.open(store_url, "clicks")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     coord.complete(0)
-    _, results = _run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False)   # uploaded, not acked yet
+    _, results = run_batch(coord, storage, tmp_path, 1, BATCHES[1], ack=False)   # uploaded, not acked yet
     uploads = {p for r in results for p in r.uploaded}
     assert uploads and uploads <= storage.shared_files()
 
@@ -166,9 +164,9 @@ def test_a_restart_sweeps_only_old_orphans_and_never_completes_on_a_deleted_uplo
     with pytest.raises(CheckpointError, match=r"cannot complete: it references .*deleted after their upload"):
         graced.complete(1)
     graced.abort(1)
-    _run_batch(graced, storage, tmp_path, 1, BATCHES[1], attempt="b")
+    run_batch(graced, storage, tmp_path, 1, BATCHES[1], attempt="b")
     meta = graced.complete(1)
-    assert _counts(storage, meta, tmp_path, "r") == _expected(BATCHES[:2])
+    assert stored_counts(storage, meta, tmp_path, "r") == expected_counts(BATCHES[:2])
 
 
 def test_no_sweep_without_the_lease(tmp_path):

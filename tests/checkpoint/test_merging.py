@@ -8,7 +8,6 @@ two executor agents and 32 subtasks (the Spark run is in test_state_merging_clus
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 
 import pytest
@@ -21,17 +20,13 @@ from sparksteward.checkpoint.merging import (
     space_stats,
 )
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
-from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import ConfigError, StewardError
-from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keygroups import KeyGroupRange, key_group, key_group_range, subtask_for_key_group
-from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.conftest import wait_until
-from tests.helpers.state import _s3_server, store_url, guarded_rmtree  # noqa: F401 - fixtures
+from sparksteward.state.keygroups import KeyGroupRange, key_group, subtask_for_key_group
+from tests.helpers import wait_until
+from tests.helpers.merging import M, MergingRig
 
-M = 64
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 
 # --- the executor's FileMerger ---------------------------------------------------------------------
@@ -96,7 +91,7 @@ def test_a_discarded_checkpoint_leaves_no_staged_file(tmp_path):
     merger.close()
 
 
-def test_across_appends_in_place_and_is_refused_on_object_stores(tmp_path, _s3_server):
+def test_across_appends_in_place_and_is_refused_on_object_stores(tmp_path, s3):
     storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
     opts = MergingOptions(mode="across")
     merger = FileMerger(tmp_path / "staging")
@@ -111,7 +106,7 @@ def test_across_appends_in_place_and_is_refused_on_object_stores(tmp_path, _s3_s
     merger.close()
     with pytest.raises(ConfigError, match=r"mode 'across' needs a store that appends.*is an object store.*"
                                           r"file-merging.mode=within"):
-        opts.check_store(_s3_server.url("x"), is_local=False)
+        opts.check_store(s3.url("x"), is_local=False)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -156,87 +151,14 @@ def test_space_stats_and_the_most_wasteful_files_marked_no_reuse():
 
 
 # --- the agents, over sockets -----------------------------------------------------------------------
-class Rig:
-    """A driver agent's StateService and ``executors`` executor agents' SubtaskServices."""
-
-    def __init__(self, tmp: Path, checkpoint_dir: str, *, parallelism: int, executors: int = 2,
-                 num_retained: int = 1, merging: MergingOptions | None = None, agent_timeout: float = 30,
-                 name: str = "s", restore_from: str | None = None) -> None:
-        self.tmp, self.p, self.checkpoint_dir, self.name = tmp, parallelism, checkpoint_dir, name
-        self.secret = new_secret()
-        self.driver = AgentServer("127.0.0.1", 0, self.secret, {})
-        self.states = StateService(checkpoint_dir, "c1", commit_timeout=60, merging=merging or MergingOptions(),
-                                   agent_timeout=agent_timeout)
-        self.states.register_handlers(self.driver)
-        self.execs = []
-        for e in range(executors):
-            server = AgentServer("127.0.0.1", 0, self.secret, {})
-            svc = SubtaskService(tmp / f"exec{e}", self.driver.endpoint, self.secret, upload_threads=2)
-            svc.register_handlers(server)
-            self.execs.append((server, svc, Connection.connect(server.endpoint, self.secret)))
-        self.dconn = Connection.connect(self.driver.endpoint, self.secret)
-        self.registered = self.dconn.request("state.register", name=name, checkpoint_dir=None,
-                                             parallelism=parallelism, max_parallelism=M, key_type="string",
-                                             num_retained=num_retained, restore_from=restore_from)
-        self.storage = CheckpointStorage.open(checkpoint_dir, name, "c1")
-        self._turn = itertools.count()
-
-    def task(self, cid: int, subtask: int, delta: dict[str, int], executor: int | None = None) -> None:
-        e = next(self._turn) % len(self.execs) if executor is None else executor
-        econn = self.execs[e][2]
-        opened = econn.request("state.open", name=self.name, checkpoint_id=cid, subtask=subtask)
-        kg = key_group_range(M, self.p, subtask)
-        backend = RocksDBStateBackend(opened["workdir"], kg, M, "string", create=False)
-        try:
-            vs = backend.value("value")
-            for k, d in delta.items():
-                vs.update(k, (vs.get(k) or 0) + d)
-            snap = backend.snapshot(opened["snapshot"])
-        finally:
-            backend.close()
-        econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
-
-    def batch(self, cid: int, delta: dict[str, int]) -> dict:
-        self.dconn.request("state.begin", name=self.name, checkpoint_id=cid)
-        parts: list[dict[str, int]] = [{} for _ in range(self.p)]
-        for k, v in delta.items():
-            parts[subtask_for_key_group(M, self.p, key_group(k, M))][k] = v
-        for i, part in enumerate(parts):
-            self.task(cid, i, part)
-        return self.dconn.request("state.commit", name=self.name, checkpoint_id=cid, wait=60)
-
-    def rescale(self, parallelism: int) -> None:
-        """Open the state again with another parallelism: the next checkpoint rebuilds its subtasks."""
-        self.dconn.request("state.register", name=self.name, checkpoint_dir=None, parallelism=parallelism,
-                           max_parallelism=M, key_type="string", num_retained=1)
-        self.p = parallelism
-
-    def values(self, meta: CheckpointMetadata) -> dict[str, int]:
-        from sparksteward.keyed_state import _read_values
-
-        return {k: int(v) for k, v in _read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
-
-    def referenced(self) -> set[str]:
-        return {f.path for cid in self.storage.checkpoint_ids() for f in self.storage.read_metadata(cid).files()}
-
-    def close(self) -> None:
-        self.dconn.close()
-        for server, svc, conn in self.execs:
-            conn.close()
-            svc.close()
-            server.close()
-        self.driver.close()
-        self.states.close()
-
-
 @pytest.mark.parametrize("num_retained", [1, 3])
 def test_reference_counts_over_50_checkpoints(tmp_path, store_url, num_retained):
     """Must-show 2: the physical files in the dir are always exactly those the retained checkpoints
     reference, every retained checkpoint restores and opens, and gc finds nothing to collect."""
     from sparksteward.checkpoint.cli import find_orphans
 
-    rig = Rig(tmp_path, store_url, parallelism=4, num_retained=num_retained,
-              merging=MergingOptions(max_file_size=64 << 10))
+    rig = MergingRig(tmp_path, store_url, parallelism=4, num_retained=num_retained,
+                     merging=MergingOptions(max_file_size=64 << 10))
     try:
         model: dict[str, int] = {}
         history: dict[int, dict[str, int]] = {}
@@ -267,8 +189,8 @@ def test_space_amplification_stays_bounded_when_most_keys_change(tmp_path, capsy
     """Must-show 4: rewriting most keys every batch, physical bytes stay at or below the configured
     amplification times the live bytes, plus one checkpoint's worth."""
     amp = 1.5
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=2, num_retained=1,
-              merging=MergingOptions(max_file_size=256 << 10, max_space_amplification=amp))
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=2, num_retained=1,
+                     merging=MergingOptions(max_file_size=256 << 10, max_space_amplification=amp))
     try:
         rows = []
         for cid in range(25):
@@ -288,8 +210,8 @@ def test_space_amplification_stays_bounded_when_most_keys_change(tmp_path, capsy
 def test_space_control_rewrites_the_live_segments_of_wasteful_files(tmp_path):
     """Files marked no-reuse are not referenced by the next checkpoint (their live segments are
     written again), and they are deleted once the checkpoints referencing them are subsumed."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1,
-              merging=MergingOptions(max_file_size=1 << 20, max_space_amplification=1.0))
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1,
+                     merging=MergingOptions(max_file_size=1 << 20, max_space_amplification=1.0))
     try:
         rig.batch(0, {f"k{i:05d}": 1 for i in range(3000)})
         marked_any = False
@@ -308,15 +230,15 @@ def test_space_control_rewrites_the_live_segments_of_wasteful_files(tmp_path):
         rig.close()
 
 
-def test_a_checkpoint_of_32_subtasks_on_2_executors_writes_at_most_4_objects(tmp_path, _s3_server):
+def test_a_checkpoint_of_32_subtasks_on_2_executors_writes_at_most_4_objects(tmp_path, s3):
     """The object count of must-show 1 at the agents' level: S3 PUTs per checkpoint, not partitions."""
-    rig = Rig(tmp_path, _s3_server.url("chk32"), parallelism=32, executors=2)
+    rig = MergingRig(tmp_path, s3.url("chk32"), parallelism=32, executors=2)
     try:
         rig.batch(0, {f"k{i:05d}": 1 for i in range(20_000)})
         for cid in range(1, 4):
-            mark = len(_s3_server.requests_since(0))
+            mark = len(s3.requests_since(0))
             stats = rig.batch(cid, {f"k{i:05d}": 1 for i in range(cid * 50, cid * 50 + 100)})["stats"]
-            puts = [q for q in _s3_server.requests_since(mark)
+            puts = [q for q in s3.requests_since(mark)
                     if q.op in ("PutObject", "CreateMultipartUpload", "CopyObject")]
             assert stats["objects_written"] <= 2 + 2, stats
             assert len({q.key for q in puts}) <= 2 + 2, [q.key for q in puts]
@@ -324,9 +246,9 @@ def test_a_checkpoint_of_32_subtasks_on_2_executors_writes_at_most_4_objects(tmp
         rig.close()
 
 
-def test_across_mode_runs_on_file_and_is_refused_on_s3(tmp_path, _s3_server):
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=2, executors=1,
-              merging=MergingOptions(mode=MergingMode.ACROSS))
+def test_across_mode_runs_on_file_and_is_refused_on_s3(tmp_path, s3):
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=2, executors=1,
+                     merging=MergingOptions(mode=MergingMode.ACROSS))
     try:
         files = []
         model: dict[str, int] = {}
@@ -342,14 +264,14 @@ def test_across_mode_runs_on_file_and_is_refused_on_s3(tmp_path, _s3_server):
     finally:
         rig.close()
     with pytest.raises(StewardError, match=r"mode 'across' needs a store that appends"):
-        Rig(tmp_path / "s3", _s3_server.url("across"), parallelism=2, executors=1,
-            merging=MergingOptions(mode=MergingMode.ACROSS))
+        MergingRig(tmp_path / "s3", s3.url("across"), parallelism=2, executors=1,
+                   merging=MergingOptions(mode=MergingMode.ACROSS))
 
 
 def test_an_executor_agent_gone_before_its_seal_aborts_the_commit_promptly(tmp_path):
     """An agent holding merged files that stops polling (its executor was lost) does not hold
     commit for the whole commit timeout: it aborts once agent_timeout passes."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=2, executors=2, agent_timeout=2)
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=2, executors=2, agent_timeout=2)
     try:
         rig.batch(0, {"a": 1, "b": 2})
         rig.dconn.request("state.begin", name="s", checkpoint_id=1)
@@ -374,7 +296,7 @@ def test_an_executor_agent_gone_before_its_seal_aborts_the_commit_promptly(tmp_p
 def test_show_prints_physical_and_logical_files_and_gc_collects_merged_orphans(tmp_path, store_url, capsys):
     from sparksteward.cli import main
 
-    rig = Rig(tmp_path, store_url, parallelism=4, num_retained=2)
+    rig = MergingRig(tmp_path, store_url, parallelism=4, num_retained=2)
     try:
         for cid in range(3):
             rig.batch(cid, {f"k{i}": cid for i in range(cid * 30, cid * 30 + 200)})
@@ -409,14 +331,14 @@ def test_restore_and_rescale_8_to_3_from_merged_equal_from_unmerged(tmp_path, st
     results = {}
     for label, merging in (("merged", MergingOptions()), ("whole", MergingOptions(enabled=False))):
         base = f"{store_url}/{label}"
-        src = Rig(tmp_path / label, base, parallelism=8, merging=merging, name="src", num_retained=2)
+        src = MergingRig(tmp_path / label, base, parallelism=8, merging=merging, name="src", num_retained=2)
         try:
             for cid in range(3):
                 src.batch(cid, deltas[cid])
             chk = src.storage.url_of("chk-2")
             physical = {f.path for f in src.storage.read_metadata(2).files()}
             assert any(p.startswith("merged/") for p in physical) == (label == "merged")
-            dst = Rig(tmp_path / f"{label}-dst", base, parallelism=3, merging=merging, name="dst", restore_from=chk)
+            dst = MergingRig(tmp_path / f"{label}-dst", base, parallelism=3, merging=merging, name="dst", restore_from=chk)
             try:
                 restore = dst.registered["restore"]
                 assert restore["bytes_streamed"] == 0  # duplicated, not streamed
@@ -444,7 +366,7 @@ def test_restore_and_rescale_8_to_3_from_merged_equal_from_unmerged(tmp_path, st
 def test_hostile_merged_paths_from_a_peer_are_refused_by_name(tmp_path):
     """An ack or a seal naming a path outside merged/ (``..``, a nested path, a bare name) is refused
     before anything is recorded, so no later abort or subsumption can be pointed at it."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
     try:
         rig.batch(0, {"a": 1})
         rig.dconn.request("state.begin", name="s", checkpoint_id=1)

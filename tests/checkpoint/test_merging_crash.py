@@ -36,8 +36,9 @@ from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import new_secret
-from tests.conftest import wait_until
-from tests.helpers.state import _s3_server, guarded_rmtree  # noqa: F401 - fixture
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 P, M = 4, 32
 EXECUTORS = 2
@@ -48,7 +49,7 @@ def store(request, tmp_path):
     """(checkpoint dir URL, the S3 server or None)."""
     if request.param == "file":
         return str(tmp_path / "checkpoints"), None
-    s3 = request.getfixturevalue("_s3_server")
+    s3 = request.getfixturevalue("s3")
     return s3.url(f"crash-{uuid.uuid4().hex[:8]}"), s3
 
 

@@ -19,7 +19,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, InvalidRecordError, StewardError
 from sparksteward.state.keygroups import key_group_range
 
-from tests.checkpoint.test_merging import Rig
+from tests.helpers.merging import MergingRig
 
 M = 8
 ACROSS = MergingOptions(mode=MergingMode.ACROSS)
@@ -164,7 +164,7 @@ def test_hostile_acks_over_the_driver_agents_socket_are_refused_and_delete_nothi
     """Through state.ack: an ack whose upload or handle names the state's record is refused by name;
     the checkpoint's abort and a restart of the coordinator then leave every record and referenced
     file in place."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
     try:
         rig.batch(0, {"a": 1})
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()
@@ -187,7 +187,7 @@ def test_hostile_acks_over_the_driver_agents_socket_are_refused_and_delete_nothi
 def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_path):
     """Through state.sealed: agent y cannot seal the merged files agent x acked (and so have
     checkpoint 1 complete on them, at a size it made up)."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
     try:
         rig.batch(0, {"a": 1})
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()
@@ -211,7 +211,7 @@ def test_a_seal_of_a_replaced_attempt_records_nothing_and_a_seal_without_one_is_
     aborted and begun again (attempt B, the same ack again). x's seal asked for under A arrives now:
     it records no durable size for B (and deletes nothing); B's own seal does. A seal naming no
     attempt is refused by name."""
-    rig = Rig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
     try:
         rig.batch(0, {"a": 1})
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()

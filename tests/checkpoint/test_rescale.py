@@ -14,7 +14,7 @@ from sparksteward.errors import CheckpointNotFoundError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
-from tests.helpers.state import _s3_server, checkpoint_backends, store_url  # noqa: F401 - fixtures
+from tests.helpers.state import checkpoint_backends
 
 M = 128
 N_KEYS = 300_000

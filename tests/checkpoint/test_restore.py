@@ -3,7 +3,6 @@ CLAIM without copying, savepoints, and the errors for bad sources; on file:// an
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
@@ -21,35 +20,10 @@ from sparksteward.errors import (
     StorageError,
 )
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _counts, _expected, _run_batch
+from tests.helpers.checkpoint import BATCHES, M, P, FailingHalfway, expected_counts, run_batch, stored_counts
 
 
-@pytest.fixture(autouse=True)
-def deletes_stay_in_tmp_path(tmp_path, monkeypatch):
-    """Whatever the code under test deletes locally must be under tmp_path (claimed files included)."""
-    from sparksteward.storage import Location
-
-    real = Location.delete
-
-    def delete(self, path, recursive=False):
-        if self.is_local:
-            p = os.path.realpath(path)
-            assert p.startswith(os.path.realpath(tmp_path) + os.sep), f"delete outside tmp_path: {p}"
-        return real(self, path, recursive)
-
-    monkeypatch.setattr(Location, "delete", delete)
-
-
-@pytest.fixture
-def source(tmp_path, store_url):
-    """State 'a' with checkpoints 0 and 1 completed."""
-    storage = CheckpointStorage.open(store_url, "a")
-    coord = CheckpointCoordinator(storage, P, M)
-    for n in range(2):
-        _run_batch(coord, storage, tmp_path / "a", n, BATCHES[n])
-        coord.complete(n)
-    return storage, coord.completed(1)
+pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
 
 
 def test_no_claim_restore_duplicates_without_moving_bytes(tmp_path, store_url, source):
@@ -65,18 +39,18 @@ def test_no_claim_restore_duplicates_without_moving_bytes(tmp_path, store_url, s
 
     coord = CheckpointCoordinator(dst, P, M)
     assert coord.restored is not None and coord.last_completed is None
-    begun, results = _run_batch(coord, dst, tmp_path / "b", 0, BATCHES[2])
+    begun, results = run_batch(coord, dst, tmp_path / "b", 0, BATCHES[2])
     assert begun.base == restored
     restored_sums = {f.checksum for f in restored.files()}
     uploaded = {p.split("/")[-1] for r in results for p in r.uploaded}
     assert not uploaded & restored_sums  # the restored files are never uploaded again
     coord.complete(0)
-    assert _counts(dst, coord.completed(0), tmp_path, "b0") == _expected(BATCHES[:3])
+    assert stored_counts(dst, coord.completed(0), tmp_path, "b0") == expected_counts(BATCHES[:3])
 
-    _run_batch(coord, dst, tmp_path / "b", 1, BATCHES[3])  # the restored starting point can go now
+    run_batch(coord, dst, tmp_path / "b", 1, BATCHES[3])  # the restored starting point can go now
     assert coord.restored is None and not dst.has_restored()
     assert src.shared_files() == src_files  # NO_CLAIM: the source is untouched
-    assert _counts(src, meta, tmp_path, "a1") == _expected(BATCHES[:2])
+    assert stored_counts(src, meta, tmp_path, "a1") == expected_counts(BATCHES[:2])
 
 
 def test_claim_restore_copies_nothing_and_deletes_only_claimed_files_once_subsumed(tmp_path, store_url, source):
@@ -96,21 +70,21 @@ def test_claim_restore_copies_nothing_and_deletes_only_claimed_files_once_subsum
 
     coord = CheckpointCoordinator(dst, P, M)
     assert {p.split("://", 1)[-1] for p in coord.claimed()} == {u.split("://", 1)[-1] for u in claimed}
-    _run_batch(coord, dst, tmp_path / "c", 0, BATCHES[2])
+    run_batch(coord, dst, tmp_path / "c", 0, BATCHES[2])
     coord.complete(0)
-    assert _counts(dst, coord.completed(0), tmp_path, "c0") == _expected(BATCHES[:3])
+    assert stored_counts(dst, coord.completed(0), tmp_path, "c0") == expected_counts(BATCHES[:3])
     still = {f.path for f in coord.completed(0).files() if "://" in f.path}
     assert still and coord.completed(0).properties["claimed"] == sorted(still)
     assert src.read_metadata(1) == meta  # the restored record is still retained: nothing deleted yet
 
-    _run_batch(coord, dst, tmp_path / "c", 1, BATCHES[3])  # subsumes `restored`: the claimed record goes
+    run_batch(coord, dst, tmp_path / "c", 1, BATCHES[3])  # subsumes `restored`: the claimed record goes
     coord.complete(1)
     assert not dst.has_restored() and src.checkpoint_ids() == [0]
-    _run_batch(coord, dst, tmp_path / "c", 2, BATCHES[0])
+    run_batch(coord, dst, tmp_path / "c", 2, BATCHES[0])
     coord.complete(2)
-    _run_batch(coord, dst, tmp_path / "c", 3, BATCHES[1])
+    run_batch(coord, dst, tmp_path / "c", 3, BATCHES[1])
     coord.complete(3)
-    assert _counts(dst, coord.completed(3), tmp_path, "c3") == _expected([*BATCHES[:4], BATCHES[0], BATCHES[1]])
+    assert stored_counts(dst, coord.completed(3), tmp_path, "c3") == expected_counts([*BATCHES[:4], BATCHES[0], BATCHES[1]])
 
     referenced = {f.path for c in coord.retained() for f in coord.completed(c).files()}
     left = src.shared_files()
@@ -136,7 +110,7 @@ def test_savepoint_is_self_contained(tmp_path, store_url, source):
         write_savepoint(src, meta, url)
     dst = CheckpointStorage.open(store_url, "d")
     restored = restore_from(url, dst, max_parallelism=M)
-    assert _counts(dst, restored, tmp_path, "d") == _expected(BATCHES[:2])
+    assert stored_counts(dst, restored, tmp_path, "d") == expected_counts(BATCHES[:2])
 
 
 def test_bad_restore_sources_are_refused_before_anything_is_written(store_url, source):
@@ -197,29 +171,20 @@ def test_a_newer_version_is_refused_naming_the_file(store_url, source):
     assert not dst.has_restored() and dst.shared_files() == set()
 
 
-class _FailingHalfway(Duplicator):
-    """The real duplication of the first half of the files, then a storage failure."""
-
-    def duplicate(self, pairs):
-        pairs = list(pairs)
-        super().duplicate(pairs[: len(pairs) // 2])
-        raise StorageError("injected: the store went away")
-
-
 def test_a_failed_duplication_leaves_nothing_behind(tmp_path, store_url, source):
     src, meta = source
     dst = CheckpointStorage.open(store_url, "f")
     with pytest.raises(StorageError, match="injected"):
-        restore_from(src.url_of("chk-1"), dst, max_parallelism=M, duplicator=_FailingHalfway())
+        restore_from(src.url_of("chk-1"), dst, max_parallelism=M, duplicator=FailingHalfway())
     assert not dst.has_restored() and dst.shared_files() == set()
     url = store_url.rstrip("/") + "-savepoints/sp-f"
     with pytest.raises(StorageError, match="injected"):
-        write_savepoint(src, meta, url, _FailingHalfway())
+        write_savepoint(src, meta, url, FailingHalfway())
     loc = open_location(url)
     assert not loc.fs.exists(loc.root) or not loc.fs.find(loc.root)
     write_savepoint(src, meta, url)  # and the same url works afterwards
     saved, saved_meta = open_checkpoint(url)
-    assert _counts(saved, saved_meta, tmp_path, "spf") == _expected(BATCHES[:2])
+    assert stored_counts(saved, saved_meta, tmp_path, "spf") == expected_counts(BATCHES[:2])
 
 
 def test_restore_into_a_state_with_checkpoints_is_refused_and_a_new_source_replaces_the_old(
@@ -232,7 +197,7 @@ def test_restore_into_a_state_with_checkpoints_is_refused_and_a_new_source_repla
     restore_from(src.url_of("chk-0"), dst, max_parallelism=M)  # before any checkpoint: replaces it
     restored = dst.read_metadata(-1)
     assert restored.properties["restored_from"].endswith("chk-0") and restored.properties["claim_mode"] == "no_claim"
-    assert _counts(dst, restored, tmp_path, "r") == _expected(BATCHES[:1])
+    assert stored_counts(dst, restored, tmp_path, "r") == expected_counts(BATCHES[:1])
 
 
 def test_a_pinned_checkpoint_outlives_subsumption_until_unpinned(tmp_path, store_url, source):
@@ -240,9 +205,9 @@ def test_a_pinned_checkpoint_outlives_subsumption_until_unpinned(tmp_path, store
     coord = CheckpointCoordinator(src, P, M)
     assert coord.pin(1) == meta
     for n in (2, 3):
-        _run_batch(coord, src, tmp_path / "p", n, BATCHES[n])
+        run_batch(coord, src, tmp_path / "p", n, BATCHES[n])
         coord.complete(n)
     assert 1 in coord.retained() and src.read_metadata(1) == meta
-    assert _counts(src, meta, tmp_path, "pinned") == _expected(BATCHES[:2])  # its files are all there
+    assert stored_counts(src, meta, tmp_path, "pinned") == expected_counts(BATCHES[:2])  # its files are all there
     coord.unpin(1)
     assert 1 not in coord.retained() and 1 not in src.checkpoint_ids()

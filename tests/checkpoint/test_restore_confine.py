@@ -27,9 +27,9 @@ from sparksteward.errors import CheckpointCorruptError, CheckpointError, Storage
 from sparksteward.storage import open_location
 from sparksteward.wire import AgentServer, Connection, new_secret
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _counts, _expected, _run_batch
-from tests.checkpoint.test_restore import _FailingHalfway, deletes_stay_in_tmp_path, source  # noqa: F401 - fixtures
+from tests.helpers.checkpoint import BATCHES, M, P, FailingHalfway, expected_counts, run_batch, stored_counts
+
+pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
 
 
 def _url(path: str) -> str:
@@ -86,7 +86,7 @@ def test_a_savepoint_overlapping_a_checkpoint_dir_is_refused_before_anything_is_
             write_savepoint(src, meta, url)
         assert _listing(src) == before, f"a savepoint into {what} changed the state's files"
     assert src.read_metadata(1) == meta
-    assert _counts(src, meta, tmp_path, "a1") == _expected(BATCHES[:2])
+    assert stored_counts(src, meta, tmp_path, "a1") == expected_counts(BATCHES[:2])
     elsewhere = store_url.rstrip("/") + "-savepoints/sp"
     write_savepoint(src, meta, elsewhere)  # next to the checkpoint dir: fine
     assert open_location(elsewhere).exists(open_location(elsewhere).path("_metadata"))
@@ -99,7 +99,7 @@ def test_a_failed_savepoint_deletes_only_the_files_it_created(store_url, source)
     keep = meta.subtasks[0].files[0]   # already at the target before the call: not the call's to delete
     loc.write_atomic(loc.path("shared", keep.checksum), _bytes(src, keep))
     with pytest.raises(StorageError, match="injected"):
-        write_savepoint(src, meta, url, _FailingHalfway())
+        write_savepoint(src, meta, url, FailingHalfway())
     left = {posixpath.basename(p) for p in loc.fs.find(loc.root)}
     assert left == {keep.checksum}
 
@@ -120,14 +120,14 @@ def test_duplicating_a_file_onto_itself_is_refused_before_anything_is_copied(tmp
     loc = open_location(fresh)
     assert not loc.exists(loc.root)
     assert _listing(src) == before
-    assert _counts(src, meta, tmp_path, "a1") == _expected(BATCHES[:2])
+    assert stored_counts(src, meta, tmp_path, "a1") == expected_counts(BATCHES[:2])
 
 
 def test_the_service_refuses_a_savepoint_in_any_checkpoint_dir_it_knows(tmp_path):
     chk, other = str(tmp_path / "chk"), str(tmp_path / "other-chk")
     storage = CheckpointStorage.open(chk, "a", "c1")
     coord = CheckpointCoordinator(storage, P, M)
-    _run_batch(coord, storage, tmp_path / "a", 0, BATCHES[0])
+    run_batch(coord, storage, tmp_path / "a", 0, BATCHES[0])
     coord.complete(0)
     secret = new_secret()
     server = AgentServer("127.0.0.1", 0, secret, {})
@@ -218,7 +218,7 @@ def test_duplicated_segments_are_verified_against_their_checksums(tmp_path, stor
     dst = CheckpointStorage.open(store_url, "good")
     restored = restore_from(good, dst, max_parallelism=M)
     assert any(f.is_segment for f in restored.files()) and dst.merged_files()
-    assert _counts(dst, restored, tmp_path, "good") == _expected(BATCHES[:2])
+    assert stored_counts(dst, restored, tmp_path, "good") == expected_counts(BATCHES[:2])
 
     bad = _merge_two(src, meta, 8, flip=True)   # the second segment's first byte changed, its size not
     f1 = meta.subtasks[0].files[1]
@@ -227,7 +227,7 @@ def test_duplicated_segments_are_verified_against_their_checksums(tmp_path, stor
         if mode == "claim":  # nothing is duplicated: the executors verify the bytes they read
             restored = restore_from(bad, dst, max_parallelism=M, claim_mode=mode)
             with pytest.raises(CheckpointCorruptError, match=rf"file {f1.name} .* is corrupt: expected checksum"):
-                _counts(dst, restored, tmp_path / "fresh-cache", "bad-claim")
+                stored_counts(dst, restored, tmp_path / "fresh-cache", "bad-claim")
             continue
         with pytest.raises(CheckpointCorruptError, match=rf"restore_from=.*chk-8.*: file {f1.name} \(merged/.*, "
                                                          rf"{f1.length} bytes at offset .*\) does not match its "
@@ -241,16 +241,16 @@ def test_claim_takes_over_only_files_under_the_source_root(tmp_path, store_url, 
     b = CheckpointStorage.open(store_url, "b")
     restore_from(src.url_of("chk-1"), b, max_parallelism=M, claim_mode="claim")
     coord = CheckpointCoordinator(b, P, M)
-    _run_batch(coord, b, tmp_path / "b", 0, BATCHES[2])
+    run_batch(coord, b, tmp_path / "b", 0, BATCHES[2])
     chk0 = coord.complete(0)
     from_a = set(chk0.properties["claimed"])   # b's chk-0 still names files it claimed from a
     assert from_a and all(_under(p, src.url) for p in from_a)
-    expected = _expected(BATCHES[:3])
+    expected = expected_counts(BATCHES[:3])
 
     c = CheckpointStorage.open(store_url, "c")   # NO_CLAIM: files a claimed by b are copied like the rest
     restored = restore_from(b.url_of("chk-0"), c, max_parallelism=M)
     assert all(f.is_relative for f in restored.files())
-    assert _counts(c, restored, tmp_path, "c") == expected
+    assert stored_counts(c, restored, tmp_path, "c") == expected
 
     d = CheckpointStorage.open(store_url, "d")   # CLAIM: only b's own files are taken over
     restored = restore_from(b.url_of("chk-0"), d, max_parallelism=M, claim_mode="claim")
@@ -258,7 +258,7 @@ def test_claim_takes_over_only_files_under_the_source_root(tmp_path, store_url, 
     assert absolute and all(_under(p, b.url) for p in absolute)
     assert {f.checksum for f in restored.files() if f.is_relative} == {p.rsplit("/", 1)[1] for p in from_a}
     assert CheckpointCoordinator(d, P, M).claimed() == absolute
-    assert _counts(d, restored, tmp_path, "d") == expected
+    assert stored_counts(d, restored, tmp_path, "d") == expected
 
 
 # --- gc ---------------------------------------------------------------------------------------
@@ -279,7 +279,7 @@ def test_gc_does_not_take_a_hard_linked_files_old_mtime_for_its_age(tmp_path, st
     restored = restore_from(src.url_of("chk-1"), dst, max_parallelism=M, duplicator=dup)
     assert dup.stats.linked and "deleted 0 orphaned" in capsys.readouterr().out
     assert {f.path for f in restored.files()} <= dst.shared_files()
-    assert _counts(dst, restored, tmp_path, "b") == _expected(BATCHES[:2])
+    assert stored_counts(dst, restored, tmp_path, "b") == expected_counts(BATCHES[:2])
 
     dst.delete_checkpoint_dir(-1)   # now unreferenced: they are orphans, aged from their link
     assert find_orphans(dst, 3600, time.time()) == []

@@ -48,8 +48,7 @@ import psutil
 import pytest
 
 from sparksteward import Steward
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import MARKER, agent_processes, spark_session, wait_until
+from tests.helpers import MARKER, agent_processes, spark_session, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.cluster]
 
@@ -91,12 +90,6 @@ def soak_fn(hook: str):
 
 
 # --- fixtures ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("soak-state")),

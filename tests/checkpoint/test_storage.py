@@ -16,7 +16,6 @@ from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError,
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
 
 M = 16
 ALL = KeyGroupRange(0, M)
@@ -205,7 +204,7 @@ def test_a_listing_does_not_hide_files_another_process_writes_later(store_url, t
         with open(target, "wb") as f:
             f.write(b"second")
     else:   # another client, as in another process
-        request.getfixturevalue("_s3_server").filesystem().pipe_file(target, b"second")
+        request.getfixturevalue("s3").filesystem().pipe_file(target, b"second")
     loc, path = storage._abs(b)
     with loc.fs.open(path, "rb") as f:
         assert f.read() == b"second"

@@ -14,8 +14,7 @@ from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range
 
-from tests.conftest import wait_until
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
+from tests.helpers import wait_until
 
 M, P = 16, 4
 

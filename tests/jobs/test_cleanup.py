@@ -29,14 +29,7 @@ from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import BlobJobDirCleanup, CleanupStep, StepRegistry
 from sparksteward.jobs.store import InMemoryJobResultStore
 from sparksteward.testing.clock import FakeClock
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import wait_until
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
+from tests.helpers import wait_until
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ skipped for the in-memory store. The record tests at the end cover JobResult's e
 
 from __future__ import annotations
 
-import itertools
 import re
 import threading
 
@@ -16,69 +15,10 @@ import pytest
 
 from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultExistsError,
                                  JobResultNotFoundError)
-from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import Failure, FinalCheckpoint, JobResult, JobStatus, SparkJobOutcome, StepState
-from sparksteward.jobs.store import InMemoryJobResultStore, JobResultStore, JobResultView, JobResultWriter
+from sparksteward.jobs.store import JobResultStore, JobResultView, JobResultWriter
 from sparksteward.testing.clock import FakeClock
-from sparksteward.testing.s3 import local_s3
-
-_ids = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
-
-
-class Stores:
-    """Makes stores of one kind that share one root (so two instances see the same files)."""
-
-    def __init__(self, kind: str, url: str) -> None:
-        self.kind, self.url = kind, url
-        self._memory: dict[tuple[str, bool], InMemoryJobResultStore] = {}
-
-    def __call__(self, cluster_id: str = "default", delete_on_commit: bool = False):
-        if self.kind == "memory":
-            return self._memory.setdefault((cluster_id, delete_on_commit),
-                                           InMemoryJobResultStore(cluster_id, delete_on_commit))
-        return FileSystemJobResultStore(self.url, cluster_id, delete_on_commit)
-
-    @property
-    def files(self) -> bool:
-        return self.kind != "memory"
-
-
-@pytest.fixture(params=["memory", "file", "s3"])
-def stores(request, tmp_path) -> Stores:
-    if request.param == "memory":
-        return Stores("memory", "")
-    if request.param == "file":
-        return Stores("file", str(tmp_path / "jrs"))
-    return Stores("s3", request.getfixturevalue("s3").url(f"jrs-{next(_ids)}"))
-
-
-@pytest.fixture()
-def store(stores):
-    return stores()
-
-
-def needs_files(stores: Stores) -> None:
-    if not stores.files:
-        pytest.skip("an in-memory store has no files")
-
-
-def result(job_id: str = "job-1", status: JobStatus | str = JobStatus.SUCCEEDED, end: float = 2000.0,
-           cluster_id: str = "default", steps: int = 1) -> JobResult:
-    return JobResult(job_id=job_id, cluster_id=cluster_id, application_id="app-1", status=status,
-                     start_time=1000.0, end_time=end, payload={"rows": 3},
-                     spark_jobs=(SparkJobOutcome(0, "succeeded"),),
-                     cleanup=tuple(StepState("delete_path", f"/tmp/x{i}") for i in range(steps)))
-
-
-def names(store) -> list[str]:
-    found = (i["name"].rstrip("/").rsplit("/", 1)[-1] for i in store.base.listdir())
-    return sorted(n for n in found if not n.startswith("."))  # not the store's lock and lease files
+from tests.helpers.jobs import names, needs_files, result
 
 
 # --- the contract ---------------------------------------------------------------------------

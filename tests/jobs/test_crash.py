@@ -9,19 +9,11 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 
 from sparksteward.testing.agent import AgentProcess
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 RUNS = 12
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
 
 
 def _begin(conn, job_id):

@@ -14,7 +14,7 @@ import pytest
 from sparksteward import JobAlreadyCompleted, Steward
 from sparksteward.jar import shim_jar
 from sparksteward.jobs.result import JobStatus
-from tests.conftest import spark_session, wait_until
+from tests.helpers import spark_session, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -28,7 +28,7 @@ from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.storage import open_location
 from sparksteward.testing.s3 import local_s3
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")

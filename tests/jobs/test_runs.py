@@ -13,7 +13,7 @@ import pytest
 from sparksteward.errors import JobStoreError, RunConflictError
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import StepState
-from tests.jobs.test_contract import names, needs_files, result, s3, stores, store  # noqa: F401 - fixtures
+from tests.helpers.jobs import names, needs_files, result
 
 
 def run(job_id: str = "job-1", run_id: str = "r1", **kw):

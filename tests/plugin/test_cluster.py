@@ -11,8 +11,8 @@ import psutil
 import pytest
 
 from sparksteward import Steward
-from tests.conftest import agent_processes, spark_session, wait_until
-from tests.plugin.test_local import _task_probe
+from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers.plugin import task_probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -54,7 +54,7 @@ def test_driver_agent_sees_both_executors_and_the_app(spark):
 
 
 def test_each_executor_agent_receives_the_task_events_of_its_executor(spark):
-    rows = spark.sparkContext.parallelize(range(8), 8).mapPartitions(_task_probe).collect()
+    rows = spark.sparkContext.parallelize(range(8), 8).mapPartitions(task_probe).collect()
     assert all(seen for *_, seen in rows), rows
     by_exec: dict[str, set[int]] = {}
     for tid, executor, _, _ in rows:

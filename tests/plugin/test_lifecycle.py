@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import agent_processes, spark_session, wait_until
+from tests.helpers import agent_processes, spark_session, wait_until
 
 
 def test_bad_config_value_fails_session_start_with_a_clear_message():

@@ -6,33 +6,14 @@ import pytest
 
 import sparksteward
 from sparksteward import Steward
-from tests.conftest import agent_processes, spark_session, wait_until
+from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers.plugin import task_probe
 
 
 @pytest.fixture(scope="module")
 def spark():
     with spark_session("local[2]") as session:
         yield session
-
-
-def _task_probe(_):
-    """Runs in a Python worker: find this executor's agent and wait until it saw this task start."""
-    import time
-
-    from pyspark import TaskContext
-
-    from sparksteward.worker import executor_connection
-
-    tid = TaskContext.get().taskAttemptId()
-    conn = executor_connection()
-    deadline = time.monotonic() + 20
-    while True:
-        seen = [e["task_attempt_id"] for e in conn.request("events", type="task_start")["events"]]
-        if tid in seen or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    health = conn.request("health")
-    return [(tid, health["executor_id"], health["pid"], tid in seen)]
 
 
 def test_driver_agent_sees_app_start_with_the_real_app_id(spark):
@@ -83,7 +64,7 @@ def test_failed_job_end_carries_the_reason(spark):
 
 
 def test_executor_agent_receives_its_task_events(spark):
-    rows = spark.sparkContext.parallelize(range(4), 4).mapPartitions(_task_probe).collect()
+    rows = spark.sparkContext.parallelize(range(4), 4).mapPartitions(task_probe).collect()
     assert len(rows) == 4
     assert all(seen for *_, seen in rows), rows
     assert {executor for _, executor, _, _ in rows} == {"driver"}, "local mode has one executor, 'driver'"

@@ -20,7 +20,8 @@ from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.keyed_state import _KG_COL, _unaligned_input
 from sparksteward.state.keygroups import KeyGroupRange, key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import guarded_rmtree  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 P, M = 2, 8
 UNALIGNED = {"alignment": "unaligned", "aligned_checkpoint_timeout": 0}

@@ -14,7 +14,6 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.state.runner import run_pandas
 
-from tests.helpers.state import _s3_server, store_url  # noqa: F401 - fixtures
 
 M, P = 32, 3
 OUT = pa.schema([("user", pa.string()), ("clicks", pa.int64())])

@@ -14,8 +14,8 @@ import pytest
 from sparksteward import Steward
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointOrderError, StateError
-from tests.conftest import spark_session, wait_until
-from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers import spark_session, wait_until
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
 
@@ -215,8 +215,8 @@ import sys
 import pandas as pd
 from pyspark.sql import SparkSession
 import sparksteward
-from tests.conftest import spark_session
-from tests.state.test_spark import SCHEMA, count_sum
+from tests.helpers import spark_session
+from tests.helpers.keyed import SCHEMA, count_sum
 
 state_dir, checkpoint_dir, cluster = sys.argv[1:4]
 with spark_session("local[1]", **{"spark.steward.state-dir": state_dir, "spark.steward.cluster-id": cluster}) as spark:

@@ -29,9 +29,9 @@ from pyspark.errors import StreamingQueryException
 
 from sparksteward import Steward
 from sparksteward.checkpoint.storage import CheckpointStorage
-from tests.conftest import spark_session, wait_until
+from tests.helpers import spark_session, wait_until
 from tests.helpers.state_process_driver import KILL_KEY, count_sum_fn, expected, start_query, write_inputs
-from tests.state.test_spark import state_of
+from tests.helpers.keyed import state_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

@@ -19,7 +19,8 @@ from sparksteward.errors import CheckpointOrderError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import guarded_rmtree  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 M = 16
 

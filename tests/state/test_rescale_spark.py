@@ -24,7 +24,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import overlapping_subtasks
 from sparksteward.errors import ParallelismError
 from sparksteward.state.keygroups import key_group_range
-from tests.conftest import agent_processes, spark_session, wait_until
+from tests.helpers import agent_processes, spark_session, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

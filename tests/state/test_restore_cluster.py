@@ -8,28 +8,11 @@ from __future__ import annotations
 import pytest
 
 from sparksteward import Steward
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import agent_processes, spark_session, wait_until
-from tests.state.test_restore_s3 import (
-    CLUSTER,
-    SCHEMA,
-    checksums,
-    count_sum,
-    listing,
-    metadata,
-    object_bytes,
-    puts_under,
-    root,
-)
-from tests.state.test_spark import make_batches, reference, state_of
+from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers.restore import CLUSTER, checksums, listing, metadata, object_bytes, puts_under, root
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,13 @@ import pytest
 
 from sparksteward import Steward
 from sparksteward.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ParallelismError
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import spark_session
-from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers import spark_session
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers.restore import CLUSTER, DATA_OPS, checksums, listing, metadata, object_bytes, puts_under, root
 
 pytestmark = pytest.mark.slow
 
 P, M = 3, 16
-CLUSTER = "rs"
-_DATA_OPS = ("GetObject", "PutObject", "UploadPart")  # requests whose bodies are object bytes
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -61,37 +53,6 @@ def source(spark, st, s3, batches):
     return make_source(spark, st, s3, batches, "src")
 
 
-def root(s3, checkpoint_dir: str, name: str) -> str:
-    return s3.url(checkpoint_dir, CLUSTER, name)
-
-
-def metadata(s3, url: str) -> dict:
-    return orjson.loads(s3.filesystem().cat_file(url + "/_metadata"))
-
-
-def checksums(meta: dict) -> set[str]:
-    return {f["checksum"] for s in meta["subtasks"] for f in s["files"]}
-
-
-def listing(s3, url: str) -> dict[str, int]:
-    fs = s3.filesystem()
-    return {p: info["size"] for p, info in fs.find(url, detail=True).items()} if fs.exists(url) else {}
-
-
-def object_bytes(reqs) -> int:
-    return sum(r.bytes_in + r.bytes_out for r in reqs if r.op in _DATA_OPS and not _is_record(r.key))
-
-
-def _is_record(key: str) -> bool:
-    """A checkpoint record, the writer lease or the drain record: not object bytes of state files."""
-    return key.rsplit("/", 1)[-1] in ("_metadata", "_lease", "_drains")
-
-
-def puts_under(reqs, prefix: str) -> dict[str, int]:
-    return {r.key.split("/")[-1]: r.bytes_in for r in reqs if r.op in ("PutObject", "UploadPart")
-            and r.key.startswith(prefix)}
-
-
 # --- must show 3 ----------------------------------------------------------------------------------
 def test_no_claim_restore_moves_no_bytes_and_the_next_checkpoint_uploads_only_new_files(spark, st, s3, source,
                                                                                        batches):
@@ -106,7 +67,7 @@ def test_no_claim_restore_moves_no_bytes_and_the_next_checkpoint_uploads_only_ne
     copies = [r for r in during if r.op == "CopyObject"]
     print(f"\nNO_CLAIM restore of {len(restored_sums)} files: {len(copies)} CopyObject, "
           f"{object_bytes(during)} object bytes through any process, {len(during)} requests")
-    assert object_bytes(during) == 0, [r for r in during if r.op in _DATA_OPS]
+    assert object_bytes(during) == 0, [r for r in during if r.op in DATA_OPS]
     assert {r.key.split("/")[-1] for r in copies} == restored_sums
     assert all(r.copy_source.split("/")[-1] in restored_sums and "/chk/rs/src/shared/" in r.copy_source
                for r in copies)
@@ -254,11 +215,11 @@ def _previous_run(s3, tmp_path, checkpoint_dir: str, name: str, max_parallelism:
     process), so no executor of this application has its files cached; returns its ``chk-0`` URL."""
     from sparksteward.checkpoint.coordinator import CheckpointCoordinator
     from sparksteward.checkpoint.storage import CheckpointStorage
-    from tests.checkpoint.test_coordinator import BATCHES, _run_batch
+    from tests.helpers.checkpoint import BATCHES, run_batch
 
     storage = CheckpointStorage.open(s3.url(checkpoint_dir), name, CLUSTER)
     coord = CheckpointCoordinator(storage, 2, max_parallelism)
-    _run_batch(coord, storage, tmp_path, 0, BATCHES[2])
+    run_batch(coord, storage, tmp_path, 0, BATCHES[2])
     coord.complete(0)
     return storage.url_of("chk-0")
 

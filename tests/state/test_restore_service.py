@@ -13,9 +13,9 @@ from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.conftest import wait_until
-from tests.helpers.state import _s3_server, timed  # noqa: F401 - _s3_server: a fixture
-from tests.checkpoint.test_coordinator import BATCHES, M, P, _run_batch
+from tests.helpers import wait_until
+from tests.helpers.state import timed
+from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def source(tmp_path):
     storage = CheckpointStorage.open(str(tmp_path / "chk"), "a", "c1")
     coord = CheckpointCoordinator(storage, P, M)
     for n in range(2):
-        _run_batch(coord, storage, tmp_path / "a", n, BATCHES[n])
+        run_batch(coord, storage, tmp_path / "a", n, BATCHES[n])
         coord.complete(n)
     return storage
 
@@ -102,16 +102,15 @@ def test_savepoint_of_a_state_not_open_in_this_application(tmp_path, driver, sou
     assert reply["restore"]["action"] == "restored" and reply["restore"]["source_state"] == "a"
 
 
-def test_a_slow_restore_of_one_state_holds_up_no_other_state_and_no_heartbeat(tmp_path, _s3_server):
+def test_a_slow_restore_of_one_state_holds_up_no_other_state_and_no_heartbeat(tmp_path, s3):
     """Item 10: state b restores from S3 while every CopyObject takes 1.5 s; meanwhile state a's
     begin and info, and an executor agent's heartbeat, are answered at once (one service-wide lock
     held them for the whole copy before)."""
     import threading
 
-    s3 = _s3_server
     src = CheckpointStorage.open(s3.url(f"src-{uuid.uuid4().hex[:8]}"), "a", "c1")
     coord = CheckpointCoordinator(src, P, M)
-    _run_batch(coord, src, tmp_path / "src", 0, BATCHES[0])
+    run_batch(coord, src, tmp_path / "src", 0, BATCHES[0])
     coord.complete(0)
     secret = new_secret()
     server = AgentServer("127.0.0.1", 0, secret, {})

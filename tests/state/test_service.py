@@ -16,7 +16,9 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import _s3_server, guarded_rmtree, timed  # noqa: F401 - fixtures
+from tests.helpers.state import timed
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 P, M = 2, 8
 
@@ -138,7 +140,7 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
     import threading
 
     from sparksteward.checkpoint.storage import CheckpointStorage
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     dconn, econn, subtasks, tmp = rig
     root = tmp / "chk" / "c1" / "s"
@@ -238,7 +240,7 @@ def test_an_ack_or_failure_of_a_replaced_attempt_is_refused(rig):
                          attempt=old_attempt)["ignored"] is True
     with pytest.raises(StewardError, match=r"field 'attempt'"):   # a report naming no attempt is refused
         dconn.request("state.fail", name="s", checkpoint_id=0, subtask=0, message="no token")
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
     wait_until(lambda: subtasks.uploads_in_flight() == 0, timeout=30, what="every subtask's ack")
     current = econn.request("state.open", name="s", checkpoint_id=0, subtask=1)   # a speculative copy
@@ -291,7 +293,7 @@ def test_a_lying_peer_cannot_record_a_cut_outside_its_subtask(rig):
     assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=0)["cut"] == 1
 
 
-def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, _s3_server):  # noqa: F811
+def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, s3):
     """Item 10: the files a commit subsumes are deleted on the coordinator's deleter thread. While
     every delete request takes 1 s, the same state's info and an executor agent's heartbeat are answered
     at once (the subsume deleted under the state's lock before); the commit still replies only once
@@ -299,9 +301,8 @@ def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, _s3_serve
     import threading
     import uuid
 
-    from tests.conftest import wait_until
+    from tests.helpers import wait_until
 
-    s3 = _s3_server
     secret = new_secret()
     driver = AgentServer("127.0.0.1", 0, secret, {})
     states = StateService(s3.url(f"chk-{uuid.uuid4().hex[:8]}"), "c1", commit_timeout=60,

@@ -1,49 +1,17 @@
 """Keyed state in Spark, end to end (issue 8): st.keyed_state(...).apply/apply_arrow/commit/read on
-local[2] (and local-cluster in test_state_spark_cluster.py). Run under the Spark lock."""
+local[2] (and local-cluster in test_spark_cluster.py). Run under the Spark lock."""
 
 from __future__ import annotations
-
-import random
 
 import pandas as pd
 import pytest
 
 from sparksteward import Steward
 from sparksteward.errors import CheckpointError, StateEncodingError
-from tests.conftest import spark_session
+from tests.helpers import spark_session
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
-
-SCHEMA = "k string, n long, s long"
-
-
-def count_sum(key, rows, state):
-    cur = state.get() or {"n": 0, "s": 0}
-    cur = {"n": cur["n"] + len(rows), "s": cur["s"] + int(rows["v"].sum())}
-    state.update(cur)
-    return pd.DataFrame({"k": [key], "n": [cur["n"]], "s": [cur["s"]]})
-
-
-def make_batches(seed: int, count: int = 3, rows: int = 300, keys: int = 25) -> list[pd.DataFrame]:
-    rnd = random.Random(seed)
-    return [pd.DataFrame({"k": [f"user-{rnd.randrange(keys)}" for _ in range(rows)],
-                          "v": [rnd.randrange(100) for _ in range(rows)]}) for _ in range(count)]
-
-
-def reference(batches: list[pd.DataFrame]) -> dict[str, tuple[int, int]]:
-    allrows = pd.concat(batches)
-    g = allrows.groupby("k")["v"].agg(["count", "sum"])
-    return {k: (int(r["count"]), int(r["sum"])) for k, r in g.iterrows()}
-
-
-def state_of(ks) -> dict[str, tuple[int, int]]:
-    import orjson
-
-    out = {}
-    for r in ks.read().collect():
-        v = orjson.loads(r.value)
-        out[r.key] = (v["n"], v["s"])
-    return out
 
 
 def rows_of(df) -> set[tuple]:
@@ -206,7 +174,7 @@ def test_a_keyed_state_survives_a_restart_of_the_driver_agent(spark, st, dirs):
     later batch with "not registered"."""
     import signal
 
-    from tests.conftest import agent_processes, wait_until
+    from tests.helpers import agent_processes, wait_until
 
     batches = make_batches(41, count=2)
     ks = st.keyed_state("survivor", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"))

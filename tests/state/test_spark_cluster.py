@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from sparksteward import Steward
-from tests.conftest import agent_processes, spark_session, wait_until
-from tests.state.test_spark import make_batches, reference, state_of
+from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers.keyed import make_batches, reference, state_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

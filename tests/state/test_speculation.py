@@ -23,10 +23,9 @@ import urllib.request
 import pytest
 
 from sparksteward import Steward
-from sparksteward.testing.s3 import local_s3
 from sparksteward.testing.standalone import isolation_unavailable, standalone_cluster
-from tests.conftest import spark_session
-from tests.state.test_spark import make_batches
+from tests.helpers import spark_session
+from tests.helpers.keyed import make_batches
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -41,12 +40,6 @@ def cluster(tmp_path_factory):
                             hide=hidden, worker_env={"PYTHONPATH": os.environ["PYTHONPATH"],
                                                      "PYSPARK_PYTHON": sys.executable}) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
 
 
 def _session(cluster, s3, ui_port: int, **conf):

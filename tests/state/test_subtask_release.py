@@ -35,8 +35,9 @@ from sparksteward.state.keygroups import key_group, key_group_range, subtask_for
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.testing.clock import FakeClock
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.conftest import wait_until
-from tests.helpers.state import guarded_rmtree  # noqa: F401 - autouse fixture
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 P, M = 2, 8
 

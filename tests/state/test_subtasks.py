@@ -9,9 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from sparksteward.checkpoint.subtasks import STATE_DIR_PREFIX, SubtaskService
-from tests.helpers.state import guarded_rmtree  # noqa: F401 - autouse fixture
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
 
 def test_root_is_private_owned_and_deleted_on_close(tmp_path):

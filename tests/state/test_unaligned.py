@@ -10,8 +10,8 @@ import pytest
 
 from sparksteward import Steward
 from sparksteward.errors import ConfigError, StewardError
-from tests.conftest import spark_session
-from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers import spark_session
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
 

@@ -7,17 +7,10 @@ from __future__ import annotations
 import pytest
 
 from sparksteward import Steward
-from sparksteward.testing.s3 import local_s3
-from tests.conftest import spark_session
-from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+from tests.helpers import spark_session
+from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

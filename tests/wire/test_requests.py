@@ -16,7 +16,7 @@ from sparksteward.errors import AgentUnavailableError, MessageTooLargeError, Pro
 from sparksteward.testing.agent import AgentProcess
 from sparksteward import wire
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 
 @pytest.fixture()

@@ -22,7 +22,7 @@ from sparksteward.errors import AuthenticationError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
 from sparksteward import wire
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 
 
 # --- slowloris (item 4, must-show 5) ------------------------------------------------------------

@@ -10,7 +10,6 @@ job's cleanup must all work there.
 from __future__ import annotations
 
 import os
-import sys
 import uuid
 import zipfile
 from pathlib import Path
@@ -21,51 +20,10 @@ import pytest
 from sparksteward import Steward
 from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name
-from sparksteward.testing.s3 import local_s3
-from sparksteward.testing.standalone import isolation_unavailable, standalone_cluster
-from tests.conftest import spark_session, wait_until
+from tests.helpers import wait_until
+from tests.helpers.cross_host import executor_cache_stats, on_executor
 
 pytestmark = pytest.mark.slow
-
-
-def _hidden_dirs() -> list[str]:
-    dirs = [os.environ["XDG_STATE_HOME"]]
-    home_state = Path.home() / ".local" / "state" / "spark-steward"
-    if home_state.is_dir():
-        dirs.append(str(home_state))
-    return dirs
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    reason = isolation_unavailable()
-    if reason:
-        pytest.skip(f"cross-host test: the worker cannot get its own mount namespace here: {reason}")
-    with standalone_cluster(tmp_path_factory.mktemp("standalone"), hide=_hidden_dirs(),
-                            worker_env={"PYTHONPATH": os.environ["PYTHONPATH"], "PYSPARK_PYTHON": sys.executable},
-                            ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with local_s3() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def spark(cluster, s3):
-    with spark_session(cluster.master_url, **{
-            "spark.executor.cores": "1", "spark.cores.max": "1", "spark.executor.memory": "512m",
-            "spark.pyspark.python": sys.executable, "spark.executorEnv.PYTHONPATH": os.environ["PYTHONPATH"],
-            "spark.steward.agent.python": sys.executable,
-            "spark.steward.storage.options": s3.storage_options()}) as session:
-        yield session
-
-
-def _on_executor(spark, fn):
-    """Run ``fn()`` in one task on the (single) executor and return its result."""
-    return spark.sparkContext.parallelize([0], 1).map(lambda _: fn()).collect()[0]
 
 
 def test_the_executor_sees_neither_the_drivers_files_nor_its_boot_id(spark, tmp_path):
@@ -77,7 +35,7 @@ def test_the_executor_sees_neither_the_drivers_files_nor_its_boot_id(spark, tmp_
                 boot = f.read().strip()
             return boot, os.path.exists(str(marker)), os.path.exists(os.environ.get("XDG_STATE_HOME", "/nonexistent"))
 
-        boot, sees_marker, sees_state = _on_executor(spark, probe)
+        boot, sees_marker, sees_state = on_executor(spark, probe)
     finally:
         marker.unlink()
     assert BOOT_ID and boot and boot != BOOT_ID, "the executor must run under another boot id"
@@ -85,20 +43,14 @@ def test_the_executor_sees_neither_the_drivers_files_nor_its_boot_id(spark, tmp_
     assert not sees_state, "the executor must not see the driver's state dir"
 
 
-def _cache_stats():
-    from sparksteward.worker import executor_connection
-
-    return executor_connection().request("blob.cache_stats")["stats"]
-
-
 def test_a_large_numpy_broadcast_is_streamed_to_the_executor(spark):
     st = Steward.get(spark)
     arr = np.arange(1_000_000, dtype=np.float64)  # 8 MB: really streamed, several frames
     h = st.broadcast(arr)
-    before = _on_executor(spark, _cache_stats)
+    before = on_executor(spark, executor_cache_stats)
     got = spark.sparkContext.parallelize(range(3), 1).map(lambda i: float(h.value[i * 1000])).collect()
     assert got == [0.0, 1000.0, 2000.0]
-    after = _on_executor(spark, _cache_stats)
+    after = on_executor(spark, executor_cache_stats)
     assert after.get("transfers", 0) - before.get("transfers", 0) == 1
     assert after.get("local_copies", 0) == 0, "no shared file system: nothing may be copied by path"
 
@@ -133,10 +85,10 @@ def test_a_jobs_blob_directory_leaves_the_executor_and_the_driver_after_the_job(
         assert spark.sparkContext.parallelize([0], 1).map(lambda _: int(h.value.sum())).collect() == [900_000]
         local = Path(st.blobs.incoming).parent / job_dir
         assert local.is_dir(), "the driver holds the job's blobs while the job runs"
-        assert _on_executor(spark, cached_job_dirs), "the executor cached the job's blob"
+        assert on_executor(spark, cached_job_dirs), "the executor cached the job's blob"
     assert job.entry.clean
     wait_until(lambda: not local.exists(), timeout=5, what="the job's blob dir to leave the driver's local store")
-    wait_until(lambda: not _on_executor(spark, cached_job_dirs), timeout=10, interval=0.5,
+    wait_until(lambda: not on_executor(spark, cached_job_dirs), timeout=10, interval=0.5,
                what="the job's blob dir to leave the executor's cache")
 
 
@@ -144,7 +96,7 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
     """Keyed state whose executor sees neither the driver's files nor its boot id: every checkpoint
     goes through S3, its small files merged into one object per executor (FLIP-306), and each batch
     restores what the previous one committed."""
-    from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+    from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
     st = Steward.get(spark)
     ks = st.keyed_state("xhost", key="k", parallelism=4, max_parallelism=16, checkpoint_dir=s3.url("xhost-chk"))
@@ -166,7 +118,7 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
 def test_unaligned_channel_state_across_hosts(spark, s3):
     """Channel state (FLIP-76) deferred on an executor that sees neither the driver's files nor its
     boot id goes to S3 inside the merged file, and the next batches replay it there."""
-    from tests.state.test_spark import SCHEMA, count_sum, make_batches, reference, state_of
+    from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
     st = Steward.get(spark)
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "20")
