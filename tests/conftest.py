@@ -21,6 +21,7 @@ import pytest
 
 from sparksteward.testing.s3 import local_s3
 from tests.helpers import MARKER, REPO, SESSION, agent_processes
+from tests.helpers.s3 import clear_delays, new_bucket
 
 _STATE = tempfile.mkdtemp(prefix="steward-test-state-")
 
@@ -50,11 +51,23 @@ def guarded_rmtree(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """moto's S3 server on loopback, with a bucket of this module's own."""
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback, one for the whole session; modules use buckets of their own (``s3``).
+    It exports ``AWS_ENDPOINT_URL`` and dummy credentials from its start to the end of the session."""
     with local_s3() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    """A bucket of this module's own on the session's S3 server (:func:`tests.helpers.s3.new_bucket`).
+    A module whose tests stop the endpoint overrides this with a server of its own."""
+    bucket = new_bucket(s3_server)
+    yield bucket
+    left = clear_delays(s3_server)  # LocalS3.slow(...) restores itself; this catches any other way
+    if left:
+        pytest.fail(f"the S3 server still answered {left} late after the tests of {bucket.bucket}")
 
 
 @pytest.fixture(params=["file", "s3"])

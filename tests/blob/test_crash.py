@@ -22,7 +22,6 @@ from sparksteward.agents.driver import _server_dir
 from sparksteward.blob.key import BlobKey
 from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
-from sparksteward.testing.s3 import local_s3
 
 _UPLOADER = r"""
 import os, random, sys
@@ -113,20 +112,19 @@ def test_sigkill_during_file_ha_uploads(tmp_path):
     print(f"{acked_total} acknowledged puts over 12 kills; {staged_seen} staged HA files seen after kills")
 
 
-def test_sigkill_during_s3_ha_uploads(tmp_path):
-    with local_s3() as s3:
-        url = s3.url("crash")
-        ha = FileSystemBlobStore(url, "c1")
-        fs = s3.filesystem()
-        acked_total = 0
-        for run in range(10):
-            _, acked = _kill_uploader_at_random(tmp_path / "state", url, seed=100 + run)
-            for job, key in acked:
-                assert ha.get(job, key, tmp_path / "check") > 0, f"acknowledged {key} of {job} is lost"
-            objects = [(p, int(info["size"])) for p, info in fs.find(ha.base.root, detail=True).items()]
-            for path, size in objects:
-                key = BlobKey.parse(os.path.basename(path))  # never a staged name on S3
-                assert size > 0
-                ha.get(path.split("/")[-2], key, tmp_path / "obj")  # verifies
-            acked_total += len(acked)
-        assert acked_total >= 10
+def test_sigkill_during_s3_ha_uploads(tmp_path, s3):
+    url = s3.url("crash")
+    ha = FileSystemBlobStore(url, "c1")
+    fs = s3.filesystem()
+    acked_total = 0
+    for run in range(10):
+        _, acked = _kill_uploader_at_random(tmp_path / "state", url, seed=100 + run)
+        for job, key in acked:
+            assert ha.get(job, key, tmp_path / "check") > 0, f"acknowledged {key} of {job} is lost"
+        objects = [(p, int(info["size"])) for p, info in fs.find(ha.base.root, detail=True).items()]
+        for path, size in objects:
+            key = BlobKey.parse(os.path.basename(path))  # never a staged name on S3
+            assert size > 0
+            ha.get(path.split("/")[-2], key, tmp_path / "obj")  # verifies
+        acked_total += len(acked)
+    assert acked_total >= 10

@@ -13,7 +13,15 @@ from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.errors import ChecksumMismatchError
+from sparksteward.testing.s3 import local_s3
 from tests.helpers.blob import BlobRig
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A server of this module's own, not the session's: its outage test stops and restarts the endpoint (every bucket on it would be unreachable meanwhile)."""
+    with local_s3() as server:
+        yield server
 
 
 class Journal:

@@ -29,7 +29,15 @@ from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import BlobJobDirCleanup, CleanupStep, StepRegistry
 from sparksteward.jobs.store import InMemoryJobResultStore
 from sparksteward.testing.clock import FakeClock
+from sparksteward.testing.s3 import local_s3
 from tests.helpers import wait_until
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A server of this module's own, not the session's: two tests stop and restart the endpoint (every bucket on it would be unreachable meanwhile)."""
+    with local_s3() as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

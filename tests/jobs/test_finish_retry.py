@@ -36,6 +36,7 @@ CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")
 
 @pytest.fixture(scope="module")
 def s3():
+    """A server of this module's own, not the session's: its tests stop and restart the endpoint."""
     with local_s3() as server:
         yield server
 

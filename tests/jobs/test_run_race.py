@@ -30,7 +30,6 @@ from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobs.fs_store import open_store
-from sparksteward.testing.s3 import local_s3
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")
@@ -43,11 +42,7 @@ pytestmark = pytest.mark.slow
 def kind(request):
     """The store: a local directory (leases and flock-guarded CAS), or moto's S3 (no leases; the
     compare-and-swap is a conditional PUT on the ETag)."""
-    if request.param == "file":
-        yield None
-    else:
-        with local_s3() as server:
-            yield server
+    return None if request.param == "file" else request.getfixturevalue("s3")
 
 
 def _store_url(s3, base: Path, name: str) -> str:
