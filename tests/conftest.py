@@ -1,8 +1,10 @@
 """Shared test setup: isolated state, the Python for workers and agents, the fixtures more than one
 module uses, and a leak check at the end. Helpers (no fixtures) are in tests/helpers/.
 
-Spark sessions are module-scoped (one per test module, since a process can hold one SparkContext at a
-time); use :func:`tests.helpers.spark_session` from a module fixture.
+Spark: a process holds one SparkContext at a time. Modules that need nothing but a state dir share one
+session, ``spark`` (local[2]) or ``cluster_spark`` (local-cluster[2,1,1024]), and run one after another
+(:func:`pytest_collection_modifyitems`); a module that needs other settings defines its own ``spark``
+with :func:`tests.helpers.spark_session`, which stops the shared session first.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import psutil
 import pytest
 
 from sparksteward.testing.s3 import local_s3
-from tests.helpers import MARKER, REPO, SESSION, agent_processes
+from tests.helpers import MARKER, REPO, SESSION, agent_processes, shared_spark, stop_shared_spark, wait_until
 from tests.helpers.s3 import clear_delays, new_bucket
 
 _STATE = tempfile.mkdtemp(prefix="steward-test-state-")
@@ -76,6 +78,66 @@ def store_url(request, tmp_path):
     if request.param == "file":
         return str(tmp_path / "checkpoints")
     return request.getfixturevalue("s3").url(f"chk-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="session")
+def _shared_spark_dirs(tmp_path_factory):
+    yield tmp_path_factory.mktemp("shared-spark")
+    stop_shared_spark()
+
+
+@pytest.fixture(scope="module")
+def _local_spark(_shared_spark_dirs):
+    state = _shared_spark_dirs / "local-state"
+    return shared_spark("local[2]", **{"spark.steward.state-dir": str(state)}), state
+
+
+@pytest.fixture(scope="module")
+def spark(_local_spark):
+    """local[2] with spark-steward and a state dir (``spark_state``), shared by the modules that take it."""
+    return _local_spark[0]
+
+
+@pytest.fixture(scope="module")
+def spark_state(_local_spark):
+    """The state dir of the shared ``spark``."""
+    return _local_spark[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_spark(_shared_spark_dirs):
+    """local-cluster[2,1,1024] with 1 GB executors and a state dir, shared by the modules that take it;
+    both executors registered."""
+    session = shared_spark("local-cluster[2,1,1024]", **{
+        "spark.executor.memory": "1g", "spark.steward.state-dir": str(_shared_spark_dirs / "cluster-state")})
+    status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
+    wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")  # + the driver
+    return session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Run the modules of one shared Spark session one after another, where the first of them is: any
+    other session in between would stop it. The rest keeps its order."""
+    def shared(item) -> str | None:
+        names = item.fixturenames
+        return "local" if "_local_spark" in names else "cluster" if "cluster_spark" in names else None
+
+    modules: dict[object, list] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    group_of = {path: next(filter(None, map(shared, its)), None) for path, its in modules.items()}
+    ordered, emitted = [], set()
+    for path in modules:
+        group = group_of[path]
+        if group is None:
+            ordered.extend(modules[path])
+        elif group not in emitted:
+            emitted.add(group)
+            for other, its in modules.items():
+                if group_of[other] == group:
+                    ordered.extend(its)
+    items[:] = ordered
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -29,6 +29,7 @@ def dirs(tmp_path_factory):
     return tmp_path_factory.mktemp("metrics")
 
 
+# its own session: a CsvSink and a short metrics interval
 @pytest.fixture(scope="module")
 def spark(dirs):
     (dirs / "csv").mkdir()

@@ -19,6 +19,7 @@ def state(tmp_path_factory):
     return tmp_path_factory.mktemp("blob-state")
 
 
+# its own session (not conftest's shared one): the teardown checks what spark.stop() leaves in its state dir
 @pytest.fixture(scope="module")
 def spark(state):
     with spark_session("local[2]", **{"spark.steward.state-dir": str(state)}) as session:

@@ -25,6 +25,7 @@ from tests.helpers.jars import JAVAC, build_udf_jar, cache_stats_by_executor
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+# its own session: the HA store is a dir of its own, checked empty after spark.stop(), and fetches retry once
 @pytest.fixture(scope="module")
 def env():
     if not JAVAC:

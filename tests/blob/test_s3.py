@@ -11,6 +11,7 @@ from sparksteward import Steward
 from tests.helpers import spark_session, wait_until
 
 
+# its own session: the blob HA store is this module's S3 bucket, checked empty after spark.stop()
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("s3-state")),

@@ -90,6 +90,7 @@ def soak_fn(hook: str):
 
 
 # --- fixtures ------------------------------------------------------------------------------------------
+# its own session: fault-injection settings (restarts, lease and agent timeouts)
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("soak-state")),

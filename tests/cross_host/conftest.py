@@ -1,5 +1,5 @@
 """The cross-host suites' Spark standalone cluster, whose worker runs in its own mount namespace
-(:mod:`sparksteward.testing.standalone`), and a session on it."""
+(:mod:`sparksteward.testing.standalone`), and a session on it: one of each for the whole folder."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from sparksteward.testing.standalone import isolation_unavailable, standalone_cluster
 from tests.helpers import spark_session
+from tests.helpers.s3 import new_bucket
 
 
 def _hidden_dirs() -> list[str]:
@@ -21,7 +22,7 @@ def _hidden_dirs() -> list[str]:
     return dirs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster(tmp_path_factory):
     reason = isolation_unavailable()
     if reason:
@@ -32,7 +33,8 @@ def cluster(tmp_path_factory):
         yield c
 
 
-@pytest.fixture(scope="module")
+# a session on the standalone cluster, whose worker is another "host"
+@pytest.fixture(scope="package")
 def spark(cluster, s3):
     with spark_session(cluster.master_url, **{
             "spark.executor.cores": "1", "spark.cores.max": "1", "spark.executor.memory": "512m",
@@ -40,3 +42,9 @@ def spark(cluster, s3):
             "spark.steward.agent.python": sys.executable,
             "spark.steward.storage.options": s3.storage_options()}) as session:
         yield session
+
+
+@pytest.fixture(scope="package")
+def s3(s3_server):
+    """A bucket of this folder's own on the session's S3 server (the session here outlives a module)."""
+    return new_bucket(s3_server)

@@ -47,7 +47,38 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: s
 
 @contextlib.contextmanager
 def spark_session(master: str = "local[2]", **conf: str) -> Iterator[object]:
-    """A SparkSession with spark-steward enabled; stopped (and checked for leftovers) at exit."""
+    """A SparkSession with spark-steward enabled, of this block alone; stopped at exit. The shared
+    session (:func:`shared_spark`), if one runs, stops first: a process holds one SparkContext at a time."""
+    stop_shared_spark()
+    with _session(master, conf) as spark:
+        yield spark
+
+
+_shared: dict = {}   # the shared session: its key (master and conf), its context manager, the session
+
+
+def shared_spark(master: str, **conf: str):
+    """The session of every module that asks for the same ``master`` and ``conf`` (conftest.py's
+    ``spark`` and ``cluster_spark``): started on first use and kept until someone needs another."""
+    key = (master, tuple(sorted(conf.items())))
+    if _shared.get("key") != key:
+        stop_shared_spark()
+        cm = _session(master, conf)
+        _shared.update(key=key, cm=cm, session=cm.__enter__())
+    return _shared["session"]
+
+
+def stop_shared_spark() -> None:
+    """Stop the shared session, if one runs, and wait for its agents to exit."""
+    cm = _shared.pop("cm", None)
+    _shared.clear()
+    if cm is not None:
+        cm.__exit__(None, None, None)
+        wait_until(lambda: not agent_processes(), timeout=20, what="agents to exit after spark.stop()")
+
+
+@contextlib.contextmanager
+def _session(master: str, conf: dict[str, str]) -> Iterator[object]:
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
 

@@ -20,14 +20,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def state(tmp_path_factory):
-    return tmp_path_factory.mktemp("jobs-state")
-
-
-@pytest.fixture(scope="module")
-def spark(state):
-    with spark_session("local[2]", **{"spark.steward.state-dir": str(state)}) as session:
-        yield session
+def state(spark_state):
+    return spark_state
 
 
 def _target(tmp_path: Path, name: str) -> Path:

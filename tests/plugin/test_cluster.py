@@ -17,6 +17,7 @@ from tests.helpers.plugin import task_probe
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+# its own session: a test SIGKILLs an executor JVM
 @pytest.fixture(scope="module")
 def spark():
     with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g"}) as session:

@@ -6,14 +6,8 @@ import pytest
 
 import sparksteward
 from sparksteward import Steward
-from tests.helpers import agent_processes, spark_session, wait_until
+from tests.helpers import agent_processes, wait_until
 from tests.helpers.plugin import task_probe
-
-
-@pytest.fixture(scope="module")
-def spark():
-    with spark_session("local[2]") as session:
-        yield session
 
 
 def test_driver_agent_sees_app_start_with_the_real_app_id(spark):

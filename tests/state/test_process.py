@@ -50,6 +50,7 @@ def calls(log: Path) -> list[tuple[str, int]]:
     return [(k, int(a)) for k, a in (line.split() for line in log.read_text().splitlines())]
 
 
+# its own session: local[2,3] retries a failed task, and the cluster id names the checkpoint paths
 @pytest.fixture(scope="module")
 def spark(tmp_path_factory):
     state = tmp_path_factory.mktemp("process-state")

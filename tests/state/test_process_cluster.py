@@ -47,6 +47,7 @@ def dirs(tmp_path_factory):
     return root
 
 
+# its own session: its tests SIGKILL an executor JVM, and the cluster id names the checkpoint paths
 @pytest.fixture(scope="module")
 def spark(dirs):
     with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g",

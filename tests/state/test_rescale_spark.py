@@ -24,7 +24,6 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import overlapping_subtasks
 from sparksteward.errors import ParallelismError
 from sparksteward.state.keygroups import key_group_range
-from tests.helpers import agent_processes, spark_session, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -44,14 +43,8 @@ def add_counts(keys, rows, state):
 
 
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rescale-cluster")
-    with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g",
-                                                      "spark.steward.state-dir": str(root / "state")}) as session:
-        status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
-        wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")
-        yield session, root
-    wait_until(lambda: not agent_processes(), timeout=20, what="agents to exit after spark.stop()")
+def spark(cluster_spark, tmp_path_factory):
+    return cluster_spark, tmp_path_factory.mktemp("rescale-cluster")
 
 
 def add_input(spark, inbox: Path, batch: int, rows: int, expr: str) -> None:

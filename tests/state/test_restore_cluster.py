@@ -15,6 +15,7 @@ from tests.helpers.restore import CLUSTER, checksums, listing, metadata, object_
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+# its own session: the cluster id "rs" names the S3 paths the tests read
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     conf = {"spark.executor.memory": "1g", "spark.steward.state-dir": str(tmp_path_factory.mktemp("restore-cl")),

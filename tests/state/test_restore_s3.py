@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 P, M = 3, 16
 
 
+# its own session: the cluster id "rs" names the S3 paths the tests read
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     conf = {"spark.steward.state-dir": str(tmp_path_factory.mktemp("restore-state")),

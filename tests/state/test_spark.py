@@ -8,7 +8,6 @@ import pytest
 
 from sparksteward import Steward
 from sparksteward.errors import CheckpointError, StateEncodingError
-from tests.helpers import spark_session
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
@@ -21,12 +20,6 @@ def rows_of(df) -> set[tuple]:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     return tmp_path_factory.mktemp("kstate")
-
-
-@pytest.fixture(scope="module")
-def spark(dirs):
-    with spark_session("local[2]", **{"spark.steward.state-dir": str(dirs / "state")}) as session:
-        yield session
 
 
 @pytest.fixture(scope="module")

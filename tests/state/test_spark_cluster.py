@@ -7,7 +7,6 @@ import pandas as pd
 import pytest
 
 from sparksteward import Steward
-from tests.helpers import agent_processes, spark_session, wait_until
 from tests.helpers.keyed import make_batches, reference, state_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -27,14 +26,8 @@ def count_sum_where(key, rows, state):
 
 
 @pytest.fixture(scope="module")
-def spark(tmp_path_factory):
-    state = tmp_path_factory.mktemp("kstate-cluster")
-    with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g",
-                                                      "spark.steward.state-dir": str(state)}) as session:
-        status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
-        wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")
-        yield session, state
-    wait_until(lambda: not agent_processes(), timeout=20, what="agents to exit after spark.stop()")
+def spark(cluster_spark, tmp_path_factory):
+    return cluster_spark, tmp_path_factory.mktemp("kstate-cluster")
 
 
 def test_state_continues_across_executors(spark):

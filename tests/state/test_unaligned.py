@@ -21,6 +21,7 @@ def dirs(tmp_path_factory):
     return tmp_path_factory.mktemp("unaligned")
 
 
+# its own session: small Arrow batches (maxRecordsPerBatch=20) make subtasks defer input
 @pytest.fixture(scope="module")
 def spark(dirs):
     with spark_session("local[2]", **{"spark.steward.state-dir": str(dirs / "state"),

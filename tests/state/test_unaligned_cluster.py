@@ -13,6 +13,7 @@ from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, stat
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+# its own session: small Arrow batches (maxRecordsPerBatch=10) make subtasks defer input
 @pytest.fixture(scope="module")
 def spark(s3, tmp_path_factory):
     with spark_session("local-cluster[2,1,1024]", **{
