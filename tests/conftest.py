@@ -1,7 +1,10 @@
-"""Shared test setup: isolated state, the Python for workers and agents, a leak check at the end.
+"""Shared test setup: isolated state, the Python for workers and agents, the fixtures more than one
+module uses, and a leak check at the end. Helpers (no fixtures) are in tests/helpers/.
 
-Spark sessions are module-scoped (one per test module, since a process can hold one SparkContext at a
-time); use :func:`spark_session` from a module fixture.
+Spark: a process holds one SparkContext at a time. Modules that need nothing but a state dir share one
+session, ``spark`` (local[2]) or ``cluster_spark`` (local-cluster[2,1,1024]), and run one after another
+(:func:`pytest_collection_modifyitems`); a module that needs other settings defines its own ``spark``
+with :func:`tests.helpers.spark_session`, which stops the shared session first.
 """
 
 from __future__ import annotations
@@ -13,70 +16,128 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from pathlib import Path
 
 import psutil
+import pytest
 
-MARKER = "SPARK_STEWARD_TEST_SESSION"
-_SESSION = uuid.uuid4().hex
+from sparksteward.testing.s3 import local_s3
+from tests.helpers import MARKER, REPO, SESSION, agent_processes, shared_spark, stop_shared_spark, wait_until
+from tests.helpers.s3 import clear_delays, new_bucket
+
 _STATE = tempfile.mkdtemp(prefix="steward-test-state-")
 
-os.environ[MARKER] = _SESSION
+os.environ[MARKER] = SESSION
 os.environ["PYSPARK_PYTHON"] = sys.executable
 os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
 os.environ["XDG_STATE_HOME"] = _STATE  # embedded defaults land here, not in the user's home
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # Python workers of local-cluster executors import task functions from this package by reference
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
-def agent_processes() -> list[psutil.Process]:
-    """Agent processes started by this test session (found through the inherited marker)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any("sparksteward.agents" in part for part in proc.info["cmdline"] or ()):
-                if proc.environ().get(MARKER) == _SESSION:
-                    found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return found
+@pytest.fixture()
+def guarded_rmtree(tmp_path, monkeypatch):
+    """Use in a module (``pytestmark = pytest.mark.usefixtures("guarded_rmtree")``) to make every
+    ``shutil.rmtree`` outside ``tmp_path`` fail its tests, and to put ``tempfile``'s scratch dirs under
+    it: code that deletes can never reach anything else."""
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        p = Path(path).resolve()
+        if p != tmp_path.resolve() and tmp_path.resolve() not in p.parents:
+            raise AssertionError(f"rmtree outside tmp_path: {p}")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback, one for the whole session; modules use buckets of their own (``s3``).
+    It exports ``AWS_ENDPOINT_URL`` and dummy credentials from its start to the end of the session."""
+    with local_s3() as server:
+        yield server
 
 
-@contextlib.contextmanager
-def spark_session(master: str = "local[2]", **conf: str) -> Iterator[object]:
-    """A SparkSession with spark-steward enabled; stopped (and checked for leftovers) at exit."""
-    from pyspark import SparkConf, SparkContext
-    from pyspark.sql import SparkSession
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    """A bucket of this module's own on the session's S3 server (:func:`tests.helpers.s3.new_bucket`).
+    A module whose tests stop the endpoint overrides this with a server of its own."""
+    bucket = new_bucket(s3_server)
+    yield bucket
+    left = clear_delays(s3_server)  # LocalS3.slow(...) restores itself; this catches any other way
+    if left:
+        pytest.fail(f"the S3 server still answered {left} late after the tests of {bucket.bucket}")
 
-    import sparksteward
-    from sparksteward.jar import shim_jar
 
-    # Launch the JVM with only the jar on its class path: spark-submit turns the first session's
-    # settings into JVM system properties, which would leak into every later session of this process.
-    SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
-    builder = SparkSession.builder.master(master).appName(f"steward-test-{master}")
-    for key, value in {"spark.ui.enabled": "false", "spark.sql.shuffle.partitions": "4",
-                       "spark.executor.memory": "512m", **conf}.items():
-        builder = builder.config(key, value)
-    spark = sparksteward.configure(builder).getOrCreate()
-    try:
-        yield spark
-    finally:
-        spark.stop()
+@pytest.fixture(params=["file", "s3"])
+def store_url(request, tmp_path):
+    """A fresh checkpoint-dir URL on each store: the storage suites run on file:// and on moto's S3."""
+    if request.param == "file":
+        return str(tmp_path / "checkpoints")
+    return request.getfixturevalue("s3").url(f"chk-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="session")
+def _shared_spark_dirs(tmp_path_factory):
+    yield tmp_path_factory.mktemp("shared-spark")
+    stop_shared_spark()
+
+
+@pytest.fixture(scope="module")
+def _local_spark(_shared_spark_dirs):
+    state = _shared_spark_dirs / "local-state"
+    return shared_spark("local[2]", **{"spark.steward.state-dir": str(state)}), state
+
+
+@pytest.fixture(scope="module")
+def spark(_local_spark):
+    """local[2] with spark-steward and a state dir (``spark_state``), shared by the modules that take it."""
+    return _local_spark[0]
+
+
+@pytest.fixture(scope="module")
+def spark_state(_local_spark):
+    """The state dir of the shared ``spark``."""
+    return _local_spark[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_spark(_shared_spark_dirs):
+    """local-cluster[2,1,1024] with 1 GB executors and a state dir, shared by the modules that take it;
+    both executors registered."""
+    session = shared_spark("local-cluster[2,1,1024]", **{
+        "spark.executor.memory": "1g", "spark.steward.state-dir": str(_shared_spark_dirs / "cluster-state")})
+    status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
+    wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")  # + the driver
+    return session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Run the modules of one shared Spark session one after another, where the first of them is: any
+    other session in between would stop it. The rest keeps its order."""
+    def shared(item) -> str | None:
+        names = item.fixturenames
+        return "local" if "_local_spark" in names else "cluster" if "cluster_spark" in names else None
+
+    modules: dict[object, list] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    group_of = {path: next(filter(None, map(shared, its)), None) for path, its in modules.items()}
+    ordered, emitted = [], set()
+    for path in modules:
+        group = group_of[path]
+        if group is None:
+            ordered.extend(modules[path])
+        elif group not in emitted:
+            emitted.add(group)
+            for other, its in modules.items():
+                if group_of[other] == group:
+                    ordered.extend(its)
+    items[:] = ordered
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from sparksteward import Steward
-from tests.conftest import spark_session, wait_until
+from tests.helpers import spark_session, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +29,7 @@ def dirs(tmp_path_factory):
     return tmp_path_factory.mktemp("metrics")
 
 
+# its own session: a CsvSink and a short metrics interval
 @pytest.fixture(scope="module")
 def spark(dirs):
     (dirs / "csv").mkdir()

@@ -1,0 +1,130 @@
+"""Must-show 6, the HA half: an uploader of permanent blobs SIGKILLed at random points.
+
+A real process puts permanent blobs through a BlobServer (local store from the driver agent's
+``_server_dir``, HA on file:// or moto S3) and prints each key once ``put_file`` returned, i.e. once
+the put is acknowledged. After every kill: each acknowledged blob is in HA and verifies; every file
+under a final blob name, in HA and in the local store, verifies against its key (never empty or
+partial); anything else is a staged temp name, which recovery sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+from sparksteward.agents.driver import _server_dir
+from sparksteward.blob.key import BlobKey
+from sparksteward.hashing import hash_file
+from sparksteward.blob.store import FileSystemBlobStore
+
+_UPLOADER = r"""
+import os, random, sys
+from sparksteward.agents.driver import _server_dir
+from sparksteward.blob.key import BlobType
+from sparksteward.blob.server import BlobServer
+from sparksteward.blob.store import FileSystemBlobStore
+state, ha_url, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+local = _server_dir(state)
+print("LOCAL", local, flush=True)
+server = BlobServer(local, FileSystemBlobStore(ha_url, "c1"), timer=False)
+rnd = random.Random(seed)
+for i in range(10**6):
+    src = server.incoming / f"put-{i}"
+    with open(src, "wb") as f:
+        f.write(rnd.randbytes(rnd.randint(1, 3 << 20)))
+    job = f"job-{i % 3}"
+    key, _ = server.put_file(src, job, BlobType.PERMANENT, move=True)
+    print("ACK", job, key, flush=True)
+"""
+
+
+def _kill_uploader_at_random(state: Path, ha_url: str, seed: int) -> tuple[Path, list[tuple[str, BlobKey]]]:
+    rnd = random.Random(seed)
+    proc = subprocess.Popen([sys.executable, "-c", _UPLOADER, str(state), ha_url, str(seed)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline().split()
+        assert first and first[0] == "LOCAL", f"uploader did not start: {first}"
+        for _ in range(rnd.randint(0, 2)):  # let some puts complete first
+            assert proc.stdout.readline().startswith("ACK")
+        time.sleep(rnd.uniform(0, 0.4))  # a random kill point, not a wait for an effect
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        acked = []
+        # The kill can cut the last line short: only a whole line ("ACK job key\n") is an acknowledgement.
+        for line in proc.stdout.read().split("\n")[:-1]:
+            _, job, key = line.split()
+            acked.append((job, BlobKey.parse(key)))
+        return Path(first[1]), acked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def _check_final_names(files: list[tuple[str, int]], what: str) -> int:
+    """Every blob-named file verifies and is non-empty; return how many staged names there are."""
+    staged = 0
+    for path, size in files:
+        name = os.path.basename(path)
+        try:
+            key = BlobKey.parse(name)
+        except ValueError:
+            assert name.endswith(".tmp") or name == "owner.json" or name.startswith("put-"), \
+                f"unexpected file {path} in {what}"
+            staged += name.endswith(".tmp")
+            continue
+        assert size > 0, f"empty file under the final name {path} in {what}"
+        assert hash_file(path) == key.digest, f"partial or corrupt file under the final name {path} in {what}"
+    return staged
+
+
+def _local_files(root: Path) -> list[tuple[str, int]]:
+    return [(str(p), p.stat().st_size) for p in root.rglob("*") if p.is_file()]
+
+
+def test_sigkill_during_file_ha_uploads(tmp_path):
+    ha = FileSystemBlobStore(str(tmp_path / "ha"), "c1")
+    state = tmp_path / "state"
+    acked_total, staged_seen, stores = 0, 0, []
+    for run in range(12):
+        local, acked = _kill_uploader_at_random(state, str(tmp_path / "ha"), seed=run)
+        stores.append(local)
+        for job, key in acked:
+            assert ha.get(job, key, tmp_path / "check") > 0, f"acknowledged {key} of {job} is lost"
+        staged_seen += _check_final_names(_local_files(Path(ha.base.root)), "the HA store")
+        _check_final_names(_local_files(local), "the local store")
+        acked_total += len(acked)
+    assert acked_total >= 12
+    # recovery: staged HA files are swept, and so are the dead uploaders' local stores
+    ha.sweep_staged(max_age=0)
+    assert not [p for p, _ in _local_files(Path(ha.base.root)) if p.endswith(".tmp")]
+    fresh = Path(_server_dir(str(state)))
+    assert not [s for s in stores if s.exists()], "the dead uploaders' local stores were swept"
+    assert fresh.exists()
+    print(f"{acked_total} acknowledged puts over 12 kills; {staged_seen} staged HA files seen after kills")
+
+
+def test_sigkill_during_s3_ha_uploads(tmp_path, s3):
+    url = s3.url("crash")
+    ha = FileSystemBlobStore(url, "c1")
+    fs = s3.filesystem()
+    acked_total = 0
+    for run in range(10):
+        _, acked = _kill_uploader_at_random(tmp_path / "state", url, seed=100 + run)
+        for job, key in acked:
+            assert ha.get(job, key, tmp_path / "check") > 0, f"acknowledged {key} of {job} is lost"
+        objects = [(p, int(info["size"])) for p, info in fs.find(ha.base.root, detail=True).items()]
+        for path, size in objects:
+            key = BlobKey.parse(os.path.basename(path))  # never a staged name on S3
+            assert size > 0
+            ha.get(path.split("/")[-2], key, tmp_path / "obj")  # verifies
+        acked_total += len(acked)
+    assert acked_total >= 10

@@ -1,0 +1,141 @@
+"""Blobs and keyed state across hosts (issue 7 item 1, must-show 1; issues 8 and 9), with a real Spark
+standalone cluster.
+
+The worker runs in its own mount namespace (:mod:`sparksteward.testing.standalone`): a private tmpfs
+over ``/tmp`` and the state dir, and another ``boot_id``. Its executor sees neither the driver's files
+nor its boot id, so the BlobServer must stream every blob to it. Broadcasts, a library and a scoped
+job's cleanup must all work there.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparksteward import Steward
+from sparksteward.blob.server import BOOT_ID
+from sparksteward.blob.store import job_dir_name
+from tests.helpers import wait_until
+from tests.helpers.cross_host import executor_cache_stats, on_executor
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_executor_sees_neither_the_drivers_files_nor_its_boot_id(spark, tmp_path):
+    marker = Path("/tmp") / f"steward-driver-only-{uuid.uuid4().hex}"
+    marker.write_text("driver")
+    try:
+        def probe():
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            return boot, os.path.exists(str(marker)), os.path.exists(os.environ.get("XDG_STATE_HOME", "/nonexistent"))
+
+        boot, sees_marker, sees_state = on_executor(spark, probe)
+    finally:
+        marker.unlink()
+    assert BOOT_ID and boot and boot != BOOT_ID, "the executor must run under another boot id"
+    assert not sees_marker, "the executor must not see the driver's /tmp"
+    assert not sees_state, "the executor must not see the driver's state dir"
+
+
+def test_a_large_numpy_broadcast_is_streamed_to_the_executor(spark):
+    st = Steward.get(spark)
+    arr = np.arange(1_000_000, dtype=np.float64)  # 8 MB: really streamed, several frames
+    h = st.broadcast(arr)
+    before = on_executor(spark, executor_cache_stats)
+    got = spark.sparkContext.parallelize(range(3), 1).map(lambda i: float(h.value[i * 1000])).collect()
+    assert got == [0.0, 1000.0, 2000.0]
+    after = on_executor(spark, executor_cache_stats)
+    assert after.get("transfers", 0) - before.get("transfers", 0) == 1
+    assert after.get("local_copies", 0) == 0, "no shared file system: nothing may be copied by path"
+
+
+def test_a_library_is_importable_on_the_executor(spark, tmp_path):
+    st = Steward.get(spark)
+    whl = tmp_path / "xhostlib-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("xhostlib/__init__.py", "VALUE = 'shipped across hosts'\n")
+    st.add_library(whl)
+
+    def use(_):
+        import xhostlib
+
+        return xhostlib.VALUE
+
+    assert spark.sparkContext.parallelize([0], 1).map(use).collect() == ["shipped across hosts"]
+
+
+def test_a_jobs_blob_directory_leaves_the_executor_and_the_driver_after_the_job(spark):
+    st = Steward.get(spark)
+    job_dir = job_dir_name("xhost-job")
+
+    def cached_job_dirs():
+        from pyspark import SparkFiles
+
+        root = Path(SparkFiles.getRootDirectory()) / ".sparksteward"
+        return sorted(str(p.relative_to(root)) for p in root.glob(f"cache-*/{job_dir}") if p.is_dir())
+
+    with st.job("xhost-job") as job:
+        h = st.broadcast(np.full(300_000, 3, dtype=np.int64))  # 2.4 MB
+        assert spark.sparkContext.parallelize([0], 1).map(lambda _: int(h.value.sum())).collect() == [900_000]
+        local = Path(st.blobs.incoming).parent / job_dir
+        assert local.is_dir(), "the driver holds the job's blobs while the job runs"
+        assert on_executor(spark, cached_job_dirs), "the executor cached the job's blob"
+    assert job.entry.clean
+    wait_until(lambda: not local.exists(), timeout=5, what="the job's blob dir to leave the driver's local store")
+    wait_until(lambda: not on_executor(spark, cached_job_dirs), timeout=10, interval=0.5,
+               what="the job's blob dir to leave the executor's cache")
+
+
+def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
+    """Keyed state whose executor sees neither the driver's files nor its boot id: every checkpoint
+    goes through S3, its small files merged into one object per executor (FLIP-306), and each batch
+    restores what the previous one committed."""
+    from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
+
+    st = Steward.get(spark)
+    ks = st.keyed_state("xhost", key="k", parallelism=4, max_parallelism=16, checkpoint_dir=s3.url("xhost-chk"))
+    batches = make_batches(17, count=3)
+    for i, batch in enumerate(batches):
+        mark = s3.mark()
+        ks.apply(spark.createDataFrame(batch), count_sum, SCHEMA, checkpoint_id=i).collect()
+        ks.commit(i, wait=120)
+        stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == i)
+        written = {q.key for q in s3.requests_since(mark) if q.op == "PutObject"
+                   and not q.key.endswith("/_lease")}   # the writer lease is renewed, not checkpointed
+        assert stats["merged_files_written"] == 1, stats  # one executor: one physical file per checkpoint
+        assert len(written) == stats["objects_written"] <= 1 + 2, written
+    assert state_of(ks) == reference(batches)
+    merged = s3.filesystem().ls(s3.url("xhost-chk", "default", "xhost", "merged"))
+    assert merged and ks.info()["space"]["physical_files"] == len(merged)
+
+
+def test_unaligned_channel_state_across_hosts(spark, s3):
+    """Channel state (FLIP-76) deferred on an executor that sees neither the driver's files nor its
+    boot id goes to S3 inside the merged file, and the next batches replay it there."""
+    from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
+
+    st = Steward.get(spark)
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "20")
+    try:
+        kw = {"key": "k", "parallelism": 2, "max_parallelism": 16, "checkpoint_dir": s3.url("xhost-unaligned")}
+        ks = st.keyed_state("xunaligned", alignment="unaligned", aligned_checkpoint_timeout=0, **kw)
+        batches = make_batches(18, count=2, rows=300)
+        for i, batch in enumerate(batches):
+            ks.apply(spark.createDataFrame(batch), count_sum, SCHEMA, checkpoint_id=i).collect()
+            ks.commit(i, wait=120)
+        latest = ks.info()
+        assert latest["checkpoints"][-1]["rows_deferred"] > 0
+        assert all(f["path"].startswith("merged/") for s in latest["latest"]["subtasks"] for f in s["channel_state"])
+        ks = st.keyed_state("xunaligned", alignment="aligned", **kw)  # drain what is deferred
+        ks.apply(spark.createDataFrame(batches[0].iloc[:0], "k string, v long"), count_sum, SCHEMA,
+                 checkpoint_id=2).collect()
+        ks.commit(2, wait=120)
+        assert state_of(ks) == reference(batches)
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")

@@ -1,0 +1,33 @@
+"""A BlobServer behind a real authenticated socket, for the blob suites."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.client import BlobClient
+from sparksteward.blob.server import BlobServer
+from sparksteward.testing.clock import FakeClock
+from sparksteward.wire import AgentServer, Connection, new_secret
+
+
+class BlobRig:
+    """A BlobServer behind a real authenticated socket, and caches that talk to it."""
+
+    def __init__(self, tmp_path: Path, ha, retention: float = 60.0) -> None:
+        self.secret = new_secret()
+        self.clock = FakeClock()
+        self.server = BlobServer(tmp_path / "server", ha, retention=retention, clock=self.clock, timer=False)
+        self.sock = AgentServer("127.0.0.1", 0, self.secret, {})
+        self.server.register_handlers(self.sock)
+        self.ha, self.tmp = ha, tmp_path
+        self.client = BlobClient(lambda: self._conn)
+        self._conn = Connection.connect(self.sock.endpoint, self.secret)
+
+    def cache(self, name: str = "cache", **kw) -> BlobCache:
+        return BlobCache(self.tmp / name, self.ha, self.sock.endpoint, self.secret, **kw)
+
+    def close(self) -> None:
+        self._conn.close()
+        self.sock.close()
+        self.server.close()

@@ -1,0 +1,40 @@
+"""Keyed-state data for Spark tests: random batches of (k, v), the count-and-sum function a state runs
+over them, what pandas says the result is, and what the state holds. ``count_sum`` runs in Python
+workers, which import it from here by reference."""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+
+SCHEMA = "k string, n long, s long"
+
+
+def count_sum(key, rows, state):
+    cur = state.get() or {"n": 0, "s": 0}
+    cur = {"n": cur["n"] + len(rows), "s": cur["s"] + int(rows["v"].sum())}
+    state.update(cur)
+    return pd.DataFrame({"k": [key], "n": [cur["n"]], "s": [cur["s"]]})
+
+
+def make_batches(seed: int, count: int = 3, rows: int = 300, keys: int = 25) -> list[pd.DataFrame]:
+    rnd = random.Random(seed)
+    return [pd.DataFrame({"k": [f"user-{rnd.randrange(keys)}" for _ in range(rows)],
+                          "v": [rnd.randrange(100) for _ in range(rows)]}) for _ in range(count)]
+
+
+def reference(batches: list[pd.DataFrame]) -> dict[str, tuple[int, int]]:
+    allrows = pd.concat(batches)
+    g = allrows.groupby("k")["v"].agg(["count", "sum"])
+    return {k: (int(r["count"]), int(r["sum"])) for k, r in g.iterrows()}
+
+
+def state_of(ks) -> dict[str, tuple[int, int]]:
+    import orjson
+
+    out = {}
+    for r in ks.read().collect():
+        v = orjson.loads(r.value)
+        out[r.key] = (v["n"], v["s"])
+    return out

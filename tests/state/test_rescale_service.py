@@ -1,0 +1,192 @@
+"""Rescaling keyed state through the agents' state.* ops, without Spark (issue 8): a restart (a new
+driver agent) with another parallelism and a change between batches in one application both rebuild
+every subtask from the old checkpoint's overlapping subtasks only (reported per subtask in the ack
+stats), the values survive 4 -> 2 -> 5, a max-parallelism change is refused naming both values, and
+the per-checkpoint upload stats show an incremental checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from sparksteward.checkpoint.rescale import overlapping_subtasks
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.errors import CheckpointOrderError, ParallelismError
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
+from sparksteward.wire import AgentServer, Connection, new_secret
+
+pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
+
+M = 16
+
+
+class App:
+    """One "application": a driver agent's StateService and one executor agent, over real sockets."""
+
+    def __init__(self, tmp: Path, tag: str) -> None:
+        self.secret = new_secret()
+        self.driver = AgentServer("127.0.0.1", 0, self.secret, {})
+        self.states = StateService(str(tmp / "chk"), "c1", commit_timeout=30)
+        self.states.register_handlers(self.driver)
+        self.executor = AgentServer("127.0.0.1", 0, self.secret, {})
+        self.subtasks = SubtaskService(tmp / f"exec-{tag}", self.driver.endpoint, self.secret, upload_threads=2)
+        self.subtasks.register_handlers(self.executor)
+        self.d = Connection.connect(self.driver.endpoint, self.secret)
+        self.e = Connection.connect(self.executor.endpoint, self.secret)
+
+    def register(self, parallelism: int, max_parallelism: int = M) -> dict:
+        return self.d.request("state.register", name="s", checkpoint_dir=None, parallelism=parallelism,
+                              max_parallelism=max_parallelism, key_type="string", num_retained=1)
+
+    def batch(self, cid: int, parallelism: int, delta: dict[str, int]) -> dict:
+        """Begin, run every subtask's task, commit; return the commit reply."""
+        self.d.request("state.begin", name="s", checkpoint_id=cid, parallelism=parallelism)
+        parts: list[dict[str, int]] = [{} for _ in range(parallelism)]
+        for k, v in delta.items():
+            parts[subtask_for_key_group(M, parallelism, key_group(k, M))][k] = v
+        for i, part in enumerate(parts):
+            opened = self.e.request("state.open", name="s", checkpoint_id=cid, subtask=i)
+            backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, parallelism, i), M, "string",
+                                          create=False)
+            try:
+                vs = backend.value("value")
+                for k, d in part.items():
+                    vs.update(k, (vs.get(k) or 0) + d)
+                snap = backend.snapshot(opened["snapshot"])
+            finally:
+                backend.close()
+            self.e.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+        return self.d.request("state.commit", name="s", checkpoint_id=cid, wait=30)
+
+    def close(self) -> None:
+        self.d.close()
+        self.e.close()
+        self.subtasks.close()
+        self.executor.close()
+        self.driver.close()
+        self.states.close()   # the application stops: its leases are released
+
+
+def values(tmp: Path, meta: dict) -> dict[str, int]:
+    from sparksteward.keyed_state import _read_values
+
+    return {k: int(v) for k, v in _read_values(str(tmp / "chk"), "s", "c1", meta)}
+
+
+def assert_read_only_overlaps(stats: dict, old: dict, new_parallelism: int) -> None:
+    """Every new subtask read exactly the files of the old subtasks overlapping its key groups."""
+    old_meta = CheckpointMetadata.from_bytes(orjson.dumps(old), "test")
+    restores = {r["subtask"]: r for r in stats["restores"]}
+    assert sorted(restores) == list(range(new_parallelism))
+    for j, r in restores.items():
+        overlapping = [h for h, _ in overlapping_subtasks(old_meta, key_group_range(M, new_parallelism, j))]
+        assert r["old_parallelism"] == old_meta.parallelism
+        assert r["base_checkpoint"] == old_meta.checkpoint_id
+        assert [r["base"], *r["ingested_from"]] == [h.subtask for h in overlapping]
+        assert r["files_read"] == [f.path for h in overlapping for f in h.files]
+        assert r["bytes_read"] == sum(h.size for h in overlapping)
+        assert r["bytes_read"] < sum(h.size for h in old_meta.subtasks) or len(overlapping) == len(old_meta.subtasks)
+
+
+def test_restart_with_another_parallelism_and_a_change_between_batches_rescale(tmp_path):
+    keys = {f"k{i}": i for i in range(400)}
+    app = App(tmp_path, "a")
+    try:
+        assert app.register(4)["rescaled_from"] is None
+        app.batch(0, 4, keys)
+        meta4 = app.batch(1, 4, {k: 1 for k in list(keys)[:50]})["metadata"]
+    finally:
+        app.close()
+    expected = {k: v + (1 if i < 50 else 0) for i, (k, v) in enumerate(keys.items())}
+    assert values(tmp_path, meta4) == expected
+
+    app = App(tmp_path, "b")  # a new application: the driver agent recovers the P=4 checkpoint
+    try:
+        assert app.register(2)["rescaled_from"] == 4
+        reply = app.batch(2, 2, {"k0": 100})
+        assert reply["metadata"]["parallelism"] == 2 and reply["metadata"]["properties"]["base"] == 1
+        assert_read_only_overlaps(reply["stats"], meta4, 2)
+        expected["k0"] += 100
+        assert values(tmp_path, reply["metadata"]) == expected
+        meta2 = reply["metadata"]
+
+        # in the same application, between batches: a new register with parallelism 5
+        assert app.register(5)["rescaled_from"] == 2
+        with pytest.raises(ParallelismError, match=r"now has parallelism 5 .* routes rows to 2 subtasks"):
+            app.d.request("state.begin", name="s", checkpoint_id=3, parallelism=2)  # the old object
+        with pytest.raises(ParallelismError, match=r"routed to 2 subtasks, but the state now has parallelism 5"):
+            app.e.request("state.open", name="s", checkpoint_id=3, subtask=0, parallelism=2)  # its lazy output
+        reply = app.batch(3, 5, {"k1": 7})
+        assert_read_only_overlaps(reply["stats"], meta2, 5)
+        expected["k1"] += 7
+        assert values(tmp_path, reply["metadata"]) == expected
+        info = app.d.request("state.info", name="s")
+        assert info["parallelism"] == 5
+        assert [c["checkpoint_id"] for c in info["checkpoints"]] == [2, 3]
+        # the next checkpoint at the same parallelism restores each subtask from its own old one
+        reply = app.batch(4, 5, {"k2": 1})
+        assert all(r["ingested_from"] == [] and r["base"] == r["subtask"] for r in reply["stats"]["restores"])
+    finally:
+        app.close()
+
+
+def test_max_parallelism_change_is_refused_naming_both_values(tmp_path):
+    app = App(tmp_path, "a")
+    try:
+        app.register(2)
+        app.batch(0, 2, {"a": 1})
+        with pytest.raises(ParallelismError, match=r"has max_parallelism=16 and cannot be opened with "
+                                                    r"max_parallelism=32.*Keep max_parallelism=16"):
+            app.register(2, max_parallelism=32)
+        with pytest.raises(ParallelismError, match=r"has max_parallelism=16 and cannot be opened with "
+                                                    r"max_parallelism=32"):
+            app.d.request("state.check", name="s", checkpoint_dir=None, max_parallelism=32)
+    finally:
+        app.close()
+    app = App(tmp_path, "b")  # a restart with another max parallelism
+    try:
+        with pytest.raises(ParallelismError, match=r"checkpointed with max_parallelism=16 \(checkpoint 0\) and "
+                                                    r"cannot be restored with max_parallelism=8.*Keep "
+                                                    r"max_parallelism=16"):
+            app.register(2, max_parallelism=8)
+    finally:
+        app.close()
+
+
+def test_parallelism_cannot_change_while_a_checkpoint_is_pending(tmp_path):
+    app = App(tmp_path, "a")
+    try:
+        app.register(2)
+        app.d.request("state.begin", name="s", checkpoint_id=0, parallelism=2)
+        with pytest.raises(CheckpointOrderError, match=r"cannot change parallelism 2 -> 3 while checkpoints \[0\] "
+                                                       r"are pending: commit or abort them first"):
+            app.register(3)
+        app.d.request("state.abort", name="s", checkpoint_id=0)
+        assert app.register(3)["rescaled_from"] is None  # nothing checkpointed yet
+        app.batch(0, 3, {"a": 1})
+    finally:
+        app.close()
+
+
+def test_checkpoint_stats_show_incremental_uploads(tmp_path):
+    app = App(tmp_path, "a")
+    try:
+        app.register(2)
+        keys = {f"key-{i:06d}": i for i in range(20_000)}
+        first = app.batch(0, 2, keys)["stats"]
+        later = [app.batch(c, 2, {f"key-{c * 7 + i:06d}": 1 for i in range(200)})["stats"] for c in (1, 2, 3)]
+        print(f"\nuploaded per checkpoint: {[(s['files_uploaded'], s['bytes_uploaded']) for s in [first, *later]]}")
+        assert first["subtasks"] == 2 and first["files_reused"] == 0
+        assert first["files_uploaded"] == first["files"] and first["bytes_uploaded"] == first["bytes"]
+        for s in later:
+            assert s["files_reused"] > 0 and s["bytes_uploaded"] < first["bytes_uploaded"] / 5
+            assert s["files_uploaded"] + s["files_reused"] == s["files"]
+        info = app.d.request("state.info", name="s")
+        assert [c["bytes_uploaded"] for c in info["checkpoints"]] == [s["bytes_uploaded"] for s in [first, *later]]
+    finally:
+        app.close()
