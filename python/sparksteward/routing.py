@@ -10,7 +10,7 @@ sends it to partition ``subtask``:
   ``repartition`` puts a row at ``pmod(murmur3(route, seed 42), P)``, and :func:`spark_hash_int`
   reproduces Spark's ``Murmur3_x86_32.hashInt``.
 
-Both are checked against a live Spark in ``tests/test_state_routing.py``.
+Both are checked against a live Spark in ``tests/state/test_routing.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 This module holds the contract, read and write sides apart (:class:`JobResultView`,
 :class:`JobResultWriter`, both: :class:`JobResultStore`), what the implementations share
 (:class:`StoreBase`) and the in-memory store (:func:`~sparksteward.jobs.fs_store.open_store` picks one). Two implementations share one
-contract (``tests/test_jrs_contract.py``):
+contract (``tests/jobs/test_contract.py``):
 
 - :class:`InMemoryJobResultStore`, for tests and ``spark.steward.jrs.storage-path=memory``;
 - :class:`~sparksteward.jobs.fs_store.FileSystemJobResultStore`, on any fsspec URL (its module

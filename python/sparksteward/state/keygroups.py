@@ -13,7 +13,7 @@ long       8 bytes, little-endian two's complement      ``int`` (the default)
 int        4 bytes, little-endian two's complement      ``int`` with ``KeyType.INT``
 =========  ===========================================  ==========================
 
-(pinned against ``pyspark.sql.functions.xxhash64`` in ``tests/test_state_keygroups.py``). The result
+(pinned against ``pyspark.sql.functions.xxhash64`` in ``tests/state/test_keygroups.py``). The result
 is read as a signed 64-bit integer and ``pmod`` makes it non-negative.
 
 Subtask ``i`` of parallelism ``P`` owns the contiguous key groups of Flink's
