@@ -31,3 +31,17 @@ def test_missing_java_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(ShimBuildError, match="Java 17"):
         shim_jar()
+
+
+def test_the_shim_stays_within_its_budget():
+    """docs/decisions/0015: the core (plugin, supervision, listener, messages) and steward:// support."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "jvm-shim" / "src" / "main" / "scala" / "sparksteward" / "shim"
+    lines = {p.name: len(p.read_text().splitlines()) for p in src.glob("*.scala")}
+    core = sum(n for name, n in lines.items() if name != "StewardFileSystem.scala")
+    assert set(lines) == {"StewardPlugin.scala", "AgentProcess.scala", "Listener.scala", "Messages.scala",
+                          "StewardFileSystem.scala"}, f"a new shim file {sorted(lines)}: give it a budget in 0015"
+    assert core <= 560, f"the shim's core has {core} lines, over its budget of 560 (decision 0015)"
+    assert lines["StewardFileSystem.scala"] <= 150, "steward:// support is over its budget of 150 (decision 0015)"
+    assert sum(lines.values()) <= 700, f"the shim has {sum(lines.values())} lines, over 700 (decision 0015)"

@@ -7,50 +7,31 @@ object Messages {
   /** How every agent -> shim `metrics` line begins (protocol.encode_metrics). */
   val MetricsPrefix = "{\"v\":1,\"type\":\"metrics\","
 
-  /** A JSON value: String, Long/Int, Boolean, null/None, Seq of values, or Map[String, String]. */
-  private def value(v: Any, sb: StringBuilder): Unit = v match {
-    case null | None => sb.append("null")
-    case Some(x) => value(x, sb)
-    case s: String => string(s, sb)
-    case n: Int => sb.append(n)
-    case n: Long => sb.append(n)
-    case b: Boolean => sb.append(b)
+  /** Scala values as the Java values Jackson writes: a Map becomes a sorted map, None null. */
+  private def toJava(v: Any): AnyRef = v match {
+    case null | None => null
+    case Some(x) => toJava(x)
     case m: Map[_, _] =>
-      sb.append('{')
-      m.toSeq.map { case (k, x) => (k.toString, x) }.sortBy(_._1).zipWithIndex.foreach { case ((k, x), i) =>
-        if (i > 0) sb.append(',')
-        string(k, sb); sb.append(':'); value(x, sb)
-      }
-      sb.append('}')
+      val sorted = new java.util.TreeMap[String, AnyRef]()
+      m.foreach { case (k, x) => sorted.put(k.toString, toJava(x)) }
+      sorted
     case xs: Seq[_] =>
-      sb.append('[')
-      xs.zipWithIndex.foreach { case (x, i) => if (i > 0) sb.append(','); value(x, sb) }
-      sb.append(']')
-    case other => string(other.toString, sb)
+      val list = new java.util.ArrayList[AnyRef]()
+      xs.foreach(x => list.add(toJava(x)))
+      list
+    case n: Int => Integer.valueOf(n)
+    case n: Long => java.lang.Long.valueOf(n)
+    case b: Boolean => java.lang.Boolean.valueOf(b)
+    case other => other.toString
   }
 
-  private def string(s: String, sb: StringBuilder): Unit = {
-    sb.append('"')
-    s.foreach {
-      case '"' => sb.append("\\\"")
-      case '\\' => sb.append("\\\\")
-      case '\n' => sb.append("\\n")
-      case '\r' => sb.append("\\r")
-      case '\t' => sb.append("\\t")
-      case '\b' => sb.append("\\b")
-      case '\f' => sb.append("\\f")
-      case c if c < 0x20 => sb.append(f"\\u${c.toInt}%04x")
-      case c => sb.append(c)
-    }
-    sb.append('"')
-  }
-
+  /** One message: `v` and `type` first, then `fields` in the order given (Jackson keeps it). */
   def encode(kind: String, fields: (String, Any)*): String = {
-    val sb = new StringBuilder
-    sb.append("{\"v\":").append(Version).append(",\"type\":")
-    string(kind, sb)
-    fields.foreach { case (k, v) => sb.append(','); string(k, sb); sb.append(':'); value(v, sb) }
-    sb.append('}').toString
+    val msg = new java.util.LinkedHashMap[String, AnyRef]()
+    msg.put("v", Integer.valueOf(Version))
+    msg.put("type", kind)
+    fields.foreach { case (k, v) => msg.put(k, toJava(v)) }
+    AgentAnswer.mapper.writeValueAsString(msg)
   }
 
   def hello(role: String, executorId: String, host: String, bindHost: String, port: Int,

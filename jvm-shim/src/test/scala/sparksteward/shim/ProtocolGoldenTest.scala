@@ -31,8 +31,8 @@ object ProtocolGoldenTest {
       ("parse ready", AgentAnswer.parse(golden("ready")).contains(Ready("127.0.0.1:40123", 35000L)), ""),
       ("parse fatal", AgentAnswer.parse(golden("fatal")).contains(Fatal("CONFIG_INVALID",
         "spark.steward.blob.retention.interval=-5s: must be a duration >= 0, such as 30min")), ""),
-      ("escape control characters, keep the rest raw", Messages.shutdown(0L, "\b\f\r\t\u001f\\ \u00e9\u20ac") ==
-        "{\"v\":1,\"type\":\"shutdown\",\"time\":0,\"reason\":\"\\b\\f\\r\\t\\u001f\\\\ \u00e9\u20ac\"}", ""),
+      ("escape control characters (Jackson: upper-case hex), keep the rest raw", Messages.shutdown(0L, "\b\f\r\t\u001f\\ \u00e9\u20ac") ==
+        "{\"v\":1,\"type\":\"shutdown\",\"time\":0,\"reason\":\"\\b\\f\\r\\t\\u001F\\\\ \u00e9\u20ac\"}", ""),
       ("reply carries the path", AgentAnswer.mapper.readTree(golden("reply")).path("path").asText().endsWith(
         "/p-00112233445566778899aabbccddeeff") && AgentAnswer.parse(golden("reply")).isEmpty, ""),
       ("metrics lines begin with MetricsPrefix", golden("metrics").startsWith(Messages.MetricsPrefix) &&
