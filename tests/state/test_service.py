@@ -159,8 +159,11 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
     gate.set()
     wait_until(lambda: subtasks.uploader.pending() == 0 and not subtasks.merger.pending(), timeout=30,
                what="the uploads, and the merged files discarded")
-    data = [p for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()]
-    assert data == []  # uploaded after the abort, refused, deleted (merged: never sealed)
+    def data() -> list[Path]:
+        return [p for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()]
+
+    # uploaded after the abort, refused, deleted in the background (merged: never sealed)
+    wait_until(lambda: data() == [], timeout=10, what=f"the refused uploads deleted: {data()}")
     assert not any((subtasks.merger.staging).iterdir())
     with pytest.raises(StewardError, match=r"checkpoint 0 of state 's' was aborted: a task of the abandoned "
                                            r"attempt cannot start it again; apply the batch again"):

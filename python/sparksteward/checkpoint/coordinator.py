@@ -69,15 +69,17 @@ import contextlib
 import logging
 import os
 import threading
-import uuid
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
+from sparksteward.checkpoint.pending import PendingCheckpoint
 from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, choose_no_reuse, is_merged, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.stats import SubtaskStats
 from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, UploadResult, is_data_path
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
@@ -110,22 +112,6 @@ class BeginResult:
 
 
 @dataclass
-class _Pending:
-    checkpoint_id: int
-    base_id: int | None
-    rerun: bool
-    acks: dict[int, SubtaskHandle] = field(default_factory=dict)
-    uploaded: set[str] = field(default_factory=set)
-    unsealed: dict[str, str] = field(default_factory=dict)   # merged path -> the agent that writes it
-    sealed: dict[str, int] = field(default_factory=dict)     # merged path -> durable size
-    writers: dict[str, str] = field(default_factory=dict)    # merged path -> the agent whose ack listed it
-    early: dict[str, tuple[str, int]] = field(default_factory=dict)   # merged path -> (agent, size) of a seal
-                                                             # that came before the ack listing the file
-    query: str | None = None                                 # the streaming query that began it
-    attempt: str = field(default_factory=lambda: uuid.uuid4().hex)   # changes on every begin
-
-
-@dataclass
 class _DeleteJob:
     """A delete for the deleter thread: a subsumed checkpoint's record (and the source record a CLAIM
     restore took over), or data files, which wait for the record job ``after`` and stay if it failed."""
@@ -155,7 +141,7 @@ class CheckpointCoordinator:
         self.clock = clock or SystemClock()
         self._lock = threading.RLock()
         self._completed: dict[int, CheckpointMetadata] = {}
-        self._pending: dict[int, _Pending] = {}
+        self._pending: dict[int, PendingCheckpoint] = {}
         self._refs: Counter[str] = Counter()
         self._latest_begun: int | None = None
         self._claimed: set[str] = set()   # absolute URLs this state owns (CLAIM)
@@ -349,11 +335,9 @@ class CheckpointCoordinator:
             self._abort_older(checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
-                self._pending[checkpoint_id] = _Pending(checkpoint_id, base_id, rerun, query=query)
+                self._pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, base_id, rerun, query=query)
             else:  # a new attempt: earlier acks are replaced as the new ones arrive
-                pending.acks.clear()
-                pending.attempt = uuid.uuid4().hex
-                pending.query = pending.query or query
+                pending.new_attempt(query)
             if rerun:
                 log.info("checkpoint %d of %s completed already: this re-run restores the same base and keeps the "
                          "first result", checkpoint_id, self.storage.state)
@@ -431,12 +415,14 @@ class CheckpointCoordinator:
 
     def ack(self, checkpoint_id: int, result: UploadResult | SubtaskHandle,
             uploaded: tuple[str, ...] = (), merged: tuple[str, ...] = (), agent: str = "",
-            attempt: str | None = None) -> None:
+            attempt: str | None = None, stats: SubtaskStats | None = None) -> None:
         """Record subtask ``result.handle.subtask``'s handle for a pending checkpoint.
 
         ``merged``: the physical files its segments went to, which ``agent`` seals later.
         ``attempt``: the token of the attempt the subtask ran in (:class:`BeginResult`); an ack of
         another attempt is refused like a late one. None only from this process (tests, tools).
+        ``stats``: what the subtask reports of its upload (a re-run keeps the first result's). The
+        ack clears a failure reported for the same subtask (a retry or a copy made it).
         """
         handle = result.handle if isinstance(result, UploadResult) else result
         uploaded = result.uploaded if isinstance(result, UploadResult) else tuple(uploaded)
@@ -477,6 +463,9 @@ class CheckpointCoordinator:
                 raise InvalidRecordError(
                     f"subtask {handle.subtask} acked key groups {handle.key_groups}, expected {expected}")
             pending.acks[handle.subtask] = handle
+            pending.failures.pop(f"subtask {handle.subtask}", None)
+            if stats is not None and not pending.rerun:
+                pending.stats[handle.subtask] = stats
             if self._busy or self._jobs:   # the deleter spares what this ack references from now on
                 self._acked_since.update(f.path for f in handle.all_files)
             if merged and self.merging.mode is MergingMode.ACROSS:   # appended to until the agent closes it
@@ -485,7 +474,7 @@ class CheckpointCoordinator:
                 if p not in pending.sealed:
                     pending.unsealed[p] = agent
 
-    def _check_ack_paths(self, checkpoint_id: int, pending: _Pending | None, handle: SubtaskHandle,
+    def _check_ack_paths(self, checkpoint_id: int, pending: PendingCheckpoint | None, handle: SubtaskHandle,
                          uploaded: tuple[str, ...], merged: tuple[str, ...], agent: str) -> None:
         """Refuse an ack naming a path it has no business with, before anything of it is recorded
         (what an ack records is deleted on abort): its uploads and merged files are data files its
@@ -589,7 +578,7 @@ class CheckpointCoordinator:
                 return {}
             return {p: pending.writers.get(p) or pending.unsealed.get(p, "") for p in self._not_durable(pending)}
 
-    def _not_durable(self, pending: _Pending) -> set[str]:
+    def _not_durable(self, pending: PendingCheckpoint) -> set[str]:
         """Merged files that a segment (state or channel state) of the current acks of ``pending``
         lies beyond the durable size of: the largest a seal of this checkpoint or a retained record
         reported. ``across`` files grow across checkpoints, so a file a retained checkpoint holds
@@ -638,6 +627,64 @@ class CheckpointCoordinator:
                      len(chosen), self.space().to_json())
         self._no_reuse = chosen
 
+    def waiting_for(self, checkpoint_id: int) -> str | None:
+        """What pending checkpoint ``checkpoint_id`` waits for before :meth:`complete` can write its
+        record (acks of every subtask, then seals of the merged files they need), as the sentence
+        ``complete`` would raise; None when it is fully acknowledged (or not pending: ``complete``
+        then returns its record or refuses it)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                return None
+            missing = pending.missing(self.parallelism)
+            if missing:
+                return (f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: subtasks "
+                        f"{missing} of {self.parallelism} have not acked (their task failed or is still uploading)")
+            unsealed = self.unsealed(checkpoint_id)
+            if unsealed and not pending.rerun:
+                return (f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: "
+                        f"{len(unsealed)} merged files are not sealed yet by executor agents "
+                        f"{sorted(set(unsealed.values()))}")
+            return None
+
+    def pending_checkpoint(self, checkpoint_id: int) -> PendingCheckpoint | None:
+        """The pending checkpoint ``checkpoint_id`` itself (its stats, seals and failures are read
+        by the caller, which holds the state's lock, as every caller of a mutating method does)."""
+        with self._lock:
+            return self._pending.get(checkpoint_id)
+
+    def fail(self, checkpoint_id: int, attempt: str, who: str, message: str,
+             subtask: int | None = None) -> str | None:
+        """``who`` reports that an upload or a seal of ``checkpoint_id`` failed: commit aborts the
+        checkpoint. Returns why the report is ignored (its attempt is over, or another copy of the
+        subtask acked), else None."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None or attempt != pending.attempt:
+                return "its attempt is over"
+            if subtask is not None and subtask in pending.acks:
+                return "another copy of it acked"
+            pending.failures[who] = f"{who}: {message}"
+            return None
+
+    def working_on(self, checkpoint_id: int, subtask: int, agent: str) -> None:
+        """``agent`` opened or uploads ``subtask`` of ``checkpoint_id`` (nothing if it is not pending)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is not None:
+                pending.working[subtask] = agent
+
+    def stage_started(self, checkpoint_id: int) -> float:
+        """When the state stage of the current attempt of ``checkpoint_id`` started: the first call's
+        monotonic time (now, if it is not pending)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            if pending is None:
+                return time.monotonic()
+            if pending.stage_started is None:
+                pending.stage_started = time.monotonic()
+            return pending.stage_started
+
     def complete(self, checkpoint_id: int) -> CheckpointMetadata:
         """Complete a fully acked checkpoint: write ``_metadata`` atomically, then subsume."""
         with self._lock:
@@ -647,17 +694,9 @@ class CheckpointCoordinator:
                     return self._completed[checkpoint_id]
                 raise CheckpointOrderError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} was never begun (or was aborted)")
-            missing = sorted(set(range(self.parallelism)) - set(pending.acks))
-            if missing:
-                raise CheckpointError(
-                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: subtasks "
-                    f"{missing} of {self.parallelism} have not acked (their task failed or is still uploading)")
-            unsealed = self.unsealed(checkpoint_id)
-            if unsealed and not pending.rerun:
-                raise CheckpointError(
-                    f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: "
-                    f"{len(unsealed)} merged files are not sealed yet by executor agents "
-                    f"{sorted(set(unsealed.values()))}")
+            waiting = self.waiting_for(checkpoint_id)
+            if waiting is not None:
+                raise CheckpointError(waiting)
             if pending.rerun:  # the first result stands; this attempt's extra files go
                 meta = self._completed[checkpoint_id]
                 del self._pending[checkpoint_id]

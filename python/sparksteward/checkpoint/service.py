@@ -76,6 +76,7 @@ from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.records import SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
+from sparksteward.checkpoint.stats import SubtaskStats, summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name, open_checkpoint
 from sparksteward.errors import (
     CheckpointError,
@@ -98,17 +99,24 @@ _MAX_ID = (1 << 62)
 _MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
 
 
+@dataclass(frozen=True, slots=True)
+class _Completed:
+    """What the acks of a checkpoint completed in this application reported."""
+
+    per_subtask: dict[int, SubtaskStats]
+    merged_files_written: int = 0   # FLIP-306: the physical files its executor agents sealed
+
+    def summary(self, checkpoint_id: int) -> dict[str, Any]:
+        return summarize(checkpoint_id, self.per_subtask, self.merged_files_written)
+
+
 @dataclass
 class _State:
     coordinator: CheckpointCoordinator
     checkpoint_dir: str
-    failures: dict[int, dict[str, str]] = field(default_factory=dict)   # checkpoint -> who -> what failed
-    stats: dict[int, dict[int, dict[str, Any]]] = field(default_factory=dict)  # checkpoint -> subtask -> ack stats
+    completed: dict[int, _Completed] = field(default_factory=dict)   # the stats of checkpoints completed here
     restore: dict[str, Any] | None = None  # what register did with restore_from
-    working: dict[int, dict[int, str]] = field(default_factory=dict)  # pending checkpoint -> subtask -> the
-                                                                       # agent that last opened or uploads it
     alignment: AlignmentOptions = AlignmentOptions()
-    stage_started: dict[int, float] = field(default_factory=dict)  # checkpoint -> first task's open (monotonic)
     lease: StateLease | None = None   # this application's writer lease on the state root
     lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
                                                                       # under it, never under the service's
@@ -164,8 +172,8 @@ class StateService:
                 out[prefix + key] = value
             out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
             with st.lock:   # FLIP-76: the latest checkpoint acked in this application
-                latest = max((c for c in st.stats if c not in st.coordinator.pending()), default=None)
-                summary = _summary(latest, st.stats[latest]) if latest is not None else None
+                latest = max(st.completed, default=None)
+                summary = st.completed[latest].summary(latest) if latest is not None else None
             if summary is not None:
                 unaligned = f"state.{name}.unaligned."
                 out[unaligned + "checkpoint_id"] = latest
@@ -191,9 +199,7 @@ class StateService:
             return None
         per = [sum(f.length for f in s.channel_state) for s in c.completed(latest).subtasks]
         with st.lock:
-            pending = set(c.pending())
-            rows = {cid: sum(int(a.get("rows_deferred") or 0) for i, a in acks.items() if i >= 0)
-                    for cid, acks in st.stats.items() if cid not in pending}
+            rows = {cid: sum(a.rows_deferred for a in done.per_subtask.values()) for cid, done in st.completed.items()}
         return {"checkpoint_id": latest, "bytes": sum(per), "rows": rows.get(latest),
                 "subtasks": [i for i, b in enumerate(per) if b], "growth": growth(rows) if latest in rows else 0}
 
@@ -265,7 +271,7 @@ class StateService:
         caller turns it into a deadline on its own clock (no cross-host clock comparison)."""
         if not st.alignment.unaligned:
             return None
-        started = st.stage_started.setdefault(cid, time.monotonic())
+        started = st.coordinator.stage_started(cid)
         return max(0.0, st.alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
 
     # --- ops ---------------------------------------------------------------------------------
@@ -486,12 +492,6 @@ class StateService:
                 st.overrides.pop(cid, None)
             for old in [i for i in st.overrides if i < cid]:
                 del st.overrides[old]
-            st.stage_started.pop(cid, None)   # a new attempt: its stage starts with its first task
-            for old in [c for c in st.stage_started if c < cid]:
-                del st.stage_started[old]
-            st.failures.pop(cid, None)
-            if not begun.rerun:
-                st.stats.pop(cid, None)
         backlog = self._backlog(st)
         if backlog is not None and backlog["growth"] >= GROWTH_WARNING and st.warned != backlog["checkpoint_id"]:
             st.warned = backlog["checkpoint_id"]
@@ -557,21 +557,10 @@ class StateService:
                 begun = st.coordinator.base(cid)
             else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
                 begun = st.coordinator.begin(cid, by_task=True)
-                st.failures.pop(cid, None)
-                if not begun.rerun:
-                    st.stats.pop(cid, None)
             if agent and subtask is not None:
-                self._working_on(st, agent, cid, subtask)
+                st.coordinator.working_on(cid, subtask, agent)
         cut = None if subtask is None else st.coordinator.cut(cid, subtask)   # FLIP-76: recorded by an earlier attempt
         return {**self._reply_base(st, cid, begun), "cut": cut}
-
-    def _working_on(self, st: _State, agent: str, cid: int, subtask: int) -> None:
-        """``agent`` opened or uploads ``subtask`` of pending ``cid`` (the caller holds ``st.lock``)."""
-        pending = st.coordinator.pending()
-        if cid in pending:
-            st.working.setdefault(cid, {})[subtask] = agent
-        for old in [c for c in st.working if c not in pending]:
-            del st.working[old]
 
     def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
@@ -586,16 +575,15 @@ class StateService:
             raise InvalidRequestError(f"{f.op}: field 'merged' must be a list of paths")
         agent = f.text("agent", default="", max_len=200)
         attempt = f.text("attempt", max_len=64)
-        stats = f.mapping("stats", default=None)
+        raw_stats = f.mapping("stats", default=None)
+        try:
+            stats = None if raw_stats is None else SubtaskStats.from_json(
+                raw_stats, f"the ack of subtask {handle.subtask} of checkpoint {cid}")
+        except StewardError as exc:
+            raise InvalidRequestError(f"{f.op}: {exc}") from None
         self._heard(agent)
         with st.lock:
-            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt)
-            st.failures.get(cid, {}).pop(f"subtask {handle.subtask}", None)   # a retry or copy that made it
-            if stats is not None and cid not in st.coordinator.retained():  # a re-run keeps the first stats
-                per = st.stats.setdefault(cid, {})
-                per[handle.subtask] = stats
-                while len(st.stats) > _MAX_STATS:
-                    del st.stats[min(st.stats)]
+            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt, stats=stats)
         self._notify()
         return {}
 
@@ -608,16 +596,11 @@ class StateService:
         attempt = f.text("attempt", max_len=64)
         who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
         with st.lock:
-            current = st.coordinator.attempt(cid)
-            if attempt != current:
-                log.info("ignoring a failure report of %s for checkpoint %d of %s: its attempt is over (%s)",
-                         who, cid, st.coordinator.storage.state, message)
-                return {"ignored": True}
-            if subtask is not None and subtask in st.coordinator.acked(cid):
-                log.info("ignoring a failure report of %s for checkpoint %d of %s: another copy of it acked (%s)",
-                         who, cid, st.coordinator.storage.state, message)
-                return {"ignored": True}
-            st.failures.setdefault(cid, {})[who] = f"{who}: {message}"
+            ignored = st.coordinator.fail(cid, attempt, who, message, subtask)
+        if ignored is not None:
+            log.info("ignoring a failure report of %s for checkpoint %d of %s: %s (%s)",
+                     who, cid, st.coordinator.storage.state, ignored, message)
+            return {"ignored": True}
         self._notify()
         return {"ignored": False}
 
@@ -649,7 +632,7 @@ class StateService:
         for name, cid, subtask in busy:
             if name in states:
                 with states[name].lock:
-                    self._working_on(states[name], agent, cid, subtask)
+                    states[name].coordinator.working_on(cid, subtask, agent)
         for name, paths in by_name.items():
             if name in states:
                 with states[name].lock:
@@ -702,8 +685,9 @@ class StateService:
         opened a subtask of it that has not acked; and those subtasks."""
         now = time.monotonic()
         holders = set(st.coordinator.unsealed(cid).values())
-        acked = st.coordinator.acked(cid)
-        opened = {i: a for i, a in st.working.get(cid, {}).items() if i not in acked}
+        pending = st.coordinator.pending_checkpoint(cid)
+        working = pending.working if pending is not None else {}
+        opened = {i: a for i, a in working.items() if pending is not None and i not in pending.acks}
         with self._seen_lock:
             seen = dict(self._seen)
         silent = sorted(a for a in holders | set(opened.values()) if now - seen.get(a, now) > self.agent_timeout)
@@ -728,48 +712,50 @@ class StateService:
 
     def _complete_when_acked(self, st: _State, name: str, cid: int, wait: float, deadline: float) -> dict[str, Any]:
         generation = self._generation_now()
+        c = st.coordinator
         while True:
             with st.lock:   # this state only: another state's commit or heartbeat never waits on its I/O
                 self._abort_if_failed(st, name, cid)
-                try:
-                    sealed = st.coordinator.sealed_files(cid)
-                    meta = st.coordinator.complete(cid)
-                    st.working.pop(cid, None)
-                    if sealed and cid in st.stats:   # FLIP-306: the physical files this checkpoint wrote
-                        st.stats[cid][-1] = {"merged_files_written": len(sealed),
-                                             "merged_bytes_written": sum(sealed.values())}
-                    stats = _summary(cid, st.stats.get(cid, {}))
-                    break
-                except (CheckpointOrderError, StateLeaseError):
-                    raise
-                except CheckpointError as exc:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        deleted = st.coordinator.abort(cid)
-                        st.stats.pop(cid, None)
-                        raise CheckpointError(f"{exc}; waited {wait:g} s, so checkpoint {cid} was aborted "
-                                              f"({deleted} uploaded files deleted). Apply the batch again "
-                                              f"with the same checkpoint_id") from None
+                waiting = c.waiting_for(cid)
+                if waiting is None:
+                    pending = c.pending_checkpoint(cid)
+                    try:
+                        meta = c.complete(cid)
+                    except (CheckpointOrderError, StateLeaseError):
+                        raise
+                    except CheckpointError as exc:   # files it references are being or were deleted: retried
+                        waiting = str(exc)
+                    else:
+                        if pending is not None and not pending.rerun and pending.stats:
+                            st.completed[cid] = _Completed(dict(pending.stats), len(pending.sealed))
+                            while len(st.completed) > _MAX_STATS:
+                                del st.completed[min(st.completed)]
+                        done = st.completed.get(cid)
+                        stats = done.summary(cid) if done is not None else summarize(cid, {})
+                        break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    deleted = c.abort(cid)
+                    raise CheckpointError(f"{waiting}; waited {wait:g} s, so checkpoint {cid} was aborted "
+                                          f"({deleted} uploaded files deleted). Apply the batch again "
+                                          f"with the same checkpoint_id")
             generation = self._wait(generation, min(left, 1.0))
-        return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": st.coordinator.retained(),
-                "path": st.coordinator.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
+        return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": c.retained(),
+                "path": c.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
 
     def _abort_if_failed(self, st: _State, name: str, cid: int) -> None:
         """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
         silent (the caller holds ``st.lock``)."""
-        failures = st.failures.get(cid)
+        pending = st.coordinator.pending_checkpoint(cid)
+        failures = dict(pending.failures) if pending is not None else {}
         if failures:
             st.coordinator.abort(cid)
-            st.failures.pop(cid, None)
-            st.stats.pop(cid, None)
             raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
                                   f"({'; '.join(failures.values())})")
         silent, lost = self._silent_agents(st, cid)
         if silent:
             holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))
             deleted = st.coordinator.abort(cid)
-            st.stats.pop(cid, None)
-            st.working.pop(cid, None)
             for a in silent:
                 st.coordinator.files_closed(a)
             what = (["hold merged checkpoint files it needs"] if holders else []) + \
@@ -786,9 +772,6 @@ class StateService:
         cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
         with st.lock:
             deleted = st.coordinator.abort(cid)
-            st.failures.pop(cid, None)
-            st.stats.pop(cid, None)
-            st.working.pop(cid, None)
         st.coordinator.flush_deletions()
         return {"deleted": deleted}
 
@@ -887,8 +870,7 @@ class StateService:
                     "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),
                     "no_reuse": sorted(c.no_reuse())[:1000],
-                    "checkpoints": [_summary(cid, st.stats[cid]) for cid in sorted(st.stats)
-                                    if cid not in c.pending()]}
+                    "checkpoints": [st.completed[cid].summary(cid) for cid in sorted(st.completed)]}
 
 
 def _sub(f: Fields, item: Any) -> Fields:
@@ -904,38 +886,6 @@ def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism:
             f"keyed state {name!r} has max_parallelism={c.max_parallelism} and cannot be opened with "
             f"max_parallelism={max_parallelism}: the max parallelism fixes the key groups and cannot change. "
             f"Keep max_parallelism={c.max_parallelism} (any parallelism up to it works), or use another state name")
-
-
-def _summary(checkpoint_id: int, per_subtask: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """One checkpoint's stats, summed over the subtasks' acks, with each subtask's restore."""
-    merged = per_subtask.get(-1, {})
-    ids = [i for i in sorted(per_subtask) if i >= 0]
-    acks = [per_subtask[i] for i in ids]
-
-    def total(key: str) -> int:
-        return sum(int(a.get(key) or 0) for a in acks)
-
-    whole = total("whole_files_uploaded") if any("whole_files_uploaded" in a for a in acks) \
-        else total("files_uploaded")
-    return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
-            "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
-            "segments_written": total("segments_written"), "whole_files_uploaded": whole,
-            "merged_files_written": int(merged.get("merged_files_written", 0)),
-            # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
-            "objects_written": whole + int(merged.get("merged_files_written", 0)) + 1,
-            "files": total("files"), "bytes": total("bytes"),
-            "sync_ms_max": max((float(a.get("sync_ms") or 0) for a in acks), default=0.0),
-            "sync_ms": [float(a.get("sync_ms") or 0) for a in acks],  # per subtask, in subtask order
-            "flush_ms": [float(a.get("flush_ms") or 0) for a in acks],  # within sync_ms: a flush, or the wait for one
-            "restores": [a["restore"] for a in acks if a.get("restore")],
-            # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
-            "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),
-            "channel_bytes": total("channel_bytes"),
-            "unaligned_subtasks": [i for i, a in zip(ids, acks) if a.get("unaligned")],
-            "per_subtask": [{"subtask": i, "rows_processed": int(a.get("rows_processed") or 0),
-                             "rows_deferred": int(a.get("rows_deferred") or 0),
-                             "channel_bytes": int(a.get("channel_bytes") or 0),
-                             "unaligned": bool(a.get("unaligned"))} for i, a in zip(ids, acks)]}
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

@@ -1,0 +1,94 @@
+"""The stats of a checkpoint: what each subtask's ack reports (:class:`SubtaskStats`, validated when
+the ack arrives) and their sum per checkpoint (:func:`summarize`, the ``stats`` of a commit's reply and
+the ``checkpoints`` of ``ks.info()``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from sparksteward.errors import InvalidRecordError
+
+__all__ = ["SubtaskStats", "summarize"]
+
+
+@dataclass(frozen=True, slots=True)
+class SubtaskStats:
+    """One subtask's ack: its upload (files and bytes written and reused), its sync phase, its
+    restore (None unless this attempt restored from a base) and, FLIP-76, the rows it processed
+    and deferred into the channel state."""
+
+    files_uploaded: int = 0
+    bytes_uploaded: int = 0
+    whole_files_uploaded: int | None = None   # files written whole (the rest are merged segments)
+    segments_written: int = 0
+    files_reused: int = 0
+    files: int = 0
+    bytes: int = 0
+    sync_ms: float = 0.0
+    flush_ms: float = 0.0                      # within sync_ms: a flush, or the wait for one
+    restore: dict[str, Any] | None = None
+    rows_processed: int = 0
+    rows_deferred: int = 0
+    channel_bytes: int = 0
+    unaligned: bool = False
+    wal_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any], what: str) -> SubtaskStats:
+        """Validated stats of ``what`` (an ack); unknown keys are ignored, missing ones default."""
+        if not isinstance(raw, Mapping):
+            raise InvalidRecordError(f"the stats of {what} are not an object")
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in raw or raw[f.name] is None:
+                continue
+            v = raw[f.name]
+            if f.name == "restore":
+                ok = isinstance(v, dict)
+            elif f.name == "unaligned":
+                ok = isinstance(v, bool)
+            elif f.name in ("sync_ms", "flush_ms"):
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+                v = float(v) if ok else v
+            else:   # counts (segments_written is a difference, so it is not bounded below)
+                ok = isinstance(v, int) and not isinstance(v, bool)
+            if not ok:
+                raise InvalidRecordError(f"the stats of {what}: {f.name}={str(v)[:80]!r} is not valid")
+            values[f.name] = v
+        return cls(**values)
+
+
+def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
+              merged_files_written: int = 0) -> dict[str, Any]:
+    """One checkpoint's stats, summed over the subtasks' acks, with each subtask's restore.
+    ``merged_files_written``: the physical files (FLIP-306) its executor agents sealed."""
+    ids = sorted(per_subtask)
+    acks = [per_subtask[i] for i in ids]
+
+    def total(key: str) -> int:
+        return sum(int(getattr(a, key) or 0) for a in acks)
+
+    whole = total("whole_files_uploaded") if any(a.whole_files_uploaded is not None for a in acks) \
+        else total("files_uploaded")
+    return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
+            "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
+            "segments_written": total("segments_written"), "whole_files_uploaded": whole,
+            "merged_files_written": merged_files_written,
+            # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
+            "objects_written": whole + merged_files_written + 1,
+            "files": total("files"), "bytes": total("bytes"),
+            "sync_ms_max": max((a.sync_ms for a in acks), default=0.0),
+            "sync_ms": [a.sync_ms for a in acks],  # per subtask, in subtask order
+            "flush_ms": [a.flush_ms for a in acks],
+            "restores": [a.restore for a in acks if a.restore],
+            # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
+            "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),
+            "channel_bytes": total("channel_bytes"),
+            "unaligned_subtasks": [i for i, a in zip(ids, acks) if a.unaligned],
+            "per_subtask": [{"subtask": i, "rows_processed": a.rows_processed, "rows_deferred": a.rows_deferred,
+                             "channel_bytes": a.channel_bytes, "unaligned": a.unaligned} for i, a in zip(ids, acks)]}
