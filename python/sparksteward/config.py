@@ -145,8 +145,14 @@ _KIND_HELP = {
     "json": 'a JSON object of objects, such as {"s3": {"client_kwargs": {"endpoint_url": "http://minio:9000"}}}',
 }
 
-_nonneg = lambda v: v >= 0  # noqa: E731
-_positive = lambda v: v > 0  # noqa: E731
+
+def _nonneg(v: float) -> bool:
+    return v >= 0
+
+
+def _positive(v: float) -> bool:
+    return v > 0
+
 
 OPTIONS: tuple[Option, ...] = (
     Option("spark.steward.cluster-id", "id", "default",
