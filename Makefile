@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: quickstart example-state test soak bench docs clean
+.PHONY: quickstart example-state lint test soak bench docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,11 @@ quickstart: $(VENV)/.installed
 example-state: $(VENV)/.installed
 	$(PY) examples/keyed_state_stream.py
 
-test: $(VENV)/.installed
+lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache .
+	$(PY) -m mypy
+
+test: lint
 	$(PY) -m pytest -q -ra -m "not soak" --durations=15
 
 soak: $(VENV)/.installed

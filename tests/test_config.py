@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,21 @@ def test_config_is_frozen():
     cfg = StewardConfig.from_conf({})
     with pytest.raises(AttributeError):   # dataclasses.FrozenInstanceError
         cfg.cluster_id = "x"  # type: ignore[misc]
+
+
+# the annotation each option kind parses into
+_KIND_TYPES = {"str": "str", "id": "str", "url": "str", "bool": "bool", "int": "int", "float": "float",
+               "duration": "float", "bytes": "int", "json": "dict[str, dict[str, Any]]"}
+
+
+def test_config_fields_are_the_registry_options_with_their_parsed_defaults():
+    fields = [f for f in dataclasses.fields(StewardConfig) if f.name != "extra"]
+    assert [f.name for f in fields] == [o.attr for o in OPTIONS]
+    for f, o in zip(fields, OPTIONS):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert default == o.parse(o.default) and type(default) is type(o.parse(o.default)), o.key
+        assert f.type == _KIND_TYPES[o.kind], o.key
+    assert StewardConfig() == StewardConfig.from_conf({})
 
 
 def test_every_option_is_documented_and_generated_files_are_in_sync():

@@ -174,7 +174,7 @@ class Steward:
         """The driver agent's state, uptime and counts of the Spark events it has seen."""
         return self.request("health")
 
-    def events(self, type: str | None = None) -> list[dict[str, Any]]:  # noqa: A002 - protocol name
+    def events(self, type: str | None = None) -> list[dict[str, Any]]:  # protocol name
         """Recent Spark events the driver agent received (newest last), optionally of one type."""
         return self._pages("events", "events", "after", type=type)
 

@@ -13,7 +13,6 @@ the few keys it needs with ``SparkConf.getTimeAsMs``. Sizes use Spark's byte syn
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import logging
 import os
@@ -146,8 +145,14 @@ _KIND_HELP = {
     "json": 'a JSON object of objects, such as {"s3": {"client_kwargs": {"endpoint_url": "http://minio:9000"}}}',
 }
 
-_nonneg = lambda v: v >= 0  # noqa: E731
-_positive = lambda v: v > 0  # noqa: E731
+
+def _nonneg(v: float) -> bool:
+    return v >= 0
+
+
+def _positive(v: float) -> bool:
+    return v > 0
+
 
 OPTIONS: tuple[Option, ...] = (
     Option("spark.steward.cluster-id", "id", "default",
@@ -343,61 +348,101 @@ _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 _BY_DEPRECATED: dict[str, Option] = {k: o for o in OPTIONS for k in o.deprecated_keys}
 
 
-def _config_fields() -> list[tuple[str, type, Any]]:
-    return [(o.attr, Any, field(default=None)) for o in OPTIONS]
-
-
 @dataclass(frozen=True)
-class _Base:
+class StewardConfig:
+    """Frozen, parsed ``spark.steward.*`` settings; one attribute per option of :data:`OPTIONS`.
+
+    ``spark.steward.blob.retention.interval`` becomes ``blob_retention_interval``; durations are in
+    seconds, sizes in bytes. The defaults are the registry's defaults, parsed (a test keeps the fields
+    and :data:`OPTIONS` equal). Build it with :meth:`from_conf`.
+    """
+
     extra: Mapping[str, str] = field(default_factory=dict)
     """Non-steward Spark settings the agents were given (``spark.app.name``, ``spark.master``, ...)."""
 
+    cluster_id: str = "default"
+    state_dir: str = ""
+    storage_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    agent_python: str = ""
+    agent_start_timeout: float = 120.0
+    agent_max_restarts: int = 3
+    driver_port: int = 0
+    rpc_max_message_size: int = 16 << 20
+    rpc_timeout: float = 120.0
+    rpc_handshake_timeout: float = 10.0
+    rpc_max_pending_handshakes: int = 64
+    agent_events_max_bytes: int = 4 << 20
+    metrics_interval: float = 5.0
+    blob_storage_dir: str = ""
+    blob_ha_storage_path: str = ""
+    blob_retention_interval: float = 1800.0
+    blob_cache_max_size: int = 10 << 30
+    blob_max_size: int = 16 << 30
+    blob_fetch_retries: int = 5
+    jrs_storage_path: str = ""
+    jrs_delete_on_commit: bool = False
+    jrs_retention: float = 30 * 86400.0
+    job_id: str = ""
+    job_force_rerun: bool = False
+    cleanup_initial_backoff: float = 1.0
+    cleanup_max_backoff: float = 3600.0
+    cleanup_max_attempts: int = 0
+    cleanup_shutdown_timeout: float = 30.0
+    checkpoint_dir: str = ""
+    checkpoint_num_retained: int = 1
+    checkpoint_claim_mode: str = "no_claim"
+    checkpoint_commit_timeout: float = 600.0
+    checkpoint_upload_threads: int = 4
+    checkpoint_agent_timeout: float = 30.0
+    checkpoint_lease_timeout: float = 60.0
+    checkpoint_orphan_grace: float = 600.0
+    checkpoint_file_merging_enabled: bool = True
+    checkpoint_file_merging_max_file_size: int = 32 << 20
+    checkpoint_file_merging_mode: str = "within"
+    checkpoint_file_merging_max_space_amplification: float = 2.0
+    checkpoint_unaligned_alignment: str = "aligned"
+    checkpoint_unaligned_aligned_checkpoint_timeout: float = 1.0
+    checkpoint_unaligned_max_inflight_bytes: int = 64 << 20
+    state_max_parallelism: int = 128
+    state_local_dir: str = ""
+    state_wal_flush_size: int = 256 << 10
+    state_open_timeout: float = 6 * 3600.0
+    state_cache_max_size: int = 10 << 30
+
+    @classmethod
+    def from_conf(cls, conf: Mapping[str, str] | None = None) -> StewardConfig:
+        """Parse a SparkConf-like mapping; unknown ``spark.steward.*`` keys are warned about."""
+        conf = dict(conf or {})
+        values: dict[str, Any] = {}
+        for key, raw in conf.items():
+            if not key.startswith(PREFIX) or key in _BY_KEY:
+                continue
+            if key in _BY_DEPRECATED:
+                new = _BY_DEPRECATED[key].key
+                log.warning("%s is deprecated; use %s", key, new)
+                conf.setdefault(new, raw)
+            else:
+                hint = difflib.get_close_matches(key, _BY_KEY, n=1)
+                log.warning("unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
+        for opt in OPTIONS:
+            values[opt.attr] = opt.parse(str(conf.get(opt.key, opt.default)))
+        extra = {k: v for k, v in conf.items() if not k.startswith(PREFIX)}
+        return cls(extra=extra, **values)
+
     @property
     def effective_state_dir(self) -> str:
-        return self.state_dir or str(default_state_dir())  # type: ignore[attr-defined]
+        return self.state_dir or str(default_state_dir())
 
     @property
     def effective_ha_path(self) -> str | None:
-        path = self.blob_ha_storage_path  # type: ignore[attr-defined]
+        path = self.blob_ha_storage_path
         if path.lower() == "none":
             return None
         return path or os.path.join(self.effective_state_dir, "ha")
 
     @property
     def effective_jrs_path(self) -> str:
-        return self.jrs_storage_path or os.path.join(  # type: ignore[attr-defined]
-            self.effective_state_dir, "job-results")
-
-
-StewardConfig = dataclasses.make_dataclass(
-    "StewardConfig", _config_fields(), bases=(_Base,), frozen=True)
-StewardConfig.__module__ = __name__
-StewardConfig.__doc__ = (
-    "Frozen, parsed ``spark.steward.*`` settings; one attribute per option "
-    "(``spark.steward.blob.retention.interval`` -> ``blob_retention_interval``, in seconds).")
-
-
-def _from_conf(cls: type, conf: Mapping[str, str] | None = None) -> Any:
-    """Parse a SparkConf-like mapping; unknown ``spark.steward.*`` keys are warned about."""
-    conf = dict(conf or {})
-    values: dict[str, Any] = {}
-    for key, raw in conf.items():
-        if not key.startswith(PREFIX) or key in _BY_KEY:
-            continue
-        if key in _BY_DEPRECATED:
-            new = _BY_DEPRECATED[key].key
-            log.warning("%s is deprecated; use %s", key, new)
-            conf.setdefault(new, raw)
-        else:
-            hint = difflib.get_close_matches(key, _BY_KEY, n=1)
-            log.warning("unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
-    for opt in OPTIONS:
-        values[opt.attr] = opt.parse(str(conf.get(opt.key, opt.default)))
-    extra = {k: v for k, v in conf.items() if not k.startswith(PREFIX)}
-    return cls(extra=extra, **values)
-
-
-StewardConfig.from_conf = classmethod(_from_conf)  # type: ignore[attr-defined]
+        return self.jrs_storage_path or os.path.join(self.effective_state_dir, "job-results")
 
 
 def render_markdown() -> str:

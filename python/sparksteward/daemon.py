@@ -16,8 +16,8 @@ __all__: list[str] = []
 if __name__ == "__main__":
     install_finder()
     # Workers fork from this process: load what h.value needs once, not in every new worker.
-    import sparksteward.blob.broadcast  # noqa: F401
-    import sparksteward.blob.payload  # noqa: F401
+    import sparksteward.blob.broadcast
+    import sparksteward.blob.payload
     import sparksteward.worker  # noqa: F401
     from pyspark.daemon import manager
 

@@ -94,7 +94,7 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         return struct, to_arrow_schema(struct)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 
 
@@ -198,6 +198,7 @@ def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any],
         from sparksteward.worker import executor_connection
 
         ctx = TaskContext.get()
+        assert ctx is not None  # mapInArrow runs this in a task
         subtask = ctx.partitionId()
         conn = executor_connection()
         opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
@@ -431,6 +432,7 @@ class KeyedState:
             with _batch_lock(self.name):
                 # begins the batch's checkpoint, or refuses an old one
                 out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id))
+                assert cid is not None  # only a drain can begin no checkpoint
                 self._write_and_commit(out, cid, sink, persist, wait, f"batch {batch_id}")
 
         return run

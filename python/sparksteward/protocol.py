@@ -26,8 +26,8 @@ PLUGIN_CLASS = "sparksteward.shim.StewardPlugin"
 MAX_LINE = 1 << 20
 
 _S, _I, _L, _D, _N = str, int, list, dict, type(None)
-_TASK = {"time": (_I,), "task_attempt_id": (_I,), "stage_id": (_I,), "stage_attempt_id": (_I,),
-         "partition_id": (_I,), "attempt_number": (_I,)}
+_TASK: dict[str, tuple[type, ...]] = {"time": (_I,), "task_attempt_id": (_I,), "stage_id": (_I,),
+                                      "stage_attempt_id": (_I,), "partition_id": (_I,), "attempt_number": (_I,)}
 
 #: For every message type: field -> allowed JSON types.
 SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {

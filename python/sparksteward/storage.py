@@ -75,7 +75,7 @@ class Location:
             return self.fs.cat_file(path)
         except FileNotFoundError:
             raise
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot read {self.display(path)}: {exc}") from exc
 
     def read_many(self, paths: list[str]) -> dict[str, bytes | Exception]:
@@ -85,14 +85,14 @@ class Location:
         """
         try:
             out = self.fs.cat(paths, on_error="return")
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot read {len(paths)} files under {self.url}: {exc}") from exc
         return {p: out.get(p, out.get(self.fs._strip_protocol(p), FileNotFoundError(p))) for p in paths}
 
     def exists(self, path: str) -> bool:
         try:
             return self.fs.exists(path)
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
 
     def listdir(self, path: str | None = None) -> list[dict[str, Any]]:
@@ -108,7 +108,7 @@ class Location:
             return self.fs.ls(target, detail=True)
         except FileNotFoundError:
             return []
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot list {self.display(target)}: {exc}") from exc
         finally:
             self.fs.invalidate_cache(target)
@@ -134,7 +134,7 @@ class Location:
             info = self.fs.info(path)
         except FileNotFoundError:
             return None
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot check {self.display(path)}: {exc}") from exc
         etag = info.get("ETag") or info.get("etag")
         return None if etag is None else str(etag)
@@ -155,7 +155,7 @@ class Location:
                 fsync_dir(d)
             else:
                 self.fs.pipe_file(path, data)
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
 
     def replace_if(self, path: str, data: bytes, version: str | None) -> bool:
@@ -176,7 +176,7 @@ class Location:
             if exc.errno == errno.EINVAL and "condition" in str(exc):  # s3fs: 412 PreconditionFailed
                 return False
             raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot write {self.display(path)}: {exc}") from exc
         finally:
             with contextlib.suppress(Exception):
@@ -210,7 +210,7 @@ class Location:
             except FileExistsError:
                 return False
             return True
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
 
     def link_or_create(self, src: str, dst: str, data: bytes) -> bool:
@@ -239,7 +239,7 @@ class Location:
                     fsync_dir(os.path.dirname(src))
             else:
                 self.fs.mv(src, dst)
-        except Exception as exc:  # noqa: BLE001 - backends raise their own errors
+        except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot rename {self.display(src)} to {self.display(dst)}: {exc}") from exc
 
     def delete(self, path: str, recursive: bool = False) -> bool:

@@ -244,7 +244,8 @@ class DriverAgent(Agent):
         limit = f.integer("limit", default=1000, lo=1, hi=100_000)
         cursor = f.text("cursor", default=None)
         listing = self.jobs.store.list()
-        page, used, more, last = [], 0, False, None
+        page: list[dict[str, Any]] = []
+        used, more, last = 0, False, None
         for e in listing.entries:  # sorted by job id
             if cursor is not None and e.job_id <= cursor:
                 continue

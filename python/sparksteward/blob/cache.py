@@ -134,14 +134,14 @@ class BlobCache:
                 return
             except (FileNotFoundError, ChecksumMismatchError, StewardError, OSError) as exc:
                 tried.append(f"HA store {getattr(self.ha, 'url', '')}: {exc}")
-        if not self.endpoint:
+        endpoint = self.endpoint or ""
+        if not endpoint:
             tried.append("BlobServer: no endpoint")
-        for attempt in range(self.retries + 1 if self.endpoint else 0):
+        for attempt in range(self.retries + 1 if endpoint else 0):
             if attempt:
                 self._clock.sleep(self._retry_delay(attempt))
             try:
-                with Connection.connect(self.endpoint, self._secret,  # type: ignore[arg-type]
-                                        timeout=self.rpc_timeout) as conn:
+                with Connection.connect(endpoint, self._secret, timeout=self.rpc_timeout) as conn:
                     self._get_from_server(conn, job_id, key, dest)
                 self.stats["transfers"] += 1
                 return

@@ -14,7 +14,7 @@ from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.blob.url import BlobUrl, cluster_scope, validate_file_name
-from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, InvalidIdError
+from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, ConfigError, InvalidIdError
 from sparksteward.ids import validate_job_id
 from sparksteward.config import StewardConfig
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
@@ -25,10 +25,13 @@ __all__ = ["add_subcommands", "get", "put"]
 
 def _store(args: argparse.Namespace) -> tuple[FileSystemBlobStore, StewardConfig]:
     cfg = StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id})
-    return FileSystemBlobStore(args.path or cfg.effective_ha_path, cfg.cluster_id), cfg
+    path = args.path or cfg.effective_ha_path
+    if path is None:
+        raise ConfigError("the HA blob store is off (spark.steward.blob.ha.storage-path=none); give its path with --path")
+    return FileSystemBlobStore(path, cfg.cluster_id), cfg
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

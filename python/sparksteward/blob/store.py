@@ -129,7 +129,7 @@ class FileSystemBlobStore:
                 return verified_copy(src, dest, key, self.base.display(path))
         except (FileNotFoundError, ChecksumMismatchError):
             raise
-        except Exception as exc:  # noqa: BLE001 - backend errors become ours at this boundary
+        except Exception as exc:  # backend errors become ours at this boundary
             raise StorageError(f"cannot read {self.base.display(path)}: {type(exc).__name__}: {exc}") from exc
 
     def exists(self, job_id: str | None, key: BlobKey) -> bool:
@@ -153,7 +153,7 @@ class FileSystemBlobStore:
                 fsync_dir(posixpath.dirname(path))
             else:
                 self.base.fs.put_file(str(local), path)  # one PUT or multipart upload: all or nothing
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StorageError(f"cannot upload {key} to {self.base.display(path)}: {exc}") from exc
 
     def delete(self, job_id: str | None, key: BlobKey) -> None:

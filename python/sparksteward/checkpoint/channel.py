@@ -179,7 +179,7 @@ class ChannelStateWriter:
             batch = table.to_batches()[0]
         if self._writer is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+            self._file = open(self._tmp, "wb")  # closed in close()/abort()
             self._file.write(_HEADER)
             self._writer = ipc.new_stream(self._file, batch.schema)
         self._writer.write_batch(batch)
@@ -221,7 +221,8 @@ class ChannelStateWriter:
             self.batches = self.rows = 0
             return iter(pending)
         self._writer.close()
-        self._file.close()  # type: ignore[union-attr]
+        assert self._file is not None  # the writer writes into it
+        self._file.close()
         self._writer = self._file = None
         data = self._tmp.read_bytes()
         self._tmp.unlink()
@@ -237,10 +238,11 @@ class ChannelStateWriter:
         if self._writer is None:
             return None
         self._writer.close()
-        self._file.flush()  # type: ignore[union-attr]
-        os.fsync(self._file.fileno())  # type: ignore[union-attr]
-        size = self._file.tell()  # type: ignore[union-attr]
-        self._file.close()  # type: ignore[union-attr]
+        assert self._file is not None  # the writer writes into it
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        size = self._file.tell()
+        self._file.close()
         os.replace(self._tmp, self.path)
         return ChannelStats(self.path, self.batches, self.rows, size)
 
@@ -274,7 +276,7 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
     magic, a newer version, or a torn or corrupt stream.
     """
     what = name or str(source)
-    f = open(source, "rb") if isinstance(source, (str, os.PathLike)) else source  # noqa: SIM115
+    f = open(source, "rb") if isinstance(source, (str, os.PathLike)) else source
     try:
         header = f.read(len(_HEADER))
         if len(header) < len(_HEADER) or header[:len(MAGIC)] != MAGIC:

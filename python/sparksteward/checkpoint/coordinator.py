@@ -935,6 +935,7 @@ class CheckpointCoordinator:
 
     def _delete_record(self, job: _DeleteJob) -> None:
         """A subsumed checkpoint's record (and a CLAIMed source record); the files after it wait for it."""
+        assert job.checkpoint_id is not None  # the caller's guard
         try:
             self.storage.delete_checkpoint_dir(job.checkpoint_id)
             if job.record is not None:

@@ -192,7 +192,7 @@ class Duplicator:
             fs.copy(srcs, dsts, on_error="raise")
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(f"cannot duplicate {exc.filename or exc}: it does not exist") from exc
-        except Exception as exc:  # noqa: BLE001 - backend errors become ours here
+        except Exception as exc:  # backend errors become ours here
             raise StorageError(f"cannot copy {len(pairs)} files on the server ({srcs[0]} -> {dsts[0]}, ...): "
                                f"{exc}") from exc
         self._count(server_side=len(pairs))

@@ -223,7 +223,7 @@ class FileMerger:
         """(root URL, checkpoint id) of every checkpoint with segments not sealed yet."""
         with self._lock:
             pools = list(self._pools.values())
-        out = []
+        out: list[tuple[str, int]] = []
         for pool in pools:
             with pool.lock:
                 out.extend((pool.root_url, cid) for cid in pool.touched)
@@ -302,7 +302,7 @@ class FileMerger:
         """(root URL, relative path) of the ``across`` files still open for appends."""
         with self._lock:
             pools = [p for p in self._pools.values() if p.target is not None]
-        out = []
+        out: list[tuple[str, str]] = []
         for pool in pools:
             with pool.lock:
                 out.extend((pool.root_url, p.rel) for p in pool.files if not p.closed)

@@ -90,8 +90,9 @@ class FileHandle:
     def from_json(cls, d: Any) -> FileHandle:
         if not isinstance(d, dict):
             raise InvalidRecordError(f"file handle {d!r} is not an object")
-        return cls(name=d.get("name"), path=d.get("path"), length=d.get("length"), checksum=d.get("checksum"),
-                   offset=d.get("offset", 0))
+        fields: Any = d  # unchecked JSON values: __post_init__ validates them
+        return cls(name=fields.get("name"), path=fields.get("path"), length=fields.get("length"),
+                   checksum=fields.get("checksum"), offset=fields.get("offset", 0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +133,10 @@ class SubtaskHandle:
     def from_json(cls, d: Any) -> SubtaskHandle:
         if not isinstance(d, dict) or not isinstance(d.get("files"), list):
             raise InvalidRecordError(f"subtask handle {str(d)[:80]!r} is not an object with a files list")
-        return cls(subtask=d.get("subtask"), key_groups=KeyGroupRange.from_json(d.get("key_groups")),
-                   files=tuple(FileHandle.from_json(f) for f in d["files"]),
-                   channel_state=tuple(FileHandle.from_json(f) for f in d.get("channel_state", [])))
+        fields: Any = d  # unchecked JSON values: __post_init__ validates them
+        return cls(subtask=fields.get("subtask"), key_groups=KeyGroupRange.from_json(fields.get("key_groups")),
+                   files=tuple(FileHandle.from_json(f) for f in fields["files"]),
+                   channel_state=tuple(FileHandle.from_json(f) for f in fields.get("channel_state", [])))
 
 
 @dataclass(frozen=True, slots=True)

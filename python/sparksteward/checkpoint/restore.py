@@ -76,7 +76,7 @@ from sparksteward.errors import (
     StewardError,
 )
 from sparksteward.state.keygroups import KeyType
-from sparksteward.storage import open_location
+from sparksteward.storage import Location, open_location
 
 __all__ = ["ClaimMode", "check_savepoint_target", "check_sources", "restore_from", "write_savepoint"]
 
@@ -169,7 +169,7 @@ def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str, *,
     directory; no file is read."""
     label = label or f"restore_from={url!r}"
     inside = _confine(src, meta, label, _claims(meta, own=False) if claimed is None else claimed)
-    by_dir: dict[str, tuple[object, str, list[tuple[FileHandle, str]]]] = {}
+    by_dir: dict[str, tuple[Location, str, list[tuple[FileHandle, str]]]] = {}
     for s in meta.subtasks:
         for f in (*s.files, *s.channel_state):
             loc, path = src._abs(f.path)
@@ -226,7 +226,7 @@ def _duplicate_into(src: CheckpointStorage, files: Iterable[FileHandle], dst: Ch
 
 def _present(dst: CheckpointStorage, rels: Iterable[str]) -> set[str]:
     """Which of the relative paths ``rels`` exist under ``dst`` (one listing per directory)."""
-    out = set()
+    out: set[str] = set()
     for sub in sorted({posixpath.dirname(r) for r in rels}):
         out.update(posixpath.join(sub, posixpath.basename(str(i["name"]).rstrip("/")))
                    for i in dst.location.listdir(dst.location.path(sub)))

@@ -174,7 +174,7 @@ class StateService:
             with st.lock:   # FLIP-76: the latest checkpoint acked in this application
                 latest = max(st.completed, default=None)
                 summary = st.completed[latest].summary(latest) if latest is not None else None
-            if summary is not None:
+            if summary is not None and latest is not None:
                 unaligned = f"state.{name}.unaligned."
                 out[unaligned + "checkpoint_id"] = latest
                 for key in ("rows_processed", "rows_deferred", "channel_bytes"):
@@ -301,6 +301,7 @@ class StateService:
                                             num_retained, source, claim_mode)
                     return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
                             "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+        assert st is not None  # found registered, or registered while this waited for the name's lock
         with st.lock:
             # registered before: only settings to settle
             c = st.coordinator
@@ -657,7 +658,7 @@ class StateService:
         st = states.get(name)
         action = "discard" if st is None else st.coordinator.seal_wanted(cid)
         out: dict[str, Any] = {"name": name, "checkpoint_id": cid, "action": action}
-        if action == "seal":
+        if st is not None and action == "seal":
             out["attempt"] = st.coordinator.attempt(cid)
         return out
 
@@ -826,7 +827,7 @@ class StateService:
                                           f"before taking a savepoint")
                 meta = c.pin(latest)  # kept (with its files) while the copy runs, even if commits subsume it
                 storage = c.storage
-        if st is None:  # not open in this application: the latest checkpoint on storage
+        else:  # not open in this application: the latest checkpoint on storage
             try:
                 validate_id(name, "state name")
             except ValueError as exc:

@@ -231,7 +231,7 @@ class CheckpointStorage:
                         os.unlink(tmp)
             else:
                 loc.fs.put_file(str(local), target)  # one PUT (or multipart upload): all or nothing
-        except Exception as exc:  # noqa: BLE001 - backend errors become ours at this boundary
+        except Exception as exc:  # backend errors become ours at this boundary
             raise StorageError(f"cannot upload {local} to {loc.display(target)}: {exc}") from exc
 
     # --- metadata ----------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class CheckpointStorage:
                 raise CheckpointNotFoundError(
                     f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc that did "
                     f"not know it); {_fix(meta)}") from exc
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 raise StorageError(f"cannot read {what}: {exc}") from exc
             if f.offset:
                 src.seek(f.offset)

@@ -97,7 +97,7 @@ class _Open:
     workdir: Path
     snapshot: Path
     storage: CheckpointStorage
-    known: dict[str, str]
+    known: dict[str, str | tuple[str, int]]
     key_groups: Any
     restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
     merging: MergingOptions = MergingOptions(enabled=False)
@@ -223,7 +223,7 @@ class SubtaskService:
         that of every old subtask overlapping its key groups; fetched into the cache, verified, and
         hard-linked into ``dest``, which the task reads (the cache may evict its entries any time)."""
         kg = key_group_range(max_parallelism, parallelism, subtask)
-        out = []
+        out: list[dict[str, str]] = []
         for old in meta.subtasks:
             if old.key_groups.stop <= kg.start or old.key_groups.start >= kg.stop:
                 continue
@@ -351,7 +351,7 @@ class SubtaskService:
             try:
                 self._driver("state.fail", name=opened.name, checkpoint_id=cid, subtask=subtask,
                              message=f"{type(exc).__name__}: {exc}", attempt=opened.attempt)
-            except Exception as exc2:  # noqa: BLE001
+            except Exception as exc2:  # noqa: BLE001 - best effort: unreported, the checkpoint aborts at its timeout
                 log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
             finally:
                 finished()
@@ -443,7 +443,7 @@ class SubtaskService:
             try:
                 self._driver("state.fail", name=name, checkpoint_id=cid, agent=self.agent_id, attempt=attempt,
                              message=f"sealing merged files failed: {type(exc).__name__}: {exc}")
-            except Exception as exc2:  # noqa: BLE001
+            except Exception as exc2:  # noqa: BLE001 - best effort: unreported, the checkpoint aborts at its timeout
                 log.warning("reporting the failed seal of %s failed: %s", name, exc2)
         finally:
             with self._lock:

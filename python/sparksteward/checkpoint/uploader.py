@@ -41,7 +41,7 @@ class SnapshotUploader:
         self._inflight: set[Future[UploadResult]] = set()
 
     def submit(self, storage: CheckpointStorage, checkpoint_id: int, subtask: int, snapshot: LocalSnapshot,
-               known: Container[str] | Mapping[str, str] = frozenset(),
+               known: Container[str] | Mapping[str, str | tuple[str, int]] = frozenset(),
                on_done: Callable[[int, UploadResult], None] | None = None,
                on_error: Callable[[int, int, BaseException], None] | None = None,
                merge: Callable[[str, Path, str], FileHandle] | None = None,

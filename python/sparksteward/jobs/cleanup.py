@@ -74,7 +74,7 @@ class CleanupTask:
         if lease is not None:
             try:
                 lease.release()
-            except Exception:  # noqa: BLE001 - a lease file that cannot be removed is released by close anyway
+            except Exception:  # a lease file that cannot be removed is released by close anyway
                 log.warning("job %s: could not release its lease", self.job_id, exc_info=True)
         self.finished.set()
 
@@ -119,7 +119,8 @@ class CleanupRunner:
         while True:
             due = self.run_pass(task)
             if due is None:
-                return task.outcome  # type: ignore[return-value]
+                assert task.outcome is not None  # run_pass returns None once the task has ended
+                return task.outcome
             if not self.wait(due - self.clock.now()):
                 self._end(task, CleanupOutcome.STOPPED)
                 return CleanupOutcome.STOPPED
@@ -232,9 +233,11 @@ class CleanupRunner:
                 task.unsaved = False
             entry = self.store.mark_clean(task.job_id, task.result.run_id)
         except JobResultNotFoundError:
-            return self._gone(task)
+            self._gone(task)
+            return None
         except RunConflictError as exc:
-            return self._superseded(task, exc)
+            self._superseded(task, exc)
+            return None
         except CorruptRecordError as exc:
             log.error("job %s: cannot commit, the stored result is unreadable: %s", task.job_id, exc)
             return self._end(task, CleanupOutcome.GAVE_UP)

@@ -31,6 +31,7 @@ read with :func:`sparksteward.storage.read_regular`, so nothing blocks.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -212,7 +213,7 @@ class FileSystemJobResultStore(StoreBase):
             blobs = self._read_many(sorted(wanted)) if wanted else {}
         entries, ids = [], {}
         for path, (stem, _clean) in sorted(wanted.items()):
-            data, source = blobs.get(path), self.base.display(path)
+            data, source = blobs[path], self.base.display(path)
             if isinstance(data, FileNotFoundError):
                 continue  # removed since the listing (committed, pruned or deleted)
             if isinstance(data, Exception):
@@ -220,7 +221,7 @@ class FileSystemJobResultStore(StoreBase):
                 corrupt.append((source, reason))
                 continue
             try:
-                entry = self._parse(data, path, stem, _stem_id(stem))  # type: ignore[arg-type]
+                entry = self._parse(data, path, stem, _stem_id(stem))
             except CorruptRecordError as exc:
                 corrupt.append((source, str(exc)))
                 continue
@@ -322,10 +323,10 @@ class FileSystemJobResultStore(StoreBase):
             data = entry.result.to_json()
             if not self.base.link_or_create(dirty, clean, data):
                 committed = self._read(clean, job_id)
-                if self._late_older_commit(committed, entry) and self.base.replace_if(clean, data,
-                                                                                     self.base.version(clean)):
+                if committed is not None and self._late_older_commit(committed, entry) and self.base.replace_if(
+                        clean, data, self.base.version(clean)):
                     log.warning("job %s: replaced %s, committed late by the older run %s, with run %s's result",
-                                job_id, self.base.display(clean), committed.result.run_id,  # type: ignore[union-attr]
+                                job_id, self.base.display(clean), committed.result.run_id,
                                 entry.result.run_id)
                     self._delete_dirty_if(dirty, version)
                     return JobResultEntry(entry.result, True, self.base.display(clean))
@@ -370,7 +371,7 @@ class FileSystemJobResultStore(StoreBase):
         with self._locked():
             return self.base.lexists(clean) and self.base.delete(dirty)
 
-    def quarantine(self, name: str) -> list[str]:
+    def quarantine(self, name: str) -> builtins.list[str]:
         """Move files to ``<cluster-id>/quarantine/``, so listings stop reporting them.
 
         ``name`` is a file name in the store (``x_DIRTY.json``) or a job id (all of its files). Any

@@ -141,7 +141,8 @@ class FinalCheckpoint:
     def from_dict(cls, d: Any) -> FinalCheckpoint:
         if not isinstance(d, dict):
             raise _fail("final checkpoint", f"expected {{state, checkpoint_id, path}}, not {d!r}")
-        return cls(d.get("state"), d.get("checkpoint_id"), d.get("path"))
+        fields: Any = d  # unchecked JSON values: __post_init__ validates them
+        return cls(fields.get("state"), fields.get("checkpoint_id"), fields.get("path"))
 
 
 @dataclass(frozen=True, slots=True)

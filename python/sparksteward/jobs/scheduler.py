@@ -130,7 +130,7 @@ class CleanupScheduler:
                     continue
             try:
                 due = self._resume(task) if task.deferred else self.runner.run_pass(task)
-            except Exception:  # noqa: BLE001 - a bug must not kill the worker; retry the pass later
+            except Exception:  # a bug must not kill the worker; retry the pass later
                 task.commit_failures += 1
                 log.exception("job %s: cleanup pass failed unexpectedly; retrying", job_id)
                 due = self.clock.now() + self.runner.policy.delay(task.commit_failures)

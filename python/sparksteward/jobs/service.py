@@ -28,11 +28,12 @@ inside it, never the other way round.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -217,7 +218,8 @@ class JobService:
                 with self._cond:
                     job.steps.extend(s for s in map(CleanupStep.of, old.cleanup) if s not in job.steps)
                 job.replaced.add(old.run_id)
-                self.spool.remove(path)  # type: ignore[union-attr]
+                assert self.spool is not None  # spooled is empty without a spool
+                self.spool.remove(path)
             if existing is not None:
                 if not force:
                     raise _completed(job_id, self.cluster_id, kind, existing)
@@ -352,7 +354,7 @@ class JobService:
             task.finished.wait(wait)
         return task.entry
 
-    def _store_result(self, result: JobResult, replaced: set[str | None] = frozenset()) -> tuple[JobResultEntry, bool]:
+    def _store_result(self, result: JobResult, replaced: Set[str | None] = frozenset()) -> tuple[JobResultEntry, bool]:
         """Write ``result`` dirty, retrying store failures under the retry policy for at most the
         shutdown timeout, then spool it. Returns ``(entry, spooled)``.
 
@@ -516,7 +518,7 @@ class JobService:
         """Stored entries matching the filters, and the unreadable files."""
         return self.store.list(state=state, status=status, ended_before=ended_before)
 
-    def prune(self, now: float | None = None, *, older_than: float | None = None) -> list[str]:
+    def prune(self, now: float | None = None, *, older_than: float | None = None) -> builtins.list[str]:
         """Delete clean results that ended more than ``older_than`` seconds (default: the retention)
         before ``now`` (default: the clock). A retention of 0 keeps everything."""
         age = self.retention if older_than is None else older_than

@@ -93,7 +93,7 @@ class ResultSpool:
         """The result in ``path``: FileNotFoundError if gone, CorruptRecordError if unreadable."""
         try:
             data = read_regular(path)
-        except Exception as exc:  # noqa: BLE001 - a FIFO, a symlink, an I/O error
+        except Exception as exc:  # a FIFO, a symlink, an I/O error
             raise CorruptRecordError(f"spooled job result {path}: {exc}") from exc
         if data is None:
             raise FileNotFoundError(path)

@@ -24,10 +24,11 @@ call them from their own worker threads, as :class:`~sparksteward.jobs.service.J
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from sparksteward.errors import (InvalidRecordError, JobResultExistsError, JobResultNotFoundError, JobStoreError,
                                  RunConflictError)
@@ -85,7 +86,7 @@ class JobResultView(Protocol):
         """Entries matching every given filter (``state`` is ``dirty`` or ``clean``)."""
         ...
 
-    def dirty_entries(self) -> list[JobResultEntry]:
+    def dirty_entries(self) -> builtins.list[JobResultEntry]:
         """Every dirty entry: the results whose cleanup has not committed."""
         ...
 
@@ -139,6 +140,8 @@ class JobResultStore(JobResultView, JobResultWriter, Protocol):
     """A JobResultStore: both sides."""
 
 
+_Store = TypeVar("_Store", bound="StoreBase")
+
 class StoreBase:
     """What both stores share: filters, pruning, run checks, the context-manager protocol."""
 
@@ -191,10 +194,10 @@ class StoreBase:
             raise InvalidRecordError(f"job result {result.job_id!r} belongs to cluster {result.cluster_id!r}, but "
                                      f"this store holds cluster {self.cluster_id!r}")
 
-    def dirty_entries(self) -> list[JobResultEntry]:
+    def dirty_entries(self) -> builtins.list[JobResultEntry]:
         return list(self.list(state="dirty").entries)
 
-    def prune(self, older_than: float, now: float) -> list[str]:
+    def prune(self, older_than: float, now: float) -> builtins.list[str]:
         """Delete clean entries whose end time is more than ``older_than`` seconds before ``now``, and
         every stale dirty file lying next to a clean one.
 
@@ -215,7 +218,7 @@ class StoreBase:
     def close(self) -> None:
         """Nothing to release (file systems are shared fsspec instances); idempotent."""
 
-    def __enter__(self):  # noqa: ANN204 - returns the concrete store
+    def __enter__(self: _Store) -> _Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -312,7 +315,7 @@ class InMemoryJobResultStore(StoreBase):
             del self._entries[job_id]
             return True
 
-    def quarantine(self, name: str) -> list[str]:
+    def quarantine(self, name: str) -> builtins.list[str]:
         raise JobResultNotFoundError(f"{name!r}: an in-memory store has no files to quarantine")
 
     def lease(self, job_id: str, run_id: str) -> Lease:

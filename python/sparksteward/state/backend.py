@@ -33,7 +33,7 @@ import os
 import shutil
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +97,7 @@ class RocksDBStateBackend:
         self.key_type = KeyType.parse(key_type)
         self.read_only = read_only
         self._closed = False
-        self._iterators: weakref.WeakSet[Iterator[Any]] = weakref.WeakSet()
+        self._iterators: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
         exists = (self.db_path / "CURRENT").exists()
         if create and exists:
             raise StateBackendError(f"{self.db_path} already holds a DB; open it with create=False")
@@ -116,7 +116,7 @@ class RocksDBStateBackend:
                     del db
                 self._db = rocksdict.Rdict(str(self.db_path), reopen_options())
                 self._db.set_write_options(write_options())
-        except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        except Exception as exc:  # rocksdict raises a bare Exception
             raise StateBackendError(f"cannot open the state DB in {self.db_path}: {exc}") from exc
         #: bytes of WAL the open replayed (the executor agent folds a snapshot's WAL past
         #: ``wal-flush-size`` into an SST in the async phase, see :func:`~sparksteward.state.snapshot.fold_wal`)
@@ -226,13 +226,13 @@ class RocksDBStateBackend:
         # flush (an SST, usually the larger share) and the links and copies
         try:
             self.db.flush(True)
-        except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        except Exception as exc:  # rocksdict raises a bare Exception
             raise StateBackendError(f"cannot flush the state DB in {self.db_path}: {exc}") from exc
         flushed = time.perf_counter()
         chk = rocksdict.Checkpoint(self.db)
         try:
             chk.create_checkpoint(str(target))
-        except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+        except Exception as exc:  # rocksdict raises a bare Exception
             raise StateBackendError(f"cannot snapshot {self.db_path} into {target}: {exc}") from exc
         finally:
             del chk  # a live Checkpoint object keeps the DB's LOCK
@@ -270,7 +270,8 @@ class RocksDBStateBackend:
         self.close()
 
 
-def _bounded_scan(db: rocksdict.Rdict, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]:
+def _bounded_scan(db: rocksdict.Rdict, lower: bytes, upper: bytes,
+                  strip: int) -> Generator[tuple[bytes, bytes], None, None]:
     """``(key[strip:], value)`` for keys in ``[lower, upper)``.
 
     Bounded by ``set_iterate_upper_bound`` plus ``seek(lower)``: rocksdict's

@@ -88,7 +88,7 @@ def _conform(result: Any, schema: pa.Schema) -> pa.RecordBatch | None:
     if not isinstance(result, pa.Table):
         try:  # a pandas DataFrame
             result = pa.Table.from_pandas(result, preserve_index=False)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise StateError(f"the state function returned {type(result).__name__}; return a pyarrow Table "
                              f"(Arrow form) or a pandas DataFrame (pandas form), or None") from exc
     missing = [f.name for f in schema if f.name not in result.column_names]

@@ -77,7 +77,7 @@ def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) ->
         db = rocksdict.Rdict(str(directory), opts)
         db.close()
         del db
-    except Exception as exc:  # noqa: BLE001 - rocksdict raises a bare Exception
+    except Exception as exc:  # rocksdict raises a bare Exception
         raise StateBackendError(f"cannot fold the {wal} B WAL of snapshot {directory} into an SST: {exc}") from exc
     keep = set(snapshot_files(directory))
     for p in directory.iterdir():

@@ -6,7 +6,7 @@ and the others) for the per-key user API. Keys and values are encoded by
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import rocksdict
 import xxhash
@@ -59,7 +59,7 @@ class _View:
         b = self.backend
         kt, m, lo, hi, middle = b.key_type, b.max_parallelism, b.key_groups.start, b.key_groups.stop, self._middle
         h = xxhash.xxh64_intdigest
-        out = []
+        out: list[bytes] = []
         append = out.append
         fast = kt is KeyType.STRING
         for k in keys:
@@ -98,7 +98,9 @@ class ValueState(_View):
         raw = self._raw_keys(_as_list(keys))
         if not raw:
             return []
-        return [decode_value(v) for v in self.backend.db.get(raw)]
+        # a list of keys is a multi-get, answered by a list (rocksdict's stub: an invariant List in, Any | None out)
+        values = cast("list[bytes | None]", self.backend.db.get(cast("list[Any]", raw)))
+        return [decode_value(v) for v in values]
 
     def put_many(self, keys: Iterable[object], values: Iterable[object]) -> None:
         """Set many values in one WriteBatch; a ``None`` value clears its key."""

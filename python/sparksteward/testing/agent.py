@@ -36,7 +36,8 @@ class AgentProcess:
             [sys.executable, "-m", f"sparksteward.agents.{role}"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
         self.send(self.hello)
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
         self.first: dict[str, Any] = protocol.decode(line) if line else {"type": "eof"}
         self.endpoint: str | None = self.first.get("endpoint")
 

@@ -25,11 +25,16 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import orjson
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import InputStream, StartResponse, WSGIApplication, WSGIEnvironment
+    from moto.server import ThreadedMotoServer
 
 __all__ = ["LocalS3", "S3Request", "local_s3"]
 
@@ -73,21 +78,21 @@ def _op_of(method: str, key: str, query: str, copy_source: str) -> str:
 
 
 class _CountingInput:
-    def __init__(self, stream) -> None:  # noqa: ANN001
+    def __init__(self, stream: InputStream) -> None:
         self._stream = stream
         self.count = 0
 
-    def read(self, *args):  # noqa: ANN002, ANN201
+    def read(self, *args: int) -> bytes:
         data = self._stream.read(*args)
         self.count += len(data)
         return data
 
-    def readline(self, *args):  # noqa: ANN002, ANN201
+    def readline(self, *args: int) -> bytes:
         data = self._stream.readline(*args)
         self.count += len(data)
         return data
 
-    def __iter__(self):  # noqa: ANN204
+    def __iter__(self) -> Iterator[bytes]:
         for line in self._stream:
             self.count += len(line)
             yield line
@@ -96,7 +101,7 @@ class _CountingInput:
 class _RequestLog:
     """WSGI middleware recording every S3 request (thread-safe)."""
 
-    def __init__(self, app, log: list[S3Request], lock: threading.Lock,  # noqa: ANN001
+    def __init__(self, app: WSGIApplication, log: list[S3Request], lock: threading.Lock,
                  in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]) -> None:
         self._app = app
         self._log = log
@@ -104,12 +109,12 @@ class _RequestLog:
         self._in_flight = in_flight
         self._delays = delays
 
-    def __call__(self, environ, start_response):  # noqa: ANN001, ANN204
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
         counting = _CountingInput(environ["wsgi.input"])
         environ["wsgi.input"] = counting
         status: list[int] = [0]
 
-        def start(status_line, headers, exc_info=None):  # noqa: ANN001, ANN202
+        def start(status_line: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Callable[[bytes], object]:
             status[0] = int(status_line.split(" ", 1)[0])
             return start_response(status_line, headers, exc_info)
 
@@ -135,8 +140,8 @@ class _RequestLog:
         return chunks
 
 
-def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,  # noqa: ANN202
-                    in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]):
+def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,
+                    in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]) -> ThreadedMotoServer:
     from moto.server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
@@ -155,7 +160,7 @@ def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,  # no
 class LocalS3:
     endpoint: str
     bucket: str
-    server: object = None
+    server: ThreadedMotoServer | None = None   # set by local_s3()
     requests: list[S3Request] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _in_flight: dict[int, tuple[str, str, str]] = field(default_factory=dict, repr=False)
@@ -195,7 +200,8 @@ class LocalS3:
 
     def stop(self) -> None:
         """Make the endpoint unreachable (objects are kept: moto's state lives in this process)."""
-        self.server.stop()  # type: ignore[attr-defined]
+        assert self.server is not None  # local_s3() starts one
+        self.server.stop()
 
     def restart(self) -> None:
         """Serve again on the same port, with the same objects."""
@@ -206,7 +212,7 @@ class LocalS3:
     def url(self, *parts: str) -> str:
         return "s3://" + "/".join((self.bucket, *parts))
 
-    def filesystem(self):  # noqa: ANN201 - s3fs is an optional dependency
+    def filesystem(self) -> Any:  # an s3fs.S3FileSystem (s3fs: an optional dependency, no stubs)
         import s3fs
 
         return s3fs.S3FileSystem(client_kwargs={"endpoint_url": self.endpoint}, key="testing",
@@ -231,7 +237,7 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
     port = _free_port()
     s3 = LocalS3(f"http://127.0.0.1:{port}", bucket)
     s3.server = _logging_server(port, s3.requests, s3._lock, s3._in_flight, s3._delays)
-    s3.server.start()  # type: ignore[attr-defined]
+    s3.server.start()
     endpoint = s3.endpoint
     saved = {k: os.environ.get(k) for k in (*_ENV, "AWS_ENDPOINT_URL")}
     os.environ.update(_ENV)
@@ -246,6 +252,6 @@ def local_s3(bucket: str | None = None) -> Iterator[LocalS3]:
             else:
                 os.environ[k] = v
         try:
-            s3.server.stop()  # type: ignore[attr-defined]
+            s3.stop()
         except Exception:  # noqa: BLE001 - already stopped by the test
             pass

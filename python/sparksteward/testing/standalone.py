@@ -179,7 +179,7 @@ class StandaloneCluster:
         return f"http://127.0.0.1:{self.webui_port}"
 
     def _start(self, env: dict[str, str], cmd: list[str], name: str) -> None:
-        log = open(self.work_dir / f"{name}.log", "ab")  # noqa: SIM115 - the child owns it
+        log = open(self.work_dir / f"{name}.log", "ab")  # the child owns it
         with log:
             self._procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True))

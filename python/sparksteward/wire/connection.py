@@ -65,7 +65,8 @@ from sparksteward.errors import (
 )
 
 try:  # a declared dependency; if it cannot be imported, bodies fall back to HMAC-SHA256
-    from cryptography.hazmat.primitives.poly1305 import Poly1305 as _Poly1305
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+    _Poly1305: type[Poly1305] | None = Poly1305
 except ImportError:  # pragma: no cover - depends on the environment
     _Poly1305 = None
 
@@ -118,6 +119,7 @@ class _PolyMac:
     and sequence number), padded to :data:`TAG_SIZE`."""
 
     def __init__(self, key: bytes) -> None:
+        assert _Poly1305 is not None  # poly1305 is offered (BODY_MACS), so negotiated, only when it imported
         self._p = _Poly1305(key)
 
     def update(self, data: bytes | memoryview) -> None:
@@ -320,7 +322,7 @@ class Connection:
             raise self._fail(exc) from None
         self._sendall(h.digest())
 
-    def recv_into_file(self, f: BinaryIO, n: int, on_chunk: Callable[[bytes], None] | None = None) -> None:
+    def recv_into_file(self, f: BinaryIO, n: int, on_chunk: Callable[[bytes | memoryview], None] | None = None) -> None:
         """Copy exactly ``n`` body bytes from the socket into ``f`` (``on_chunk`` sees each chunk); the
         body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
         reader = RawReader(self, n)

@@ -162,7 +162,7 @@ class AgentServer:
         """Run one request; return False if the connection must close."""
         op = req.get("op")
         handler = self._handlers.get(op) if isinstance(op, str) else None
-        if handler is not None:
+        if handler is not None and isinstance(op, str):
             with self._lock:
                 self.requests[op] += 1
         conn.unread_body = False
