@@ -192,6 +192,11 @@ OPTIONS: tuple[Option, ...] = (
            "How many connections may be authenticating at once. Unauthenticated connections never "
            "hold a request slot; when this bound is full, a new connection evicts the oldest pending "
            "one, so slow peers cannot lock clients out.", check=_positive, allowed="an integer > 0"),
+    Option("spark.steward.rpc.max-connections", "int", "512",
+           "How many authenticated connections an agent serves at once (a thread each). Executor "
+           "agents keep a few idle connections to the driver agent for reuse, so the driver agent "
+           "needs a few per executor; a connection over the bound waits for a free slot.",
+           check=_positive, allowed="an integer > 0"),
     Option("spark.steward.agent.events.max-bytes", "bytes", "4m",
            "Size bound of each agent's buffer of recent Spark events (served by the events request); "
            "the oldest events are dropped first. The buffer also holds at most 2000 events.",
@@ -371,6 +376,7 @@ class StewardConfig:
     rpc_timeout: float = 120.0
     rpc_handshake_timeout: float = 10.0
     rpc_max_pending_handshakes: int = 64
+    rpc_max_connections: int = 512
     agent_events_max_bytes: int = 4 << 20
     metrics_interval: float = 5.0
     blob_storage_dir: str = ""

@@ -63,7 +63,8 @@ class Agent:
                                   {"health": self._op_health, "events": self._op_events},
                                   max_message=self.cfg.rpc_max_message_size, timeout=self.cfg.rpc_timeout,
                                   handshake_timeout=self.cfg.rpc_handshake_timeout,
-                                  max_handshakes=self.cfg.rpc_max_pending_handshakes)
+                                  max_handshakes=self.cfg.rpc_max_pending_handshakes,
+                                  max_connections=self.cfg.rpc_max_connections)
 
     @property
     def advertised_endpoint(self) -> str:

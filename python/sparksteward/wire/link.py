@@ -3,9 +3,10 @@ to the driver agent), instead of a new handshake for every message.
 
 A request takes an idle connection from the link's pool, or opens one; after the reply the connection
 goes back to the pool. Several threads may send at once (each on its own connection), so the pool
-holds as many as were in use together, up to ``max_pooled``. A connection idle for longer than
-``max_idle`` (well under the server's idle timeout), or one the peer closed or that broke, is never
-reused: it is closed and replaced. So a request is never sent on a connection the server is closing,
+holds as many as were in use together, up to ``max_pooled`` (each idle one holds a connection slot
+of the agent: ``spark.steward.rpc.max-connections``). A connection idle for longer than ``max_idle``
+(well under the server's idle timeout), or one the peer closed or that broke, is never reused: it is
+closed and replaced, and idle ones past ``max_idle`` are closed whenever the link is used. So a request is never sent on a connection the server is closing,
 and none is sent twice: a request whose connection breaks mid-way raises, except for ops the caller
 declares safe to repeat (``retry=True``), which are sent once more on a new connection.
 
@@ -28,7 +29,7 @@ class AgentLink:
     """Pooled connections to the agent at ``endpoint``; see the module docstring."""
 
     def __init__(self, endpoint: str, secret: str, *, timeout: float = 120.0, max_idle: float = 30.0,
-                 max_pooled: int = 8) -> None:
+                 max_pooled: int = 4) -> None:
         self.endpoint = endpoint
         self._secret = secret
         self._timeout = timeout
@@ -59,11 +60,18 @@ class AgentLink:
         return Connection.connect(self.endpoint, self._secret, timeout=self._timeout), False
 
     def _give_back(self, conn: Connection) -> None:
+        """Pool ``conn`` again; close the pooled connections idle past ``max_idle`` (each holds one of
+        the agent's connection slots)."""
+        now = time.monotonic()
         with self._lock:
+            close = [c for c, used in self._idle if now - used >= self._max_idle]
+            self._idle = [(c, used) for c, used in self._idle if now - used < self._max_idle]
             if not self._closed and not conn.broken and len(self._idle) < self._max_pooled:
-                self._idle.append((conn, time.monotonic()))
-                return
-        conn.close()
+                self._idle.append((conn, now))
+            else:
+                close.append(conn)
+        for c in close:
+            c.close()
 
     def request(self, op: str, *, retry: bool = False, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
         """Send one request and return the reply; an error reply raises the matching StewardError.
