@@ -37,6 +37,7 @@ from sparksteward.state.keygroups import key_group, key_group_range, subtask_for
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import new_secret
 from tests.helpers import wait_until
+from tests.helpers.state import split_by_subtask, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -145,27 +146,17 @@ class Cluster:
         agent = self.execs[subtask % len(self.execs) if executor is None else executor]
         with agent.connect() as conn:
             opened = conn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask, parallelism=P)
-            kg = key_group_range(M, P, subtask)
-            backend = RocksDBStateBackend(opened["workdir"], kg, M, "string", create=False)
-            try:
-                vs = backend.value("value")
-                for k, d in delta.items():
-                    vs.update(k, (vs.get(k) or 0) + d)
-                if pad:
-                    chunk = 32 << 10
-                    keys = keys_of(subtask, pad // chunk + 1, prefix=f"pad{cid}-")
-                    backend.value("pad").put_many(keys, [os.urandom(chunk // 2).hex() for _ in keys])
-                snap = backend.snapshot(opened["snapshot"])
-            finally:
-                backend.close()
-            conn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+
+            def padding(backend) -> None:
+                chunk = 32 << 10
+                keys = keys_of(subtask, pad // chunk + 1, prefix=f"pad{cid}-")
+                backend.value("pad").put_many(keys, [os.urandom(chunk // 2).hex() for _ in keys])
+
+            write_subtask(conn, opened, subtask, P, M, delta, padding if pad else None)
 
     def tasks(self, cid: int, delta: dict[str, int], pads: dict[int, int] | None = None,
               placement: dict[int, int] | None = None) -> None:
-        parts: list[dict[str, int]] = [{} for _ in range(P)]
-        for k, v in delta.items():
-            parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
-        for i, part in enumerate(parts):
+        for i, part in enumerate(split_by_subtask(delta, P, M)):
             self.task(cid, i, part, pad=(pads or {}).get(i, 0), executor=(placement or {}).get(i))
 
     def batch(self, cid: int, delta: dict[str, int], pads: dict[int, int] | None = None) -> dict:
@@ -347,9 +338,7 @@ def test_a_live_executor_agent_with_a_long_task_is_not_taken_for_dead(tmp_path):
     try:
         cl.register()
         cl.request("state.begin", name="s", checkpoint_id=0)
-        parts: list[dict[str, int]] = [{} for _ in range(P)]
-        for k, v in batches[0].items():
-            parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
+        parts = split_by_subtask(batches[0], P, M)
         for i in range(P - 1):   # on executor 0; executor 1 runs only the long task (it holds no merged file)
             cl.task(0, i, parts[i], executor=0)
         committed: dict = {}

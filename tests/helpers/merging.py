@@ -11,9 +11,8 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.subtasks import SubtaskService
-from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
+from tests.helpers.state import split_by_subtask, write_subtask
 
 M = 64
 
@@ -47,23 +46,11 @@ class MergingRig:
         e = next(self._turn) % len(self.execs) if executor is None else executor
         econn = self.execs[e][2]
         opened = econn.request("state.open", name=self.name, checkpoint_id=cid, subtask=subtask)
-        kg = key_group_range(M, self.p, subtask)
-        backend = RocksDBStateBackend(opened["workdir"], kg, M, "string", create=False)
-        try:
-            vs = backend.value("value")
-            for k, d in delta.items():
-                vs.update(k, (vs.get(k) or 0) + d)
-            snap = backend.snapshot(opened["snapshot"])
-        finally:
-            backend.close()
-        econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+        write_subtask(econn, opened, subtask, self.p, M, delta)
 
     def batch(self, cid: int, delta: dict[str, int]) -> dict:
         self.dconn.request("state.begin", name=self.name, checkpoint_id=cid)
-        parts: list[dict[str, int]] = [{} for _ in range(self.p)]
-        for k, v in delta.items():
-            parts[subtask_for_key_group(M, self.p, key_group(k, M))][k] = v
-        for i, part in enumerate(parts):
+        for i, part in enumerate(split_by_subtask(delta, self.p, M)):
             self.task(cid, i, part)
         return self.dconn.request("state.commit", name=self.name, checkpoint_id=cid, wait=60)
 

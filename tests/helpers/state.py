@@ -33,3 +33,36 @@ def timed(calls: dict) -> dict:
         call()
         out[what] = time.monotonic() - started
     return out
+
+
+def split_by_subtask(delta: dict[str, int], parallelism: int, max_parallelism: int) -> list[dict[str, int]]:
+    """``delta`` split by the subtask its keys are routed to."""
+    from sparksteward.state.keygroups import key_group, subtask_for_key_group
+
+    parts: list[dict[str, int]] = [{} for _ in range(parallelism)]
+    for k, v in delta.items():
+        parts[subtask_for_key_group(max_parallelism, parallelism, key_group(k, max_parallelism))][k] = v
+    return parts
+
+
+def write_subtask(econn, opened: dict, subtask: int, parallelism: int, max_parallelism: int,
+                  delta: dict[str, int], extra=None) -> float:
+    """What a Python task does after ``state.open`` replied ``opened``: add ``delta`` to the default
+    value state, let ``extra(backend)`` write more (other states, channel state), snapshot (the sync
+    phase) and ask for the upload. Returns the sync phase's milliseconds."""
+    from sparksteward.state.backend import RocksDBStateBackend
+    from sparksteward.state.keygroups import key_group_range
+
+    backend = RocksDBStateBackend(opened["workdir"], key_group_range(max_parallelism, parallelism, subtask),
+                                  max_parallelism, "string", create=False)
+    try:
+        vs = backend.value("value")
+        for k, d in delta.items():
+            vs.update(k, (vs.get(k) or 0) + d)
+        if extra is not None:
+            extra(backend)
+        snap = backend.snapshot(opened["snapshot"])
+    finally:
+        backend.close()
+    econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+    return snap.sync_ms

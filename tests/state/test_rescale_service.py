@@ -16,9 +16,9 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CheckpointOrderError, ParallelismError
-from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
+from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
+from tests.helpers.state import split_by_subtask, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -46,21 +46,9 @@ class App:
     def batch(self, cid: int, parallelism: int, delta: dict[str, int]) -> dict:
         """Begin, run every subtask's task, commit; return the commit reply."""
         self.d.request("state.begin", name="s", checkpoint_id=cid, parallelism=parallelism)
-        parts: list[dict[str, int]] = [{} for _ in range(parallelism)]
-        for k, v in delta.items():
-            parts[subtask_for_key_group(M, parallelism, key_group(k, M))][k] = v
-        for i, part in enumerate(parts):
+        for i, part in enumerate(split_by_subtask(delta, parallelism, M)):
             opened = self.e.request("state.open", name="s", checkpoint_id=cid, subtask=i)
-            backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, parallelism, i), M, "string",
-                                          create=False)
-            try:
-                vs = backend.value("value")
-                for k, d in part.items():
-                    vs.update(k, (vs.get(k) or 0) + d)
-                snap = backend.snapshot(opened["snapshot"])
-            finally:
-                backend.close()
-            self.e.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+            write_subtask(self.e, opened, i, parallelism, M, part)
         return self.d.request("state.commit", name="s", checkpoint_id=cid, wait=30)
 
     def close(self) -> None:

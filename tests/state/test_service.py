@@ -16,7 +16,7 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import timed
+from tests.helpers.state import split_by_subtask, timed, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -49,23 +49,11 @@ def rig(tmp_path, request):
 
 def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> float:
     opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
-    backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
-    try:
-        vs = backend.value("value")
-        for k, d in delta.items():
-            vs.update(k, (vs.get(k) or 0) + d)
-        snap = backend.snapshot(opened["snapshot"])
-    finally:
-        backend.close()
-    econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
-    return snap.sync_ms
+    return write_subtask(econn, opened, subtask, P, M, delta)
 
 
 def split(delta: dict[str, int]) -> list[dict[str, int]]:
-    parts: list[dict[str, int]] = [{} for _ in range(P)]
-    for k, v in delta.items():
-        parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
-    return parts
+    return split_by_subtask(delta, P, M)
 
 
 def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):

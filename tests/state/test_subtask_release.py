@@ -30,12 +30,11 @@ from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CheckpointOrderError
-from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.testing.clock import FakeClock
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.helpers import wait_until
+from tests.helpers.state import split_by_subtask, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -92,28 +91,18 @@ def executor(tmp: Path, driver: Driver, tag: str = "", **kw) -> tuple[SubtaskSer
 
 
 def split(delta: dict[str, int]) -> list[dict[str, int]]:
-    parts: list[dict[str, int]] = [{} for _ in range(P)]
-    for k, v in delta.items():
-        parts[subtask_for_key_group(M, P, key_group(k, M))][k] = v
-    return parts
+    return split_by_subtask(delta, P, M)
 
 
 def finish(econn: Connection, opened: dict, subtask: int, delta: dict[str, int],
            defer: pa.RecordBatch | None = None) -> None:
     """The rest of a task after its open: update the state, defer ``defer`` (channel state), snapshot, upload."""
-    backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
-    try:
-        vs = backend.value("value")
-        for k, d in delta.items():
-            vs.update(k, (vs.get(k) or 0) + d)
-        if defer is not None:
-            w = ChannelStateWriter(opened["channel"])
-            w.append(defer)
-            w.close()
-        snap = backend.snapshot(opened["snapshot"])
-    finally:
-        backend.close()
-    econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
+    def channel_state(backend) -> None:
+        w = ChannelStateWriter(opened["channel"])
+        w.append(defer)
+        w.close()
+
+    write_subtask(econn, opened, subtask, P, M, delta, channel_state if defer is not None else None)
 
 
 def run_task(econn: Connection, cid: int, subtask: int, delta: dict[str, int], **kw) -> None:
