@@ -16,7 +16,7 @@ from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOpti
 from sparksteward.checkpoint.records import FileHandle, SubtaskHandle
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.errors import CheckpointError, InvalidRecordError, StewardError
+from sparksteward.errors import CheckpointError, InvalidRecordError, InvalidRequestError, StewardError
 from sparksteward.state.keygroups import key_group_range
 
 from tests.helpers.merging import MergingRig
@@ -317,3 +317,26 @@ def test_claimed_channel_state_files_are_recorded_as_claimed(tmp_path):
     urls = {f.path for f in (*base.files, *base.channel_state)}
     assert len(urls) == 2 and sorted(meta.properties["claimed"]) == sorted(urls)
     assert coord.claimed() == urls
+
+
+def test_an_ack_with_hostile_stats_is_refused_by_field_and_records_nothing(tmp_path):
+    """The stats an ack carries are checked field by field when it arrives (they are summed at
+    commit and in ks.info()): a wrong type is refused naming the field, and the ack is not taken."""
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=1, executors=1)
+    try:
+        rig.batch(0, {"a": 1})
+        handle = rig.storage.read_metadata(0).subtasks[0].to_json()
+        attempt = rig.dconn.request("state.begin", name="s", checkpoint_id=1)["attempt"]
+        coord = rig.states._states["s"].coordinator
+        for stats, field in (({"bytes": "lots"}, "bytes"), ({"sync_ms": -1.0}, "sync_ms"),
+                             ({"unaligned": 1}, "unaligned"), ({"restore": [1]}, "restore")):
+            with pytest.raises(InvalidRequestError, match=rf"state.ack stats: field '{field}'"):
+                rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, agent="x",
+                                  attempt=attempt, stats=stats)
+            assert coord.acked(1) == set()
+        rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, agent="x", attempt=attempt,
+                          stats={"bytes": 7, "sync_ms": 1.5})
+        reply = rig.dconn.request("state.commit", name="s", checkpoint_id=1, wait=10)
+        assert reply["stats"]["bytes"] == 7 and reply["stats"]["sync_ms"] == [1.5]
+    finally:
+        rig.close()

@@ -577,11 +577,7 @@ class StateService:
         agent = f.text("agent", default="", max_len=200)
         attempt = f.text("attempt", max_len=64)
         raw_stats = f.mapping("stats", default=None)
-        try:
-            stats = None if raw_stats is None else SubtaskStats.from_json(
-                raw_stats, f"the ack of subtask {handle.subtask} of checkpoint {cid}")
-        except StewardError as exc:
-            raise InvalidRequestError(f"{f.op}: {exc}") from None
+        stats = None if raw_stats is None else SubtaskStats.from_fields(Fields({**raw_stats, "op": f"{f.op} stats"}))
         self._heard(agent)
         with st.lock:
             st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt, stats=stats)

@@ -1,14 +1,14 @@
-"""The stats of a checkpoint: what each subtask's ack reports (:class:`SubtaskStats`, validated when
-the ack arrives) and their sum per checkpoint (:func:`summarize`, the ``stats`` of a commit's reply and
-the ``checkpoints`` of ``ks.info()``)."""
+"""The stats of a checkpoint: what each subtask's ack reports (:class:`SubtaskStats`, checked field by
+field when the ack arrives) and their sum per checkpoint (:func:`summarize`, the ``stats`` of a
+commit's reply and the ``checkpoints`` of ``ks.info()``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from sparksteward.errors import InvalidRecordError
+from sparksteward.wire.fields import Fields
 
 __all__ = ["SubtaskStats", "summarize"]
 
@@ -35,32 +35,20 @@ class SubtaskStats:
     unaligned: bool = False
     wal_bytes: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any], what: str) -> SubtaskStats:
-        """Validated stats of ``what`` (an ack); unknown keys are ignored, missing ones default."""
-        if not isinstance(raw, Mapping):
-            raise InvalidRecordError(f"the stats of {what} are not an object")
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name not in raw or raw[f.name] is None:
-                continue
-            v = raw[f.name]
-            if f.name == "restore":
-                ok = isinstance(v, dict)
-            elif f.name == "unaligned":
-                ok = isinstance(v, bool)
-            elif f.name in ("sync_ms", "flush_ms"):
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                v = float(v) if ok else v
-            else:   # counts (segments_written is a difference, so it is not bounded below)
-                ok = isinstance(v, int) and not isinstance(v, bool)
-            if not ok:
-                raise InvalidRecordError(f"the stats of {what}: {f.name}={str(v)[:80]!r} is not valid")
-            values[f.name] = v
-        return cls(**values)
+    def from_fields(cls, f: Fields) -> SubtaskStats:
+        """The stats an ack carries, each field checked by type (a bad one raises
+        :class:`~sparksteward.errors.InvalidRequestError` naming it); missing ones default."""
+        counts = {name: f.integer(name, default=0) for name in _COUNTS}   # no bound: segments_written
+        return cls(**counts,                                               # is a difference
+                   whole_files_uploaded=f.integer("whole_files_uploaded", default=None),
+                   sync_ms=float(f.number("sync_ms", default=0.0, lo=0)),
+                   flush_ms=float(f.number("flush_ms", default=0.0, lo=0)),
+                   restore=f.mapping("restore", default=None), unaligned=f.flag("unaligned", default=False))
+
+
+_COUNTS = ("files_uploaded", "bytes_uploaded", "segments_written", "files_reused", "files", "bytes",
+           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes")
 
 
 def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
