@@ -257,3 +257,29 @@ def test_workers_and_executor_side_connections_use_the_rpc_timeout(tmp_path):
         finally:
             sweeper.close()
             cache.close()
+
+
+def test_an_agent_serves_at_most_rpc_max_connections_at_once(tmp_path):
+    """spark.steward.rpc.max-connections bounds the authenticated connections an agent serves (the
+    executor agents keep idle ones to the driver agent): one over the bound waits for a slot, up to
+    rpc.timeout, and is then refused; once a connection closes, a new one is served."""
+    from sparksteward.errors import AgentUnavailableError
+
+    conf = {"spark.steward.state-dir": str(tmp_path / "state"), "spark.steward.rpc.max-connections": "2",
+            "spark.steward.rpc.timeout": "1s"}
+    with AgentProcess("driver", conf) as agent:
+        assert agent.ready, agent.first
+        held = [agent.connect(), agent.connect()]
+        try:
+            for conn in held:
+                conn.request("health")
+            third = agent.connect()
+            with pytest.raises(AgentUnavailableError, match="maximum number of connections"):
+                third.request("health")
+            third.close()
+            held.pop().close()
+            with agent.connect() as fourth:
+                assert fourth.request("health")["role"] == "driver"
+        finally:
+            for conn in held:
+                conn.close()

@@ -683,8 +683,7 @@ class StateService:
         now = time.monotonic()
         holders = set(st.coordinator.unsealed(cid).values())
         pending = st.coordinator.pending_checkpoint(cid)
-        working = pending.working if pending is not None else {}
-        opened = {i: a for i, a in working.items() if pending is not None and i not in pending.acks}
+        opened = {} if pending is None else {i: a for i, a in pending.working.items() if i not in pending.acks}
         with self._seen_lock:
             seen = dict(self._seen)
         silent = sorted(a for a in holders | set(opened.values()) if now - seen.get(a, now) > self.agent_timeout)
