@@ -14,8 +14,6 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -24,40 +22,66 @@ from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
 from sparksteward.jar import shim_jar
 from sparksteward import Steward
-tmp = tempfile.mkdtemp()
-os.environ["XDG_STATE_HOME"] = tmp + "/xdg"
-SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
-b = SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "8").config("spark.executor.memory", "1g").config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", ""))
-spark = sparksteward.configure(b).getOrCreate()
-st = Steward.get(spark)
-ks = st.keyed_state("p", key="k", parallelism=8, max_parallelism=128, checkpoint_dir=tmp + "/chk")
-def fn(keys, rows, state):
+
+
+ROWS = KEYS = 2000
+P, M = 8, 128
+WARM, MEASURED = 2, 5
+
+
+def add(keys, rows, state):
+    """The Arrow form: per key of the batch, the sum of ``v`` added to its state."""
     t = rows.group_by("k").aggregate([("v", "sum")])
-    ks_ = t.column("k").to_pylist()
-    old = state.get_many(ks_)
-    s = [(o or 0) + c for o, c in zip(old, t.column("v_sum").to_pylist())]
-    state.put_many(ks_, s)
-    return pa.table({"k": ks_, "s": pa.array(s, pa.int64())})
-run = ks.process(fn, "k string, s long", lambda out, cid: out.write.mode("overwrite").parquet(tmp + "/out"), form="arrow")
-rng = np.random.default_rng(1)
-def batch(cid):
-    df = spark.createDataFrame(pd.DataFrame({"k": [f"key-{i}" for i in rng.integers(0, 2000, 2000)], "v": rng.integers(0, 100, 2000)}))
-    run(df, cid)
-for cid in range(2):
-    batch(cid)
-time.sleep(1.5)
-h0 = st.health()
-N = 5
-t = time.perf_counter()
-for cid in range(2, 2 + N):
-    batch(cid)
-el = time.perf_counter() - t
-h1 = st.health()
-r0, r1 = h0.get("requests", {}), h1.get("requests", {})
-print(f"handshakes/batch {(h1.get('handshakes', 0) - h0.get('handshakes', 0)) / N:.1f}  batch {el / N * 1000:.0f} ms")
-for op in sorted(r1):
-    d = r1[op] - r0.get(op, 0)
-    if d:
-        print(f"  {op:20} {d / N:6.1f}/batch")
-spark.stop()
-shutil.rmtree(tmp, ignore_errors=True)
+    batch_keys = t.column("k").to_pylist()
+    old = state.get_many(batch_keys)
+    sums = [(o or 0) + c for o, c in zip(old, t.column("v_sum").to_pylist())]
+    state.put_many(batch_keys, sums)
+    return pa.table({"k": batch_keys, "s": pa.array(sums, pa.int64())})
+
+
+def main() -> int:
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    tmp = tempfile.mkdtemp(prefix="steward-bench-rt-")
+    os.environ["XDG_STATE_HOME"] = os.path.join(tmp, "xdg")   # never the user's default state dir
+    SparkContext._ensure_initialized(conf=SparkConf(loadDefaults=False).set("spark.jars", str(shim_jar())))
+    builder = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui.enabled", "false")
+               .config("spark.sql.shuffle.partitions", str(P)).config("spark.executor.memory", "1g")
+               .config("spark.executorEnv.PYTHONPATH", os.environ.get("PYTHONPATH", "")))
+    spark = sparksteward.configure(builder).getOrCreate()
+    try:
+        st = Steward.get(spark)
+        ks = st.keyed_state("p", key="k", parallelism=P, max_parallelism=M, checkpoint_dir=os.path.join(tmp, "chk"))
+        run = ks.process(add, "k string, s long", form="arrow",
+                         sink=lambda out, cid: out.write.mode("overwrite").parquet(os.path.join(tmp, "out")))
+        rng = np.random.default_rng(1)
+
+        def batch(cid: int) -> None:
+            rows = pd.DataFrame({"k": [f"key-{i}" for i in rng.integers(0, KEYS, ROWS)],
+                                 "v": rng.integers(0, 100, ROWS)})
+            run(spark.createDataFrame(rows), cid)
+
+        for cid in range(WARM):
+            batch(cid)
+        time.sleep(1.5)   # the warm-up's last heartbeats
+        before = st.health()
+        started = time.perf_counter()
+        for cid in range(WARM, WARM + MEASURED):
+            batch(cid)
+        elapsed = time.perf_counter() - started
+        after = st.health()
+    finally:
+        spark.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    handshakes = (after.get("handshakes", 0) - before.get("handshakes", 0)) / MEASURED
+    print(f"P={P} on local-cluster[2,1,1024], per batch: {handshakes:.1f} handshakes to the driver agent, "
+          f"batch {elapsed / MEASURED * 1000:.0f} ms")
+    for op, count in sorted(after.get("requests", {}).items()):
+        per = (count - before.get("requests", {}).get(op, 0)) / MEASURED
+        if per:
+            print(f"  {op:20} {per:6.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,12 +34,14 @@ from sparksteward.checkpoint.rescale import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.snapshot import WAL_FLUSH_BYTES
+from sparksteward.config import StewardConfig
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
 KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))
 M, P = 128, 8
 MB = 1 << 20
+#: the default spark.steward.state.wal-flush-size (read through the config, a path every version has)
+WAL_FLUSH_BYTES = StewardConfig.from_conf({}).state_wal_flush_size
 
 
 def checkpoint(coord, storage, backends, cid, snaps, stats):
