@@ -346,7 +346,7 @@ class JobService:
                  entry.source, len(result.cleanup))
         task = CleanupTask(result, entry.source)
         task.lease = job.lease
-        if self._schedule(task) is not task:
+        if self.scheduler.schedule(task) is not task:
             if job.lease is not None:
                 job.lease.release()
             return entry
@@ -443,13 +443,6 @@ class JobService:
         return written
 
     # --- cleanup scheduling --------------------------------------------------------------------
-    def _schedule(self, task: CleanupTask) -> CleanupTask | None:
-        with self._cond:
-            if self._closed:
-                log.warning("job %s: the job service is closed; its cleanup is left for the next driver", task.job_id)
-                return None
-        return self.scheduler.schedule(task)
-
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for every cleanup to end; True if none is left."""
         return self.scheduler.wait_idle(timeout)
@@ -505,7 +498,7 @@ class JobService:
             else:
                 log.info("job %s: finishing the cleanup a previous driver left (%d/%d steps done)", entry.job_id,
                          entry.result.steps_done, len(entry.result.cleanup))
-            if self._schedule(task) is task:
+            if self.scheduler.schedule(task) is task:
                 started.append(entry.job_id)
         return started
 
