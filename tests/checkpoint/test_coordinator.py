@@ -314,7 +314,7 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
     referenced = set()
     with s3.slow("DeleteObjects", 2.0):
         assert coord.abort(0) > 0
-        wait_until(lambda: coord._deleting, timeout=30, what="a delete in flight")
+        wait_until(lambda: coord.deleter.in_progress(), timeout=30, what="a delete in flight")
         coord.begin(0)
         for i in range(P):   # the same snapshot uploaded again: the same content-addressed paths
             snap = tmp_path / f"snap-0-a-{i}"

@@ -12,13 +12,23 @@ Not thread-safe: the coordinator's lock guards it.
 
 from __future__ import annotations
 
+import enum
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from sparksteward.checkpoint.records import SubtaskHandle
+from sparksteward.checkpoint.merging import is_merged
+from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.stats import SubtaskStats
 
-__all__ = ["PendingCheckpoint"]
+__all__ = ["AckResult", "PendingCheckpoint"]
+
+
+class AckResult(enum.Enum):
+    """How a pending checkpoint took an ack (a refused one raises instead)."""
+
+    ACKED = "acked"          # the subtask's first ack of this attempt
+    REPLACED = "replaced"    # another copy of the subtask (a retry, a speculative task) acked before: this one stands
 
 
 def _token() -> str:
@@ -58,3 +68,68 @@ class PendingCheckpoint:
     def missing(self, parallelism: int) -> list[int]:
         """The subtasks that have not acked this attempt."""
         return sorted(set(range(parallelism)) - set(self.acks))
+
+    # --- acks and seals ----------------------------------------------------------------------------
+    def take_files(self, uploaded: Iterable[str], merged: Iterable[str], agent: str, *, replaced: bool = False) -> None:
+        """Record what an ack uploaded, before it is checked further: even a refused ack's uploads
+        are deleted with the checkpoint's end unless referenced, and ``agent`` may seal the merged
+        files it listed. ``replaced``: the ack belongs to a replaced attempt, whose merged files the
+        current attempt's agent keeps writing if it listed them first."""
+        merged = list(merged)
+        self.uploaded.update(uploaded)
+        self.uploaded.update(merged)
+        for p in merged:
+            if replaced:
+                self.writers.setdefault(p, agent)
+                continue
+            self.writers[p] = agent
+            sealer, size = self.early.pop(p, ("", 0))
+            if sealer == agent:   # its agent sealed it before this ack arrived: the seal stands
+                self.sealed[p] = max(self.sealed.get(p, 0), size)
+
+    def acknowledge(self, handle: SubtaskHandle, merged: Iterable[str], agent: str,
+                    stats: SubtaskStats | None) -> AckResult:
+        """Take subtask ``handle.subtask``'s ack (checked by the coordinator); it clears a failure
+        reported for the same subtask, and a re-run keeps the first result's stats."""
+        result = AckResult.REPLACED if handle.subtask in self.acks else AckResult.ACKED
+        self.acks[handle.subtask] = handle
+        self.failures.pop(f"subtask {handle.subtask}", None)
+        if stats is not None and not self.rerun:
+            self.stats[handle.subtask] = stats
+        for p in merged:
+            if p not in self.sealed:
+                self.unsealed[p] = agent
+        return result
+
+    def foreign(self, files: Iterable[str], agent: str) -> list[str]:
+        """Those of ``files`` an ack of another agent than ``agent`` listed."""
+        return sorted(p for p in files if self.writers.get(p, agent) != agent)
+
+    def seal(self, files: Mapping[str, int], agent: str) -> None:
+        """``agent`` says ``files`` (merged path -> size) are durable. A file no ack listed yet (a seal
+        covers the agent's whole pool) counts once that agent's ack lists it."""
+        for p, size in files.items():
+            if p not in self.writers:
+                self.early[p] = (agent, int(size))
+                continue
+            self.unsealed.pop(p, None)
+            self.sealed[p] = max(self.sealed.get(p, 0), int(size))
+            self.uploaded.add(p)
+
+    def not_durable(self, base: CheckpointMetadata | None, sizes: Mapping[str, int]) -> set[str]:
+        """Merged files that a segment (state or channel state) of the current acks lies beyond the
+        durable size of: the largest a seal of this checkpoint or a retained record (``sizes``)
+        reported. ``across`` files grow across checkpoints, so a file a retained checkpoint holds
+        needs a seal again for the segments appended since; a checkpoint never completes pointing at
+        bytes that are missing or not synced. A segment the base itself references is durable (a
+        record written before sizes were checked may list a smaller size)."""
+        reused = {(f.path, f.offset, f.length) for f in base.files()} if base is not None else set()
+        out = set()
+        for h in self.acks.values():
+            for f in h.all_files:
+                if not is_merged(f.path) or f.path in out:
+                    continue
+                durable = max(self.sealed.get(f.path, -1), sizes.get(f.path, -1))
+                if f.offset + f.length > durable and (f.path, f.offset, f.length) not in reused:
+                    out.add(f.path)
+        return out
