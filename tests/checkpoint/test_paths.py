@@ -199,7 +199,7 @@ def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_pa
         with pytest.raises(StewardError, match=r"by executor agent 'y'.*are not merged files its acks listed"):
             rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="y", attempt=attempt,
                               files=[{"path": p, "size": 1 << 30} for p in merged])
-        assert rig.states._states["s"].coordinator.sealed_files(1) == {}
+        assert rig.states.registered("s").coordinator.sealed_files(1) == {}
         rig.dconn.request("state.abort", name="s", checkpoint_id=1)
         assert rig.storage.stored_files() == rig.referenced()
     finally:
@@ -223,7 +223,7 @@ def test_a_seal_of_a_replaced_attempt_records_nothing_and_a_seal_without_one_is_
         assert new != old
         rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, merged=merged, agent="x",
                           attempt=new)
-        coord = rig.states._states["s"].coordinator
+        coord = rig.states.registered("s").coordinator
         rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt=old, files=sizes)
         assert coord.sealed_files(1) == {}, "a replaced attempt's seal must not count for the current one"
         with pytest.raises(StewardError, match=r"field 'attempt'"):
@@ -327,7 +327,7 @@ def test_an_ack_with_hostile_stats_is_refused_by_field_and_records_nothing(tmp_p
         rig.batch(0, {"a": 1})
         handle = rig.storage.read_metadata(0).subtasks[0].to_json()
         attempt = rig.dconn.request("state.begin", name="s", checkpoint_id=1)["attempt"]
-        coord = rig.states._states["s"].coordinator
+        coord = rig.states.registered("s").coordinator
         for stats, field in (({"bytes": "lots"}, "bytes"), ({"sync_ms": -1.0}, "sync_ms"),
                              ({"unaligned": 1}, "unaligned"), ({"restore": [1]}, "restore")):
             with pytest.raises(InvalidRequestError, match=rf"state.ack stats: field '{field}'"):

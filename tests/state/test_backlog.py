@@ -105,7 +105,7 @@ def test_the_backlog_shows_a_growing_one_is_warned_and_a_drain_is_aligned_under_
     info = d.request("state.info", name="s")
     assert info["backlog"]["bytes"] == 0 and info["backlog"]["rows"] == 0 and info["drains"] == [6]
     assert d.request("state.begin", name="s", drain=True)["checkpoint_id"] is None   # nothing left to drain
-    assert DrainLog.read(rig.states._states["s"].coordinator.storage.location).drains == (6,)
+    assert DrainLog.read(rig.states.registered("s").coordinator.storage.location).drains == (6,)
 
     # Spark's next batch is 6: it gets checkpoint 7 and its own rows, not a re-run of the drain
     begun = d.request("state.begin", name="s", batch_id=6)

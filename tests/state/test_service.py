@@ -337,7 +337,7 @@ def test_the_deletes_of_a_commit_run_outside_the_states_lock(tmp_path, s3):
         assert done and done[0]["checkpoint_id"] == 2
         assert deleting and len(deletes) >= 2, (timings, len(deletes), "checkpoint 0 must be deleted, slowly")
         assert max(timings.values()) < 0.8, timings
-        assert not states._states["s"].coordinator.deleter.queued(), "the commit replies after its deletes"
+        assert not states.registered("s").coordinator.deleter.queued(), "the commit replies after its deletes"
         assert other.request("state.info", name="s")["retained"] == [1, 2]
     finally:
         for c in (dconn, other, econn):

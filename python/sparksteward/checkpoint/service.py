@@ -64,7 +64,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from sparksteward.checkpoint.backlog import GROWTH_WARNING, DrainLog, growth
@@ -73,18 +72,24 @@ from sparksteward.checkpoint.channel import AlignmentMode, AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.records import SubtaskHandle
-from sparksteward.checkpoint.rescale import check_max_parallelism
-from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from, write_savepoint
-from sparksteward.checkpoint.stats import SubtaskStats, summarize
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name, open_checkpoint
+from sparksteward.checkpoint.gateway import MAX_ID, CheckpointGateway
+from sparksteward.checkpoint.registration import (
+    StateTable,
+    CompletedStats,
+    RegisteredState,
+    Registration,
+    check_unregistered,
+    restore_on_register,
+)
+from sparksteward.checkpoint.restore import write_savepoint
+from sparksteward.checkpoint.stats import summarize
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.errors import (
     CheckpointError,
     CheckpointOrderError,
     InvalidRequestError,
     ParallelismError,
     StateLeaseError,
-    StateNotRegisteredError,
     StewardError,
 )
 from sparksteward.ids import validate_id
@@ -95,34 +100,7 @@ __all__ = ["StateService"]
 log = logging.getLogger("sparksteward.checkpoint.service")
 
 _MAX_WAIT = 7 * 86400.0
-_MAX_ID = (1 << 62)
 _MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
-
-
-@dataclass(frozen=True, slots=True)
-class _Completed:
-    """What the acks of a checkpoint completed in this application reported."""
-
-    per_subtask: dict[int, SubtaskStats]
-    merged_files_written: int = 0   # FLIP-306: the physical files its executor agents sealed
-
-    def summary(self, checkpoint_id: int) -> dict[str, Any]:
-        return summarize(checkpoint_id, self.per_subtask, self.merged_files_written)
-
-
-@dataclass
-class _State:
-    coordinator: CheckpointCoordinator
-    checkpoint_dir: str
-    completed: dict[int, _Completed] = field(default_factory=dict)   # the stats of checkpoints completed here
-    restore: dict[str, Any] | None = None  # what register did with restore_from
-    alignment: AlignmentOptions = AlignmentOptions()
-    lease: StateLease | None = None   # this application's writer lease on the state root
-    lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
-                                                                      # under it, never under the service's
-    overrides: dict[int, AlignmentOptions] = field(default_factory=dict)  # checkpoint -> its own alignment
-    drains: DrainLog = DrainLog()     # the ids drains took (read at registration)
-    warned: int | None = None         # the checkpoint whose growing backlog was last warned about
 
 
 class StateService:
@@ -138,12 +116,10 @@ class StateService:
         self.merging = merging or MergingOptions()
         self.alignment = alignment or AlignmentOptions()
         self.agent_timeout = agent_timeout
-        self._states: dict[str, _State] = {}
-        self._cond = threading.Condition()   # the states map and change notifications; never held over I/O
-        self._generation = 0                  # bumped by every change a waiter may be waiting for
+        self.table = StateTable()
+        self.gateway = CheckpointGateway(self.table, cluster_id)   # the ops executor agents call
+        self._registering_lock = threading.Lock()
         self._registering: dict[str, threading.Lock] = {}   # state name -> its first registration
-        self._seen_lock = threading.Lock()
-        self._seen: dict[str, float] = {}   # agent -> monotonic time its last request arrived
         self.lease_timeout = lease_timeout
         self.orphan_grace = orphan_grace
         self._application = application
@@ -163,8 +139,7 @@ class StateService:
         Thread-safe: the states are listed under the service's condition; each state's numbers are read
         under its own lock.
         """
-        with self._cond:
-            states = sorted(self._states.items())
+        states = sorted(self.table.all().items())
         out: dict[str, int | float] = {}
         for name, st in states:
             prefix = f"state.{name}.merged."
@@ -189,7 +164,7 @@ class StateService:
                     out[unaligned + "backlog_rows"] = backlog["rows"]
         return out
 
-    def _backlog(self, st: _State) -> dict[str, Any] | None:
+    def _backlog(self, st: RegisteredState) -> dict[str, Any] | None:
         """The channel state of the latest completed checkpoint (see checkpoint/backlog.py): its bytes
         (from the record), rows (from the acks, None unless acked in this application), the subtasks
         that hold some, and for how many consecutive checkpoints it grew."""
@@ -205,150 +180,89 @@ class StateService:
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
-                       "state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
                        "state.commit": self._op_commit, "state.abort": self._op_abort,
                        "state.info": self._op_info, "state.check": self._op_check,
-                       "state.savepoint": self._op_savepoint, "state.merge_poll": self._op_merge_poll,
-                       "state.sealed": self._op_sealed, "state.cut": self._op_cut}.items():
+                       "state.savepoint": self._op_savepoint}.items():
             server.add_handler(op, fn)
+        self.gateway.register_handlers(server)
+
+    def registered(self, name: str) -> RegisteredState:
+        """The state ``name`` open in this application (KeyError if it is not)."""
+        st = self.table.get(name)
+        if st is None:
+            raise KeyError(name)
+        return st
 
     # --- helpers -----------------------------------------------------------------------------
-    def _notify(self) -> None:
-        """Wake the waiters (commit, merge polls): something changed."""
-        with self._cond:
-            self._generation += 1
-            self._cond.notify_all()
-
-    def _wait(self, seen: int, timeout: float) -> int:
-        """Wait up to ``timeout`` for a change after generation ``seen``; return the generation now."""
-        with self._cond:
-            if self._generation == seen and timeout > 0:
-                self._cond.wait(timeout)
-            return self._generation
-
-    def _generation_now(self) -> int:
-        with self._cond:
-            return self._generation
-
-    def _heard(self, agent: str) -> None:
-        """An executor agent's request arrived: liveness is judged on arrival, never behind a lock."""
-        if agent:
-            with self._seen_lock:
-                self._seen[agent] = time.monotonic()
-
-    def _state(self, f: Fields) -> tuple[str, _State]:
-        name = f.text("name", max_len=200)
-        with self._cond:
-            st = self._states.get(name)
-        if st is None:
-            raise StateNotRegisteredError(f"keyed state {name!r} is not registered with the driver agent: create it "
-                                  f"with st.keyed_state({name!r}, key=...) first")
-        return name, st
-
     @staticmethod
-    def _checkpoint_id(f: Fields, st: _State, default: Any = None) -> int:
-        cid = f.integer("checkpoint_id", default=default, lo=0, hi=_MAX_ID)
+    def _checkpoint_id(f: Fields, st: RegisteredState, default: Any = None) -> int:
+        cid = f.integer("checkpoint_id", default=default, lo=0, hi=MAX_ID)
         if cid is None:
             last = st.coordinator.last_completed
             cid = 0 if last is None else last + 1
         return cid
 
-    def _reply_base(self, st: _State, cid: int, begun: Any) -> dict[str, Any]:
-        c = st.coordinator
-        alignment = st.overrides.get(cid, st.alignment)   # a drain: aligned, whatever the state's alignment
-        return {"checkpoint_id": cid, "rerun": begun.rerun, "attempt": begun.attempt,
-                "checkpoint_dir": st.checkpoint_dir,
-                "cluster_id": self.cluster_id, "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
-                "key_type": c.key_type.value, "base": None if begun.base is None else begun.base.to_json(),
-                "known": {k: list(v) for k, v in begun.known.items()}, "merging": c.merging.to_json(),
-                "alignment": alignment.to_json(),
-                "deadline_in": self._deadline_in(st, cid) if alignment.unaligned else None}
-
-    @staticmethod
-    def _deadline_in(st: _State, cid: int) -> float | None:
-        """Seconds until checkpoint ``cid``'s subtasks defer their input (unaligned), counted from the
-        start of its state stage: the first task's open of the attempt. Late waves get less; the
-        caller turns it into a deadline on its own clock (no cross-host clock comparison)."""
-        if not st.alignment.unaligned:
-            return None
-        started = st.coordinator.stage_started(cid)
-        return max(0.0, st.alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
-
     # --- ops ---------------------------------------------------------------------------------
     def _op_register(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name = f.text("name", max_len=200)
-        try:
-            validate_id(name, "state name")
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        checkpoint_dir = f.text("checkpoint_dir", default=None) or self.default_checkpoint_dir
-        parallelism = f.integer("parallelism", lo=1, hi=32768)
-        max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
-        key_type = f.text("key_type", max_len=16)
-        num_retained = f.integer("num_retained", default=1, lo=1, hi=10_000)
-        source = f.text("restore_from", default=None, max_len=4096) or None
-        claim_mode = self._claim_mode(f)
-        with self._cond:
-            st = self._states.get(name)
+        reg = Registration.from_fields(Fields(req), self.default_checkpoint_dir)
+        name = reg.name
+        with self._registering_lock:
+            st = self.table.get(name)
             first = self._registering.setdefault(name, threading.Lock()) if st is None else None
         if first is not None:   # the first registration: its storage I/O holds only this name's lock
             with first:
-                with self._cond:
-                    st = self._states.get(name)
+                st = self.table.get(name)
                 if st is None:
-                    st = self._register_new(f, name, checkpoint_dir, parallelism, max_parallelism, key_type,
-                                            num_retained, source, claim_mode)
-                    return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                            "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+                    st = self._register_new(reg)
+                    return self._registered(st, reg, st.restore)
         assert st is not None  # found registered, or registered while this waited for the name's lock
         with st.lock:
             # registered before: only settings to settle
             c = st.coordinator
-            _check_max_parallelism(name, c, max_parallelism)
-            if (checkpoint_dir, key_type) != (st.checkpoint_dir, c.key_type.value):
+            st.check_max_parallelism(name, reg.max_parallelism)
+            if (reg.checkpoint_dir, reg.key_type) != (st.checkpoint_dir, c.key_type.value):
                 raise CheckpointError(
                     f"keyed state {name!r} is already open in this application with checkpoint_dir="
                     f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                     f"key type {c.key_type.value}; open it with the same settings or use another name")
-            if parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
-                c.rescale(parallelism)
-            if f.mapping("alignment", default=None) is not None:  # another alignment from the next batch on
-                st.alignment = self._alignment(f)
-            if source and (st.restore is None or st.restore.get("source") != source):
-                note = (f"restore_from={source!r} is ignored: keyed state {name!r} is already open in this "
+            if reg.parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
+                c.rescale(reg.parallelism)
+            if reg.alignment is not None:  # another alignment from the next batch on
+                st.alignment = reg.alignment_of(self.alignment)
+            if reg.source and (st.restore is None or st.restore.get("source") != reg.source):
+                note = (f"restore_from={reg.source!r} is ignored: keyed state {name!r} is already open in this "
                         f"application")
                 log.warning("%s", note)
-                return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                        "restore": {"action": "ignored", "source": source, "note": note},
-                        "rescaled_from": self._rescaled_from(st, parallelism)}
+                return self._registered(st, reg, {"action": "ignored", "source": reg.source, "note": note})
+        return self._registered(st, reg, st.restore)
+
+    @staticmethod
+    def _registered(st: RegisteredState, reg: Registration, restore: dict[str, Any] | None) -> dict[str, Any]:
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                "restore": st.restore, "rescaled_from": self._rescaled_from(st, parallelism)}
+                "restore": restore, "rescaled_from": st.rescaled_from(reg.parallelism)}
 
-    def _register_new(self, f: Fields, name: str, checkpoint_dir: str, parallelism: int, max_parallelism: int,
-                      key_type: str, num_retained: int, source: str | None, claim_mode: ClaimMode) -> _State:
+    def _register_new(self, reg: Registration) -> RegisteredState:
         """Open a state this application has not registered: the lease, restore_from, the coordinator's
         recovery. Called under the name's registration lock only, so other states go on meanwhile."""
-        storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
-        merging = self._merging(f, storage)
-        alignment = self._alignment(f)
+        storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
+        merging = reg.merging_of(self.merging, storage)
+        alignment = reg.alignment_of(self.alignment)
         lease = self._acquire(storage)
         try:
-            restore = self._restore(storage, source, claim_mode, max_parallelism, key_type) if source else None
-            coord = CheckpointCoordinator(storage, parallelism, max_parallelism, key_type=key_type,
-                                          num_retained=num_retained, merging=merging, lease=lease,
+            restore = restore_on_register(storage, reg) if reg.source else None
+            coord = CheckpointCoordinator(storage, reg.parallelism, reg.max_parallelism, key_type=reg.key_type,
+                                          num_retained=reg.num_retained, merging=merging, lease=lease,
                                           orphan_grace=self.orphan_grace, background_deletes=True)
         except BaseException:
             lease.release()
             raise
         coord.flush_deletions()   # the start-up subsumption and sweep: done before the state is used
-        st = _State(coord, checkpoint_dir, restore=restore, alignment=alignment, lease=lease,
-                    drains=DrainLog.read(storage.location))
-        with self._cond:
-            self._states[name] = st
-        log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", name, parallelism, max_parallelism,
-                 key_type, storage.url)
+        st = RegisteredState(coord, reg.checkpoint_dir, restore=restore, alignment=alignment, lease=lease,
+                             drains=DrainLog.read(storage.location))
+        self.table.add(reg.name, st)
+        log.info("keyed state %s registered (P=%d, M=%d, %s keys, %s)", reg.name, reg.parallelism,
+                 reg.max_parallelism, reg.key_type, storage.url)
         return st
 
     # --- the writer lease --------------------------------------------------------------------
@@ -367,8 +281,7 @@ class StateService:
         """Renew every state's lease every third of the lease timeout; sweep old orphans when idle."""
         last_sweep = time.monotonic()
         while not self._closed.wait(self.lease_timeout / 3):
-            with self._cond:
-                states = list(self._states.values())
+            states = list(self.table.all().values())
             for st in states:
                 if st.lease is not None:
                     st.lease.renew()
@@ -385,82 +298,18 @@ class StateService:
         self._closed.set()
         if self._lease_thread is not None:
             self._lease_thread.join(10.0)
-        with self._cond:
-            states = list(self._states.values())
+        states = list(self.table.all().values())
         for st in states:
             st.coordinator.close()   # the queued deletes, under the lease
             if st.lease is not None:
                 st.lease.release()
 
-    @staticmethod
-    def _rescaled_from(st: _State, parallelism: int) -> int | None:
-        latest = max(st.coordinator.retained(), default=None)
-        checkpointed = None if latest is None else st.coordinator.completed(latest).parallelism
-        return checkpointed if checkpointed not in (None, parallelism) else None
-
-    def _alignment(self, f: Fields) -> AlignmentOptions:
-        """The state's alignment options (FLIP-76): the application's, with the request's overrides."""
-        given = f.mapping("alignment", default=None) or {}
-        try:
-            return AlignmentOptions.from_json({**self.alignment.to_json(), **given})
-        except StewardError as exc:
-            raise InvalidRequestError(f"{f.op}: {exc}") from None
-
-    def _merging(self, f: Fields, storage: CheckpointStorage) -> MergingOptions:
-        """The state's file-merging options: the application's, with the request's overrides."""
-        given = f.mapping("file_merging", default=None) or {}
-        try:
-            opts = MergingOptions.from_json({**self.merging.to_json(), **given})
-        except StewardError as exc:
-            raise InvalidRequestError(f"{f.op}: {exc}") from None
-        opts.check_store(storage.url, storage.location.is_local)
-        return opts
-
-    @staticmethod
-    def _claim_mode(f: Fields) -> ClaimMode:
-        value = f.text("claim_mode", default=None, max_len=32) or ClaimMode.NO_CLAIM.value
-        return ClaimMode.parse(value)
-
-    @staticmethod
-    def _restore(storage: CheckpointStorage, source: str, mode: ClaimMode, max_parallelism: int,
-                 key_type: str) -> dict[str, Any]:
-        """restore_from for a state being registered: ignored (with a note) when it has checkpoints of
-        its own; a no-op when its restored starting point already came from ``source`` in ``mode``."""
-        own = storage.checkpoint_ids()
-        if own:
-            note = (f"restore_from={source!r} is ignored: state {storage.state!r} already has checkpoint "
-                    f"{own[-1]} of its own, and a state continues from its latest checkpoint. Use a new state "
-                    f"name to start from {source!r}")
-            log.warning("%s", note)
-            return {"action": "ignored", "source": source, "note": note, "last_completed": own[-1]}
-        if storage.has_restored():
-            try:
-                props = storage.read_metadata(RESTORED).properties
-            except StewardError:
-                props = {}
-            if props.get("restored_from") == source and props.get("claim_mode") == mode.value:
-                log.info("state %s continues from its restored starting point %s", storage.state, source)
-                return {"action": "kept", "source": source, "claim_mode": mode.value}
-        dup = Duplicator()
-        started = time.monotonic()
-        meta = restore_from(source, storage, max_parallelism=max_parallelism, claim_mode=mode, key_type=key_type,
-                            duplicator=dup)
-        stats = dup.stats
-        out = {"action": "restored", "source": source, "claim_mode": mode.value,
-               "checkpoint_id": meta.checkpoint_id, "source_state": meta.properties.get("source_state"),
-               "files": len({f.path for f in meta.files()}), "bytes": meta.size,
-               "copied_server_side": stats.server_side, "linked": stats.linked,
-               "kernel_copied": stats.kernel_copied, "streamed": stats.streamed,
-               "bytes_streamed": stats.bytes_streamed, "seconds": round(time.monotonic() - started, 3)}
-        log.info("state %s restored from %s (%s): %s", storage.state, source, mode.value, out)
-        return out
-
     def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        name, st = self._state(f)
+        name, st = self.table.lookup(f)
         parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
         query = f.text("query", default=None, max_len=200) or None
-        batch = f.integer("batch_id", default=None, lo=0, hi=_MAX_ID)
+        batch = f.integer("batch_id", default=None, lo=0, hi=MAX_ID)
         drain = f.flag("drain", default=False)
         given = f.mapping("alignment", default=None)
         try:
@@ -506,7 +355,7 @@ class StateService:
         return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": alignment.unaligned,
                 "backlog_warning": warning, "attempt": begun.attempt}
 
-    def _drain_id(self, name: str, st: _State) -> int | None:
+    def _drain_id(self, name: str, st: RegisteredState) -> int | None:
         """The checkpoint id of a drain (the next after the last completed one), recorded in the
         state's drain record before it begins; None when the latest checkpoint has no backlog. Refused
         while a checkpoint is pending. The caller holds the state's lock, so no batch begins between the
@@ -527,175 +376,22 @@ class StateService:
         st.drains.write(c.storage.location)
         return cid
 
-    def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
-        group) and gets the cut that stands; ``overflow``: its channel state at that cut passes the byte
-        cap, so it processes everything."""
-        f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        subtask = f.integer("subtask", lo=0, hi=32768)
-        proposed = f.integer("cut", lo=0, hi=32768)
-        if f.integer("overflow", default=0, lo=0, hi=1):
-            return {"cut": st.coordinator.amend_cut(cid, subtask, proposed)}
-        return {"cut": st.coordinator.cut(cid, subtask, proposed)}
-
-    def _op_base(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        subtask = f.integer("subtask", default=None, lo=0, hi=32768)
-        agent = f.text("agent", default="", max_len=200)
-        routed = f.integer("parallelism", default=None, lo=1, hi=32768)
-        if routed is not None and routed != st.coordinator.parallelism:
-            raise ParallelismError(
-                f"the rows of checkpoint {cid} of keyed state {st.coordinator.storage.state!r} were routed to {routed} "
-                f"subtasks, but the state now has parallelism {st.coordinator.parallelism} (it was opened again with "
-                f"another parallelism): apply the batch again with the KeyedState of the latest st.keyed_state(...) call")
-        self._heard(agent)
-        with st.lock:  # one begin per checkpoint, even when every task asks at once
-            if cid in st.coordinator.pending():
-                begun = st.coordinator.base(cid)
-            else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
-                begun = st.coordinator.begin(cid, by_task=True)
-            if agent and subtask is not None:
-                st.coordinator.working_on(cid, subtask, agent)
-        cut = None if subtask is None else st.coordinator.cut(cid, subtask)   # FLIP-76: recorded by an earlier attempt
-        return {**self._reply_base(st, cid, begun), "cut": cut}
-
-    def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        handle = SubtaskHandle.from_json(f.mapping("handle"))
-        uploaded = req.get("uploaded") or []
-        if not isinstance(uploaded, list) or not all(isinstance(p, str) for p in uploaded):
-            raise InvalidRequestError(f"{f.op}: field 'uploaded' must be a list of paths")
-        merged = req.get("merged") or []
-        if not isinstance(merged, list) or not all(isinstance(p, str) for p in merged):
-            raise InvalidRequestError(f"{f.op}: field 'merged' must be a list of paths")
-        agent = f.text("agent", default="", max_len=200)
-        attempt = f.text("attempt", max_len=64)
-        raw_stats = f.mapping("stats", default=None)
-        stats = None if raw_stats is None else SubtaskStats.from_fields(Fields({**raw_stats, "op": f"{f.op} stats"}))
-        self._heard(agent)
-        with st.lock:
-            st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt, stats=stats)
-        self._notify()
-        return {}
-
-    def _op_fail(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        subtask = f.integer("subtask", lo=0, default=None)
-        message = f.text("message", default="")
-        attempt = f.text("attempt", max_len=64)
-        who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
-        with st.lock:
-            ignored = st.coordinator.fail(cid, attempt, who, message, subtask)
-        if ignored is not None:
-            log.info("ignoring a failure report of %s for checkpoint %d of %s: %s (%s)",
-                     who, cid, st.coordinator.storage.state, ignored, message)
-            return {"ignored": True}
-        self._notify()
-        return {"ignored": False}
-
-    def _op_merge_poll(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        agent = f.text("agent", max_len=200)
-        wait = f.number("wait", default=1.0, lo=0, hi=5.0)
-        pools = req.get("pools") or []
-        closed = req.get("closed") or []
-        working = req.get("working") or []
-        if not all(isinstance(x, list) and len(x) <= 100_000 for x in (pools, closed, working)):
-            raise InvalidRequestError(f"{f.op}: fields 'pools', 'closed' and 'working' must be lists")
-        asked = []
-        for p in pools:
-            pf = _sub(f, p)
-            asked.append((pf.text("name", max_len=200), pf.integer("checkpoint_id", lo=0, hi=_MAX_ID)))
-        busy = []
-        for w in working:
-            wf = _sub(f, w)
-            busy.append((wf.text("name", max_len=200), wf.integer("checkpoint_id", lo=0, hi=_MAX_ID),
-                         wf.integer("subtask", lo=0, hi=32768)))
-        self._heard(agent)   # on arrival: a state busy with storage I/O never makes an agent look silent
-        by_name: dict[str, set[str]] = {}
-        for c in closed:
-            cf = _sub(f, c)
-            by_name.setdefault(cf.text("name", max_len=200), set()).add(cf.text("path", max_len=300))
-        with self._cond:
-            states = dict(self._states)
-        for name, cid, subtask in busy:
-            if name in states:
-                with states[name].lock:
-                    states[name].coordinator.working_on(cid, subtask, agent)
-        for name, paths in by_name.items():
-            if name in states:
-                with states[name].lock:
-                    states[name].coordinator.files_closed(agent, paths)
-        deadline = time.monotonic() + wait
-        generation = self._generation_now()
-        while True:
-            actions = [self._seal_action(states, n, c) for n, c in asked]
-            left = deadline - time.monotonic()
-            if left <= 0 or any(a["action"] != "wait" for a in actions):
-                break
-            generation = self._wait(generation, left)
-        self._heard(agent)
-        pending = {n: set(states[n].coordinator.pending()) for n, _, _ in busy if n in states}
-        stale = sorted({(n, c) for n, c, _ in busy if n in pending and c not in pending[n]})
-        # the agent releases what it still holds open of those (a task killed before its upload)
-        return {"actions": actions, "stale": [{"name": n, "checkpoint_id": c} for n, c in stale]}
-
-    @staticmethod
-    def _seal_action(states: dict[str, _State], name: str, cid: int) -> dict[str, Any]:
-        """What the agent does with its pool of ``cid``; a seal carries the attempt it is for."""
-        st = states.get(name)
-        action = "discard" if st is None else st.coordinator.seal_wanted(cid)
-        out: dict[str, Any] = {"name": name, "checkpoint_id": cid, "action": action}
-        if st is not None and action == "seal":
-            out["attempt"] = st.coordinator.attempt(cid)
-        return out
-
-    def _op_sealed(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
-        agent = f.text("agent", max_len=200)
-        attempt = f.text("attempt", max_len=64)
-        files = req.get("files")
-        if not isinstance(files, list) or len(files) > 100_000:
-            raise InvalidRequestError(f"{f.op}: field 'files' must be a list of {{path, size}}")
-        sealed = {}
-        for x in files:
-            xf = _sub(f, x)
-            sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
-        self._heard(agent)
-        with st.lock:
-            st.coordinator.sealed(cid, sealed, agent, attempt)
-        self._notify()
-        return {}
-
-    def _silent_agents(self, st: _State, cid: int) -> tuple[list[str], list[int]]:
+    def _silent_agents(self, st: RegisteredState, cid: int) -> tuple[list[str], list[int]]:
         """Agents that have not polled for agent_timeout and hold merged files ``cid`` needs or
         opened a subtask of it that has not acked; and those subtasks."""
-        now = time.monotonic()
         holders = set(st.coordinator.unsealed(cid).values())
         pending = st.coordinator.pending_checkpoint(cid)
         opened = {} if pending is None else {i: a for i, a in pending.working.items() if i not in pending.acks}
-        with self._seen_lock:
-            seen = dict(self._seen)
-        silent = sorted(a for a in holders | set(opened.values()) if now - seen.get(a, now) > self.agent_timeout)
+        silent = self.table.silent(holders | set(opened.values()), self.agent_timeout)
         return silent, sorted(i for i, a in opened.items() if a in silent)
 
     def _op_commit(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        name, st = self._state(f)
+        name, st = self.table.lookup(f)
         wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
         wait = self.commit_timeout if wait is None else wait
         deadline = time.monotonic() + wait
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID, default=None)
+        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID, default=None)
         if cid is None:
             pending = st.coordinator.pending()
             if not pending:
@@ -706,8 +402,8 @@ class StateService:
         finally:   # the deletes it queued run outside this state's lock: its acks and seals go on meanwhile
             st.coordinator.flush_deletions()
 
-    def _complete_when_acked(self, st: _State, name: str, cid: int, wait: float, deadline: float) -> dict[str, Any]:
-        generation = self._generation_now()
+    def _complete_when_acked(self, st: RegisteredState, name: str, cid: int, wait: float, deadline: float) -> dict[str, Any]:
+        generation = self.table.generation()
         c = st.coordinator
         while True:
             with st.lock:   # this state only: another state's commit or heartbeat never waits on its I/O
@@ -723,7 +419,7 @@ class StateService:
                         waiting = str(exc)
                     else:
                         if pending is not None and not pending.rerun and pending.stats:
-                            st.completed[cid] = _Completed(dict(pending.stats), len(pending.sealed))
+                            st.completed[cid] = CompletedStats(dict(pending.stats), len(pending.sealed))
                             while len(st.completed) > _MAX_STATS:
                                 del st.completed[min(st.completed)]
                         done = st.completed.get(cid)
@@ -735,11 +431,11 @@ class StateService:
                     raise CheckpointError(f"{waiting}; waited {wait:g} s, so checkpoint {cid} was aborted "
                                           f"({deleted} uploaded files deleted). Apply the batch again "
                                           f"with the same checkpoint_id")
-            generation = self._wait(generation, min(left, 1.0))
+            generation = self.table.wait(generation, min(left, 1.0))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": c.retained(),
                 "path": c.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
 
-    def _abort_if_failed(self, st: _State, name: str, cid: int) -> None:
+    def _abort_if_failed(self, st: RegisteredState, name: str, cid: int) -> None:
         """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
         silent (the caller holds ``st.lock``)."""
         pending = st.coordinator.pending_checkpoint(cid)
@@ -764,54 +460,30 @@ class StateService:
 
     def _op_abort(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        _, st = self._state(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=_MAX_ID)
+        _, st = self.table.lookup(f)
+        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
         with st.lock:
             deleted = st.coordinator.abort(cid)
         st.coordinator.flush_deletions()
         return {"deleted": deleted}
 
     def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name = f.text("name", max_len=200)
-        try:
-            validate_id(name, "state name")
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        checkpoint_dir = f.text("checkpoint_dir", default=None) or self.default_checkpoint_dir
-        max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
-        source = f.text("restore_from", default=None, max_len=4096) or None
-        mode = self._claim_mode(f)
-        with self._cond:
-            st = self._states.get(name)
+        reg = Registration.from_fields(Fields(req), self.default_checkpoint_dir, check=True)
+        st = self.table.get(reg.name)
         if st is not None:  # open in this application: register settles the rest
-            _check_max_parallelism(name, st.coordinator, max_parallelism)
+            st.check_max_parallelism(reg.name, reg.max_parallelism)
             return {"registered": True, "last_completed": st.coordinator.last_completed,
                     "key_type": st.coordinator.key_type.value}
-        storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
-        self._merging(f, storage)
-        self._alignment(f)
-        own = storage.checkpoint_ids()
-        if own:
-            latest = storage.read_metadata(own[-1])
-            check_max_parallelism(latest, max_parallelism)
-            return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if source else None,
-                    "key_type": latest.key_type.value}
-        if source:
-            src, meta = open_checkpoint(source)
-            check_max_parallelism(meta, max_parallelism)
-            check_sources(src, meta, source)
-            return {"registered": False, "last_completed": None, "restore_from": mode.value,
-                    "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value}
-        return {"registered": False, "last_completed": None, "restore_from": None}
+        storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
+        return check_unregistered(reg, storage, self.merging, self.alignment)
 
     def _op_savepoint(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
         name = f.text("name", max_len=200)
         url = f.text("url", max_len=4096)
-        with self._cond:
-            st = self._states.get(name)
-            checkpoint_dirs = {self.default_checkpoint_dir, *(s.checkpoint_dir for s in self._states.values())}
+        states = self.table.all()
+        st = states.get(name)
+        checkpoint_dirs = {self.default_checkpoint_dir, *(s.checkpoint_dir for s in states.values())}
         if st is not None:
             with st.lock:
                 c = st.coordinator
@@ -852,7 +524,7 @@ class StateService:
 
     def _op_info(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        _, st = self._state(f)
+        _, st = self.table.lookup(f)
         c = st.coordinator
         backlog = self._backlog(st)
         with st.lock:
@@ -867,21 +539,6 @@ class StateService:
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),
                     "no_reuse": sorted(c.no_reuse())[:1000],
                     "checkpoints": [st.completed[cid].summary(cid) for cid in sorted(st.completed)]}
-
-
-def _sub(f: Fields, item: Any) -> Fields:
-    """Typed access to one element of a list field, named after the request's op."""
-    if not isinstance(item, dict):
-        raise InvalidRequestError(f"{f.op}: list element {str(item)[:80]!r} is not an object")
-    return Fields({**item, "op": f.op})
-
-
-def _check_max_parallelism(name: str, c: CheckpointCoordinator, max_parallelism: int) -> None:
-    if max_parallelism != c.max_parallelism:
-        raise ParallelismError(
-            f"keyed state {name!r} has max_parallelism={c.max_parallelism} and cannot be opened with "
-            f"max_parallelism={max_parallelism}: the max parallelism fixes the key groups and cannot change. "
-            f"Keep max_parallelism={c.max_parallelism} (any parallelism up to it works), or use another state name")
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

@@ -56,10 +56,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
+from sparksteward.checkpoint.messages import BaseReply
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
@@ -86,6 +86,7 @@ STATE_DIR_PREFIX = "state-"
 OPEN_TIMEOUT = 6 * 3600.0   # spark.steward.state.open-timeout
 _RELEASED_KEPT = 10_000     # released tokens remembered, so a late upload learns why
 #: ops to the driver agent that may arrive twice (sent again when a reused connection broke)
+_MAX_BASES = 64   # bases of recent attempts kept (one per state and checkpoint)
 _REPEATABLE = frozenset({"state.base", "state.cut", "state.merge_poll", "state.sealed", "state.fail"})
 
 
@@ -137,6 +138,7 @@ class SubtaskService:
         self._lock = threading.Lock()
         self._open: dict[str, _Open] = {}
         self._released: OrderedDict[str, str] = OrderedDict()   # token -> why the agent released it
+        self._bases: OrderedDict[tuple[str, int], BaseReply] = OrderedDict()   # (state, checkpoint) -> its base
         self.open_timeout = open_timeout
         self.clock = clock or SystemClock()
         self._closed = False
@@ -168,9 +170,8 @@ class SubtaskService:
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
         routed = f.integer("parallelism", default=None, lo=1)
-        base = self._driver("state.base", name=name, checkpoint_id=cid, subtask=subtask, agent=self.agent_id,
-                            parallelism=routed)
-        p, m = base["parallelism"], base["max_parallelism"]
+        base = self._base(name, cid, subtask, routed)
+        p, m = base.parallelism, base.max_parallelism
         if routed is not None and routed != p:
             raise ParallelismError(
                 f"the rows of checkpoint {cid} of keyed state {name!r} were routed to {routed} subtasks, but the "
@@ -178,15 +179,14 @@ class SubtaskService:
                 f"again with the KeyedState of the latest st.keyed_state(...) call")
         if subtask >= p:
             raise InvalidRequestError(f"{f.op}: subtask {subtask} is out of range for parallelism {p}")
-        storage = CheckpointStorage.open(base["checkpoint_dir"], name, base["cluster_id"])
-        meta = None if base["base"] is None else CheckpointMetadata.from_bytes(
-            orjson.dumps(base["base"]), f"the base of checkpoint {cid} of {name}")
+        storage = CheckpointStorage.open(base.checkpoint_dir, name, base.cluster_id)
+        meta = base.base
         token = uuid.uuid4().hex
         workdir = self.root / "work" / token
         replay_dir = self.root / "replay" / token
         try:
             backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                          key_type=base["key_type"])
+                                          key_type=base.key_type)
             backend.close()
             replay = self._replay(storage, meta, p, subtask, m, replay_dir) if meta is not None else []
         except BaseException:
@@ -196,12 +196,11 @@ class SubtaskService:
         restore = None
         if stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
-        known = {k: (v if isinstance(v, str) else (str(v[0]), int(v[1]))) for k, v in base["known"].items()}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
-                       known, key_group_range(m, p, subtask), restore,
-                       MergingOptions.from_json(base.get("merging")),
+                       base.known, key_group_range(m, p, subtask), restore,
+                       MergingOptions.from_json(base.merging),
                        self.root / "snapshots" / f"channel-{subtask}-{token}", replay_dir, self.clock.now(),
-                       str(base.get("attempt") or ""))
+                       base.attempt)
         with self._lock:
             if self._closed:
                 opened.delete()
@@ -212,10 +211,25 @@ class SubtaskService:
         self._release(older, f"subtask {subtask} of checkpoint {cid} opened on this executor agent, so no task "
                              f"uploads an older checkpoint's subtask any more")
         return {"token": token, "workdir": str(workdir), "snapshot": str(opened.snapshot), "parallelism": p,
-                "max_parallelism": m, "key_type": base["key_type"], "rerun": base["rerun"], "restore": restore,
-                "alignment": base.get("alignment"), "deadline_in": base.get("deadline_in"),
-                "channel": str(opened.channel), "replay": replay, "cut": base.get("cut"), "attempt": opened.attempt,
+                "max_parallelism": m, "key_type": base.key_type, "rerun": base.rerun, "restore": restore,
+                "alignment": base.alignment, "deadline_in": base.deadline_in,
+                "channel": str(opened.channel), "replay": replay, "cut": base.cut, "attempt": opened.attempt,
                 "replay_filter": meta is not None and meta.parallelism != p}
+
+    def _base(self, name: str, cid: int, subtask: int, routed: int | None) -> BaseReply:
+        """``state.base`` for one subtask; the base record of an attempt crosses the wire once per agent
+        (see :mod:`~sparksteward.checkpoint.messages`)."""
+        with self._lock:
+            held = self._bases.get((name, cid))
+        reply = self._driver("state.base", name=name, checkpoint_id=cid, subtask=subtask, agent=self.agent_id,
+                             parallelism=routed, have=held.attempt if held is not None else "")
+        base = BaseReply.from_reply(reply, held)
+        with self._lock:
+            self._bases[(name, cid)] = base
+            self._bases.move_to_end((name, cid))
+            while len(self._bases) > _MAX_BASES:
+                self._bases.popitem(last=False)
+        return base
 
     def _replay(self, storage: CheckpointStorage, meta: CheckpointMetadata, parallelism: int, subtask: int,
                 max_parallelism: int, dest: Path) -> list[dict[str, str]]:

@@ -1,0 +1,260 @@
+"""Opening a keyed state on the driver agent: the typed ``state.register`` / ``state.check`` request
+(:class:`Registration`), the settings it resolves against the application's, what ``restore_from``
+does for a state without checkpoints of its own, and what a state open in this application keeps
+(:class:`RegisteredState`). The :class:`~sparksteward.checkpoint.service.StateService` serves the ops.
+
+**restore_from.** When the state has no checkpoint of its own, ``restore_from`` is restored first
+(NO_CLAIM duplication or CLAIM, see :mod:`~sparksteward.checkpoint.restore`); when it has, it is
+ignored with a logged note: the state's latest checkpoint wins, as in Flink. A restored starting
+point that already came from the same source in the same mode is kept as it is.
+
+**Checks without writing.** :func:`check_unregistered` refuses a changed max parallelism of the
+state's own checkpoints, bad alignment or merging settings, and a ``restore_from`` that is not a
+usable checkpoint, before the first apply and without writing anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparksteward.checkpoint.backlog import DrainLog
+from sparksteward.checkpoint.channel import AlignmentOptions
+from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.lease import StateLease
+from sparksteward.checkpoint.merging import MergingOptions
+from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
+from sparksteward.checkpoint.stats import SubtaskStats, summarize
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
+from sparksteward.errors import InvalidRequestError, ParallelismError, StateNotRegisteredError, StewardError
+from sparksteward.ids import validate_id
+from sparksteward.wire import Fields
+
+__all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register"]
+
+log = logging.getLogger("sparksteward.checkpoint.registration")
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    """A ``state.register`` (or ``state.check``) request, read and bounded."""
+
+    name: str
+    checkpoint_dir: str
+    max_parallelism: int
+    parallelism: int = 0              # 0 in a check
+    key_type: str = ""                # "" in a check
+    num_retained: int = 1
+    source: str | None = None         # restore_from
+    claim_mode: ClaimMode = ClaimMode.NO_CLAIM
+    alignment: dict[str, Any] | None = None      # overrides of the application's alignment options
+    file_merging: dict[str, Any] | None = None   # overrides of the application's merging options
+    op: str = "state.register"
+
+    @classmethod
+    def from_fields(cls, f: Fields, default_checkpoint_dir: str, *, check: bool = False) -> Registration:
+        name = f.text("name", max_len=200)
+        try:
+            validate_id(name, "state name")
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
+        checkpoint_dir = f.text("checkpoint_dir", default=None) or default_checkpoint_dir
+        parallelism = 0 if check else f.integer("parallelism", lo=1, hi=32768)
+        max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
+        key_type = "" if check else f.text("key_type", max_len=16)
+        num_retained = 1 if check else f.integer("num_retained", default=1, lo=1, hi=10_000)
+        source = f.text("restore_from", default=None, max_len=4096) or None
+        mode = ClaimMode.parse(f.text("claim_mode", default=None, max_len=32) or ClaimMode.NO_CLAIM.value)
+        return cls(name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, parallelism=parallelism,
+                   key_type=key_type, num_retained=num_retained, source=source, claim_mode=mode,
+                   alignment=f.mapping("alignment", default=None), file_merging=f.mapping("file_merging", default=None),
+                   op=f.op)
+
+    def alignment_of(self, defaults: AlignmentOptions) -> AlignmentOptions:
+        """The state's alignment options (FLIP-76): the application's, with the request's overrides."""
+        try:
+            return AlignmentOptions.from_json({**defaults.to_json(), **(self.alignment or {})})
+        except StewardError as exc:
+            raise InvalidRequestError(f"{self.op}: {exc}") from None
+
+    def merging_of(self, defaults: MergingOptions, storage: CheckpointStorage) -> MergingOptions:
+        """The state's file-merging options: the application's, with the request's overrides."""
+        try:
+            opts = MergingOptions.from_json({**defaults.to_json(), **(self.file_merging or {})})
+        except StewardError as exc:
+            raise InvalidRequestError(f"{self.op}: {exc}") from None
+        opts.check_store(storage.url, storage.location.is_local)
+        return opts
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedStats:
+    """What the acks of a checkpoint completed in this application reported."""
+
+    per_subtask: dict[int, SubtaskStats]
+    merged_files_written: int = 0   # FLIP-306: the physical files its executor agents sealed
+
+    def summary(self, checkpoint_id: int) -> dict[str, Any]:
+        return summarize(checkpoint_id, self.per_subtask, self.merged_files_written)
+
+
+@dataclass
+class RegisteredState:
+    """A keyed state open in this application: its coordinator and what the service keeps beside it."""
+
+    coordinator: CheckpointCoordinator
+    checkpoint_dir: str
+    completed: dict[int, CompletedStats] = field(default_factory=dict)   # stats of checkpoints completed here
+    restore: dict[str, Any] | None = None  # what register did with restore_from
+    alignment: AlignmentOptions = AlignmentOptions()
+    lease: StateLease | None = None   # this application's writer lease on the state root
+    lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
+                                                                      # under it, never under the service's
+    overrides: dict[int, AlignmentOptions] = field(default_factory=dict)  # checkpoint -> its own alignment
+    drains: DrainLog = DrainLog()     # the ids drains took (read at registration)
+    warned: int | None = None         # the checkpoint whose growing backlog was last warned about
+
+    def rescaled_from(self, parallelism: int) -> int | None:
+        """The parallelism of the latest checkpoint, when the next one rescales from it."""
+        latest = max(self.coordinator.retained(), default=None)
+        checkpointed = None if latest is None else self.coordinator.completed(latest).parallelism
+        return checkpointed if checkpointed not in (None, parallelism) else None
+
+    def check_max_parallelism(self, name: str, max_parallelism: int) -> None:
+        c = self.coordinator
+        if max_parallelism != c.max_parallelism:
+            raise ParallelismError(
+                f"keyed state {name!r} has max_parallelism={c.max_parallelism} and cannot be opened with "
+                f"max_parallelism={max_parallelism}: the max parallelism fixes the key groups and cannot change. "
+                f"Keep max_parallelism={c.max_parallelism} (any parallelism up to it works), or use another "
+                f"state name")
+
+
+def restore_on_register(storage: CheckpointStorage, reg: Registration) -> dict[str, Any]:
+    """``restore_from`` for a state being registered (see the module docstring); what it did."""
+    assert reg.source is not None  # the caller's guard
+    source, mode = reg.source, reg.claim_mode
+    own = storage.checkpoint_ids()
+    if own:
+        note = (f"restore_from={source!r} is ignored: state {storage.state!r} already has checkpoint "
+                f"{own[-1]} of its own, and a state continues from its latest checkpoint. Use a new state "
+                f"name to start from {source!r}")
+        log.warning("%s", note)
+        return {"action": "ignored", "source": source, "note": note, "last_completed": own[-1]}
+    if storage.has_restored():
+        try:
+            props = storage.read_metadata(RESTORED).properties
+        except StewardError:
+            props = {}
+        if props.get("restored_from") == source and props.get("claim_mode") == mode.value:
+            log.info("state %s continues from its restored starting point %s", storage.state, source)
+            return {"action": "kept", "source": source, "claim_mode": mode.value}
+    dup = Duplicator()
+    started = time.monotonic()
+    meta = restore_from(source, storage, max_parallelism=reg.max_parallelism, claim_mode=mode,
+                        key_type=reg.key_type, duplicator=dup)
+    stats = dup.stats
+    out = {"action": "restored", "source": source, "claim_mode": mode.value,
+           "checkpoint_id": meta.checkpoint_id, "source_state": meta.properties.get("source_state"),
+           "files": len({f.path for f in meta.files()}), "bytes": meta.size,
+           "copied_server_side": stats.server_side, "linked": stats.linked,
+           "kernel_copied": stats.kernel_copied, "streamed": stats.streamed,
+           "bytes_streamed": stats.bytes_streamed, "seconds": round(time.monotonic() - started, 3)}
+    log.info("state %s restored from %s (%s): %s", storage.state, source, mode.value, out)
+    return out
+
+
+def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: MergingOptions,
+                       alignment: AlignmentOptions) -> dict[str, Any]:
+    """``state.check`` of a state not open in this application (see the module docstring)."""
+    reg.merging_of(merging, storage)
+    reg.alignment_of(alignment)
+    own = storage.checkpoint_ids()
+    if own:
+        latest = storage.read_metadata(own[-1])
+        check_max_parallelism(latest, reg.max_parallelism)
+        return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
+                "key_type": latest.key_type.value}
+    if reg.source:
+        src, meta = open_checkpoint(reg.source)
+        check_max_parallelism(meta, reg.max_parallelism)
+        check_sources(src, meta, reg.source)
+        return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
+                "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value}
+    return {"registered": False, "last_completed": None, "restore_from": None}
+
+
+class StateTable:
+    """The keyed states open in this application, shared by the ops the driver calls
+    (:class:`~sparksteward.checkpoint.service.StateService`) and those executor agents call
+    (:class:`~sparksteward.checkpoint.gateway.CheckpointGateway`), with the change notifications their
+    waiters (a commit, a merge poll) wait on and the time each executor agent was last heard from.
+
+    Thread-safe. Its condition guards only the map and the generation and is never held over I/O:
+    each state's own lock guards that state.
+    """
+
+    def __init__(self) -> None:
+        self._states: dict[str, RegisteredState] = {}
+        self._cond = threading.Condition()
+        self._generation = 0                  # bumped by every change a waiter may be waiting for
+        self._seen_lock = threading.Lock()
+        self._seen: dict[str, float] = {}     # agent -> monotonic time its last request arrived
+
+    def get(self, name: str) -> RegisteredState | None:
+        with self._cond:
+            return self._states.get(name)
+
+    def add(self, name: str, st: RegisteredState) -> None:
+        with self._cond:
+            self._states[name] = st
+
+    def all(self) -> dict[str, RegisteredState]:
+        with self._cond:
+            return dict(self._states)
+
+    def lookup(self, f: Fields) -> tuple[str, RegisteredState]:
+        """The state a request names (field ``name``), or a clear error when it is not open here."""
+        name = f.text("name", max_len=200)
+        st = self.get(name)
+        if st is None:
+            raise StateNotRegisteredError(f"keyed state {name!r} is not registered with the driver agent: create it "
+                                          f"with st.keyed_state({name!r}, key=...) first")
+        return name, st
+
+    # --- change notifications ----------------------------------------------------------------------
+    def notify(self) -> None:
+        """Wake the waiters (commit, merge polls): something changed."""
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` for a change after generation ``seen``; return the generation now."""
+        with self._cond:
+            if self._generation == seen and timeout > 0:
+                self._cond.wait(timeout)
+            return self._generation
+
+    def generation(self) -> int:
+        with self._cond:
+            return self._generation
+
+    # --- executor agents' liveness -----------------------------------------------------------------
+    def heard(self, agent: str) -> None:
+        """An executor agent's request arrived: liveness is judged on arrival, never behind a lock."""
+        if agent:
+            with self._seen_lock:
+                self._seen[agent] = time.monotonic()
+
+    def silent(self, agents: set[str], timeout: float) -> list[str]:
+        """Those of ``agents`` not heard from for ``timeout`` seconds (never heard: not silent)."""
+        now = time.monotonic()
+        with self._seen_lock:
+            seen = dict(self._seen)
+        return sorted(a for a in agents if now - seen.get(a, now) > timeout)
