@@ -42,7 +42,8 @@ def test_nothing_imports_the_agents():
 #: one, and never sideways between blob/, jobs/ and checkpoint/ (lazy and type-only imports count).
 CORE = {"errors", "config", "ids", "clock", "owner", "storage", "wire", "protocol", "hashing", "tables",
         "rendezvous", "worker", "libraries"}
-API = {"client", "session", "jobscope", "keyed_state", "routing", "jar", "daemon", "cli", "__init__", "__main__"}
+API = {"client", "session", "jobscope", "keyed_state", "keyed_tasks", "routing", "jar", "daemon", "cli", "__init__",
+       "__main__"}
 LAYERS = {"core": 0, "state": 1, "checkpoint": 2, "blob": 2, "jobs": 2, "api": 3, "agents": 4}
 
 

@@ -20,6 +20,9 @@ from the same state), runs the user function, takes the sync-phase snapshot and 
 executor agent, which uploads it and acks the driver agent's coordinator. ``commit(N)`` waits for the
 P acks and completes N. pyspark is imported lazily.
 
+This module is the driver's side; what runs in the Python workers (the ``mapInArrow`` functions of
+a batch and of ``read(distributed=True)``) is :mod:`sparksteward.keyed_tasks`.
+
 ``restore_from`` is restored by the driver agent when the state is registered (by
 ``Steward.keyed_state`` itself, which knows the key type from the checkpoint) and has no checkpoint
 of its own: NO_CLAIM duplicates the files into this state's directory (S3
@@ -49,25 +52,19 @@ refused from then on; another max parallelism is refused with
 
 from __future__ import annotations
 
-import itertools
 import logging
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import orjson
-
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
+from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_values, subtask_fn
 
 __all__ = ["KeyedState"]
 
 log = logging.getLogger("sparksteward.keyed_state")
 
 _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
-_ROUTE_COL = "__steward_subtask"
-_KG_COL = "__steward_key_group"   # unaligned states: the key group the task sorts its new input by
 _KEY_SQL = {"string": "string", "long": "bigint", "int": "int", "binary": "binary"}
 _BATCH_LOCKS: dict[str, threading.Lock] = {}   # state name -> held while a batch or a drain of it runs
 _BATCH_LOCKS_GUARD = threading.Lock()
@@ -96,151 +93,6 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         return struct, to_arrow_schema(struct)
     except Exception as exc:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
-
-
-def _unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
-                     propose: Callable[[int, bool], int], what: str) -> tuple[Iterator[Any], Any, dict[str, int]]:
-    """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
-    and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
-    another attempt recorded), both in key-group order, and the rows from the cut on go to a
-    channel-state writer instead (returned, for the caller to close). See
-    :mod:`sparksteward.checkpoint.cut`."""
-    import time
-
-    from sparksteward.checkpoint.channel import (
-        AlignmentMode,
-        AlignmentOptions,
-        ChannelStateWriter,
-        read_channel_state,
-        replay,
-    )
-    from sparksteward.checkpoint.cut import iter_cut, merge_by_key_group
-    from sparksteward.state.keygroups import key_groups
-
-    sources = [(r["name"], r["path"]) for r in opened.get("replay") or []]
-    if sources and opened.get("replay_filter"):
-        replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
-    else:
-        replayed = (b for n, path in sources for b in read_channel_state(path, n))
-    replayed, batches = _one_schema(replayed, batches, what)
-    alignment = AlignmentOptions.from_json(opened.get("alignment"))
-    cut = opened.get("cut")
-    deadline_in = opened.get("deadline_in")
-    deadline = time.monotonic() + float(deadline_in or 0)
-    writer = None
-    counters: dict[str, int] = {}
-    if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < kg.stop):
-        cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
-        writer = ChannelStateWriter(opened["channel"], max_bytes=cap)
-    if writer is None:   # aligned: everything, with no key-group column to drop when none was added
-        source = itertools.chain(replayed, (b.drop_columns([_KG_COL]) if _KG_COL in b.schema.names else b
-                                            for b in batches))
-        return _count_rows(source, counters), None, counters
-    passed = None if cut is not None or deadline_in is None else (lambda: time.monotonic() >= deadline)
-
-    def groups_of(batch: Any) -> Any:
-        import pyarrow as pa
-
-        return pa.array(key_groups(batch.column(key).to_pylist(), m, opened["key_type"]), pa.int32())
-
-    merged = merge_by_key_group(replayed, batches, kg_column=_KG_COL, key_groups=groups_of)
-    return (iter_cut(merged, kg_column=_KG_COL, start=kg.start, stop=kg.stop, cut=cut, deadline_passed=passed,
-                     propose=propose, writer=writer, counters=counters, what=what), writer, counters)
-
-
-def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> tuple[Iterator[Any], Iterator[Any]]:
-    """``replayed`` and ``batches`` as they are, but a new row whose columns (names and types) differ
-    from those of the replayed channel state raises :class:`StateError`: the deferred rows of an
-    unaligned batch and the new input of another schema cannot be processed by one function."""
-    seen: list[Any] = []
-
-    def first(source: Iterator[Any]) -> Iterator[Any]:
-        for b in source:
-            if b.num_rows and not seen:
-                seen.append(b.schema)
-            yield b
-
-    def columns(schema: Any) -> list[tuple[str, Any]]:
-        return [(f.name, f.type) for f in schema if f.name != _KG_COL]
-
-    def checked(source: Iterator[Any]) -> Iterator[Any]:
-        for b in source:
-            if b.num_rows and seen and columns(b.schema) != columns(seen[0]):
-                old = ", ".join(f"{n} {t}" for n, t in columns(seen[0]))
-                new = ", ".join(f"{n} {t}" for n, t in columns(b.schema))
-                raise StateError(
-                    f"{what}: its new input has columns ({new}), but the rows an unaligned batch deferred into "
-                    f"the base checkpoint (channel state, processed first) have columns ({old}); one function "
-                    f"cannot process both. Drain the deferred rows with an aligned batch (ks.drain(...)) before "
-                    f"changing the input schema, then apply the new input")
-            yield b
-
-    return first(replayed), checked(batches)
-
-
-def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any]:
-    counters.update(rows_processed=0, rows_deferred=0, unaligned=0)
-    for batch in source:
-        counters["rows_processed"] += batch.num_rows
-        yield batch
-
-
-def _subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
-                form: str, parallelism: int | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
-
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
-        from pyspark import TaskContext
-
-        from sparksteward.state.backend import RocksDBStateBackend
-        from sparksteward.state.keygroups import key_group_range
-        from sparksteward.state.runner import run_arrow, run_pandas
-        from sparksteward.worker import executor_connection
-
-        ctx = TaskContext.get()
-        assert ctx is not None  # mapInArrow runs this in a task
-        subtask = ctx.partitionId()
-        conn = executor_connection()
-        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
-                              parallelism=parallelism)
-        token = opened["token"]
-        uploaded = False
-        writer = None
-        try:
-            p, m = opened["parallelism"], opened["max_parallelism"]
-            kg = key_group_range(m, p, subtask)
-            backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
-            try:
-                runner = run_arrow if form == "arrow" else run_pandas
-                cleaned = (b.drop_columns([_ROUTE_COL]) if _ROUTE_COL in b.schema.names else b for b in batches)
-
-                def propose(cut: int, overflow: bool) -> int:
-                    return conn.request("state.cut", token=token, cut=cut, overflow=int(overflow))["cut"]
-
-                source, writer, counters = _unaligned_input(
-                    opened, cleaned, key, kg, m, propose,
-                    f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-                yield from runner(source, key, fn, backend, schema)
-                channel = writer.close() if writer is not None else None
-                writer = None
-                snap = backend.snapshot(opened["snapshot"])  # the sync phase
-            finally:
-                backend.close()
-            counters["channel_bytes"] = channel.bytes if channel is not None else 0
-            counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
-            conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,
-                         counters=counters)  # the async phase
-            uploaded = True
-        finally:
-            if writer is not None:
-                writer.abort()
-            if not uploaded:
-                try:
-                    conn.request("state.release", token=token)
-                except Exception:  # noqa: BLE001 - the task's own error matters more
-                    pass
-
-    return run
 
 
 def _streaming_query(df: Any) -> str | None:
@@ -373,17 +225,17 @@ class KeyedState:
         if cid is None:
             return None, None
         p = self.parallelism
-        routed = df.withColumn(_ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
+        routed = df.withColumn(ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
         if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/cut.py);
             # computed before the exchange: no node may sit between it and mapInArrow, or AQE drops the
             # state stage of an empty batch, whose subtasks must still replay and checkpoint
-            routed = routed.withColumn(_KG_COL, F.expr(key_group_sql(self.key, self.max_parallelism)).cast("int"))
+            routed = routed.withColumn(KG_COL, F.expr(key_group_sql(self.key, self.max_parallelism)).cast("int"))
         if hasattr(routed, "repartitionById"):
-            routed = routed.repartitionById(p, _ROUTE_COL)
+            routed = routed.repartitionById(p, ROUTE_COL)
         else:
-            routed = routed.withColumn(_ROUTE_COL, F.expr(route_sql(_ROUTE_COL, p))).repartition(p, _ROUTE_COL)
+            routed = routed.withColumn(ROUTE_COL, F.expr(route_sql(ROUTE_COL, p))).repartition(p, ROUTE_COL)
         self.last_checkpoint_id = cid
-        return routed.mapInArrow(_subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct), cid
+        return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
@@ -578,62 +430,7 @@ class KeyedState:
             from pyspark.sql.pandas.types import to_arrow_schema
 
             n = len(meta["subtasks"])
-            fn = _read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta, to_arrow_schema(schema))
+            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta, to_arrow_schema(schema))
             return spark.range(0, n, 1, n).mapInArrow(fn, schema)
-        rows = _read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
+        rows = read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
         return spark.createDataFrame(rows, schema)
-
-
-def _read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-             arrow_schema: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The ``mapInArrow`` function of a distributed read: each input row is a subtask index."""
-
-    def run(batches: Iterator[Any]) -> Iterator[Any]:
-        import pyarrow as pa
-
-        for batch in batches:
-            for index in batch.column(0).to_pylist():
-                rows = _read_values(checkpoint_dir, name, cluster_id, meta_json, subtasks=[index])
-                for start in range(0, len(rows), 65536):
-                    chunk = rows[start:start + 65536]
-                    yield pa.RecordBatch.from_arrays(
-                        [pa.array([r[0] for r in chunk], arrow_schema.field(0).type),
-                         pa.array([r[1] for r in chunk], arrow_schema.field(1).type)], schema=arrow_schema)
-
-    return run
-
-
-def _read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-                 subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
-    """Every (key, JSON value) of the default value state of a completed checkpoint (of the given
-    ``subtasks``, default all), restored into a scratch dir of this process."""
-    from sparksteward.checkpoint.cache import LocalFileCache
-    from sparksteward.checkpoint.records import CheckpointMetadata
-    from sparksteward.checkpoint.rescale import restore_subtask_backend
-    from sparksteward.checkpoint.storage import CheckpointStorage
-    from sparksteward.state.encoding import KIND_VALUE, decode_value, split_key
-    from sparksteward.state.keygroups import _INT, _LONG, KeyType
-    from sparksteward.state.runner import DEFAULT_STATE
-
-    storage = CheckpointStorage.open(checkpoint_dir, name, cluster_id)
-    meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
-    decode_key = {KeyType.STRING: lambda b: b.decode("utf-8"), KeyType.BINARY: bytes,
-                  KeyType.LONG: lambda b: _LONG.unpack(b)[0], KeyType.INT: lambda b: _INT.unpack(b)[0]}[meta.key_type]
-    tmp = tempfile.mkdtemp(prefix="steward-read-")
-    rows: list[tuple[Any, str]] = []
-    try:
-        cache = LocalFileCache(f"{tmp}/cache")
-        for handle in meta.subtasks:
-            if subtasks is not None and handle.subtask not in subtasks:
-                continue
-            backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
-            try:
-                for raw_key, raw_value in backend.iter_raw():
-                    _, kind, state_name, kb, _ = split_key(raw_key)
-                    if kind == KIND_VALUE and state_name == DEFAULT_STATE:
-                        rows.append((decode_key(kb), orjson.dumps(decode_value(raw_value)).decode()))
-            finally:
-                backend.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return rows

@@ -172,10 +172,10 @@ class Cluster:
         return self.storage.stored_files() | self.storage.staged_files()
 
     def values(self, cid: int) -> dict[str, int]:
-        from sparksteward.keyed_state import _read_values
+        from sparksteward.keyed_tasks import read_values
 
         meta = self.storage.read_metadata(cid)
-        return {k: int(v) for k, v in _read_values(self.checkpoint_dir, "s", self.cluster_id, meta.to_json())}
+        return {k: int(v) for k, v in read_values(self.checkpoint_dir, "s", self.cluster_id, meta.to_json())}
 
 
 def deltas(n: int) -> list[dict[str, int]]:

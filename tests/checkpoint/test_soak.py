@@ -393,7 +393,7 @@ class Soak:
     def check_checkpoints(self, when: str) -> dict[int, dict]:
         """Every retained checkpoint restores to the values of the rows its batches emitted, and every
         file it references is in the bucket, long enough."""
-        from sparksteward.keyed_state import _read_values
+        from sparksteward.keyed_tasks import read_values
 
         metas = self.metadata()
         stored = self.stored()
@@ -408,7 +408,7 @@ class Soak:
                                   f"{f['name']}, bytes {f.get('offset', 0)}+{f['length']}), which is "
                                   f"{'missing' if size is None else f'only {size} B'} in the bucket")
             values = {k: tuple(orjson.loads(v)[x] for x in ("n", "s"))
-                      for k, v in _read_values(self.chk, NAME, CLUSTER, doc)}
+                      for k, v in read_values(self.chk, NAME, CLUSTER, doc)}
             want = self.expected_state(cid)
             if values != want:
                 self.fail(f"{when}: checkpoint {cid} restores to other values than the rows batches <= {cid} "

@@ -61,9 +61,9 @@ class MergingRig:
         self.p = parallelism
 
     def values(self, meta: CheckpointMetadata) -> dict[str, int]:
-        from sparksteward.keyed_state import _read_values
+        from sparksteward.keyed_tasks import read_values
 
-        return {k: int(v) for k, v in _read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
+        return {k: int(v) for k, v in read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
 
     def referenced(self) -> set[str]:
         return {f.path for cid in self.storage.checkpoint_ids() for f in self.storage.read_metadata(cid).files()}

@@ -17,7 +17,7 @@ from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CorruptRecordError, StateError, StewardError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.keyed_state import _KG_COL, _unaligned_input
+from sparksteward.keyed_tasks import KG_COL, unaligned_input
 from sparksteward.state.keygroups import KeyGroupRange, key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
 
@@ -151,8 +151,8 @@ def test_a_new_input_schema_while_rows_are_deferred_is_refused_naming_the_fix(tm
 
     def feed(batch):
         if unaligned:   # the task adds the key-group column to an unaligned state's new input
-            batch = batch.append_column(_KG_COL, pa.array([1] * batch.num_rows, pa.int32()))
-        source, writer, _ = _unaligned_input(opened, iter([batch]), "k", KeyGroupRange(0, M), M,
+            batch = batch.append_column(KG_COL, pa.array([1] * batch.num_rows, pa.int32()))
+        source, writer, _ = unaligned_input(opened, iter([batch]), "k", KeyGroupRange(0, M), M,
                                              lambda cut, overflow: cut, "subtask 0 of checkpoint 4 of keyed state 's'")
         try:
             return [b.num_rows for b in source]

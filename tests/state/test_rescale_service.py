@@ -61,9 +61,9 @@ class App:
 
 
 def values(tmp: Path, meta: dict) -> dict[str, int]:
-    from sparksteward.keyed_state import _read_values
+    from sparksteward.keyed_tasks import read_values
 
-    return {k: int(v) for k, v in _read_values(str(tmp / "chk"), "s", "c1", meta)}
+    return {k: int(v) for k, v in read_values(str(tmp / "chk"), "s", "c1", meta)}
 
 
 def assert_read_only_overlaps(stats: dict, old: dict, new_parallelism: int) -> None:

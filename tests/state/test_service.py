@@ -73,9 +73,9 @@ def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
     assert subtasks.open_subtasks() == 0
     assert not any((subtasks.root / "work").iterdir())
     # the values are those of exactly two applications
-    from sparksteward.keyed_state import _read_values
+    from sparksteward.keyed_tasks import read_values
 
-    got = dict(_read_values(str(tmp / "chk"), "s", "c1", meta))
+    got = dict(read_values(str(tmp / "chk"), "s", "c1", meta))
     assert {k: int(v) for k, v in got.items()} == {k: 2 * v for k, v in keys.items()}
 
 

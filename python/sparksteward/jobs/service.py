@@ -15,8 +15,10 @@ lease is held: a live run is finishing them.
 
 Storing the result. ``finish`` retries a failing store under the cleanup retry policy, for at most
 the shutdown timeout. If the store is still failing, the result is spooled locally (versioned JSON,
-see :mod:`sparksteward.jobs.spool`) and ``finish`` returns it dirty; the next JobService on this host writes spooled results to the store in :meth:`recover`,
-before anything else, and ``begin`` refuses a job id whose result is spooled.
+see :mod:`sparksteward.jobs.spool`) and ``finish`` returns it dirty; the next JobService on this host
+writes spooled results to the store in :meth:`recover`, before anything else, and ``begin`` refuses a
+job id whose result is spooled. The service's :class:`~sparksteward.jobs.delivery.ResultDelivery` does
+the storing, the spooling and the writing of spooled results.
 
 Cleanup runs on the threads of a :class:`~sparksteward.jobs.scheduler.CleanupScheduler`, so nothing
 blocks the caller's thread on cleanup I/O (FLINK-27204).
@@ -33,14 +35,14 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable, Set
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparksteward.errors import (CorruptRecordError, JobAlreadyCompleted, JobResultExistsError, JobStoreError,
-                                 StewardError, StorageError)
+from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
 from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import CleanupRunner, CleanupTask
+from sparksteward.jobs.delivery import ResultDelivery
 from sparksteward.jobs.pathguard import protect_path
 from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, JobResult, JobResultEntry,
                                       JobStatus, SparkJobOutcome)
@@ -58,7 +60,7 @@ log = logging.getLogger("sparksteward.jobs.service")
 
 KINDS = ("scoped", "application")
 MAX_REASON = 4000
-"""Seconds ``close`` waits, after stopping, for threads still inside a cleanup step."""
+"""Characters of a Spark job's failure reason kept in the result."""
 
 
 def new_run_id() -> str:
@@ -143,6 +145,7 @@ class JobService:
         self._closed = False
         self.spool = (None if spool_dir is None
                       else ResultSpool(spool_dir, self.cluster_id, str(getattr(store, "url", repr(store)))))
+        self.delivery = ResultDelivery(store, self.runner, self.spool, self.cluster_id)
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
@@ -201,7 +204,7 @@ class JobService:
             if cleaning is None:
                 job.lease = self.store.lease(job_id, job.run_id)
             existing = self.store.get(job_id)
-            spooled = self.spool.for_job(job_id) if existing is None and self.spool is not None else []
+            spooled = self.delivery.spooled(job_id) if existing is None else []
             if existing is None and spooled and not force:
                 raise JobAlreadyCompleted(
                     f"job {job_id!r} (cluster {self.cluster_id!r}) already has a result, spooled locally at "
@@ -218,8 +221,7 @@ class JobService:
                 with self._cond:
                     job.steps.extend(s for s in map(CleanupStep.of, old.cleanup) if s not in job.steps)
                 job.replaced.add(old.run_id)
-                assert self.spool is not None  # spooled is empty without a spool
-                self.spool.remove(path)
+                self.delivery.drop_spooled(path)
             if existing is not None:
                 if not force:
                     raise _completed(job_id, self.cluster_id, kind, existing)
@@ -328,7 +330,7 @@ class JobService:
                 status=JobStatus.parse(status), start_time=job.start_time, end_time=self.clock.now(),
                 spark_jobs=tuple(spark_jobs), failure=Failure.coerce(failure), payload=payload, cleanup=tuple(steps),
                 run_id=job.run_id, checkpoints=tuple(checkpoints))
-            entry, spooled = self._store_result(result, job.replaced)
+            entry, spooled = self.delivery.store_dirty(result, job.replaced, within=self.shutdown_timeout)
         except BaseException:
             with self._cond:
                 job.finishing = False  # the caller may fix the cause and finish again
@@ -354,93 +356,11 @@ class JobService:
             task.finished.wait(wait)
         return task.entry
 
-    def _store_result(self, result: JobResult, replaced: Set[str | None] = frozenset()) -> tuple[JobResultEntry, bool]:
-        """Write ``result`` dirty, retrying store failures under the retry policy for at most the
-        shutdown timeout, then spool it. Returns ``(entry, spooled)``.
-
-        An entry of a run this forced run replaced, committed late by that run's cleanup (possible on
-        object stores, where a commit and the forced delete do not share a lock), is deleted again.
-        """
-        policy = self.runner.policy
-        deadline = self.clock.now() + self.shutdown_timeout
-        failures = 0
-        late_commits = 0
-        while True:
-            try:
-                return self.store.create_dirty(result), False
-            except JobResultExistsError:
-                mine = self._own_entry(result)  # an earlier attempt got through, but its reply did not
-                if mine is not None:
-                    return mine, False
-                try:
-                    existing = self.store.get(result.job_id)
-                except StewardError:
-                    existing = None
-                if existing is None or existing.result.run_id not in replaced or late_commits >= 3:
-                    raise
-                late_commits += 1
-                log.warning("job %s: run %s, which this forced run replaced, committed late (%s); deleting it again",
-                            result.job_id, existing.result.run_id, existing.source)
-                self.store.delete(result.job_id)
-            except CorruptRecordError:
-                raise
-            except (StorageError, OSError) as exc:
-                failures += 1
-                left = deadline - self.clock.now()
-                if policy.exhausted(failures) or left <= 0 or self._stop.is_set():
-                    return self._spool(result, exc, failures), True
-                delay = min(policy.delay(failures), left)
-                log.warning("job %s: could not store its result (attempt %d), retrying in %.3g s: %s",
-                            result.job_id, failures, delay, exc)
-                self.runner.wait(delay)
-
-    def _own_entry(self, result: JobResult) -> JobResultEntry | None:
-        try:
-            entry = self.store.get(result.job_id)
-        except StewardError:
-            return None
-        return entry if entry is not None and entry.result.run_id == result.run_id else None
-
-    def _spool(self, result: JobResult, exc: BaseException, failures: int) -> JobResultEntry:
-        if self.spool is None:
-            raise JobStoreError(f"job {result.job_id!r}: could not store its result after {failures} attempts, and "
-                                f"no spool dir is configured: {exc}") from exc
-        try:
-            path = self.spool.put(result)
-        except StewardError as spool_exc:
-            raise JobStoreError(f"job {result.job_id!r}: could not store its result ({exc}) nor spool it locally "
-                                f"({spool_exc})") from spool_exc
-        log.error("job %s: the store failed %d times (%s); result spooled to %s for the next driver", result.job_id,
-                  failures, exc, path)
-        return JobResultEntry(result, False, path)
-
     def flush_spool(self) -> list[str]:
         """Write the results spooled by an earlier ``finish`` to the store (dirty; recovery then runs
         their cleanup and commits). A result whose job already has another run's entry is dropped, with
         a warning. Returns the job ids written; a store that still fails leaves the files for later."""
-        written: list[str] = []
-        if self.spool is None:
-            return written
-        for path, result in self.spool.results():
-            if isinstance(result, StewardError):
-                log.error("unreadable spooled job result %s, left in place: %s", path, result)
-                continue
-            if result.cluster_id != self.cluster_id:
-                continue
-            try:
-                self.store.create_dirty(result)
-                written.append(result.job_id)
-                log.info("job %s: stored the result spooled at %s", result.job_id, path)
-            except JobResultExistsError:
-                if self._own_entry(result) is None:
-                    log.warning("job %s: the store holds another run's result; dropping the spooled result %s of "
-                                "run %s", result.job_id, path, result.run_id)
-            except StewardError as exc:
-                log.warning("job %s: the store still fails, keeping its spooled result %s: %s", result.job_id, path,
-                            exc)
-                continue
-            self.spool.remove(path)
-        return written
+        return self.delivery.flush()
 
     # --- cleanup scheduling --------------------------------------------------------------------
     def wait_idle(self, timeout: float | None = None) -> bool:
