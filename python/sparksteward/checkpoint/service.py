@@ -1,5 +1,8 @@
-"""The driver agent's side of keyed state: one :class:`CheckpointCoordinator` per state, behind the
-``state.*`` socket ops (issue 8).
+"""The driver's side of keyed state on the driver agent: the ``state.*`` ops KeyedState calls, over
+one :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator` per state. The ops executor
+agents call (base, cut, ack, fail, merge_poll, sealed) are
+:class:`~sparksteward.checkpoint.gateway.CheckpointGateway`'s; both share one
+:class:`~sparksteward.checkpoint.registration.StateTable`.
 
 Ops (every request names its state with ``name``)::
 
@@ -7,14 +10,12 @@ Ops (every request names its state with ``name``)::
                     refuses a changed max parallelism of the state's own checkpoints, and a
                     restore_from that is not a usable checkpoint, without writing anything
     state.register  checkpoint_dir, parallelism, max_parallelism, key_type, num_retained,
-                    restore_from, claim_mode
+                    restore_from, claim_mode, alignment, file_merging
                     -> the coordinator (created once per name; a second register must agree, except
                     that another parallelism rescales from the next checkpoint on; another
                     max_parallelism is refused; rescaled_from: the latest checkpoint's parallelism
-                    when the next checkpoint rescales from it). When the state has no checkpoint
-                    of its own, restore_from is restored first (NO_CLAIM
-                    duplication or CLAIM, see checkpoint/restore.py); when it has, restore_from is
-                    ignored with a logged note: the state's latest checkpoint wins, as in Flink
+                    when the next checkpoint rescales from it); restore_from: see
+                    checkpoint/registration.py
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
                     caller's routing: refused when the state was rescaled since), batch_id (a
@@ -22,28 +23,11 @@ Ops (every request names its state with ``name``)::
                     checkpoint/backlog.py), alignment (overrides for this checkpoint only), drain
                     (an empty aligned batch under the next id that processes the backlog; refused
                     while a checkpoint is pending; id null when there is no backlog)
-                    -> id, rerun, unaligned, backlog_warning
-    state.base      checkpoint_id, subtask, agent -> the base every attempt restores (begins N if it is
-                    not pending: a second action on a lazy output after commit re-runs N from the same
-                    base; an aborted N is refused, only state.begin restarts it). ``agent`` (the
-                    executor agent opening ``subtask``) is then expected to ack it
-    state.ack       checkpoint_id, attempt, handle, uploaded, stats (from executor agents, after the async
-                    phase); an ack of another attempt than the current one is refused
-    state.fail      checkpoint_id, attempt, subtask, message (an upload or a seal failed: commit aborts),
-                    ignored when its attempt is over or another copy of the subtask acked
-    state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], working [{name,
-                    checkpoint_id, subtask}], wait
-                    -> actions [{name, checkpoint_id, action: seal|wait|discard, attempt (seal)}] (FLIP-306: an executor
-                    agent holding unsealed merged files long-polls; once every subtask acked, it
-                    seals them. The polls are its heartbeat, sent too while it has subtasks open or
-                    uploading (``working``): when an agent holding merged files a pending checkpoint
-                    needs, or the agent that opened a subtask not acked yet, goes silent for
-                    agent_timeout, commit aborts the checkpoint, since that upload will never come)
-    state.sealed    name, checkpoint_id, agent, attempt, files [{path, size}] (merged files now durable;
-                    a seal of a replaced attempt records nothing)
+                    -> id, rerun, unaligned, backlog_warning, attempt
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
                     returns the checkpoint's stats;
-                    on a failure or when the wait runs out the checkpoint is aborted and an error raised
+                    on a failure, a silent executor agent it waits for, or when the wait runs out
+                    the checkpoint is aborted and an error raised
     state.abort     checkpoint_id -> files deleted
     state.info      -> last completed, retained, pending, the latest completed metadata, restore,
                     parallelism, and per checkpoint (acked in this application) the files and bytes
@@ -53,8 +37,7 @@ Ops (every request names its state with ``name``)::
 
 Thread-safe: requests run on connection threads. Each state has its own lock, and storage I/O (a
 restore, a recovery, a commit's ``_metadata`` and deletions) runs only under that state's lock, never
-under the service's condition, which guards the map of states and wakes waiters; an agent's
-heartbeat is recorded when its request arrives, so no state's I/O can make an agent look silent.
+under the table's condition, which guards the map of states and wakes waiters.
 """
 
 from __future__ import annotations

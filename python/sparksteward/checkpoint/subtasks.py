@@ -1,7 +1,7 @@
 """The executor agent's side of keyed state: working dirs, the local file cache, the uploader, and the
 ``state.*`` ops the Python workers call (issue 8).
 
-A task (a ``mapInArrow`` partition, see :mod:`sparksteward.keyed_state`) does::
+A task (a ``mapInArrow`` partition, see :mod:`sparksteward.keyed_tasks`) does::
 
     state.open      name, checkpoint_id, subtask, parallelism (the task's routing: refused when the state
                     was rescaled since) -> token, workdir, snapshot dir, restore

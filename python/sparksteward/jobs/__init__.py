@@ -9,6 +9,7 @@
 - :mod:`~sparksteward.jobs.retry`: the retry policy of failed steps;
 - :mod:`~sparksteward.jobs.cleanup`: the runner that retries the steps, then commits;
 - :mod:`~sparksteward.jobs.spool`: results kept locally until the store takes them;
+- :mod:`~sparksteward.jobs.delivery`: storing a finished result, with retries, else into the spool;
 - :mod:`~sparksteward.jobs.service`: ``JobService``, which the driver agent uses;
 - :mod:`~sparksteward.jobs.cli`: ``steward jobs ...``.
 """
