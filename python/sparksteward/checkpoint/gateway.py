@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from sparksteward.checkpoint.coordinator import BeginResult
@@ -58,6 +59,7 @@ class CheckpointGateway:
     def __init__(self, table: StateTable, cluster_id: str) -> None:
         self.table = table
         self.cluster_id = cluster_id
+        self.bases_sent: Counter[str] = Counter()   # state.base replies: "full", or "same" (base left out)
 
     def register_handlers(self, server: AgentServer) -> None:
         for op, fn in {"state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
@@ -121,7 +123,9 @@ class CheckpointGateway:
                 st.coordinator.working_on(cid, subtask, agent)
         cut = None if subtask is None else st.coordinator.cut(cid, subtask)   # FLIP-76: recorded by an earlier attempt
         reply = self._reply_base(st, cid, begun, cut)
-        return reply.to_json(with_base=not have or have != begun.attempt)
+        full = not have or have != begun.attempt
+        self.bases_sent["full" if full else "same"] += 1
+        return reply.to_json(with_base=full)
 
     def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
