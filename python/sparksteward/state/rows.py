@@ -1,0 +1,284 @@
+"""Typed state values: one compact binary row per value, encoded and decoded a whole Arrow column at
+a time (decision 0017). The first slice of declared keyed states: the views do not use it yet.
+
+A stored typed value is::
+
+    0x03 | schema version (2, little-endian) | expiry ms (8, little-endian; only with a TTL) | row
+
+and a row is a null bitmap (one bit per field, little-endian bit order), each fixed-width field
+little-endian in declaration order, a 4-byte length per variable-width field (string, binary), then
+the variable-width bytes in field order. A value whose declared type is not a struct is a struct of
+one field. Fixed-width schemas encode and decode without a Python loop over the values (a numpy
+structured array over the rows).
+
+:class:`RowCodec` is one declared type at one schema version. :func:`evolve` says whether a value
+written with one declaration can be read with another (add a field, drop a field, widen a number) and
+:meth:`RowCodec.project` turns decoded values of an older version into the current declaration.
+
+Not thread-safe state: a codec is immutable once built.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from sparksteward.errors import StateEncodingError
+
+__all__ = ["TAG_TYPED", "RowCodec", "evolve"]
+
+TAG_TYPED = 0x03
+_HEADER = struct.Struct("<BH")          # tag, schema version
+_EXPIRY = struct.Struct("<q")
+
+#: fixed-width Arrow types -> (numpy dtype of the stored bytes, width)
+_FIXED: dict[pa.DataType, str] = {
+    pa.bool_(): "u1", pa.int8(): "<i1", pa.int16(): "<i2", pa.int32(): "<i4", pa.int64(): "<i8",
+    pa.float32(): "<f4", pa.float64(): "<f8", pa.date32(): "<i4",
+    pa.timestamp("us"): "<i8", pa.timestamp("us", tz="UTC"): "<i8",
+}
+_VAR = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
+
+#: widenings a reader accepts (writer type -> reader types)
+_WIDER: dict[pa.DataType, tuple[pa.DataType, ...]] = {
+    pa.int8(): (pa.int16(), pa.int32(), pa.int64(), pa.float32(), pa.float64()),
+    pa.int16(): (pa.int32(), pa.int64(), pa.float32(), pa.float64()),
+    pa.int32(): (pa.int64(), pa.float64()),
+    pa.int64(): (pa.float64(),),
+    pa.float32(): (pa.float64(),),
+}
+
+
+def _storable(t: pa.DataType) -> pa.DataType:
+    """The Arrow type a field is stored as (timestamps in microseconds, strings as utf8)."""
+    if pa.types.is_timestamp(t):
+        return pa.timestamp("us", tz="UTC" if t.tz else None)
+    if t == pa.large_string():
+        return pa.string()
+    if t == pa.large_binary():
+        return pa.binary()
+    return t
+
+
+def _fields_of(dtype: pa.DataType) -> tuple[list[pa.Field], bool]:
+    if pa.types.is_struct(dtype):
+        return [dtype.field(i) for i in range(dtype.num_fields)], True
+    return [pa.field("value", dtype)], False
+
+
+@dataclass(frozen=True)
+class RowCodec:
+    """The row encoding of one declared type (``dtype``) at schema version ``version``."""
+
+    name: str                       # the state variable, for error messages
+    dtype: pa.DataType
+    version: int = 1
+    ttl: bool = False               # rows carry an expiry
+
+    def __post_init__(self) -> None:
+        if not 0 < self.version < 0x10000:
+            raise StateEncodingError(f"schema version {self.version} of state {self.name!r} is out of range")
+        fields, _ = _fields_of(self.dtype)
+        if not fields:
+            raise StateEncodingError(f"state {self.name!r} is declared as an empty struct: declare at least one field")
+        for f in fields:
+            t = _storable(f.type)
+            if t not in _FIXED and t not in _VAR:
+                raise StateEncodingError(
+                    f"field {f.name!r} of state {self.name!r} has type {f.type}, which typed state values do not "
+                    f"support yet: use booleans, integers, floats, dates, timestamps, strings or binary (a "
+                    f"list state holds a sequence; a map state holds entries)")
+
+    # --- layout -----------------------------------------------------------------------------------
+    @property
+    def fields(self) -> list[pa.Field]:
+        return _fields_of(self.dtype)[0]
+
+    @property
+    def _record(self) -> np.dtype:
+        fields = self.fields
+        spec: list[tuple[Any, ...]] = [("tag", "u1"), ("version", "<u2")]
+        if self.ttl:
+            spec.append(("expiry", "<i8"))
+        spec.append(("nulls", "u1", ((len(fields) + 7) // 8,)))
+        for i, f in enumerate(fields):
+            t = _storable(f.type)
+            spec.append((f"f{i}", _FIXED[t] if t in _FIXED else "<u4"))
+        return np.dtype(spec)
+
+    @property
+    def fixed_width(self) -> bool:
+        return all(_storable(f.type) in _FIXED for f in self.fields)
+
+    # --- encoding ---------------------------------------------------------------------------------
+    def encode(self, values: pa.Array | pa.ChunkedArray, expiry: int | np.ndarray | None = None) -> list[bytes]:
+        """Encode every value of ``values`` (of the declared type; a null value cannot be stored)."""
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        n = len(values)
+        if values.null_count:
+            raise StateEncodingError(f"state {self.name!r}: a null value cannot be stored (row "
+                                     f"{values.is_null().index(True).as_py()}); clear the state instead")
+        fields, is_struct = _fields_of(self.dtype)
+        columns = [values.field(i) for i in range(len(fields))] if is_struct else [values]
+        rec = np.zeros(n, dtype=self._record)
+        rec["tag"] = TAG_TYPED
+        rec["version"] = self.version
+        if self.ttl:
+            if expiry is None:
+                raise StateEncodingError(f"state {self.name!r} has a TTL: its values need an expiry")
+            rec["expiry"] = expiry
+        valid = np.zeros((n, len(fields)), dtype=bool)
+        var: list[list[bytes | None]] = []
+        for i, (f, col) in enumerate(zip(fields, columns, strict=True)):
+            t = _storable(f.type)
+            try:
+                col = col.cast(t) if col.type != t else col
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise StateEncodingError(f"field {f.name!r} of state {self.name!r} is declared {f.type}, but a "
+                                         f"value has type {col.type}: {exc}") from None
+            valid[:, i] = np.asarray(col.is_valid())
+            if t in _FIXED:
+                filled = col.fill_null(False if t == pa.bool_() else 0)
+                raw = filled.cast(pa.int64()) if pa.types.is_timestamp(t) else filled
+                if t == pa.date32():
+                    raw = raw.cast(pa.int32())
+                rec[f"f{i}"] = raw.to_numpy(zero_copy_only=False)
+            else:
+                items = col.to_pylist()
+                encoded = [None if v is None else (v.encode("utf-8") if isinstance(v, str) else bytes(v))
+                           for v in items]
+                rec[f"f{i}"] = [0 if b is None else len(b) for b in encoded]
+                var.append(encoded)
+        rec["nulls"] = np.packbits(valid, axis=1, bitorder="little")
+        width = rec.dtype.itemsize
+        buf = rec.tobytes()
+        if not var:
+            return [buf[j * width:(j + 1) * width] for j in range(n)]
+        out = []
+        for j in range(n):
+            out.append(buf[j * width:(j + 1) * width] + b"".join(v[j] or b"" for v in var))
+        return out
+
+    def encode_one(self, value: Any, expiry: int | None = None) -> bytes:
+        """Encode one Python value (a dict or Row for a struct) of the declared type."""
+        try:
+            arr = pa.array([value], type=self.dtype)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+            raise StateEncodingError(f"value {str(value)[:80]!r} does not fit state {self.name!r} declared "
+                                     f"{self.dtype}: {exc}") from None
+        return self.encode(arr, expiry)[0]
+
+    # --- decoding ---------------------------------------------------------------------------------
+    def decode(self, rows: Sequence[bytes]) -> tuple[pa.Array, np.ndarray | None]:
+        """Decode rows written by this codec; returns the values and, with a TTL, their expiries."""
+        n = len(rows)
+        rec_dtype = self._record
+        width = rec_dtype.itemsize
+        fields, is_struct = _fields_of(self.dtype)
+        if self.fixed_width:
+            buf = b"".join(rows)
+            if len(buf) != n * width:
+                raise StateEncodingError(f"stored values of state {self.name!r} do not have the width of version "
+                                         f"{self.version} ({width} B): they are corrupt or of another version")
+            rec = np.frombuffer(buf, dtype=rec_dtype, count=n)
+            tails: list[bytes] = []
+        else:
+            rec = np.frombuffer(b"".join(r[:width] for r in rows), dtype=rec_dtype, count=n)
+            tails = [r[width:] for r in rows]
+        if n and (np.any(rec["tag"] != TAG_TYPED) or np.any(rec["version"] != self.version)):
+            raise StateEncodingError(f"stored values of state {self.name!r} are not typed values of version "
+                                     f"{self.version}")
+        valid = np.unpackbits(rec["nulls"], axis=1, count=len(fields), bitorder="little").astype(bool)
+        arrays = []
+        var_index = [i for i, f in enumerate(fields) if _storable(f.type) not in _FIXED]
+        lengths = {i: rec[f"f{i}"].astype(np.int64) for i in var_index}
+        var_values: dict[int, list[bytes | None]] = {i: [] for i in var_index}
+        for j, tail in enumerate(tails):
+            pos = 0
+            for i in var_index:
+                ln = int(lengths[i][j])
+                var_values[i].append(tail[pos:pos + ln] if valid[j, i] else None)
+                pos += ln
+        for i, f in enumerate(fields):
+            t = _storable(f.type)
+            if t in _FIXED:
+                raw = pa.array(rec[f"f{i}"].copy(), mask=~valid[:, i])
+                if t == pa.bool_():
+                    col = raw.cast(pa.bool_())
+                elif pa.types.is_timestamp(t) or t == pa.date32():
+                    col = raw.cast(t)
+                else:
+                    col = raw
+            else:
+                items = var_values[i]
+                col = pa.array([None if b is None else (b.decode("utf-8") if pa.types.is_string(t) else b)
+                                for b in items], type=t)
+            arrays.append(col.cast(f.type) if col.type != f.type else col)
+        values = pa.StructArray.from_arrays(arrays, fields=fields) if is_struct else arrays[0]
+        return values, (rec["expiry"].copy() if self.ttl else None)
+
+    def decode_one(self, row: bytes) -> Any:
+        values, _ = self.decode([row])
+        return values[0].as_py()
+
+    # --- evolution --------------------------------------------------------------------------------
+    def project(self, values: pa.Array, to: RowCodec) -> pa.Array:
+        """``values`` decoded by this (older) codec, as ``to``'s declared type (see :func:`evolve`)."""
+        problem = evolve(self.dtype, to.dtype)
+        if problem:
+            raise StateEncodingError(f"state {self.name!r}: {problem}")
+        src, src_struct = _fields_of(self.dtype)
+        dst, dst_struct = _fields_of(to.dtype)
+        by_name = {f.name: (i, f) for i, f in enumerate(src)}
+        columns = [values.field(i) for i in range(len(src))] if src_struct else [values]
+        out = []
+        for f in dst:
+            if f.name in by_name:
+                i, old = by_name[f.name]
+                out.append(columns[i].cast(f.type) if old.type != f.type else columns[i])
+            else:
+                out.append(pa.nulls(len(values), type=f.type))
+        return pa.StructArray.from_arrays(out, fields=dst) if dst_struct else out[0]
+
+
+def evolve(old: pa.DataType, new: pa.DataType) -> str | None:
+    """None when a value declared ``old`` can be read as ``new``; else what is wrong (a field whose
+    type changed other than by widening, or a struct turned into a scalar or back)."""
+    old_fields, old_struct = _fields_of(old)
+    new_fields, new_struct = _fields_of(new)
+    if old_struct != new_struct:
+        return f"its type changed from {old} to {new}, and a struct and a single value do not convert"
+    by_name = {f.name: f for f in old_fields}
+    for f in new_fields:
+        was = by_name.get(f.name)
+        if was is None:
+            if not f.nullable:
+                return f"field {f.name!r} was added as NOT NULL: an added field must be nullable (old values read null)"
+            continue
+        a, b = _storable(was.type), _storable(f.type)
+        if a != b and b not in _WIDER.get(a, ()):
+            return (f"field {f.name!r} changed from {was.type} to {f.type}: only widening a number "
+                    f"(int8 < int16 < int32 < int64, to float64; float32 to float64) is accepted")
+    return None
+
+
+def tag_of(stored: bytes) -> tuple[int, int]:
+    """``(tag, schema version)`` of a stored value (version 0 when it is not a typed value)."""
+    if not stored:
+        raise StateEncodingError("stored state value is empty: it was not written by spark-steward")
+    if stored[0] != TAG_TYPED:
+        return stored[0], 0
+    if len(stored) < _HEADER.size:
+        raise StateEncodingError("stored typed state value is truncated")
+    return _HEADER.unpack_from(stored, 0)
+
+
+def expiry_of(stored: bytes) -> int:
+    """The expiry (ms) a typed value with a TTL carries."""
+    return _EXPIRY.unpack_from(stored, _HEADER.size)[0]
