@@ -80,3 +80,21 @@ def test_evolution_accepts_add_drop_and_widen():
 ])
 def test_evolution_refuses_the_rest_by_name(old, new, message):
     assert message in evolve(old, new)
+
+
+def test_a_sliced_column_and_corrupt_rows():
+    dtype = pa.struct([("n", pa.int64()), ("s", pa.string()), ("b", pa.binary())])
+    values = pa.array([{"n": i, "s": None if i % 3 == 0 else "é" * i, "b": b"x" * (i % 5)} for i in range(20)],
+                      type=dtype)
+    codec = RowCodec("s", dtype)
+    sliced = values.slice(7, 9)
+    rows = codec.encode(sliced)
+    assert codec.decode(rows)[0].to_pylist() == sliced.to_pylist()
+    with pytest.raises(StateEncodingError, match="do not match the lengths they record"):
+        codec.decode([rows[0], rows[1][:-1]])
+    with pytest.raises(StateEncodingError, match="shorter than the fixed part"):
+        codec.decode([rows[0][:5]])
+    bad = bytearray(rows[3])   # n=10: s is ten "é", b is empty
+    bad[-3] = 0xff   # inside the UTF-8 text of field s
+    with pytest.raises(StateEncodingError, match="field 's' is corrupt|field 'b'"):
+        codec.decode([bytes(bad)])

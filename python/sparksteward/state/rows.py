@@ -8,8 +8,9 @@ A stored typed value is::
 and a row is a null bitmap (one bit per field, little-endian bit order), each fixed-width field
 little-endian in declaration order, a 4-byte length per variable-width field (string, binary), then
 the variable-width bytes in field order. A value whose declared type is not a struct is a struct of
-one field. Fixed-width schemas encode and decode without a Python loop over the values (a numpy
-structured array over the rows).
+one field. Encoding and decoding run on numpy arrays over all the rows (a structured array for the
+fixed part, gathers between Arrow's offset buffers and the rows for strings and binary); the only
+per-row Python work is cutting the encoded buffer into one ``bytes`` per value.
 
 :class:`RowCodec` is one declared type at one schema version. :func:`evolve` says whether a value
 written with one declaration can be read with another (add a field, drop a field, widen a number) and
@@ -134,7 +135,7 @@ class RowCodec:
                 raise StateEncodingError(f"state {self.name!r} has a TTL: its values need an expiry")
             rec["expiry"] = expiry
         valid = np.zeros((n, len(fields)), dtype=bool)
-        var: list[list[bytes | None]] = []
+        var: list[tuple[np.ndarray, np.ndarray]] = []   # (offsets, bytes) of each variable-width field
         for i, (f, col) in enumerate(zip(fields, columns, strict=True)):
             t = _storable(f.type)
             try:
@@ -150,20 +151,26 @@ class RowCodec:
                     raw = raw.cast(pa.int32())
                 rec[f"f{i}"] = raw.to_numpy(zero_copy_only=False)
             else:
-                items = col.to_pylist()
-                encoded = [None if v is None else (v.encode("utf-8") if isinstance(v, str) else bytes(v))
-                           for v in items]
-                rec[f"f{i}"] = [0 if b is None else len(b) for b in encoded]
-                var.append(encoded)
+                offsets, data = _var_buffers(col)
+                rec[f"f{i}"] = np.diff(offsets)
+                var.append((offsets, data))
         rec["nulls"] = np.packbits(valid, axis=1, bitorder="little")
         width = rec.dtype.itemsize
-        buf = rec.tobytes()
         if not var:
+            buf = rec.tobytes()
             return [buf[j * width:(j + 1) * width] for j in range(n)]
-        out = []
-        for j in range(n):
-            out.append(buf[j * width:(j + 1) * width] + b"".join(v[j] or b"" for v in var))
-        return out
+        # one buffer of every row (fixed part, then each variable-width field), filled by numpy
+        lengths = [np.diff(o) for o, _ in var]
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(width + sum(lengths), out=starts[1:])
+        out = np.empty(int(starts[-1]), dtype=np.uint8)
+        out[starts[:-1, None] + np.arange(width)] = rec.view(np.uint8).reshape(n, width)
+        at = starts[:-1] + width
+        for (offsets, data), ln in zip(var, lengths, strict=True):
+            out[np.arange(len(data)) + np.repeat(at - offsets[:-1], ln)] = data
+            at = at + ln
+        buf = out.tobytes()
+        return [buf[starts[j]:starts[j + 1]] for j in range(n)]
 
     def encode_one(self, value: Any, expiry: int | None = None) -> bytes:
         """Encode one Python value (a dict or Row for a struct) of the declared type."""
@@ -181,30 +188,30 @@ class RowCodec:
         rec_dtype = self._record
         width = rec_dtype.itemsize
         fields, is_struct = _fields_of(self.dtype)
+        joined = np.frombuffer(b"".join(rows), dtype=np.uint8)
         if self.fixed_width:
-            buf = b"".join(rows)
-            if len(buf) != n * width:
+            if len(joined) != n * width:
                 raise StateEncodingError(f"stored values of state {self.name!r} do not have the width of version "
                                          f"{self.version} ({width} B): they are corrupt or of another version")
-            rec = np.frombuffer(buf, dtype=rec_dtype, count=n)
-            tails: list[bytes] = []
+            rec = joined.view(rec_dtype)
+            starts = np.arange(n + 1, dtype=np.int64) * width
         else:
-            rec = np.frombuffer(b"".join(r[:width] for r in rows), dtype=rec_dtype, count=n)
-            tails = [r[width:] for r in rows]
+            starts = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=n), out=starts[1:])
+            if n and int(np.diff(starts).min()) < width:
+                raise StateEncodingError(f"stored values of state {self.name!r} are shorter than the fixed part of "
+                                         f"version {self.version} ({width} B): they are corrupt or of another version")
+            rec = joined[starts[:-1, None] + np.arange(width)].reshape(-1).view(rec_dtype)
         if n and (np.any(rec["tag"] != TAG_TYPED) or np.any(rec["version"] != self.version)):
             raise StateEncodingError(f"stored values of state {self.name!r} are not typed values of version "
                                      f"{self.version}")
         valid = np.unpackbits(rec["nulls"], axis=1, count=len(fields), bitorder="little").astype(bool)
+        at = starts[:-1] + width
+        lengths = {i: rec[f"f{i}"].astype(np.int64) for i, f in enumerate(fields) if _storable(f.type) not in _FIXED}
+        if lengths and not np.array_equal(at + sum(lengths.values()), starts[1:]):
+            raise StateEncodingError(f"stored values of state {self.name!r} do not match the lengths they record: "
+                                     f"they are corrupt")
         arrays = []
-        var_index = [i for i, f in enumerate(fields) if _storable(f.type) not in _FIXED]
-        lengths = {i: rec[f"f{i}"].astype(np.int64) for i in var_index}
-        var_values: dict[int, list[bytes | None]] = {i: [] for i in var_index}
-        for j, tail in enumerate(tails):
-            pos = 0
-            for i in var_index:
-                ln = int(lengths[i][j])
-                var_values[i].append(tail[pos:pos + ln] if valid[j, i] else None)
-                pos += ln
         for i, f in enumerate(fields):
             t = _storable(f.type)
             if t in _FIXED:
@@ -216,9 +223,21 @@ class RowCodec:
                 else:
                     col = raw
             else:
-                items = var_values[i]
-                col = pa.array([None if b is None else (b.decode("utf-8") if pa.types.is_string(t) else b)
-                                for b in items], type=t)
+                ln = lengths[i]
+                offsets = np.zeros(n + 1, dtype=np.int64)
+                np.cumsum(ln, out=offsets[1:])
+                data = joined[np.arange(int(offsets[-1])) + np.repeat(at - offsets[:-1], ln)]
+                at = at + ln
+                large = pa.large_string() if pa.types.is_string(t) else pa.large_binary()
+                bitmap = pa.py_buffer(np.packbits(valid[:, i], bitorder="little").tobytes())
+                col = pa.Array.from_buffers(large, n, [bitmap, pa.py_buffer(offsets.tobytes()),
+                                                       pa.py_buffer(data.tobytes())])
+                try:
+                    col.validate(full=True)
+                except pa.ArrowInvalid as exc:
+                    raise StateEncodingError(f"stored values of state {self.name!r}: field {f.name!r} is "
+                                             f"corrupt ({exc})") from None
+                col = col.cast(t)
             arrays.append(col.cast(f.type) if col.type != f.type else col)
         values = pa.StructArray.from_arrays(arrays, fields=fields) if is_struct else arrays[0]
         return values, (rec["expiry"].copy() if self.ttl else None)
@@ -245,6 +264,17 @@ class RowCodec:
             else:
                 out.append(pa.nulls(len(values), type=f.type))
         return pa.StructArray.from_arrays(out, fields=dst) if dst_struct else out[0]
+
+
+def _var_buffers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """The offsets (int64, from 0, n + 1) and bytes of a string or binary column (nulls empty)."""
+    large = col.fill_null(b"" if pa.types.is_binary(col.type) else "").cast(
+        pa.large_string() if pa.types.is_string(col.type) else pa.large_binary())
+    _, off_buf, data_buf = large.buffers()
+    offsets = np.frombuffer(off_buf, dtype=np.int64)[large.offset:large.offset + len(large) + 1]
+    data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
+    data = data[offsets[0]:offsets[-1]]
+    return offsets - offsets[0], data
 
 
 def evolve(old: pa.DataType, new: pa.DataType) -> str | None:
