@@ -14,6 +14,7 @@ import pytest
 
 from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.pending import AckResult
 from sparksteward.checkpoint.rescale import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
@@ -160,7 +161,7 @@ def test_a_speculative_duplicate_ack_replaces_the_first_and_its_files_go(tmp_pat
     coord = CheckpointCoordinator(storage, P, M)
     _, first = run_batch(coord, storage, tmp_path, 0, BATCHES[0])
     _, second = run_batch(coord, storage, tmp_path, 0, BATCHES[0], ack=False, attempt="spec", begin=False)
-    coord.ack(0, second[0])  # a speculative copy of subtask 0 finished last
+    assert coord.ack(0, second[0]) is AckResult.REPLACED  # a speculative copy of subtask 0 finished last
     meta = coord.complete(0)
     assert meta.subtasks[0] == second[0].handle
     referenced = meta.physical_paths()

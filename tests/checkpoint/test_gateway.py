@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import orjson
 import pytest
 
 from sparksteward.checkpoint.messages import BaseReply
@@ -77,3 +78,32 @@ def test_a_reply_without_the_base_is_refused_when_the_agent_does_not_hold_it():
     with pytest.raises(InvalidRecordError, match="does not hold"):
         BaseReply.from_reply(reply, held)
     assert BaseReply.from_reply({**reply, "attempt": "b" * 32}, held).known == {}
+
+
+def test_a_reply_without_the_base_is_a_small_fraction_of_a_full_one(tmp_path):
+    """What docs/architecture.md quotes: at P=8 after four batches of 2,000 keys, a full state.base
+    reply against one that leaves the base out (the agent holds it)."""
+    rig = MergingRig(tmp_path, str(tmp_path / "chk"), parallelism=8, executors=2)
+    try:
+        for cid in range(4):
+            rig.batch(cid, {f"k{i}": 1 for i in range(cid * 500, cid * 500 + 2000)})
+        rig.dconn.request("state.begin", name=rig.name, checkpoint_id=4)
+        full = rig.dconn.request("state.base", name=rig.name, checkpoint_id=4, subtask=0, agent="a")
+        short = rig.dconn.request("state.base", name=rig.name, checkpoint_id=4, subtask=1, agent="a",
+                                  have=full["attempt"])
+        sizes = len(orjson.dumps(full)), len(orjson.dumps(short))
+        print(f"state.base reply at P=8: {sizes[0]} B with the base, {sizes[1]} B without")
+        assert "base" not in short and short["same_base"] and short["attempt"] == full["attempt"]
+        assert sizes[1] < 1000 and sizes[0] > 20 * sizes[1]
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("known", [{"c": "shared/c"}, {"c": ["shared/c"]}, {"c": ["shared/c", -1]},
+                                   {"c": [7, 0]}, {"c": ["shared/c", True]}])
+def test_a_malformed_known_file_in_a_base_reply_is_refused_by_name(known):
+    reply = {"checkpoint_id": 3, "attempt": "a" * 32, "rerun": False, "checkpoint_dir": "/x", "cluster_id": "c",
+             "parallelism": 2, "max_parallelism": 8, "key_type": "string", "merging": {}, "alignment": {},
+             "base": None, "known": known}
+    with pytest.raises(InvalidRecordError, match="lists known file 'c' as .*not \\[path, offset\\]"):
+        BaseReply.from_reply(reply)

@@ -37,7 +37,7 @@ class BaseReply:
     max_parallelism: int
     key_type: str
     base: CheckpointMetadata | None                 # None: start from an empty state
-    known: dict[str, str | tuple[str, int]]         # checksum -> (path, offset) the upload may reuse
+    known: dict[str, tuple[str, int]]               # checksum -> (path, offset) the upload may reuse
     merging: dict[str, Any]
     alignment: dict[str, Any]
     deadline_in: float | None = None                # unaligned: seconds until the subtask defers input
@@ -50,7 +50,7 @@ class BaseReply:
                "merging": self.merging, "alignment": self.alignment, "deadline_in": self.deadline_in, "cut": self.cut}
         if with_base:
             out["base"] = None if self.base is None else self.base.to_json()
-            out["known"] = {k: v if isinstance(v, str) else list(v) for k, v in self.known.items()}
+            out["known"] = {k: list(v) for k, v in self.known.items()}
         else:
             out["same_base"] = True
         return out
@@ -73,8 +73,7 @@ class BaseReply:
             raw = reply.get("base")
             base = None if raw is None else CheckpointMetadata.from_bytes(orjson.dumps(raw),
                                                                           f"the base of checkpoint {cid}")
-            known = {str(k): (v if isinstance(v, str) else (str(v[0]), int(v[1])))
-                     for k, v in (f.mapping("known", default=None) or {}).items()}
+            known = _known(f.mapping("known", default=None) or {}, cid)
         return cls(
             checkpoint_id=cid, attempt=attempt, rerun=f.flag("rerun", default=False),
             checkpoint_dir=f.text("checkpoint_dir", max_len=4096), cluster_id=f.text("cluster_id", max_len=200),
@@ -83,3 +82,15 @@ class BaseReply:
             merging=f.mapping("merging", default=None) or {}, alignment=f.mapping("alignment", default=None) or {},
             deadline_in=None if deadline is None else f.number("deadline_in", lo=0),
             cut=f.integer("cut", default=None, lo=0))
+
+
+def _known(raw: dict[str, Any], cid: int) -> dict[str, tuple[str, int]]:
+    """The ``known`` field: checksum -> [path, offset]; anything else is refused by name."""
+    out = {}
+    for k, v in raw.items():
+        if (not isinstance(v, list) or len(v) != 2 or not isinstance(v[0], str) or isinstance(v[1], bool)
+                or not isinstance(v[1], int) or v[1] < 0):
+            raise InvalidRecordError(f"the base of checkpoint {cid} lists known file {str(k)[:80]!r} as "
+                                     f"{str(v)[:80]}, not [path, offset]")
+        out[str(k)] = (v[0], v[1])
+    return out

@@ -98,7 +98,7 @@ class _Open:
     workdir: Path
     snapshot: Path
     storage: CheckpointStorage
-    known: dict[str, str | tuple[str, int]]
+    known: dict[str, tuple[str, int]]
     key_groups: Any
     restore: dict[str, Any] | None = None   # what the restore read (RescaleStats), reported with the ack
     merging: MergingOptions = MergingOptions(enabled=False)

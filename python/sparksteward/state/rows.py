@@ -16,7 +16,7 @@ per-row Python work is cutting the encoded buffer into one ``bytes`` per value.
 written with one declaration can be read with another (add a field, drop a field, widen a number) and
 :meth:`RowCodec.project` turns decoded values of an older version into the current declaration.
 
-Not thread-safe state: a codec is immutable once built.
+Thread-safe: a codec is immutable once built.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -100,7 +101,7 @@ class RowCodec:
     def fields(self) -> list[pa.Field]:
         return _fields_of(self.dtype)[0]
 
-    @property
+    @cached_property
     def _record(self) -> np.dtype:
         fields = self.fields
         spec: list[tuple[Any, ...]] = [("tag", "u1"), ("version", "<u2")]
@@ -112,7 +113,7 @@ class RowCodec:
             spec.append((f"f{i}", _FIXED[t] if t in _FIXED else "<u4"))
         return np.dtype(spec)
 
-    @property
+    @cached_property
     def fixed_width(self) -> bool:
         return all(_storable(f.type) in _FIXED for f in self.fields)
 
