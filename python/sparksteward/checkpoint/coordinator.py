@@ -63,7 +63,7 @@ from sparksteward.checkpoint.cuts import UnalignedCuts
 from sparksteward.checkpoint.deleter import FileDeleter
 from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.pending import AckResult, PendingCheckpoint
-from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, is_merged
+from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, is_merged, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.stats import SubtaskStats
@@ -488,9 +488,11 @@ class CheckpointCoordinator:
                 self._delete_unreferenced(released)
 
     def space(self) -> SpaceStats:
-        """Physical against live bytes of the retained checkpoints' merged files."""
+        """Physical against live bytes of the retained checkpoints' merged files (computed outside the
+        lock: the metrics poll it while acks arrive)."""
         with self._lock:
-            return self._done.space()
+            metas = list(self._done.records.values())
+        return space_stats(metas)
 
     def no_reuse(self) -> set[str]:
         with self._lock:
