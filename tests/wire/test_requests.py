@@ -270,16 +270,31 @@ def test_an_agent_serves_at_most_rpc_max_connections_at_once(tmp_path):
     with AgentProcess("driver", conf) as agent:
         assert agent.ready, agent.first
         held = [agent.connect(), agent.connect()]
+        busy = threading.Event()
+
+        def keep_busy() -> None:   # an idle connection is dropped after rpc.timeout, freeing its slot: these
+            while not busy.is_set():   # two must stay in use while the third waits its rpc.timeout for one
+                for conn in held:
+                    conn.request("health")
+                busy.wait(0.1)
+
+        pinger = threading.Thread(target=keep_busy, daemon=True)
         try:
             for conn in held:
                 conn.request("health")
+            pinger.start()
             third = agent.connect()
             with pytest.raises(AgentUnavailableError, match="maximum number of connections"):
                 third.request("health")
             third.close()
+            busy.set()
+            pinger.join(5)
             held.pop().close()
             with agent.connect() as fourth:
                 assert fourth.request("health")["role"] == "driver"
         finally:
+            busy.set()
+            if pinger.is_alive():
+                pinger.join(5)
             for conn in held:
                 conn.close()
