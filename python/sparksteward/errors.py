@@ -29,6 +29,7 @@ Tree::
     │   └── RunConflictError                         JOB_RUN_CONFLICT
     ├── StateError                                STATE
     │   ├── StateEncodingError (ValueError)       STATE_ENCODING
+    │   ├── StateSchemaError (ValueError)         STATE_SCHEMA
     │   ├── ParallelismError (ValueError)         PARALLELISM
     │   └── StateBackendError                     STATE_BACKEND
     └── CheckpointError                           CHECKPOINT
@@ -72,6 +73,7 @@ __all__ = [
     "StateEncodingError",
     "StateLeaseError",
     "StateNotRegisteredError",
+    "StateSchemaError",
     "StateError",
     "StewardError",
     "StorageError",
@@ -244,6 +246,13 @@ class StateEncodingError(StateError, ValueError):
     """A key or value cannot be encoded (or stored bytes cannot be decoded); the message names it."""
 
     code = "STATE_ENCODING"
+
+
+class StateSchemaError(StateError, ValueError):
+    """A declared state variable cannot be opened as declared (a type change that is not an evolution,
+    a bad declaration); the message names the variable, the old and new declaration and the fix."""
+
+    code = "STATE_SCHEMA"
 
 
 class ParallelismError(StateError, ValueError):

@@ -3,14 +3,20 @@ a time (decision 0017). The first slice of declared keyed states: the views do n
 
 A stored typed value is::
 
-    0x03 | schema version (2, little-endian) | expiry ms (8, little-endian; only with a TTL) | row
+    0x03 | schema version (2, little-endian) | row
+    0x04 | schema version (2, little-endian) | expiry ms (8, little-endian) | row    (with a TTL)
+
+so that whether a value expires, and when, can be read from its bytes alone (the expiry sweep and a
+rescale drop expired values without knowing the declaration).
 
 and a row is a null bitmap (one bit per field, little-endian bit order), each fixed-width field
 little-endian in declaration order, a 4-byte length per variable-width field (string, binary), then
 the variable-width bytes in field order. A value whose declared type is not a struct is a struct of
 one field. Encoding and decoding run on numpy arrays over all the rows (a structured array for the
 fixed part, gathers between Arrow's offset buffers and the rows for strings and binary); the only
-per-row Python work is cutting the encoded buffer into one ``bytes`` per value.
+per-row Python work is cutting the encoded buffer into one ``bytes`` per value. One value at a time
+(the per-key form) goes through :meth:`RowCodec.encode_py`/:meth:`RowCodec.decode_py` instead, which
+use :mod:`struct` and fall back to Arrow for what they do not handle; both write the same bytes.
 
 :class:`RowCodec` is one declared type at one schema version. :func:`evolve` says whether a value
 written with one declaration can be read with another (add a field, drop a field, widen a number) and
@@ -21,6 +27,7 @@ Thread-safe: a codec is immutable once built.
 
 from __future__ import annotations
 
+import datetime as dt
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,9 +39,10 @@ import pyarrow as pa
 
 from sparksteward.errors import StateEncodingError
 
-__all__ = ["TAG_TYPED", "RowCodec", "evolve"]
+__all__ = ["TAG_EXPIRING", "TAG_TYPED", "RowCodec", "evolve", "expired", "expiry_of", "project_py", "tag_of"]
 
 TAG_TYPED = 0x03
+TAG_EXPIRING = 0x04
 _HEADER = struct.Struct("<BH")          # tag, schema version
 _EXPIRY = struct.Struct("<q")
 
@@ -113,6 +121,10 @@ class RowCodec:
             spec.append((f"f{i}", _FIXED[t] if t in _FIXED else "<u4"))
         return np.dtype(spec)
 
+    @property
+    def tag(self) -> int:
+        return TAG_EXPIRING if self.ttl else TAG_TYPED
+
     @cached_property
     def fixed_width(self) -> bool:
         return all(_storable(f.type) in _FIXED for f in self.fields)
@@ -129,7 +141,7 @@ class RowCodec:
         fields, is_struct = _fields_of(self.dtype)
         columns = [values.field(i) for i in range(len(fields))] if is_struct else [values]
         rec = np.zeros(n, dtype=self._record)
-        rec["tag"] = TAG_TYPED
+        rec["tag"] = self.tag
         rec["version"] = self.version
         if self.ttl:
             if expiry is None:
@@ -203,7 +215,7 @@ class RowCodec:
                 raise StateEncodingError(f"stored values of state {self.name!r} are shorter than the fixed part of "
                                          f"version {self.version} ({width} B): they are corrupt or of another version")
             rec = joined[starts[:-1, None] + np.arange(width)].reshape(-1).view(rec_dtype)
-        if n and (np.any(rec["tag"] != TAG_TYPED) or np.any(rec["version"] != self.version)):
+        if n and (np.any(rec["tag"] != self.tag) or np.any(rec["version"] != self.version)):
             raise StateEncodingError(f"stored values of state {self.name!r} are not typed values of version "
                                      f"{self.version}")
         valid = np.unpackbits(rec["nulls"], axis=1, count=len(fields), bitorder="little").astype(bool)
@@ -246,6 +258,94 @@ class RowCodec:
     def decode_one(self, row: bytes) -> Any:
         values, _ = self.decode([row])
         return values[0].as_py()
+
+    # --- one value at a time (the per-key form) ---------------------------------------------------
+    @cached_property
+    def _py(self) -> _PyLayout:
+        return _py_layout(self)
+
+    def encode_py(self, value: Any, expiry: int | None = None) -> bytes:
+        """:meth:`encode_one` with :mod:`struct`: the same bytes, about 20x faster for one value. A
+        struct value is a dict (or a Row, or a sequence in field order)."""
+        lay = self._py
+        if self.ttl and expiry is None:
+            raise StateEncodingError(f"state {self.name!r} has a TTL: its values need an expiry")
+        if value is None:
+            raise StateEncodingError(f"state {self.name!r}: None cannot be stored; clear the state instead")
+        try:
+            if lay.is_struct:
+                as_dict = getattr(value, "asDict", None)
+                if as_dict is not None:
+                    value = as_dict()
+                items = [value.get(n) for n in lay.names] if isinstance(value, dict) else list(value)
+                if len(items) != lay.nbits or (isinstance(value, dict) and set(value) - set(lay.names)):
+                    raise TypeError("its fields are not the declared ones")
+            else:
+                items = [value]
+            bits = 0
+            fixed: list[Any] = []
+            var: list[bytes] = []
+            for i, (kind, v) in enumerate(zip(lay.kinds, items)):
+                if v is None:
+                    fixed.append(0)
+                    continue
+                bits |= 1 << i
+                if kind == "str":
+                    if not isinstance(v, str):
+                        raise TypeError(f"{v!r} is not a string")
+                    b = v.encode("utf-8")
+                    fixed.append(len(b))
+                    var.append(b)
+                elif kind == "bin":
+                    b = bytes(v)
+                    fixed.append(len(b))
+                    var.append(b)
+                else:
+                    fixed.append(_to_int(kind, v))
+            head = (self.tag, self.version) + ((expiry,) if self.ttl else ())
+            nulls = bits.to_bytes((lay.nbits + 7) // 8, "little")
+            packed = lay.fixed.pack(*head, nulls, *fixed)
+        except (struct.error, TypeError, ValueError, OverflowError, AttributeError, KeyError):
+            return self.encode_one(value, expiry)   # Arrow converts what struct does not (or names the problem)
+        return packed + b"".join(var) if var else packed
+
+    def decode_py(self, row: bytes) -> tuple[Any, int | None]:
+        """One stored value of this codec's version as a Python value (a dict for a struct), and its
+        expiry (None without a TTL); what ``decode_one`` gives, without Arrow."""
+        lay = self._py
+        size = lay.fixed.size
+        if len(row) < size:
+            raise StateEncodingError(f"a stored value of state {self.name!r} is shorter than version {self.version}'s "
+                                     f"fixed part ({size} B): it is corrupt")
+        parts = lay.fixed.unpack_from(row, 0)
+        if parts[0] != self.tag or parts[1] != self.version:
+            raise StateEncodingError(f"a stored value of state {self.name!r} is not a typed value of version "
+                                     f"{self.version}")
+        at = 3 if self.ttl else 2
+        expiry = parts[2] if self.ttl else None
+        bits = int.from_bytes(parts[at], "little")
+        out: list[Any] = []
+        pos = size
+        for i, (kind, v) in enumerate(zip(lay.kinds, parts[at + 1:])):
+            if kind in ("str", "bin"):
+                chunk = row[pos:pos + v]
+                pos += v
+                if not bits >> i & 1:
+                    out.append(None)
+                    continue
+                if len(chunk) != v:
+                    raise StateEncodingError(f"a stored value of state {self.name!r} is truncated: it is corrupt")
+                try:
+                    out.append(chunk.decode("utf-8") if kind == "str" else bytes(chunk))
+                except UnicodeDecodeError:
+                    raise StateEncodingError(f"a stored value of state {self.name!r} holds text that is not "
+                                             f"UTF-8: it is corrupt") from None
+            else:
+                out.append(_from_int(kind, v) if bits >> i & 1 else None)
+        if pos != len(row):
+            raise StateEncodingError(f"a stored value of state {self.name!r} does not match the lengths it records: "
+                                     f"it is corrupt")
+        return (dict(zip(lay.names, out)) if lay.is_struct else out[0]), expiry
 
     # --- evolution --------------------------------------------------------------------------------
     def project(self, values: pa.Array, to: RowCodec) -> pa.Array:
@@ -303,13 +403,117 @@ def tag_of(stored: bytes) -> tuple[int, int]:
     """``(tag, schema version)`` of a stored value (version 0 when it is not a typed value)."""
     if not stored:
         raise StateEncodingError("stored state value is empty: it was not written by spark-steward")
-    if stored[0] != TAG_TYPED:
+    if stored[0] not in (TAG_TYPED, TAG_EXPIRING):
         return stored[0], 0
-    if len(stored) < _HEADER.size:
+    if len(stored) < _HEADER.size + (_EXPIRY.size if stored[0] == TAG_EXPIRING else 0):
         raise StateEncodingError("stored typed state value is truncated")
     return _HEADER.unpack_from(stored, 0)
 
 
-def expiry_of(stored: bytes) -> int:
-    """The expiry (ms) a typed value with a TTL carries."""
+def expiry_of(stored: bytes) -> int | None:
+    """The expiry (ms) a stored value carries; None for a value that never expires."""
+    if not stored or stored[0] != TAG_EXPIRING:
+        return None
     return _EXPIRY.unpack_from(stored, _HEADER.size)[0]
+
+
+def expired(stored: bytes, now_ms: int) -> bool:
+    """Whether a stored value has expired at ``now_ms`` (its expiry is at or before it)."""
+    return bool(stored) and stored[0] == TAG_EXPIRING and _EXPIRY.unpack_from(stored, _HEADER.size)[0] <= now_ms
+
+
+def with_expiry(stored: bytes, expiry: int) -> bytes:
+    """``stored`` (a value with a TTL) with its expiry moved to ``expiry``."""
+    return b"".join((stored[:_HEADER.size], _EXPIRY.pack(expiry), stored[_HEADER.size + _EXPIRY.size:]))
+
+
+def project_py(value: Any, old: pa.DataType, new: pa.DataType) -> Any:
+    """One value decoded as ``old`` (``decode_py``), as declared type ``new`` (see :func:`evolve`)."""
+    old_fields, is_struct = _fields_of(old)
+    if not is_struct:
+        return _widen_py(value, old, new)
+    new_fields, _ = _fields_of(new)
+    types = {f.name: f.type for f in old_fields}
+    return {f.name: (_widen_py(value.get(f.name), types[f.name], f.type) if f.name in types else None)
+            for f in new_fields}
+
+
+def _widen_py(v: Any, old: pa.DataType, new: pa.DataType) -> Any:
+    if v is None or _storable(old) == _storable(new):
+        return v
+    return float(v) if pa.types.is_floating(new) else int(v)
+
+
+# --- one value at a time, with struct -------------------------------------------------------------
+_STRUCT_CODE = {"u1": "B", "<i1": "b", "<i2": "h", "<i4": "i", "<i8": "q", "<f4": "f", "<f8": "d", "<u4": "I"}
+_EPOCH_DATE = dt.date(1970, 1, 1)
+_EPOCH = dt.datetime(1970, 1, 1)
+_EPOCH_UTC = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+@dataclass(frozen=True)
+class _PyLayout:
+    fixed: struct.Struct        # header, null bitmap and the fixed part
+    kinds: tuple[str, ...]      # per field: "int", "float", "bool", "date", "ts", "tsz", "str", "bin"
+    names: tuple[str, ...]
+    is_struct: bool
+    nbits: int
+
+
+def _kind(t: pa.DataType) -> str:
+    if t == pa.bool_():
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int"
+    if pa.types.is_floating(t):
+        return "float"
+    if t == pa.date32():
+        return "date"
+    if pa.types.is_timestamp(t):
+        return "tsz" if t.tz else "ts"
+    return "str" if pa.types.is_string(t) else "bin"
+
+
+def _to_int(kind: str, v: Any) -> Any:
+    if kind == "bool":
+        return 1 if v else 0
+    if kind == "date":
+        if isinstance(v, dt.datetime) or not isinstance(v, dt.date):
+            raise TypeError(f"{v!r} is not a date")
+        return (v - _EPOCH_DATE).days
+    if kind in ("ts", "tsz"):
+        if isinstance(v, dt.datetime):
+            d = v - (_EPOCH_UTC if v.tzinfo is not None else _EPOCH)
+            return (d.days * 86400 + d.seconds) * 1_000_000 + d.microseconds
+        raise TypeError(f"{v!r} is not a datetime")
+    if kind == "float":
+        if isinstance(v, (str, bytes)):
+            raise TypeError(f"{v!r} is not a number")
+        return float(v)
+    if isinstance(v, (str, bytes, float)):
+        raise TypeError(f"{v!r} is not an integer")
+    return v
+
+
+def _from_int(kind: str, v: Any) -> Any:
+    if kind == "bool":
+        return bool(v)
+    if kind == "date":
+        return _EPOCH_DATE + dt.timedelta(days=v)
+    if kind == "ts":
+        return _EPOCH + dt.timedelta(microseconds=v)
+    if kind == "tsz":
+        return _EPOCH_UTC + dt.timedelta(microseconds=v)
+    return v
+
+
+def _py_layout(codec: RowCodec) -> _PyLayout:
+    rec = codec._record
+    codes = ["<", "B", "H"] + (["q"] if codec.ttl else [])
+    nbytes = rec["nulls"].shape[0]
+    codes.append(f"{nbytes}s")
+    fields, is_struct = _fields_of(codec.dtype)
+    for i in range(len(fields)):
+        codes.append(_STRUCT_CODE[rec[f"f{i}"].str if rec[f"f{i}"].str != "|u1" else "u1"])
+    return _PyLayout(struct.Struct("".join(codes)), tuple(_kind(_storable(f.type)) for f in fields),
+                     tuple(f.name for f in fields), is_struct, len(fields))

@@ -1,0 +1,390 @@
+"""Declared state variables (decision 0017): what a keyed state says it keeps, once, when it is opened.
+
+::
+
+    from sparksteward import list_state, map_state, value_state
+
+    states = [value_state("count", "bigint", ttl=timedelta(hours=1)),
+              list_state("events", "ts timestamp, v double", ttl=3600, ttl_update="on_read_and_write"),
+              map_state("attrs", "string", "double")]
+
+A type is a Spark DDL string (``"bigint"``, ``"ts timestamp, v double"``, ``"struct<a:int,b:string>"``),
+a pyspark ``DataType``/``StructType``, or a ``pyarrow.DataType``; it becomes an Arrow type here, without
+Spark. A TTL is seconds (a number) or a ``timedelta``; ``ttl_update`` is ``"on_write"`` (the expiry
+moves when the entry is created or written, Flink's ``OnCreateAndWrite``) or ``"on_read_and_write"``;
+``ttl_time`` is ``"processing"`` (the batch's time, chosen by the driver when the batch begins) or
+``"event"``, which needs the event-time watermark that timers bring and is refused until then.
+
+**The record.** Every checkpoint keeps the declarations of its state in ``properties.states``
+(:func:`resolve` makes it when a state is registered)::
+
+    {"format": 1, "variables": {"count": {"kind": "value", "current": 2, "types": {"1": T1, "2": T2},
+                                          "key_type": null, "ttl_ms": 3600000, "ttl_update": "on_write",
+                                          "ttl_time": "processing"}, ...},
+     "dropped": ["old"]}
+
+``types`` holds every schema version a stored value may have been written with: a value is decoded
+with its own version's type, then projected to the current one (:mod:`sparksteward.state.rows`). A
+declaration whose type differs from the current one becomes a new version when every recorded version
+can be read as it (add a nullable field, drop a field, widen a number); anything else is refused by
+name. A variable the state no longer declares is kept, as Flink keeps undeclared state; one named in
+``delete_states`` is dropped from the record and listed in ``dropped``, and the tasks of the next
+batch delete its entries.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from sparksteward.errors import StateSchemaError
+from sparksteward.state.rows import RowCodec, evolve
+
+__all__ = ["KINDS", "StateSpec", "VariableRecord", "arrow_type", "list_state", "map_state", "parse_ddl",
+           "resolve", "type_from_json", "type_to_json", "value_state", "variables_of"]
+
+KINDS = ("value", "list", "map")
+TTL_UPDATES = ("on_write", "on_read_and_write")
+TTL_TIMES = ("processing", "event")
+RECORD_FORMAT = 1
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,99}$")
+
+
+# --- types ----------------------------------------------------------------------------------------
+_DDL_NAMES: dict[str, pa.DataType] = {
+    "boolean": pa.bool_(), "bool": pa.bool_(),
+    "tinyint": pa.int8(), "byte": pa.int8(), "smallint": pa.int16(), "short": pa.int16(),
+    "int": pa.int32(), "integer": pa.int32(), "bigint": pa.int64(), "long": pa.int64(),
+    "float": pa.float32(), "real": pa.float32(), "double": pa.float64(),
+    "string": pa.string(), "binary": pa.binary(), "date": pa.date32(),
+    "timestamp": pa.timestamp("us", tz="UTC"), "timestamp_ltz": pa.timestamp("us", tz="UTC"),
+    "timestamp_ntz": pa.timestamp("us"),
+}
+_JSON_NAMES: dict[str, pa.DataType] = {
+    "bool": pa.bool_(), "int8": pa.int8(), "int16": pa.int16(), "int32": pa.int32(), "int64": pa.int64(),
+    "float32": pa.float32(), "float64": pa.float64(), "string": pa.string(), "binary": pa.binary(),
+    "date32": pa.date32(), "timestamp_us": pa.timestamp("us"), "timestamp_us_utc": pa.timestamp("us", tz="UTC"),
+}
+_TOKEN = re.compile(r"\s*(`(?:[^`]|``)+`|[A-Za-z_][A-Za-z0-9_]*|\d+|[<>,:()])")
+
+
+def parse_ddl(text: str) -> pa.DataType:
+    """A Spark DDL type (``"bigint"``, ``"struct<a:int,b:string>"``) or field list (``"a int, b
+    string"``) as an Arrow type; a field list becomes a struct."""
+    tokens: list[str] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            if text[pos:].strip() == "":
+                break
+            raise StateSchemaError(f"type {text!r} is not a Spark DDL type: cannot read {text[pos:pos + 20]!r}")
+        tokens.append(m.group(1))
+        pos = m.end()
+    if not tokens:
+        raise StateSchemaError(f"type {text!r} is empty: give a Spark DDL type such as 'bigint' or 'a int, b string'")
+    at = 0
+
+    def peek() -> str | None:
+        return tokens[at] if at < len(tokens) else None
+
+    def take(expected: str | None = None) -> str:
+        nonlocal at
+        tok = peek()
+        if tok is None or (expected is not None and tok.lower() != expected):
+            want = f"{expected!r}" if expected else "more"
+            raise StateSchemaError(f"type {text!r} is not a Spark DDL type: expected {want} at {tok!r}")
+        at += 1
+        return tok
+
+    def name() -> str:
+        tok = take()
+        return tok[1:-1].replace("``", "`") if tok.startswith("`") else tok
+
+    def field() -> pa.Field:
+        n = name()
+        if peek() == ":":
+            take()
+        t = dtype()
+        nullable = True
+        if peek() is not None and peek().lower() == "not":   # type: ignore[union-attr]
+            take()
+            take("null")
+            nullable = False
+        return pa.field(n, t, nullable=nullable)
+
+    def dtype() -> pa.DataType:
+        tok = take()
+        low = tok.lower()
+        if low == "struct":
+            take("<")
+            fields = [field()]
+            while peek() == ",":
+                take()
+                fields.append(field())
+            take(">")
+            return pa.struct(fields)
+        if low in _DDL_NAMES:
+            return _DDL_NAMES[low]
+        raise StateSchemaError(
+            f"type {text!r}: {tok!r} is not a type state values support; use boolean, tinyint, smallint, int, "
+            f"bigint, float, double, string, binary, date, timestamp, timestamp_ntz or a struct of them")
+
+    # a single type, or a field list ("a int, b string")
+    if len(tokens) == 1 or tokens[1] in ("<", "("):
+        result = dtype()
+    else:
+        fields = [field()]
+        while peek() == ",":
+            take()
+            fields.append(field())
+        result = pa.struct(fields)
+    if at != len(tokens):
+        raise StateSchemaError(f"type {text!r} is not a Spark DDL type: unexpected {tokens[at]!r}")
+    return result
+
+
+def arrow_type(t: Any, what: str) -> pa.DataType:
+    """The Arrow type of a DDL string, a pyspark ``DataType`` or an Arrow type (``what`` names it)."""
+    if isinstance(t, pa.DataType):
+        return t
+    if isinstance(t, str):
+        return parse_ddl(t)
+    if hasattr(t, "simpleString") and hasattr(t, "jsonValue"):   # a pyspark DataType, converted by pyspark
+        try:
+            from pyspark.sql.pandas.types import to_arrow_type
+
+            return to_arrow_type(t)
+        except Exception as exc:  # noqa: BLE001 - pyspark raises its own error types here
+            raise StateSchemaError(f"{what}: the type {t.simpleString()} has no Arrow equivalent: {exc}") from None
+    raise StateSchemaError(f"{what}: the type {t!r} must be a Spark DDL string like 'bigint' or 'ts timestamp, v "
+                           f"double', a pyspark DataType, or a pyarrow DataType")
+
+
+def type_to_json(t: pa.DataType) -> Any:
+    """A JSON form of a type state values support (a name, or a struct's fields)."""
+    if pa.types.is_struct(t):
+        return {"struct": [{"name": f.name, "type": type_to_json(f.type), "nullable": f.nullable} for f in t]}
+    if pa.types.is_timestamp(t):
+        return "timestamp_us_utc" if t.tz else "timestamp_us"
+    for n, known in _JSON_NAMES.items():
+        if known == t:
+            return n
+    if t == pa.large_string():
+        return "string"
+    if t == pa.large_binary():
+        return "binary"
+    raise StateSchemaError(f"type {t} is not one state values support")
+
+
+def type_from_json(j: Any) -> pa.DataType:
+    if isinstance(j, str) and j in _JSON_NAMES:
+        return _JSON_NAMES[j]
+    if isinstance(j, dict) and isinstance(j.get("struct"), list):
+        try:
+            return pa.struct([pa.field(str(f["name"]), type_from_json(f["type"]), nullable=bool(f.get("nullable", True)))
+                              for f in j["struct"]])
+        except (KeyError, TypeError):
+            pass
+    raise StateSchemaError(f"recorded state type {str(j)[:80]!r} is not one this version reads: the checkpoint was "
+                           f"written by a newer spark-steward, or its record is corrupt")
+
+
+# --- declarations ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateSpec:
+    """One declared state variable (make it with :func:`value_state`, :func:`list_state`, :func:`map_state`)."""
+
+    name: str
+    kind: str
+    type: pa.DataType
+    key_type: pa.DataType | None = None     # map state: the type of the map keys
+    ttl_ms: int | None = None
+    ttl_update: str = "on_write"
+    ttl_time: str = "processing"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name) or self.name == "value":
+            raise StateSchemaError(
+                f"state variable name {self.name!r} must be 1-100 letters, digits, '_', '.' or '-', starting with a "
+                f"letter or '_' ('value' is the default value state's name)")
+        if self.kind not in KINDS:
+            raise StateSchemaError(f"state variable {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
+        if self.ttl_update not in TTL_UPDATES:
+            raise StateSchemaError(f"state variable {self.name!r}: ttl_update={self.ttl_update!r} must be one of "
+                                   f"{TTL_UPDATES}")
+        if self.ttl_time not in TTL_TIMES:
+            raise StateSchemaError(f"state variable {self.name!r}: ttl_time={self.ttl_time!r} must be one of {TTL_TIMES}")
+        if self.ttl_time == "event" and self.ttl_ms is not None:
+            raise StateSchemaError(
+                f"state variable {self.name!r}: a TTL in event time needs the event-time watermark, which keyed "
+                f"state does not track yet; use ttl_time='processing' (the batch's time) for now")
+        if self.ttl_ms is not None and not 0 < self.ttl_ms <= 100 * 365 * 86_400_000:
+            raise StateSchemaError(f"state variable {self.name!r}: ttl of {self.ttl_ms} ms must be positive and at "
+                                   f"most 100 years")
+        RowCodec(self.name, self.type)   # refuses what typed values cannot store, by name
+        if self.kind == "map":
+            if self.key_type is None:
+                raise StateSchemaError(f"map state {self.name!r} needs a key type")
+            RowCodec(self.name, self.key_type)
+        elif self.key_type is not None:
+            raise StateSchemaError(f"state variable {self.name!r}: only a map state has a key type")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "type": type_to_json(self.type),
+                "key_type": None if self.key_type is None else type_to_json(self.key_type), "ttl_ms": self.ttl_ms,
+                "ttl_update": self.ttl_update, "ttl_time": self.ttl_time}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StateSpec:
+        if not isinstance(d, Mapping):
+            raise StateSchemaError(f"a state declaration must be an object, not {str(d)[:60]!r}")
+        try:
+            ttl = d.get("ttl_ms")
+            return cls(name=d["name"], kind=d["kind"], type=type_from_json(d["type"]),
+                       key_type=None if d.get("key_type") is None else type_from_json(d["key_type"]),
+                       ttl_ms=None if ttl is None else int(ttl), ttl_update=d.get("ttl_update", "on_write"),
+                       ttl_time=d.get("ttl_time", "processing"))
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, StateSchemaError):
+                raise
+            raise StateSchemaError(f"state declaration {str(dict(d))[:120]} is malformed: {exc}") from None
+
+
+def _ttl_ms(ttl: float | dt.timedelta | None, name: str) -> int | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, dt.timedelta):
+        seconds = ttl.total_seconds()
+    elif isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
+        seconds = float(ttl)
+    else:
+        raise StateSchemaError(f"state variable {name!r}: ttl={ttl!r} must be seconds (a number) or a timedelta")
+    ms = round(seconds * 1000)
+    if ms <= 0:
+        raise StateSchemaError(f"state variable {name!r}: ttl={ttl!r} must be positive (or None for no TTL)")
+    return ms
+
+
+def value_state(name: str, type: Any, *, ttl: float | dt.timedelta | None = None, ttl_update: str = "on_write",
+                ttl_time: str = "processing") -> StateSpec:
+    """A value per key of ``type`` (DDL string, pyspark or Arrow type), expiring ``ttl`` after its last
+    write (and read, with ``ttl_update="on_read_and_write"``)."""
+    return StateSpec(name, "value", arrow_type(type, f"value state {name!r}"), None, _ttl_ms(ttl, name), ttl_update,
+                     ttl_time)
+
+
+def list_state(name: str, type: Any, *, ttl: float | dt.timedelta | None = None, ttl_update: str = "on_write",
+               ttl_time: str = "processing") -> StateSpec:
+    """A list per key of elements of ``type``; each element expires on its own ``ttl`` after its append."""
+    return StateSpec(name, "list", arrow_type(type, f"list state {name!r}"), None, _ttl_ms(ttl, name), ttl_update,
+                     ttl_time)
+
+
+def map_state(name: str, key_type: Any, value_type: Any, *, ttl: float | dt.timedelta | None = None,
+              ttl_update: str = "on_write", ttl_time: str = "processing") -> StateSpec:
+    """A map per key from ``key_type`` to ``value_type``; each entry expires on its own ``ttl``."""
+    return StateSpec(name, "map", arrow_type(value_type, f"map state {name!r}"),
+                     arrow_type(key_type, f"the key type of map state {name!r}"), _ttl_ms(ttl, name), ttl_update,
+                     ttl_time)
+
+
+# --- the record every checkpoint keeps ---------------------------------------------------------------
+@dataclass(frozen=True)
+class VariableRecord:
+    """A declared variable as a checkpoint records it: every schema version's type, and the current one."""
+
+    spec: StateSpec                      # the current declaration
+    version: int                         # its schema version
+    types: dict[int, pa.DataType]        # every recorded version -> its type (values may be of any)
+
+    def codec(self, version: int | None = None, ttl: bool | None = None) -> RowCodec:
+        v = self.version if version is None else version
+        t = self.spec.type if v == self.version else self.types.get(v)
+        if t is None:
+            from sparksteward.errors import StateEncodingError
+
+            raise StateEncodingError(f"a stored value of state {self.spec.name!r} has schema version {v}, which the "
+                                     f"checkpoint's record does not know: it is corrupt")
+        return RowCodec(self.spec.name, t, v, self.spec.ttl_ms is not None if ttl is None else ttl)
+
+    def to_json(self) -> dict[str, Any]:
+        d = self.spec.to_json()
+        del d["name"], d["type"]
+        d["current"] = self.version
+        d["types"] = {str(v): type_to_json(t) for v, t in sorted(self.types.items())}
+        return d
+
+
+def variables_of(record: Mapping[str, Any] | None) -> dict[str, VariableRecord]:
+    """The variables of a ``properties.states`` record (empty for None: a state that declared none)."""
+    if not record:
+        return {}
+    if not isinstance(record, Mapping) or record.get("format") != RECORD_FORMAT:
+        raise StateSchemaError(f"the state declarations a checkpoint recorded have format "
+                               f"{record.get('format') if isinstance(record, Mapping) else record!r}, which this "
+                               f"version does not read: upgrade spark-steward")
+    out: dict[str, VariableRecord] = {}
+    for name, d in (record.get("variables") or {}).items():
+        try:
+            types = {int(v): type_from_json(t) for v, t in d["types"].items()}
+            current = int(d["current"])
+            spec = StateSpec.from_json({**d, "name": name, "type": d["types"][str(current)]})
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, StateSchemaError):
+                raise
+            raise StateSchemaError(f"the recorded declaration of state variable {name!r} is malformed: {exc}") from None
+        out[name] = VariableRecord(spec, current, types)
+    return out
+
+
+def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapping[str, Any]],
+            delete: Sequence[str] = (), *, state: str = "") -> dict[str, Any]:
+    """The record of a state opened with ``specs`` over the one its latest checkpoint ``recorded``
+    (see the module docstring); raises :class:`StateSchemaError` naming what cannot be opened."""
+    where = f"keyed state {state!r}: " if state else ""
+    old = variables_of(recorded)
+    declared = [s if isinstance(s, StateSpec) else StateSpec.from_json(s) for s in specs]
+    seen: set[str] = set()
+    for s in declared:
+        if s.name in seen:
+            raise StateSchemaError(f"{where}state variable {s.name!r} is declared twice; declare each name once")
+        seen.add(s.name)
+    for name in delete:
+        if name in seen:
+            raise StateSchemaError(f"{where}state variable {name!r} is both declared and in delete_states; delete it "
+                                   f"in one application, then declare it anew in the next")
+    variables = {n: r for n, r in old.items() if n not in delete}
+    for s in declared:
+        was = variables.get(s.name)
+        if was is None:
+            variables[s.name] = VariableRecord(s, 1, {1: s.type})
+            continue
+        fix = (f"declare it under a new name, or pass delete_states=[{s.name!r}] once to drop its entries and "
+               f"then declare it anew")
+        if was.spec.kind != s.kind:
+            raise StateSchemaError(f"{where}state variable {s.name!r} was a {was.spec.kind} state and is now declared "
+                                   f"a {s.kind} state: {fix}")
+        if s.kind == "map" and was.spec.key_type != s.key_type:
+            raise StateSchemaError(f"{where}the map keys of state variable {s.name!r} were {was.spec.key_type} and "
+                                   f"are now declared {s.key_type}; map keys cannot change type: {fix}")
+        if was.spec.type == s.type:
+            variables[s.name] = VariableRecord(s, was.version, was.types)
+            continue
+        for v, t in sorted(was.types.items()):
+            problem = evolve(t, s.type)
+            if problem:
+                raise StateSchemaError(f"{where}state variable {s.name!r} cannot be read as declared: version {v} of "
+                                       f"its values has type {t} and the new declaration {s.type}; {problem}. "
+                                       f"Accepted changes: add a nullable field, drop a field, widen a number. Or "
+                                       f"{fix}")
+        if was.version >= 0xFFFF:
+            raise StateSchemaError(f"{where}state variable {s.name!r} has reached the last schema version: {fix}")
+        variables[s.name] = VariableRecord(s, was.version + 1, {**was.types, was.version + 1: s.type})
+    return {"format": RECORD_FORMAT, "variables": {n: r.to_json() for n, r in sorted(variables.items())},
+            "dropped": sorted(set(delete) & set(old))}

@@ -1,0 +1,234 @@
+"""Declared keyed states on a real RocksDB, without Spark (state/declared.py, state/typed.py): each kind
+in both forms, TTL that never returns an expired entry and a sweep that removes them through the
+expiry index, list appends and map puts whose cost does not grow with the collection, and schema
+evolution that reads old versions and refuses what it cannot read, by name."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pyarrow as pa
+import pytest
+
+from sparksteward.errors import StateEncodingError, StateError, StateSchemaError
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.declared import list_state, map_state, parse_ddl, resolve, value_state, variables_of
+from sparksteward.state.keygroups import KeyGroupRange
+from sparksteward.state.typed import KIND_EXPIRY, TypedStates, drop_variables, sweep_expired
+
+M = 128
+T0 = 1_800_000_000_000   # a processing time in ms
+
+
+@pytest.fixture
+def backend(tmp_path):
+    b = RocksDBStateBackend(tmp_path / "s", KeyGroupRange(0, M), M, "string")
+    yield b
+    b.close()
+
+
+def _states(backend, specs, now=T0, batch=1, recorded=None):
+    return TypedStates(backend, resolve(recorded, specs), now, batch)
+
+
+def _index_keys(backend):
+    return [k for k, _ in backend.iter_raw() if k[2:3] == KIND_EXPIRY]
+
+
+def test_a_ddl_type_becomes_an_arrow_type():
+    assert parse_ddl("bigint") == pa.int64()
+    assert parse_ddl("ts timestamp, v double") == pa.struct([("ts", pa.timestamp("us", tz="UTC")), ("v", pa.float64())])
+    assert parse_ddl("struct<a:int, `b c`: string NOT NULL>") == pa.struct(
+        [("a", pa.int32()), pa.field("b c", pa.string(), nullable=False)])
+    for bad, match in [("decimal(10,2)", "not a type state values support"), ("", "empty"), ("a int,", "expected"),
+                       ("array<int>", "not a type")]:
+        with pytest.raises(StateSchemaError, match=match):
+            parse_ddl(bad)
+
+
+def test_bad_declarations_are_refused_by_name():
+    with pytest.raises(StateSchemaError, match="'value' is the default"):
+        value_state("value", "bigint")
+    with pytest.raises(StateSchemaError, match="event-time watermark"):
+        value_state("c", "bigint", ttl=5, ttl_time="event")
+    with pytest.raises(StateSchemaError, match="ttl=-1 must be positive"):
+        list_state("l", "bigint", ttl=-1)
+    with pytest.raises(StateSchemaError, match="ttl_update='sometimes'"):
+        map_state("m", "string", "bigint", ttl=1, ttl_update="sometimes")
+    with pytest.raises(StateSchemaError, match="declared twice"):
+        resolve(None, [value_state("c", "bigint"), list_state("c", "bigint")])
+
+
+def test_value_state_in_both_forms(backend):
+    st = _states(backend, [value_state("count", "bigint"), value_state("last", "ts timestamp, v double, tag string")])
+    count, last = st.value("count"), st.value("last")
+    count.update("a", 5)
+    assert count.get("a") == 5 and count.get("zz") is None
+    when = dt.datetime(2026, 11, 25, 12, tzinfo=dt.timezone.utc)
+    last.bind("a").update({"ts": when, "v": 1.5, "tag": None})
+    assert last.bind("a").get() == {"ts": when, "v": 1.5, "tag": None}
+    count.put_many(pa.array(["b", "c", "d"]), pa.array([1, None, 3], pa.int64()))
+    got = count.get_many(["a", "b", "c", "d", "e"])
+    assert got.type == pa.int64() and got.to_pylist() == [5, 1, None, 3, None]
+    count.clear_many(["a"])
+    assert count.get("a") is None
+    with pytest.raises(StateError, match="'last' is a value state, not a list state"):
+        st.list("last")
+    with pytest.raises(StateError, match="'nope' is not declared; declared: count .value., last .value."):
+        st.value("nope")
+    with pytest.raises(StateEncodingError, match="does not fit state 'count' declared int64"):
+        count.update("a", "five")
+
+
+def test_list_state_appends_in_order_across_batches(backend):
+    spec = [list_state("events", "n bigint, s string")]
+    st = _states(backend, spec, batch=1)
+    ev = st.list("events")
+    ev.append("k", {"n": 1, "s": "a"})
+    ev.extend("k", [{"n": 2, "s": "b"}, {"n": 3, "s": None}])
+    ev.append_many(["j", "k", "j"], pa.array([{"n": 10, "s": "x"}, {"n": 4, "s": "d"}, {"n": 11, "s": "y"}],
+                                             pa.struct([("n", pa.int64()), ("s", pa.string())])))
+    st2 = _states(backend, spec, batch=2)   # a later batch appends after the earlier ones
+    st2.list("events").append("k", {"n": 5, "s": "e"})
+    assert [e["n"] for e in st2.list("events").get("k")] == [1, 2, 3, 4, 5]
+    lists = st2.list("events").get_many(["j", "k", "none"])
+    assert [[e["n"] for e in xs] for xs in lists.to_pylist()] == [[10, 11], [1, 2, 3, 4, 5], []]
+    st2.list("events").update("k", [{"n": 9, "s": "z"}])
+    assert st2.list("events").bind("k").get() == [{"n": 9, "s": "z"}]
+    st2.list("events").clear_many(["j"])
+    assert st2.list("events").get("j") == []
+
+
+def test_map_state_in_both_forms(backend):
+    st = _states(backend, [map_state("attrs", "string", "double")])
+    m = st.map("attrs")
+    m.put("k", "x", 1.0)
+    m.bind("k").put_all({"y": 2.0, "z": None})
+    assert m.get("k", "x") == 1.0 and m.contains("k", "y") and not m.contains("k", "z")
+    assert sorted(m.items("k")) == [("x", 1.0), ("y", 2.0)]
+    m.put_many(["k", "j"], ["z", "x"], pa.array([3.0, 4.0]))
+    assert m.get_many(["k", "j", "j"], ["z", "x", "nope"]).to_pylist() == [3.0, 4.0, None]
+    maps = m.items_many(["j", "k", "none"]).to_pylist()
+    assert maps[0] == [("x", 4.0)] and sorted(maps[1]) == [("x", 1.0), ("y", 2.0), ("z", 3.0)] and maps[2] == []
+    m.remove("k", "x")
+    assert sorted(m.bind("k").keys()) == ["y", "z"]
+    m.bind("k").clear()
+    assert m.items("k") == []
+
+
+def test_an_expired_entry_is_never_returned(backend):
+    specs = [value_state("c", "bigint", ttl=5), list_state("l", "bigint", ttl=5), map_state("m", "int", "bigint", ttl=5)]
+    st = _states(backend, specs, now=T0)
+    st.value("c").update("k", 1)
+    st.list("l").append("k", 1)
+    st.map("m").put("k", 1, 1)
+    later = _states(backend, specs, now=T0 + 3000, batch=2)
+    later.list("l").append("k", 2)
+    later.map("m").put("k", 2, 2)
+    at_5s = _states(backend, specs, now=T0 + 5000, batch=3)     # the first entries expire at T0 + 5 s
+    assert at_5s.value("c").get("k") is None and at_5s.value("c").get_many(["k"]).to_pylist() == [None]
+    assert at_5s.list("l").get("k") == [2] and at_5s.list("l").get_many(["k"]).to_pylist() == [[2]]
+    assert at_5s.map("m").items("k") == [(2, 2)] and not at_5s.map("m").contains("k", 1)
+    assert at_5s.map("m").get_many(["k", "k"], [1, 2]).to_pylist() == [None, 2]
+
+
+def test_on_read_and_write_moves_the_expiry_on_a_read(backend):
+    specs = [value_state("c", "bigint", ttl=5, ttl_update="on_read_and_write"), value_state("w", "bigint", ttl=5)]
+    _states(backend, specs, now=T0).value("c").update("k", 1)
+    _states(backend, specs, now=T0).value("w").update("k", 1)
+    read = _states(backend, specs, now=T0 + 4000, batch=2)
+    assert read.value("c").get("k") == 1 and read.value("w").get("k") == 1
+    after = _states(backend, specs, now=T0 + 8000, batch=3)
+    assert after.value("c").get("k") == 1          # the read at T0 + 4 s moved its expiry to T0 + 9 s
+    assert after.value("w").get("k") is None       # on write only: expired at T0 + 5 s
+
+
+def test_the_sweep_removes_what_expired_through_the_index(backend):
+    specs = [value_state("c", "bigint", ttl=5), list_state("l", "bigint", ttl=5)]
+    st = _states(backend, specs, now=T0)
+    keys = [f"u{i}" for i in range(1000)]
+    st.value("c").put_many(keys, pa.array(range(1000), pa.int64()))
+    st.list("l").append_many(keys, pa.array(range(1000), pa.int64()))
+    _states(backend, specs, now=T0 + 2000, batch=2).value("c").update("u7", 70)   # written again: lives on
+    assert sweep_expired(backend, T0 + 4999).deleted == 0
+    first = sweep_expired(backend, T0 + 5000, max_entries=500)
+    assert first.deleted + first.stale == 500 and first.more
+    rest = sweep_expired(backend, T0 + 5000, start=3)
+    assert not rest.more and (first.deleted + rest.deleted, first.stale + rest.stale) == (1999, 1)
+    left = [k for k, _ in backend.iter_raw()]
+    assert len(left) == 2    # u7's value and its newer index key
+    assert _states(backend, specs, now=T0 + 5000, batch=3).value("c").get("u7") == 70
+    assert sweep_expired(backend, T0 + 7000).deleted == 1 and list(backend.iter_raw()) == []
+
+
+def test_an_append_and_a_put_cost_the_same_into_a_large_collection(backend):
+    specs = [list_state("l", "bigint"), map_state("m", "bigint", "bigint")]
+    st = _states(backend, specs)
+    st.list("l").append_many(["big"] * 100_000, pa.array(range(100_000), pa.int64()))
+    st.map("m").put_many(["big"] * 100_000, pa.array(range(100_000), pa.int64()), pa.array(range(100_000), pa.int64()))
+    st.list("l").extend("small", range(10))
+    st.map("m").put_all("small", {i: i for i in range(10)})
+    backend.db.flush()
+
+    def timed(fn):
+        best = float("inf")
+        for _ in range(3):
+            began = time.perf_counter()
+            for i in range(2000):
+                fn(i)
+            best = min(best, time.perf_counter() - began)
+        return best
+
+    big_append = timed(lambda i: st.list("l").append("big", i))
+    small_append = timed(lambda i: st.list("l").append("small", i))
+    big_put = timed(lambda i: st.map("m").put("big", 200_000 + i, i))
+    small_put = timed(lambda i: st.map("m").put("small", 200_000 + i, i))
+    big_get = timed(lambda i: st.map("m").get("big", i * 37))
+    small_get = timed(lambda i: st.map("m").get("small", i % 10))
+    print(f"\n2000 appends: 100k-element list {big_append * 1000:.1f} ms, 10-element {small_append * 1000:.1f} ms; "
+          f"puts: 100k-entry map {big_put * 1000:.1f} ms, 10-entry {small_put * 1000:.1f} ms; "
+          f"gets {big_get * 1000:.1f} / {small_get * 1000:.1f} ms")
+    assert big_append < 2 * small_append and big_put < 2 * small_put and big_get < 2 * small_get
+    assert len(st.list("l").get("big")) == 106_000
+
+
+def test_evolution_reads_old_versions_and_refuses_the_rest_by_name(backend):
+    v1 = [value_state("s", "a bigint, b string"), value_state("n", "int")]
+    rec1 = resolve(None, v1)
+    TypedStates(backend, rec1, T0, 1).value("s").update("k", {"a": 1, "b": "x"})
+    TypedStates(backend, rec1, T0, 1).value("n").update("k", 7)
+    v2 = [value_state("s", "a bigint, c double"), value_state("n", "bigint")]    # drop b, add c, widen n
+    rec2 = resolve(rec1, v2)
+    assert {n: v["current"] for n, v in rec2["variables"].items()} == {"n": 2, "s": 2}
+    st2 = TypedStates(backend, rec2, T0, 2)
+    assert st2.value("s").get("k") == {"a": 1, "c": None} and st2.value("n").get("k") == 7
+    st2.value("s").update("j", {"a": 2, "c": 0.5})
+    assert st2.value("s").get_many(["k", "j"]).to_pylist() == [{"a": 1, "c": None}, {"a": 2, "c": 0.5}]
+    assert resolve(rec2, v2) == {**rec2, "dropped": []}      # the same declaration keeps its version
+    for bad, match in [
+        (value_state("n", "int"), r"'n' cannot be read as declared: version 2 of its values has type int64 and the "
+                                  r"new declaration int32"),
+        (value_state("s", "a string, c double"), "field 'a' changed from int64 to string"),
+        (list_state("s", "bigint"), "'s' was a value state and is now declared a list state"),
+        (value_state("s", "a bigint, b bigint"), "version 1 of its values .* field 'b' changed from string to int64"),
+    ]:
+        with pytest.raises(StateSchemaError, match=match):
+            resolve(rec2, [bad], state="counts")
+    rec3 = resolve(rec2, [], delete=["s"])
+    assert list(rec3["variables"]) == ["n"] and rec3["dropped"] == ["s"]
+    assert drop_variables(backend, rec3["dropped"]) == 3 * M
+    assert TypedStates(backend, rec2, T0, 3).value("s").get("j") is None
+    assert variables_of(rec3)["n"].types == {1: pa.int32(), 2: pa.int64()}
+
+
+def test_values_an_untyped_view_wrote_are_read_as_declared(backend):
+    backend.value("c").update("k", 5)
+    backend.list("l").update("k", [1, 2])
+    backend.map("m").put("k", "x", 3)
+    st = _states(backend, [value_state("c", "bigint"), list_state("l", "bigint"), map_state("m", "string", "bigint")],
+                 batch=2)
+    st.list("l").append("k", 3)
+    assert st.value("c").get("k") == 5 and st.value("c").get_many(["k"]).to_pylist() == [5]
+    assert st.list("l").get("k") == [1, 2, 3] and st.list("l").get_many(["k"]).to_pylist() == [[1, 2, 3]]
+    assert st.map("m").items("k") == [("x", 3)]
