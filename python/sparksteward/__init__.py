@@ -21,6 +21,18 @@ from sparksteward.session import PLUGIN_CLASS, configure
 
 __version__ = "0.1.0"
 
+_DECLARATIONS = ("list_state", "map_state", "value_state")
+
+
+def __getattr__(name: str) -> object:
+    """``value_state``, ``list_state`` and ``map_state`` (state declarations), imported on first use:
+    they need pyarrow, which the agents and the CLI do not always load."""
+    if name in _DECLARATIONS:
+        from sparksteward.state import declared
+
+        return getattr(declared, name)
+    raise AttributeError(f"module 'sparksteward' has no attribute {name!r}")
+
 __all__ = [
     "PLUGIN_CLASS",
     "AgentUnavailableError",
@@ -34,4 +46,7 @@ __all__ = [
     "StewardError",
     "__version__",
     "configure",
+    "list_state",
+    "map_state",
+    "value_state",
 ]

@@ -315,7 +315,8 @@ class Steward:
                     checkpoint_dir: str | None = None, num_retained: int | None = None,
                     restore_from: str | None = None, claim_mode: str | None = None,
                     file_merging: bool | dict[str, Any] | None = None, alignment: str | None = None,
-                    aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None) -> Any:
+                    aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None,
+                    states: list[Any] | None = None, delete_states: list[str] | None = None) -> Any:
         """A :class:`~sparksteward.keyed_state.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
@@ -336,7 +337,15 @@ class Steward:
         ``aligned_checkpoint_timeout`` (seconds from the start of a batch's state stage; 0: at once) and
         ``max_inflight_bytes`` override ``spark.steward.checkpoint.unaligned.*`` (FLIP-76): a subtask still
         processing at the timeout defers the rest of its input into the checkpoint, and the next batch
-        replays it first."""
+        replays it first.
+
+        ``states`` declares the state's variables (:func:`~sparksteward.value_state`,
+        :func:`~sparksteward.list_state`, :func:`~sparksteward.map_state`), typed and with an optional
+        TTL; the function reaches them as ``state.value(name)``, ``state.list(name)`` and
+        ``state.map(name)``. Every checkpoint records them; a changed declaration is checked here
+        against the state's latest checkpoint (adding a nullable field, dropping a field and widening
+        a number are accepted; anything else is refused naming the variable). ``delete_states`` drops
+        variables and their entries. Without ``states`` the recorded declarations stay as they are."""
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
         from sparksteward.keyed_state import KeyedState
@@ -354,14 +363,17 @@ class Steward:
             raise StateError(f"restore_from={restore_from!r} must be the path of a retained checkpoint "
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
+        declared, dropped = _declarations(states, delete_states)
         merging = _merging_overrides(file_merging)
         aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
                                max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
-                               file_merging=merging, alignment=aligned)
+                               file_merging=merging, alignment=aligned, states=declared, delete_states=dropped)
+        sweep = int(conf.get("spark.steward.state.ttl.sweep-max-entries", "100000")) if conf else 100_000
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
-                        claim_mode=mode, file_merging=merging, alignment=aligned)
+                        claim_mode=mode, file_merging=merging, alignment=aligned, states=declared,
+                        delete_states=dropped, sweep_max_entries=sweep)
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             ks._register(checked["key_type"])
         return ks
@@ -438,3 +450,24 @@ def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:
         blobs.release(key, job)
     except (StewardError, OSError):
         pass
+
+
+def _declarations(states: list[Any] | None, delete_states: list[str] | None) -> tuple[list[dict[str, Any]] | None,
+                                                                                   list[str]]:
+    """The JSON form of ``states=`` and ``delete_states=``, checked here so a mistake is named at once."""
+    from sparksteward.errors import StateSchemaError
+    from sparksteward.state.declared import StateSpec
+
+    if states is not None:
+        if isinstance(states, (str, StateSpec)) or not hasattr(states, "__iter__"):
+            raise StateSchemaError(f"states={states!r} must be a list of value_state(...), list_state(...) and "
+                                   f"map_state(...) declarations")
+        states = list(states)
+        for s in states:
+            if not isinstance(s, StateSpec):
+                raise StateSchemaError(f"states=[...] holds {s!r}, which is not a declaration: make each with "
+                                       f"value_state(...), list_state(...) or map_state(...)")
+    dropped = list(delete_states or [])
+    if not all(isinstance(n, str) and n for n in dropped):
+        raise StateSchemaError(f"delete_states={delete_states!r} must be a list of state variable names")
+    return (None if states is None else [s.to_json() for s in states]), dropped

@@ -347,6 +347,10 @@ OPTIONS = OPTIONS + (
     Option("spark.steward.state.cache.max-size", "bytes", "10g",
            "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
            check=_positive),
+    Option("spark.steward.state.ttl.sweep-max-entries", "int", "100000",
+           "The most expired entries (expiry index keys) one subtask removes in a batch, after the state "
+           "function ran; the rest are removed by the next batches. An expired entry is never returned "
+           "either way; this bounds the time a batch spends on removal.", check=_positive),
 )
 
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
@@ -414,6 +418,7 @@ class StewardConfig:
     state_wal_flush_size: int = 256 << 10
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
+    state_ttl_sweep_max_entries: int = 100_000
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None) -> StewardConfig:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -110,7 +111,9 @@ class KeyedState:
     def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
                  key_type: str | None = None, checkpoint_dir: str | None = None, num_retained: int = 1,
                  restore_from: str | None = None, claim_mode: str = "no_claim",
-                 file_merging: dict[str, Any] | None = None, alignment: dict[str, Any] | None = None) -> None:
+                 file_merging: dict[str, Any] | None = None, alignment: dict[str, Any] | None = None,
+                 states: list[dict[str, Any]] | None = None, delete_states: list[str] | None = None,
+                 sweep_max_entries: int = 100_000) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -125,6 +128,11 @@ class KeyedState:
         self.claim_mode = claim_mode
         self.file_merging = file_merging
         self.alignment = alignment
+        self._declared = states            # the declarations given (JSON), None: keep the recorded ones
+        self._delete_states = list(delete_states or [])
+        self._sweep_max_entries = sweep_max_entries
+        #: the state's declared variables as the driver agent resolved them (``properties.states``)
+        self.states: dict[str, Any] | None = None
         #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
         #: duplication counts), once the first apply registered the state; None without restore_from
         self.restore_info: dict[str, Any] | None = None
@@ -145,8 +153,10 @@ class KeyedState:
                                      parallelism=self.parallelism, max_parallelism=self.max_parallelism,
                                      key_type=key_type, num_retained=self.num_retained,
                                      restore_from=self.restore_from, claim_mode=self.claim_mode,
-                                     file_merging=self.file_merging, alignment=self.alignment)
+                                     file_merging=self.file_merging, alignment=self.alignment,
+                                     states=self._declared, delete_states=self._delete_states or None)
             self.rescaled_from = reply.get("rescaled_from")
+            self.states = reply.get("states")
             self._registered = True
             self.restore_info = reply.get("restore")
             if self.restore_info and self.restore_info.get("action") == "ignored":
@@ -235,7 +245,11 @@ class KeyedState:
         else:
             routed = routed.withColumn(ROUTE_COL, F.expr(route_sql(ROUTE_COL, p))).repartition(p, ROUTE_COL)
         self.last_checkpoint_id = cid
-        return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p), struct), cid
+        # the batch's processing time (TTL), one for every task and attempt of this apply
+        now_ms = int(time.time() * 1000)
+        dropped = (self.states or {}).get("dropped") or []
+        declared = {"states": self.states, "now_ms": now_ms, "dropped": dropped, "sweep": self._sweep_max_entries}
+        return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
@@ -386,6 +400,8 @@ class KeyedState:
         ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
         aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
         reply = self._request("state.commit", checkpoint_id=checkpoint_id, wait=wait)
+        if self.states and self.states.get("dropped"):   # deleted in the checkpoint that completed
+            self.states = {**self.states, "dropped": []}
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
             scope.note_checkpoint(self.name, reply["checkpoint_id"], reply["path"])

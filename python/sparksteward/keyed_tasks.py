@@ -42,8 +42,13 @@ KG_COL = "__steward_key_group"
 
 
 def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
-               form: str, parallelism: int | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers)."""
+               form: str, parallelism: int | None = None,
+               declared: dict[str, Any] | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers).
+
+    ``declared``: the state's declared variables (``states``, the record), the batch's processing time
+    (``now_ms``), the variables to delete (``dropped``) and the sweep's budget (``sweep``)."""
+    declared = declared or {}
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         from pyspark import TaskContext
@@ -51,6 +56,7 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
         from sparksteward.state.backend import RocksDBStateBackend
         from sparksteward.state.keygroups import key_group_range
         from sparksteward.state.runner import run_arrow, run_pandas
+        from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
         from sparksteward.worker import executor_connection
 
         ctx = TaskContext.get()
@@ -67,6 +73,10 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
             kg = key_group_range(m, p, subtask)
             backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
             try:
+                now_ms = int(declared.get("now_ms") or 0)
+                typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
+                if declared.get("dropped"):
+                    drop_variables(backend, declared["dropped"])
                 runner = run_arrow if form == "arrow" else run_pandas
                 cleaned = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
 
@@ -76,12 +86,19 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
                 source, writer, counters = unaligned_input(
                     opened, cleaned, key, kg, m, propose,
                     f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-                yield from runner(source, key, fn, backend, schema)
+                yield from runner(source, key, fn, backend, schema, states=typed)
+                if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
+                    swept = sweep_expired(backend, now_ms, start=checkpoint_id,
+                                          max_entries=int(declared.get("sweep") or 100_000))
+                    counters_ttl = {"ttl_expired_removed": swept.deleted, "ttl_sweep_ms": int(swept.ms)}
+                else:
+                    counters_ttl = {}
                 channel = writer.close() if writer is not None else None
                 writer = None
                 snap = backend.snapshot(opened["snapshot"])  # the sync phase
             finally:
                 backend.close()
+            counters.update(counters_ttl)
             counters["channel_bytes"] = channel.bytes if channel is not None else 0
             counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
             conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,

@@ -105,6 +105,9 @@ class CheckpointCoordinator:
                  lease: Fence | None = None, orphan_grace: float = 0.0, background_deletes: bool = False) -> None:
         validate_parallelism(parallelism, max_parallelism)
         self.storage = storage
+        #: the declared state variables (``properties.states`` of every checkpoint completed from now on,
+        #: see :mod:`sparksteward.state.declared`); None when the state declares none
+        self.states: dict[str, object] | None = None
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.key_type = KeyType.parse(key_type)
@@ -609,6 +612,8 @@ class CheckpointCoordinator:
             merged = sorted(p for p in referenced if is_merged(p))
             if merged:
                 properties["merged"] = {p: self._done.sizes.get(p, 0) for p in merged}
+            if self.states and self.states.get("variables"):   # the declared variables, for every reader
+                properties["states"] = {k: v for k, v in self.states.items() if k != "dropped"}
             meta = CheckpointMetadata(
                 state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,
                 max_parallelism=self.max_parallelism, key_type=self.key_type,

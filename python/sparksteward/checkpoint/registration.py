@@ -33,6 +33,7 @@ from sparksteward.checkpoint.stats import SubtaskStats, summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
 from sparksteward.errors import InvalidRequestError, ParallelismError, StateNotRegisteredError, StewardError
 from sparksteward.ids import validate_id
+from sparksteward.state.declared import resolve
 from sparksteward.wire import Fields
 
 __all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register"]
@@ -54,6 +55,8 @@ class Registration:
     claim_mode: ClaimMode = ClaimMode.NO_CLAIM
     alignment: dict[str, Any] | None = None      # overrides of the application's alignment options
     file_merging: dict[str, Any] | None = None   # overrides of the application's merging options
+    states: tuple[dict[str, Any], ...] | None = None   # the declared state variables (None: keep the recorded)
+    delete_states: tuple[str, ...] = ()
     op: str = "state.register"
 
     @classmethod
@@ -70,10 +73,23 @@ class Registration:
         num_retained = 1 if check else f.integer("num_retained", default=1, lo=1, hi=10_000)
         source = f.text("restore_from", default=None, max_len=4096) or None
         mode = ClaimMode.parse(f.text("claim_mode", default=None, max_len=32) or ClaimMode.NO_CLAIM.value)
+        states = f.sequence("states", default=None, max_items=256)
+        if states is not None and not all(isinstance(s, dict) for s in states):
+            raise InvalidRequestError(f"{f.op}: field 'states' must be an array of state declarations (objects)")
+        deleted = f.sequence("delete_states", default=None, max_items=256) or []
+        if not all(isinstance(n, str) and 0 < len(n) <= 100 for n in deleted):
+            raise InvalidRequestError(f"{f.op}: field 'delete_states' must be an array of state variable names")
         return cls(name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, parallelism=parallelism,
                    key_type=key_type, num_retained=num_retained, source=source, claim_mode=mode,
                    alignment=f.mapping("alignment", default=None), file_merging=f.mapping("file_merging", default=None),
-                   op=f.op)
+                   states=None if states is None else tuple(states), delete_states=tuple(deleted), op=f.op)
+
+    def states_of(self, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The state's declarations (``properties.states``) over those its latest checkpoint
+        ``recorded``; raises :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
+        if self.states is None and not self.delete_states:
+            return recorded
+        return resolve(recorded, self.states or (), self.delete_states, state=self.name)
 
     def alignment_of(self, defaults: AlignmentOptions) -> AlignmentOptions:
         """The state's alignment options (FLIP-76): the application's, with the request's overrides."""
@@ -178,12 +194,14 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
     if own:
         latest = storage.read_metadata(own[-1])
         check_max_parallelism(latest, reg.max_parallelism)
+        reg.states_of(latest.properties.get("states"))
         return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
                 "key_type": latest.key_type.value}
     if reg.source:
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)
         check_sources(src, meta, reg.source)
+        reg.states_of(meta.properties.get("states"))
         return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
                 "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value}
     return {"registered": False, "last_completed": None, "restore_from": None}

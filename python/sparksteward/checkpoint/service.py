@@ -208,6 +208,8 @@ class StateService:
                     f"keyed state {name!r} is already open in this application with checkpoint_dir="
                     f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                     f"key type {c.key_type.value}; open it with the same settings or use another name")
+            if reg.states is not None or reg.delete_states:   # declared again: from the next checkpoint on
+                c.states = reg.states_of(c.states)
             if reg.parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
                 c.rescale(reg.parallelism)
             if reg.alignment is not None:  # another alignment from the next batch on
@@ -223,7 +225,8 @@ class StateService:
     def _registered(st: RegisteredState, reg: Registration, restore: dict[str, Any] | None) -> dict[str, Any]:
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
         return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                "restore": restore, "rescaled_from": st.rescaled_from(reg.parallelism)}
+                "restore": restore, "rescaled_from": st.rescaled_from(reg.parallelism),
+                "states": st.coordinator.states}
 
     def _register_new(self, reg: Registration) -> RegisteredState:
         """Open a state this application has not registered: the lease, restore_from, the coordinator's
@@ -238,6 +241,13 @@ class StateService:
                                           num_retained=reg.num_retained, merging=merging, lease=lease,
                                           orphan_grace=self.orphan_grace, background_deletes=True)
         except BaseException:
+            lease.release()
+            raise
+        try:   # the declared state variables over those the latest checkpoint recorded
+            latest = max(coord.retained(), default=None)
+            coord.states = reg.states_of(None if latest is None else coord.completed(latest).properties.get("states"))
+        except BaseException:
+            coord.close()
             lease.release()
             raise
         coord.flush_deletions()   # the start-up subsumption and sweep: done before the state is used
@@ -455,6 +465,7 @@ class StateService:
         st = self.table.get(reg.name)
         if st is not None:  # open in this application: register settles the rest
             st.check_max_parallelism(reg.name, reg.max_parallelism)
+            reg.states_of(st.coordinator.states)
             return {"registered": True, "last_completed": st.coordinator.last_completed,
                     "key_type": st.coordinator.key_type.value}
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)

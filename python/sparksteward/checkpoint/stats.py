@@ -34,6 +34,7 @@ class SubtaskStats:
     channel_bytes: int = 0
     unaligned: bool = False
     wal_bytes: int = 0
+    ttl_expired_removed: int = 0              # expired state entries the subtask's sweep removed
 
     @classmethod
     def from_fields(cls, f: Fields) -> SubtaskStats:
@@ -48,7 +49,7 @@ class SubtaskStats:
 
 
 _COUNTS = ("files_uploaded", "bytes_uploaded", "segments_written", "files_reused", "files", "bytes",
-           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes")
+           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes", "ttl_expired_removed")
 
 
 def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
@@ -69,7 +70,7 @@ def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
             "merged_files_written": merged_files_written,
             # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
             "objects_written": whole + merged_files_written + 1,
-            "files": total("files"), "bytes": total("bytes"),
+            "files": total("files"), "bytes": total("bytes"), "ttl_expired_removed": total("ttl_expired_removed"),
             "sync_ms_max": max((a.sync_ms for a in acks), default=0.0),
             "sync_ms": [a.sync_ms for a in acks],  # per subtask, in subtask order
             "flush_ms": [a.flush_ms for a in acks],

@@ -324,6 +324,7 @@ class SubtaskService:
         counters = {"rows_processed": c.integer("rows_processed", default=0, lo=0),
                     "rows_deferred": c.integer("rows_deferred", default=0, lo=0),
                     "wal_bytes": c.integer("wal_bytes", default=0, lo=0),
+                    "ttl_expired_removed": c.integer("ttl_expired_removed", default=0, lo=0),
                     "unaligned": bool(c.integer("unaligned", default=0, lo=0, hi=1))}  # 0/1 from the task
         opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
@@ -352,7 +353,8 @@ class SubtaskService:
                          "restore": opened.restore,
                          "rows_processed": counters["rows_processed"], "rows_deferred": counters["rows_deferred"],
                          "channel_bytes": sum(h.length for h in result.handle.channel_state),
-                         "unaligned": counters["unaligned"], "wal_bytes": counters["wal_bytes"]}
+                         "unaligned": counters["unaligned"], "wal_bytes": counters["wal_bytes"],
+                         "ttl_expired_removed": counters["ttl_expired_removed"]}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
                              stats=stats, attempt=opened.attempt)

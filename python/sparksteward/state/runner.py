@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 
 from sparksteward.errors import StateEncodingError, StateError
 from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
 from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
 __all__ = ["DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow", "run_pandas"]
@@ -33,11 +34,14 @@ DEFAULT_STATE = "value"
 
 
 class KeyedStateAccess:
-    """What an Arrow-form function gets: vectorized access to the subtask's keyed state."""
+    """What an Arrow-form function gets: vectorized access to the subtask's keyed state. Declared
+    variables (``states``) come as their typed views; an undeclared name gets an untyped (JSON) view."""
 
-    def __init__(self, backend: RocksDBStateBackend, default: str = DEFAULT_STATE) -> None:
+    def __init__(self, backend: RocksDBStateBackend, default: str = DEFAULT_STATE,
+                 states: TypedStates | None = None) -> None:
         self.backend = backend
         self._default = backend.value(default)
+        self.states = states
 
     def get_many(self, keys: Iterable[object]) -> list[Any]:
         """Values of the default value state for ``keys`` (``None`` where absent)."""
@@ -47,14 +51,17 @@ class KeyedStateAccess:
         """Set values of the default value state in one write batch (``None`` clears)."""
         self._default.put_many(keys, values)
 
-    def value(self, name: str) -> ValueState:
-        return self.backend.value(name)
+    def _declared(self, name: str) -> bool:
+        return self.states is not None and name in self.states.variables
 
-    def map(self, name: str) -> MapState:
-        return self.backend.map(name)
+    def value(self, name: str) -> TypedValue | ValueState:
+        return self.states.value(name) if self._declared(name) else self.backend.value(name)  # type: ignore[union-attr]
 
-    def list(self, name: str) -> ListState:
-        return self.backend.list(name)
+    def map(self, name: str) -> TypedMap | MapState:
+        return self.states.map(name) if self._declared(name) else self.backend.map(name)  # type: ignore[union-attr]
+
+    def list(self, name: str) -> TypedList | ListState:
+        return self.states.list(name) if self._declared(name) else self.backend.list(name)  # type: ignore[union-attr]
 
 
 class KeyState(BoundValueState):
@@ -70,13 +77,13 @@ class KeyState(BoundValueState):
     def key(self) -> object:
         return self._key
 
-    def value(self, name: str) -> BoundValueState:
+    def value(self, name: str) -> BoundValue | BoundValueState:
         return self._access.value(name).bind(self._key)
 
-    def map(self, name: str) -> BoundMapState:
+    def map(self, name: str) -> BoundMap | BoundMapState:
         return self._access.map(name).bind(self._key)
 
-    def list(self, name: str) -> BoundListState:
+    def list(self, name: str) -> BoundList | BoundListState:
         return self._access.list(name).bind(self._key)
 
 
@@ -117,9 +124,9 @@ def _key_column(table: pa.Table, key: str) -> pa.ChunkedArray:
 
 
 def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
-              schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+              schema: pa.Schema, states: TypedStates | None = None) -> Iterator[pa.RecordBatch]:
     """Call ``fn(keys, rows, state)`` for every non-empty input batch; yield the results."""
-    access = KeyedStateAccess(backend)
+    access = KeyedStateAccess(backend, states=states)
     for batch in batches:
         if batch.num_rows == 0:
             continue
@@ -131,7 +138,7 @@ def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any
 
 
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
-               schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+               schema: pa.Schema, states: TypedStates | None = None) -> Iterator[pa.RecordBatch]:
     """Call ``fn(key, rows, state)`` once per distinct key of each batch (built on :func:`run_arrow`)."""
 
     def per_batch(keys: pa.Array, rows: pa.Table, access: KeyedStateAccess) -> pa.Table | None:
@@ -147,4 +154,4 @@ def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., An
 
         return pa.Table.from_pandas(pd.concat(outs, ignore_index=True), preserve_index=False)
 
-    return run_arrow(batches, key, per_batch, backend, schema)
+    return run_arrow(batches, key, per_batch, backend, schema, states)

@@ -79,6 +79,12 @@ class Fields:
             self._bad(name, value, "a JSON object")
         return value
 
+    def sequence(self, name: str, *, default: Any = _REQUIRED, max_items: int = 1024) -> Any:
+        present, value = self._get(name, default)
+        if present and (not isinstance(value, list) or len(value) > max_items):
+            self._bad(name, value, f"a JSON array of at most {max_items} items")
+        return value
+
     def job_id(self, name: str = "job_id", *, nullable: bool = False) -> Any:
         """A job id, validated; the field must be present, and may be null only if ``nullable``."""
         from sparksteward.ids import validate_job_id
