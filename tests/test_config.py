@@ -116,3 +116,10 @@ def test_log_level_takes_spark_level_names(value, level):
 def test_a_bad_log_level_names_the_allowed_ones():
     with pytest.raises(ConfigError, match=r"spark.steward.log.level='LOUD'.*TRACE, DEBUG, INFO, WARN, ERROR or OFF"):
         StewardConfig.from_conf({"spark.steward.log.level": "LOUD"})
+
+
+def test_processes_that_parse_a_conf_the_driver_agent_checked_keep_quiet(caplog):
+    StewardConfig.from_conf({"spark.steward.blob.max-sise": "1g"}, warn=False)
+    assert "max-sise" not in caplog.text
+    with pytest.raises(ConfigError, match="did you mean spark.steward.blob.max-size"):  # strict still refuses
+        StewardConfig.from_conf({"spark.steward.blob.max-sise": "1g", "spark.steward.config.strict": "on"}, warn=False)

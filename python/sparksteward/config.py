@@ -454,12 +454,13 @@ class StewardConfig:
     state_cache_max_size: int = 10 << 30
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, str] | None = None) -> StewardConfig:
+    def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:
         """Parse a SparkConf-like mapping.
 
-        An unknown ``spark.steward.*`` key is warned about once per process (this is called in the
-        driver, in each agent, and more than once in a process), or refused with a ConfigError when
-        ``spark.steward.config.strict`` is true; deprecated keys are warned about once and used.
+        An unknown ``spark.steward.*`` key is warned about once per process, or refused with a
+        ConfigError when ``spark.steward.config.strict`` is true; a deprecated key is warned about once
+        and used. ``warn=False`` keeps quiet about both, for processes that parse a conf the driver
+        agent already checked (executor agents, the client in the user's driver).
         """
         conf = dict(conf or {})
         values: dict[str, Any] = {}
@@ -470,7 +471,8 @@ class StewardConfig:
                 continue
             if key in _BY_DEPRECATED:
                 new = _BY_DEPRECATED[key].key
-                _warn_once(key, "%s is deprecated; use %s", key, new)
+                if warn:
+                    _warn_once(key, "%s is deprecated; use %s", key, new)
                 conf.setdefault(new, raw)
                 continue
             hint = [PREFIX + k for k in difflib.get_close_matches(key[len(PREFIX):], _SUFFIXES, n=1)]
@@ -480,7 +482,8 @@ class StewardConfig:
                     f"unknown setting {key}={raw!r}: {closest} spark.steward.config.strict=true refuses keys it "
                     f"does not know; fix the key in --conf, spark-defaults.conf or SparkSession.builder.config(), "
                     f"or remove it.")
-            _warn_once(key, "unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
+            if warn:
+                _warn_once(key, "unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
         for opt in OPTIONS:
             values[opt.attr] = opt.parse(str(conf.get(opt.key, opt.default)))
         extra = {k: v for k, v in conf.items() if not k.startswith(PREFIX)}

@@ -92,3 +92,16 @@ def test_rebuilding_a_subtask_logs_at_info_only_when_it_rescales(tmp_path, caplo
                                LocalFileCache(tmp_path / f"cache{parallelism}"))
         b.close()
         assert [r.levelno for r in caplog.records if "rebuilt subtask" in r.getMessage()] == [level], parallelism
+
+
+def test_only_the_driver_agent_warns_about_an_unknown_key_and_strict_mode_refuses_it(tmp_path):
+    typo = {"spark.steward.rpc.timeoutt": "5s"}
+    _, stderr = _run(tmp_path / "d", conf=typo)
+    assert stderr.count("unknown setting spark.steward.rpc.timeoutt ignored (did you mean spark.steward.rpc.timeout?)") == 1
+    _, stderr = _run(tmp_path / "e", "executor", conf=typo, rendezvous_dir=str(tmp_path / "userFiles"))
+    assert stderr == ""
+    with AgentProcess("driver", {"spark.steward.state-dir": str(tmp_path / "state"), **typo,
+                                 "spark.steward.config.strict": "true"}) as agent:
+        assert agent.first["type"] == "fatal" and agent.first["code"] == "CONFIG_INVALID"
+        assert "spark.steward.rpc.timeoutt" in agent.first["message"]
+        assert "did you mean spark.steward.rpc.timeout?" in agent.first["message"]

@@ -210,7 +210,8 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
         hello = protocol.decode(stdin.readline(protocol.MAX_LINE + 1))
         if hello["type"] != "hello":
             raise ProtocolError(f"the first message must be hello, not {hello['type']}")
-        cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()})
+        # the driver agent warns about unknown keys; executor agents get the same conf
+        cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()}, warn=role == "driver")
         log_file = logs.configure(console, cfg, logs.log_file_name(role, hello.get("executor_id")))
         agent = agent_cls(hello, cfg=cfg)
         agent.log_file = None if log_file is None else str(log_file)
