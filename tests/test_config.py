@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
 
-from sparksteward.config import OPTIONS, StewardConfig, parse_bytes, parse_duration, render_defaults_conf, render_markdown
+from sparksteward.config import (
+    OPTIONS,
+    StewardConfig,
+    log_level,
+    parse_bytes,
+    parse_duration,
+    render_defaults_conf,
+    render_markdown,
+)
 from sparksteward.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,3 +86,40 @@ def test_every_option_is_documented_and_generated_files_are_in_sync():
     assert all(o.key.startswith("spark.steward.") and o.description for o in OPTIONS)
     assert (ROOT / "docs" / "configuration.md").read_text() == render_markdown(), "run `make docs`"
     assert (ROOT / "conf" / "spark-defaults.conf.example").read_text() == render_defaults_conf(), "run `make docs`"
+
+
+def test_an_unknown_key_is_warned_about_once_per_process(caplog):
+    conf = {"spark.steward.rpc.timeoutt": "5s"}
+    for _ in range(3):  # the client, keyed states and the agents parse the same conf again and again
+        StewardConfig.from_conf(conf)
+    assert caplog.text.count("unknown setting spark.steward.rpc.timeoutt") == 1
+    assert "did you mean spark.steward.rpc.timeout?" in caplog.text
+
+
+def test_strict_mode_refuses_an_unknown_key_naming_it_and_the_closest_known_key():
+    with pytest.raises(ConfigError) as info:
+        StewardConfig.from_conf({"spark.steward.config.strict": "true", "spark.steward.jrs.retension": "7d"})
+    first = str(info.value).splitlines()[0]
+    assert "spark.steward.jrs.retension" in first and "did you mean spark.steward.jrs.retention?" in first
+    assert "spark.steward.config.strict=true" in first
+    with pytest.raises(ConfigError, match="no known key is close"):
+        StewardConfig.from_conf({"spark.steward.config.strict": "true", "spark.steward.zzzzzz": "1"})
+    assert StewardConfig.from_conf({"spark.steward.config.strict": "true"}).config_strict
+
+
+@pytest.mark.parametrize("value,level", [("WARN", logging.WARNING), ("debug", logging.DEBUG), ("info", logging.INFO),
+                                         ("OFF", logging.CRITICAL + 10), ("TRACE", logging.DEBUG)])
+def test_log_level_takes_spark_level_names(value, level):
+    assert log_level(StewardConfig.from_conf({"spark.steward.log.level": value}).log_level) == level
+
+
+def test_a_bad_log_level_names_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"spark.steward.log.level='LOUD'.*TRACE, DEBUG, INFO, WARN, ERROR or OFF"):
+        StewardConfig.from_conf({"spark.steward.log.level": "LOUD"})
+
+
+def test_processes_that_parse_a_conf_the_driver_agent_checked_keep_quiet(caplog):
+    StewardConfig.from_conf({"spark.steward.blob.max-sise": "1g"}, warn=False)
+    assert "max-sise" not in caplog.text
+    with pytest.raises(ConfigError, match="did you mean spark.steward.blob.max-size"):  # strict still refuses
+        StewardConfig.from_conf({"spark.steward.blob.max-sise": "1g", "spark.steward.config.strict": "on"}, warn=False)

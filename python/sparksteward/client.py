@@ -42,7 +42,8 @@ def _client_settings(conf: Any) -> dict[str, Any]:
     ``spark.steward.rpc.timeout``, ``rpc.max-message-size`` and ``cleanup.shutdown-timeout``."""
     from sparksteward.config import StewardConfig
 
-    cfg = StewardConfig.from_conf({k: v for k, v in conf.getAll() if k.startswith("spark.steward.")})
+    cfg = StewardConfig.from_conf({k: v for k, v in conf.getAll() if k.startswith("spark.steward.")},
+                                  warn=False)  # the driver agent warned about unknown keys
     return {"timeout": cfg.rpc_timeout, "max_message": cfg.rpc_max_message_size,
             "default_wait": cfg.cleanup_shutdown_timeout}
 

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 from sparksteward.errors import ConfigError
 from sparksteward.ids import validate_id
 
-__all__ = ["OPTIONS", "Option", "StewardConfig", "default_state_dir", "parse_bytes", "parse_duration"]
+__all__ = ["LOG_LEVELS", "OPTIONS", "Option", "StewardConfig", "default_state_dir", "log_level", "parse_bytes",
+           "parse_duration"]
 
 log = logging.getLogger("sparksteward.config")
 
@@ -38,6 +40,10 @@ _DURATION_UNITS = {
 }
 _SIZE_UNITS = {"b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "g": 1 << 30,
                "gb": 1 << 30, "t": 1 << 40, "tb": 1 << 40}
+#: Spark's (log4j's) level names and Python's, as :mod:`logging` levels (``spark.steward.log.level``)
+LOG_LEVELS = {"ALL": logging.DEBUG, "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO,
+              "WARN": logging.WARNING, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+              "FATAL": logging.CRITICAL, "CRITICAL": logging.CRITICAL, "OFF": logging.CRITICAL + 10}
 _NUMBER_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -201,6 +207,16 @@ OPTIONS: tuple[Option, ...] = (
            "Size bound of each agent's buffer of recent Spark events (served by the events request); "
            "the oldest events are dropped first. The buffer also holds at most 2000 events.",
            check=_positive),
+    Option("spark.steward.log.level", "str", "WARN",
+           "Level of the agents' log lines on stderr, which Spark puts in the driver's and executors' logs "
+           "(Spark's own console default is WARN too). Each agent also writes INFO and above (or this level, "
+           "when lower) to its own log file, <state-dir>/logs/driver-agent.log or "
+           "executor-agent-<executor id>.log, rotated at 10 MB with 5 old files kept; health() names it. "
+           "The environment variable SPARK_STEWARD_LOG_LEVEL, when set, overrides this.",
+           check=lambda v: v.upper() in LOG_LEVELS, allowed="TRACE, DEBUG, INFO, WARN, ERROR or OFF"),
+    Option("spark.steward.config.strict", "bool", "false",
+           "Refuse an unknown spark.steward.* key (a typo) with an error naming it and the closest known "
+           "key, instead of warning about it once and ignoring it."),
     Option("spark.steward.metrics.interval", "duration", "5s",
            "How often the driver agent checks its numbers (per keyed state: merged physical and logical "
            "files and bytes, space amplification, no-reuse files) and, when they changed, hands them to "
@@ -355,6 +371,26 @@ OPTIONS = OPTIONS + (
 
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
 _BY_DEPRECATED: dict[str, Option] = {k: o for o in OPTIONS for k in o.deprecated_keys}
+_SUFFIXES = [k[len(PREFIX):] for k in _BY_KEY]  # compared without the prefix every key shares
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    """Log a warning about ``key`` the first time this process sees it."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning(message, *args)
+
+
+def log_level(name: str) -> int:
+    """The :mod:`logging` level of a Spark (log4j) level name such as ``WARN``; ``ValueError`` if unknown."""
+    try:
+        return LOG_LEVELS[name.strip().upper()]
+    except KeyError:
+        raise ValueError(name) from None
 
 
 @dataclass(frozen=True)
@@ -382,6 +418,8 @@ class StewardConfig:
     rpc_max_pending_handshakes: int = 64
     rpc_max_connections: int = 512
     agent_events_max_bytes: int = 4 << 20
+    log_level: str = "WARN"
+    config_strict: bool = False
     metrics_interval: float = 5.0
     blob_storage_dir: str = ""
     blob_ha_storage_path: str = ""
@@ -421,20 +459,36 @@ class StewardConfig:
     state_ttl_sweep_max_entries: int = 100_000
 
     @classmethod
-    def from_conf(cls, conf: Mapping[str, str] | None = None) -> StewardConfig:
-        """Parse a SparkConf-like mapping; unknown ``spark.steward.*`` keys are warned about."""
+    def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:
+        """Parse a SparkConf-like mapping.
+
+        An unknown ``spark.steward.*`` key is warned about once per process, or refused with a
+        ConfigError when ``spark.steward.config.strict`` is true; a deprecated key is warned about once
+        and used. ``warn=False`` keeps quiet about both, for processes that parse a conf the driver
+        agent already checked (executor agents, the client in the user's driver).
+        """
         conf = dict(conf or {})
         values: dict[str, Any] = {}
-        for key, raw in conf.items():
+        strict_opt = _BY_KEY["spark.steward.config.strict"]
+        strict = strict_opt.parse(str(conf.get(strict_opt.key, strict_opt.default)))
+        for key, raw in list(conf.items()):
             if not key.startswith(PREFIX) or key in _BY_KEY:
                 continue
             if key in _BY_DEPRECATED:
                 new = _BY_DEPRECATED[key].key
-                log.warning("%s is deprecated; use %s", key, new)
+                if warn:
+                    _warn_once(key, "%s is deprecated; use %s", key, new)
                 conf.setdefault(new, raw)
-            else:
-                hint = difflib.get_close_matches(key, _BY_KEY, n=1)
-                log.warning("unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
+                continue
+            hint = [PREFIX + k for k in difflib.get_close_matches(key[len(PREFIX):], _SUFFIXES, n=1)]
+            if strict:
+                closest = f"did you mean {hint[0]}?" if hint else "no known key is close (docs/configuration.md)."
+                raise ConfigError(
+                    f"unknown setting {key}={raw!r}: {closest} spark.steward.config.strict=true refuses keys it "
+                    f"does not know; fix the key in --conf, spark-defaults.conf or SparkSession.builder.config(), "
+                    f"or remove it.")
+            if warn:
+                _warn_once(key, "unknown setting %s ignored%s", key, f" (did you mean {hint[0]}?)" if hint else "")
         for opt in OPTIONS:
             values[opt.attr] = opt.parse(str(conf.get(opt.key, opt.default)))
         extra = {k: v for k, v in conf.items() if not k.startswith(PREFIX)}

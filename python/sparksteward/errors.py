@@ -31,7 +31,8 @@ Tree::
     │   ├── StateEncodingError (ValueError)       STATE_ENCODING
     │   ├── StateSchemaError (ValueError)         STATE_SCHEMA
     │   ├── ParallelismError (ValueError)         PARALLELISM
-    │   └── StateBackendError                     STATE_BACKEND
+    │   ├── StateBackendError                     STATE_BACKEND
+    │   └── StateFunctionError                    STATE_FUNCTION
     └── CheckpointError                           CHECKPOINT
         ├── CheckpointNotFoundError (FileNotFoundError)  CHECKPOINT_NOT_FOUND
         ├── CheckpointCorruptError (ValueError)          CHECKPOINT_CORRUPT
@@ -71,6 +72,7 @@ __all__ = [
     "ShimBuildError",
     "StateBackendError",
     "StateEncodingError",
+    "StateFunctionError",
     "StateLeaseError",
     "StateNotRegisteredError",
     "StateSchemaError",
@@ -265,6 +267,14 @@ class StateBackendError(StateError):
     """The local RocksDB of a subtask cannot be opened, written or snapshotted; the message names the dir."""
 
     code = "STATE_BACKEND"
+
+
+class StateFunctionError(StateError):
+    """The user's state function raised (its exception is the ``__cause__``) or returned what cannot be
+    its output. The first line names the state, the checkpoint, the subtask and, in the per-key form,
+    the key; the function's own traceback follows."""
+
+    code = "STATE_FUNCTION"
 
 
 class CheckpointError(StewardError):

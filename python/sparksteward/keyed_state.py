@@ -399,7 +399,15 @@ class KeyedState:
         complete it; older checkpoints are subsumed. Returns the id. On a failed upload, or when
         ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
         aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
-        reply = self._request("state.commit", checkpoint_id=checkpoint_id, wait=wait)
+        try:
+            reply = self._request("state.commit", checkpoint_id=checkpoint_id, wait=wait)
+        except StateNotRegisteredError as exc:
+            if self._registered:
+                raise
+            raise StateError(f"keyed state {self.name!r} has nothing to commit: no batch was applied to it in this "
+                             f"application. Apply one first (ks.apply(df, fn, schema) or ks.apply_arrow(...)), then "
+                             f"commit its checkpoint; or let ks.process(...) in foreachBatch apply and commit each "
+                             f"batch") from exc
         if self.states and self.states.get("dropped"):   # deleted in the checkpoint that completed
             self.states = {**self.states, "dropped": []}
         scope = self._st.current_scope()

@@ -31,9 +31,10 @@ from typing import Any
 
 import orjson
 
-from sparksteward.errors import StateError
+from sparksteward.errors import StateError, StateFunctionError
 
-__all__ = ["KG_COL", "ROUTE_COL", "read_fn", "read_values", "subtask_fn", "unaligned_input"]
+__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_values", "subtask_fn",
+           "unaligned_input"]
 
 ROUTE_COL = "__steward_subtask"
 """The column of a batch's rows that names their subtask (the task drops it before the user function)."""
@@ -47,73 +48,135 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers).
 
     ``declared``: the state's declared variables (``states``, the record), the batch's processing time
-    (``now_ms``), the variables to delete (``dropped``) and the sweep's budget (``sweep``)."""
-    declared = declared or {}
+    (``now_ms``), the variables to delete (``dropped``) and the sweep's budget (``sweep``).
+
+    When the user's function fails, the task fails with a :class:`StateFunctionError` raised from the
+    top of this function once the subtask is released, so that the error Spark reports begins with its
+    first line (state, checkpoint, subtask, key, the function's exception) and the function's traceback.
+    """
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         from pyspark import TaskContext
 
-        from sparksteward.state.backend import RocksDBStateBackend
-        from sparksteward.state.keygroups import key_group_range
-        from sparksteward.state.runner import run_arrow, run_pandas
-        from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
-        from sparksteward.worker import executor_connection
-
         ctx = TaskContext.get()
         assert ctx is not None  # mapInArrow runs this in a task
         subtask = ctx.partitionId()
-        conn = executor_connection()
-        opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
-                              parallelism=parallelism)
-        token = opened["token"]
-        uploaded = False
-        writer = None
+        where = f"keyed state {name!r}, checkpoint {checkpoint_id}, subtask {subtask}"
+        failed = None
         try:
-            p, m = opened["parallelism"], opened["max_parallelism"]
-            kg = key_group_range(m, p, subtask)
-            backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
-            try:
-                now_ms = int(declared.get("now_ms") or 0)
-                typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
-                if declared.get("dropped"):
-                    drop_variables(backend, declared["dropped"])
-                runner = run_arrow if form == "arrow" else run_pandas
-                cleaned = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
-
-                def propose(cut: int, overflow: bool) -> int:
-                    return conn.request("state.cut", token=token, cut=cut, overflow=int(overflow))["cut"]
-
-                source, writer, counters = unaligned_input(
-                    opened, cleaned, key, kg, m, propose,
-                    f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-                yield from runner(source, key, fn, backend, schema, states=typed)
-                if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
-                    swept = sweep_expired(backend, now_ms, start=checkpoint_id,
-                                          max_entries=int(declared.get("sweep") or 100_000))
-                    counters_ttl = {"ttl_expired_removed": swept.deleted, "ttl_sweep_ms": int(swept.ms)}
-                else:
-                    counters_ttl = {}
-                channel = writer.close() if writer is not None else None
-                writer = None
-                snap = backend.snapshot(opened["snapshot"])  # the sync phase
-            finally:
-                backend.close()
-            counters.update(counters_ttl)
-            counters["channel_bytes"] = channel.bytes if channel is not None else 0
-            counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
-            conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,
-                         counters=counters)  # the async phase
-            uploaded = True
-        finally:
-            if writer is not None:
-                writer.abort()
-            if not uploaded:
-                try:
-                    conn.request("state.release", token=token)
-                except Exception:  # noqa: BLE001 - the task's own error matters more
-                    pass
+            yield from _run_subtask(batches, name, checkpoint_id, subtask, key, guarded(fn, form, where), schema,
+                                    form, parallelism, declared or {})
+        except StateFunctionError as exc:
+            failed = exc
+        if failed is not None:  # the first line of the task's error: the state function failed
+            raise failed.with_traceback(None)
 
     return run
+
+
+def guarded(fn: Callable[..., Any], form: str, where: str) -> Callable[..., Any]:
+    """``fn`` as the runner calls it, raising :class:`StateFunctionError` (from the function's own
+    exception) when it raises, or, in the per-key form, when it returns anything but a pandas DataFrame
+    or None. ``where`` names the state, the checkpoint and the subtask."""
+
+    def call(first: Any, rows: Any, state: Any) -> Any:
+        try:
+            result = fn(first, rows, state)
+        except Exception as exc:
+            raise StateFunctionError(function_failure(where, form, first, exc)) from exc
+        if form == "pandas" and result is not None:
+            import pandas as pd
+
+            if not isinstance(result, pd.DataFrame):
+                raise StateFunctionError(
+                    f"{where}, {_keys_of(form, first)}: the state function returned {type(result).__name__}; "
+                    f"return a pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None")
+        return result
+
+    return call
+
+
+def function_failure(where: str, form: str, first: Any, exc: BaseException) -> str:
+    """The message of a state function's failure: one line naming where and what it raised, then its
+    traceback (from the function's own frame on)."""
+    import traceback
+
+    lines = str(exc).strip().splitlines()
+    raised = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None  # skip guarded's own frame
+    trace = "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+    return f"{where}, {_keys_of(form, first)}: the state function raised {raised}\n{trace}"
+
+
+def _keys_of(form: str, first: Any) -> str:
+    """``key 'a'`` (per-key form) or ``keys ['a', 'b', 'c', ...] (N in the batch)`` (Arrow form)."""
+    if form == "pandas":
+        return f"key {first!r}"
+    try:
+        n = len(first)
+        shown = first.slice(0, 3).to_pylist() if hasattr(first, "slice") else list(first)[:3]
+    except Exception:  # noqa: BLE001 - only a description
+        return "a batch of keys"
+    return f"keys {shown!r}{' ...' if n > 3 else ''} ({n} in the batch)"
+
+
+def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask: int, key: str,
+                 fn: Callable[..., Any], schema: Any, form: str, parallelism: int | None,
+                 declared: dict[str, Any]) -> Iterator[Any]:
+    """One subtask of checkpoint ``checkpoint_id``: open, run, snapshot and upload, or release."""
+    from sparksteward.state.backend import RocksDBStateBackend
+    from sparksteward.state.keygroups import key_group_range
+    from sparksteward.state.runner import run_arrow, run_pandas
+    from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
+    from sparksteward.worker import executor_connection
+
+    conn = executor_connection()
+    opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
+                          parallelism=parallelism)
+    token = opened["token"]
+    uploaded = False
+    writer = None
+    try:
+        p, m = opened["parallelism"], opened["max_parallelism"]
+        kg = key_group_range(m, p, subtask)
+        backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
+        try:
+            now_ms = int(declared.get("now_ms") or 0)
+            typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
+            if declared.get("dropped"):
+                drop_variables(backend, declared["dropped"])
+            runner = run_arrow if form == "arrow" else run_pandas
+            cleaned = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
+
+            def propose(cut: int, overflow: bool) -> int:
+                return conn.request("state.cut", token=token, cut=cut, overflow=int(overflow))["cut"]
+
+            source, writer, counters = unaligned_input(
+                opened, cleaned, key, kg, m, propose,
+                f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
+            yield from runner(source, key, fn, backend, schema, states=typed)
+            if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
+                swept = sweep_expired(backend, now_ms, start=checkpoint_id,
+                                      max_entries=int(declared.get("sweep") or 100_000))
+                counters.update(ttl_expired_removed=swept.deleted, ttl_sweep_ms=int(swept.ms))
+            channel = writer.close() if writer is not None else None
+            writer = None
+            snap = backend.snapshot(opened["snapshot"])  # the sync phase
+        finally:
+            backend.close()
+        counters["channel_bytes"] = channel.bytes if channel is not None else 0
+        counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
+        conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,
+                     counters=counters)  # the async phase
+        uploaded = True
+    finally:
+        if writer is not None:
+            writer.abort()
+        if not uploaded:
+            try:
+                conn.request("state.release", token=token)
+            except Exception:  # noqa: BLE001 - the task's own error matters more
+                pass
 
 
 def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,

@@ -8,6 +8,9 @@ An agent is started by the JVM shim with its stdin and stdout as pipes (see ``do
 3. handle one event per stdin line until ``shutdown`` or EOF. EOF is how an agent learns that its JVM
    died, SIGKILL included; either way it closes what it owns and exits.
 
+Logs: stderr gets WARNING and above (``spark.steward.log.level``), the agent's own rotated log file
+INFO and above; see :mod:`sparksteward.agents.logs`.
+
 Thread-safety: events are handled on the main thread, in order; socket requests run on the server's
 threads, so state shared with request handlers is guarded by ``self.lock``.
 """
@@ -26,6 +29,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from sparksteward import protocol
+from sparksteward.agents import logs
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
 from sparksteward.clock import SystemClock
@@ -43,10 +47,12 @@ class Agent:
     """Base class: owns the socket and the bookkeeping every agent reports in ``health``."""
 
     role = "agent"
+    log_file: str | None = None
+    """The agent's own log file (:mod:`sparksteward.agents.logs`); None when it has none."""
 
-    def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
+    def __init__(self, hello: dict[str, Any], clock: Any = None, cfg: StewardConfig | None = None) -> None:
         self.hello = hello
-        self.cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()})
+        self.cfg = cfg or StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()})
         set_default_options(self.cfg.storage_options)
         self.clock = clock or SystemClock()
         self.secret: str = hello["secret"]
@@ -102,7 +108,7 @@ class Agent:
                 "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
                 "auth_failures": self.server.auth_failures, "handshakes_dropped": self.server.handshakes_dropped,
                 "handshakes": self.server.handshakes, "requests": self.server.request_counts(),
-                "events_dropped": self.events_dropped, **self.health_details()}
+                "events_dropped": self.events_dropped, "log_file": self.log_file, **self.health_details()}
 
     def health_details(self) -> dict[str, Any]:
         return {}
@@ -192,8 +198,7 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: BinaryIO | None = None) -> int:
     """Run an agent until shutdown or stdin EOF; return the process exit code."""
-    logging.basicConfig(stream=sys.stderr, level=os.environ.get("SPARK_STEWARD_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    console = logs.console()
     stdin = stdin or sys.stdin.buffer
     if stdout is None:
         stdout = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
@@ -205,7 +210,11 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
         hello = protocol.decode(stdin.readline(protocol.MAX_LINE + 1))
         if hello["type"] != "hello":
             raise ProtocolError(f"the first message must be hello, not {hello['type']}")
-        agent = agent_cls(hello)
+        # the driver agent warns about unknown keys; executor agents get the same conf
+        cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()}, warn=role == "driver")
+        log_file = logs.configure(console, cfg, logs.log_file_name(role, hello.get("executor_id")))
+        agent = agent_cls(hello, cfg=cfg)
+        agent.log_file = None if log_file is None else str(log_file)
     except (ConfigError, ProtocolError, JobAlreadyCompleted) as exc:
         log.error("%s agent cannot start: %s", role, exc)
         _write(stdout, protocol.encode_fatal(role, exc.code, str(exc)))

@@ -35,6 +35,7 @@ from sparksteward.blob.store import open_blob_store
 from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
+from sparksteward.config import StewardConfig
 from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
 from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
 from sparksteward.jobs.service import JobService
@@ -77,8 +78,8 @@ class DriverAgent(Agent):
 
     role = "driver"
 
-    def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
-        super().__init__(hello, clock)
+    def __init__(self, hello: dict[str, Any], clock: Any = None, cfg: StewardConfig | None = None) -> None:
+        super().__init__(hello, clock, cfg)
         self.app_id: str | None = None
         self.app_job: str | None = self.cfg.job_id or None
         self._spark_job_owner: dict[int, list[str]] = {}

@@ -18,6 +18,7 @@ from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
 from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.config import StewardConfig
 from sparksteward.owner import private_dir, sweep_dead
 from sparksteward.rendezvous import Rendezvous
 
@@ -31,8 +32,8 @@ class ExecutorAgent(Agent):
 
     role = "executor"
 
-    def __init__(self, hello: dict[str, Any], clock: Any = None) -> None:
-        super().__init__(hello, clock)
+    def __init__(self, hello: dict[str, Any], clock: Any = None, cfg: StewardConfig | None = None) -> None:
+        super().__init__(hello, clock, cfg)
         self.executor_id: str = hello["executor_id"]
         self.rendezvous = Rendezvous(hello["rendezvous_dir"] or ".")
         ha = open_blob_store(self.cfg.effective_ha_path, self.cfg.cluster_id)

@@ -172,9 +172,11 @@ class CompletedCheckpoints:
         """Mark the merged files whose waste passes ``max_space_amplification`` no-reuse."""
         chosen = choose_no_reuse(self.records.values(), self.merging.max_space_amplification) \
             if self.merging.enabled else set()
-        if chosen - self.no_reuse:
-            log.info("space control of %s: %d merged files marked no-reuse (%s)", self.storage.state,
-                     len(chosen), self.space().to_json())
+        if chosen - self.no_reuse:   # DEBUG when the files to rewrite are small (tiny batches)
+            moved = sum(physical_sizes(self.records.values()).get(p, 0) for p in chosen - self.no_reuse)
+            log.log(logging.INFO if moved >= 1 << 20 else logging.DEBUG,
+                    "space control of %s: %d merged files marked no-reuse (%s)", self.storage.state,
+                    len(chosen), self.space().to_json())
         self.no_reuse = chosen
 
 

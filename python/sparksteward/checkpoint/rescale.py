@@ -170,8 +170,9 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
     stats = RescaleStats(index, new_range, base.subtask, tuple(ingested), tuple(files_read), downloaded, keys,
                          time.perf_counter() - started, bytes_read=read_bytes, bytes_downloaded=downloaded_bytes,
                          old_parallelism=meta.parallelism)
-    log.info("rebuilt subtask %d %s of %s from old subtasks %s (base %d) in %.2f s", index, new_range,
-             meta.state, [base.subtask, *ingested], base.subtask, stats.seconds)
+    log.log(logging.INFO if ingested or base.key_groups != new_range else logging.DEBUG,  # DEBUG: no rescale
+            "rebuilt subtask %d %s of %s from old subtasks %s (base %d) in %.2f s", index, new_range,
+            meta.state, [base.subtask, *ingested], base.subtask, stats.seconds)
     return backend, stats
 
 

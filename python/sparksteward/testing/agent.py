@@ -21,11 +21,12 @@ __all__ = ["AgentProcess"]
 
 
 class AgentProcess:
-    """A driver or executor agent started with a hand-made ``hello``."""
+    """A driver or executor agent started with a hand-made ``hello``; its stderr goes to ``stderr`` (a
+    file), by default to the test's own."""
 
     def __init__(self, role: str, conf: dict[str, str] | None = None, *, secret: str | None = None,
                  port: int = 0, rendezvous_dir: str | None = None, driver_endpoint: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, stderr: Any = None) -> None:
         self.role = role
         self.secret = secret or new_secret()
         self.hello = {"v": 1, "type": "hello", "role": role, "executor_id": "driver" if role == "driver" else "1",
@@ -34,7 +35,7 @@ class AgentProcess:
                       "secret": self.secret, "conf": dict(conf or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"sparksteward.agents.{role}"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env={**os.environ, **(env or {})})
+            stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, **(env or {})})
         self.send(self.hello)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -1,0 +1,95 @@
+"""Where an agent's log lines go: Spark's convention, a quiet console and a detailed file.
+
+- **stderr** (the JVM's, so the lines land in Spark's driver and executor logs) gets WARNING and above,
+  or the level ``spark.steward.log.level`` names; the environment variable ``SPARK_STEWARD_LOG_LEVEL``,
+  when set, overrides it.
+- **A log file** of the agent's own gets INFO and above (the console's level when that is lower):
+  ``<state-dir>/logs/driver-agent.log`` or ``executor-agent-<executor id>.log``, rotated at
+  :data:`MAX_BYTES` with :data:`BACKUPS` old files kept. Successive applications on a host append to
+  the same file; every line carries the agent's pid. ``health()`` names the file (``log_file``). When
+  the file cannot be opened the agent runs on with the console alone, and says so there.
+
+:func:`console` runs before the agent's configuration is known (so a bad ``hello`` is still reported);
+:func:`configure` then applies the configuration. Both change the process's root logger: only the
+agent entry point (:func:`sparksteward.agents.base.run_agent`) calls them.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import os
+import re
+import sys
+from pathlib import Path
+
+from sparksteward.config import StewardConfig, log_level
+from sparksteward.owner import private_dir
+
+__all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "log_file_name"]
+
+log = logging.getLogger("sparksteward.agent")
+
+ENV_LEVEL = "SPARK_STEWARD_LOG_LEVEL"
+MAX_BYTES = 10 << 20
+BACKUPS = 5
+_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_FILE_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+_HANDLER = "sparksteward-agent-console"
+
+
+def console() -> logging.Handler:
+    """Install the stderr handler at WARNING (or ``SPARK_STEWARD_LOG_LEVEL``) and return it."""
+    root = logging.getLogger()
+    handler = next((h for h in root.handlers if h.get_name() == _HANDLER), None)
+    if handler is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.set_name(_HANDLER)
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(handler)
+    handler.setLevel(_env_level() or logging.WARNING)
+    root.setLevel(handler.level)
+    return handler
+
+
+def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str) -> Path | None:
+    """Set the console ``handler`` to the configured level and open the agent's log file; return its path
+    (None when it could not be opened)."""
+    level = _env_level() or log_level(cfg.log_level)
+    handler.setLevel(level)
+    file_level = min(level, logging.INFO)
+    logging.getLogger().setLevel(file_level)
+    path = Path(os.path.expanduser(cfg.effective_state_dir.removeprefix("file://"))) / "logs" / file_name
+    try:
+        private_dir(path.parent)
+        rotating = logging.handlers.RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS,
+                                                        encoding="utf-8")
+    except OSError as exc:
+        logging.getLogger().setLevel(level)
+        log.warning("cannot write the agent's log file %s (%s); logging to stderr only", path, exc)
+        return None
+    rotating.setLevel(file_level)
+    rotating.setFormatter(logging.Formatter(_FILE_FORMAT))
+    logging.getLogger().addHandler(rotating)
+    return path
+
+
+def log_file_name(role: str, executor_id: str | None = None) -> str:
+    """``driver-agent.log``, or ``executor-agent-<id>.log`` with the id made safe for a file name."""
+    if role != "executor":
+        return f"{role}-agent.log"
+    return f"executor-agent-{re.sub(r'[^A-Za-z0-9._-]', '_', executor_id or 'unknown')[:100]}.log"
+
+
+def _env_level() -> int | None:
+    raw = os.environ.get(ENV_LEVEL, "").strip()
+    if not raw:
+        return None
+    try:
+        return log_level(raw)
+    except ValueError:
+        try:
+            return int(raw)
+        except ValueError:
+            log.warning("%s=%r is not a level (TRACE, DEBUG, INFO, WARN, ERROR or OFF); ignored", ENV_LEVEL, raw)
+            return None

@@ -1,0 +1,107 @@
+"""Agent logs follow Spark's convention: WARNING and above on stderr (``spark.steward.log.level``,
+``SPARK_STEWARD_LOG_LEVEL``), INFO and above in the agent's own rotated log file, which health names."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from sparksteward.agents.logs import log_file_name
+from sparksteward.checkpoint.rescale import rebuild_subtask
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import key_group, key_group_range
+from sparksteward.testing.agent import AgentProcess
+from tests.helpers.state import checkpoint_backends
+
+
+def _run(tmp_path: Path, role: str = "driver", conf: dict[str, str] | None = None,
+         env: dict[str, str] | None = None, **kw) -> tuple[dict, str]:
+    """Start an agent, ask its health, stop it; return the health and what it wrote on stderr."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    err = tmp_path / f"{role}.stderr"
+    with err.open("wb") as out:
+        agent = AgentProcess(role, {"spark.steward.state-dir": str(tmp_path / "state"), **(conf or {})},
+                             env={"SPARK_STEWARD_LOG_LEVEL": "", **(env or {})}, stderr=out, **kw)
+        with agent:
+            assert agent.ready, agent.first
+            with agent.connect() as conn:
+                health = conn.request("health")
+            assert agent.stop() == 0
+    return health, err.read_text()
+
+
+def test_stderr_is_quiet_and_the_log_file_has_the_info_lines(tmp_path):
+    health, stderr = _run(tmp_path)
+    assert stderr == ""
+    path = Path(health["log_file"])
+    assert path == tmp_path / "state" / "logs" / "driver-agent.log"
+    text = path.read_text()
+    assert f" {health['pid']} INFO sparksteward.agent: driver agent {health['pid']} ready on " in text
+    assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
+
+
+def test_the_log_level_setting_and_the_environment_variable_change_the_console(tmp_path):
+    _, stderr = _run(tmp_path / "a", conf={"spark.steward.log.level": "info"})
+    assert "INFO sparksteward.agent: driver agent" in stderr
+    _, stderr = _run(tmp_path / "b", conf={"spark.steward.log.level": "ERROR"}, env={"SPARK_STEWARD_LOG_LEVEL": "INFO"})
+    assert "INFO sparksteward.agent: driver agent" in stderr   # the environment overrides the setting
+    _, stderr = _run(tmp_path / "c", env={"SPARK_STEWARD_LOG_LEVEL": "LOUD"})
+    assert "SPARK_STEWARD_LOG_LEVEL='LOUD' is not a level" in stderr and " INFO " not in stderr
+
+
+def test_an_executor_agent_has_a_log_file_of_its_own(tmp_path):
+    health, stderr = _run(tmp_path, "executor", rendezvous_dir=str(tmp_path / "userFiles"))
+    assert stderr == ""
+    assert health["log_file"] == str(tmp_path / "state" / "logs" / "executor-agent-1.log")
+    assert "executor agent" in Path(health["log_file"]).read_text()
+
+
+def test_an_agent_whose_log_file_cannot_be_opened_runs_on_and_says_so(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "logs").write_text("a file, not a directory")
+    health, stderr = _run(tmp_path)
+    assert health["log_file"] is None and health["state"] == "running"
+    assert "cannot write the agent's log file" in stderr and "logging to stderr only" in stderr
+
+
+@pytest.mark.parametrize("role,executor_id,name", [("driver", "driver", "driver-agent.log"),
+                                                   ("executor", "7", "executor-agent-7.log"),
+                                                   ("executor", "../x y", "executor-agent-.._x_y.log")])
+def test_log_file_names(role, executor_id, name):
+    assert log_file_name(role, executor_id) == name
+
+
+def test_rebuilding_a_subtask_logs_at_info_only_when_it_rescales(tmp_path, caplog):
+    m = 16
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "levels")
+    backends = [RocksDBStateBackend(tmp_path / f"w{i}", key_group_range(m, 2, i), m, "long") for i in range(2)]
+    for k in range(200):
+        b = backends[0] if key_group(k, m) in backends[0].key_groups else backends[1]
+        b.value("v").update(k, 1)
+    meta, _ = checkpoint_backends(storage, backends, 1, tmp_path / "snaps")
+    for b in backends:
+        b.close()
+    caplog.set_level(logging.DEBUG, logger="sparksteward.checkpoint.rescale")
+    for parallelism, level in ((2, logging.DEBUG), (1, logging.INFO)):
+        caplog.clear()
+        b, _ = rebuild_subtask(storage, meta, parallelism, 0, tmp_path / f"r{parallelism}",
+                               LocalFileCache(tmp_path / f"cache{parallelism}"))
+        b.close()
+        assert [r.levelno for r in caplog.records if "rebuilt subtask" in r.getMessage()] == [level], parallelism
+
+
+def test_only_the_driver_agent_warns_about_an_unknown_key_and_strict_mode_refuses_it(tmp_path):
+    typo = {"spark.steward.rpc.timeoutt": "5s"}
+    _, stderr = _run(tmp_path / "d", conf=typo)
+    assert stderr.count("unknown setting spark.steward.rpc.timeoutt ignored (did you mean spark.steward.rpc.timeout?)") == 1
+    _, stderr = _run(tmp_path / "e", "executor", conf=typo, rendezvous_dir=str(tmp_path / "userFiles"))
+    assert stderr == ""
+    with AgentProcess("driver", {"spark.steward.state-dir": str(tmp_path / "state"), **typo,
+                                 "spark.steward.config.strict": "true"}) as agent:
+        assert agent.first["type"] == "fatal" and agent.first["code"] == "CONFIG_INVALID"
+        assert "spark.steward.rpc.timeoutt" in agent.first["message"]
+        assert "did you mean spark.steward.rpc.timeout?" in agent.first["message"]

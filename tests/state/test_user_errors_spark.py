@@ -1,0 +1,68 @@
+"""What a user sees when their state function fails, in Spark (local[2], the shared session): the
+first lines of a batch's error name the state, the checkpoint, the subtask and the key, and carry the
+function's own exception; a streaming query's exception has the same line. Run under the Spark lock."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sparksteward import Steward
+
+pytestmark = pytest.mark.slow
+
+
+def bad_row(key, rows, state):
+    state.update(1)
+    raise ValueError("bad row 42")
+
+
+def head(exc: BaseException, n: int = 5) -> str:
+    return "\n".join(str(exc).splitlines()[:n])
+
+
+def test_a_failing_function_names_the_state_and_its_error_first_in_a_batch(spark, tmp_path):
+    ks = Steward.get(spark).keyed_state("user-errors", key="k", parallelism=2, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    df = spark.createDataFrame(pd.DataFrame({"k": ["a", "b"], "v": [1, 2]}))
+    with pytest.raises(Exception) as info:
+        ks.apply(df, bad_row, "k string, n long", checkpoint_id=0).collect()
+    first = head(info.value)
+    assert "keyed state 'user-errors', checkpoint 0, subtask " in first, str(info.value)
+    assert "the state function raised ValueError: bad row 42" in first
+    assert "key 'a'" in first or "key 'b'" in first
+    assert "state.release" not in str(info.value)
+    assert 'raise ValueError("bad row 42")' in str(info.value)  # the function's own traceback follows
+
+
+def test_a_per_key_function_returning_a_dict_is_told_what_to_return(spark, tmp_path):
+    ks = Steward.get(spark).keyed_state("returns-dict", key="k", parallelism=1, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    df = spark.createDataFrame(pd.DataFrame({"k": ["a"], "v": [1]}))
+    with pytest.raises(Exception) as info:
+        ks.apply(df, lambda key, rows, state: {"k": key, "n": 1}, "k string, n long", checkpoint_id=0).collect()
+    assert ("keyed state 'returns-dict', checkpoint 0, subtask 0, key 'a': the state function returned dict; "
+            "return a pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None") in head(info.value)
+
+
+def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_query(spark, tmp_path):
+    ks = Steward.get(spark).keyed_state("user-errors-stream", key="k", parallelism=2, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    source = tmp_path / "in"
+    source.mkdir()
+    pd.DataFrame({"k": ["a", "b"], "v": [1, 2]}).to_json(source / "part-0.json", orient="records", lines=True)
+    run = ks.process(bad_row, "k string, n long", sink=lambda out, batch_id: out.count())
+    q = (spark.readStream.schema("k string, v long").json(str(source)).writeStream.foreachBatch(run)
+         .option("checkpointLocation", str(tmp_path / "query")).trigger(availableNow=True).start())
+    try:
+        with pytest.raises(Exception) as info:
+            q.awaitTermination(120)
+    finally:
+        q.stop()
+    # py4j formats the foreachBatch function's traceback (its frames, then the error) into the query's
+    # exception, so the task's error comes after about 25 lines of them; its first line says it all
+    text = str(info.value)
+    line = next(x for x in text.splitlines() if "keyed state 'user-errors-stream'" in x)
+    assert "StateFunctionError: keyed state 'user-errors-stream', checkpoint 0, subtask " in line, text[:3000]
+    assert "the state function raised ValueError: bad row 42" in line
+    assert "state.release" not in text
