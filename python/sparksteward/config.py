@@ -347,6 +347,12 @@ OPTIONS = OPTIONS + (
     Option("spark.steward.state.cache.max-size", "bytes", "10g",
            "Size limit of each executor's cache of checkpoint files (restores hard-link from it).",
            check=_positive),
+    Option("spark.steward.state.spill-threshold", "bytes", "64m",
+           "The per-key (pandas) form calls its function once per key per batch with all of the key's rows, "
+           "so each task reads its subtask's whole input first: this much of it in memory, the rest spilled "
+           "to sorted Arrow files in the subtask's working dir and merged back one key at a time (one key's "
+           "rows must fit in memory). Tasks read it from the session's conf, so spark.conf.set applies to "
+           "the next batch.", check=_positive),
 )
 
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
@@ -414,6 +420,7 @@ class StewardConfig:
     state_wal_flush_size: int = 256 << 10
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
+    state_spill_threshold: int = 64 << 20
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None) -> StewardConfig:
