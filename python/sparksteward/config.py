@@ -367,6 +367,12 @@ OPTIONS = OPTIONS + (
            "The most expired entries (expiry index keys) one subtask removes in a batch, after the state "
            "function ran; the rest are removed by the next batches. An expired entry is never returned "
            "either way; this bounds the time a batch spends on removal.", check=_positive),
+    Option("spark.steward.state.spill-threshold", "bytes", "64m",
+           "The per-key (pandas) form calls its function once per key per batch with all of the key's rows, "
+           "so each task reads its subtask's whole input first: this much of it in memory, the rest spilled "
+           "to sorted Arrow files in the subtask's working dir and merged back one key at a time (one key's "
+           "rows must fit in memory). Tasks read it from the session's conf, so spark.conf.set applies to "
+           "the next batch.", check=_positive),
 )
 
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
@@ -457,6 +463,7 @@ class StewardConfig:
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
     state_ttl_sweep_max_entries: int = 100_000
+    state_spill_threshold: int = 64 << 20
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:

@@ -5,7 +5,8 @@ A batch's task is one subtask of checkpoint N. It asks its executor agent to res
 for its subtask (``state.open``; the last completed checkpoint before N, so every attempt of N starts
 from the same state), builds its input (:func:`unaligned_input`: the base's channel state, then its
 own rows; with an unaligned alignment both in key-group order, cut where the rows go to a new channel
-state instead, FLIP-76), runs the user function on the subtask's RocksDB backend, takes the
+state instead, FLIP-76), runs the user function on the subtask's RocksDB backend (the per-key form
+once per key, with the options :func:`_pandas_options` reads from the session's conf), takes the
 sync-phase snapshot and hands it to the executor agent (``state.upload``), which uploads it and acks
 the driver agent's coordinator. A task that ends before the upload releases its subtask
 (``state.release``). See :mod:`sparksteward.checkpoint.subtasks`.
@@ -154,7 +155,13 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             source, writer, counters = unaligned_input(
                 opened, cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-            yield from runner(source, key, fn, backend, schema, states=typed)
+            if form == "arrow":
+                options: dict[str, Any] = {}
+            else:
+                from pyspark import TaskContext
+
+                options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
+            yield from runner(source, key, fn, backend, schema, states=typed, **options)
             if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
                 swept = sweep_expired(backend, now_ms, start=checkpoint_id,
                                       max_entries=int(declared.get("sweep") or 100_000))
@@ -177,6 +184,26 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 conn.request("state.release", token=token)
             except Exception:  # noqa: BLE001 - the task's own error matters more
                 pass
+
+
+def _pandas_options(ctx: Any, key_group_ordered: bool) -> dict[str, Any]:
+    """Options of :func:`~sparksteward.state.runner.run_pandas` from the task's local properties, which
+    carry the session's conf (Spark SQL propagates every ``spark.*`` setting to its tasks): the spill
+    threshold (``spark.steward.state.spill-threshold``) and the output batch size (Spark's
+    ``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less means unlimited to Spark, the default
+    here). With ``key_group_ordered`` (an unaligned subtask) keys are called per key group."""
+    from sparksteward.config import StewardConfig
+    from sparksteward.state.runner import DEFAULT_OUTPUT_ROWS
+
+    spill_key = "spark.steward.state.spill-threshold"
+    raw = ctx.getLocalProperty(spill_key)
+    threshold = StewardConfig.from_conf({spill_key: raw} if raw else {}).state_spill_threshold
+    try:
+        rows = int(ctx.getLocalProperty("spark.sql.execution.arrow.maxRecordsPerBatch") or 0)
+    except ValueError:
+        rows = 0
+    return {"spill_threshold": threshold, "max_output_rows": rows if rows > 0 else DEFAULT_OUTPUT_ROWS,
+            "key_group_ordered": key_group_ordered}
 
 
 def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,

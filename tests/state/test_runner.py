@@ -1,4 +1,6 @@
-"""The Arrow and per-key pandas forms over a real RocksDB subtask: results, state, casts and errors."""
+"""The Arrow and per-key pandas forms over a real RocksDB subtask: results, state, casts and errors; the
+pandas form calls once per key with all of its rows, spills past its threshold without leaving files, and
+yields bounded output batches."""
 
 from __future__ import annotations
 
@@ -96,3 +98,135 @@ def test_bad_inputs_are_named(backend):
 
     with pytest.raises(StateEncodingError, match="cannot be encoded"):
         list(run_pandas(_batches(["a"]), "user", boom, backend, OUT))
+
+
+# --- the pandas form: once per key per batch, bounded memory --------------------------------------------
+
+
+def _recording(calls, out_rows=1):
+    """A per-key function that records (key, row numbers) of each call and returns ``out_rows`` rows."""
+    def fn(key, rows, state):
+        calls.append((key, rows["seq"].tolist()))
+        state.update((state.get() or 0) + len(rows))
+        return pd.DataFrame({"user": [key] * out_rows, "clicks": [state.get()] * out_rows})
+
+    return fn
+
+
+def _seq_batches(users, size=4):
+    t = pa.table({"user": users, "seq": list(range(len(users)))})
+    return t.to_batches(max_chunksize=size)
+
+
+def _spill_files(backend):
+    return sorted(p.name for p in backend.directory.glob("spill-*/*")) + \
+        sorted(p.name for p in backend.directory.glob("spill-*"))
+
+
+def test_pandas_form_calls_each_key_once_with_all_its_rows_of_every_buffer(backend):
+    users = ["hot" if i % 3 else f"u{i % 7}" for i in range(300)]   # "hot" in every one of 75 buffers
+    calls = []
+    out = pa.Table.from_batches(list(run_pandas(_seq_batches(users), "user", _recording(calls), backend, OUT)),
+                                schema=OUT)
+    assert sorted(k for k, _ in calls) == sorted(set(users))   # one call per key
+    for k, seq in calls:
+        assert seq == [i for i, u in enumerate(users) if u == k]   # every row, in arrival order
+    assert sorted(out.to_pylist(), key=lambda r: r["user"]) == \
+        sorted(({"user": u, "clicks": users.count(u)} for u in set(users)), key=lambda r: r["user"])
+    assert backend.value("value").get("hot") == 200
+
+
+def test_a_null_key_in_a_later_buffer_fails_before_any_call(backend):
+    t = pa.table({"user": ["a"] * 8 + [None], "seq": list(range(9))})
+    calls = []
+    with pytest.raises(StateEncodingError, match="key column 'user' has 1 null values"):
+        list(run_pandas(t.to_batches(max_chunksize=4), "user", _recording(calls), backend, OUT))
+    assert calls == []
+
+
+def test_spilling_gives_the_same_calls_and_leaves_no_files(tmp_path, backend):
+    users = [("hot" if i % 2 else f"u{(i * 7) % 113}") for i in range(2000)]
+    in_memory = []
+    with RocksDBStateBackend(tmp_path / "w2", KeyGroupRange(0, M), M) as b2:
+        list(run_pandas(_seq_batches(users, 50), "user", _recording(in_memory), b2, OUT))
+    spilled, seen_files = [], []
+
+    def fn(key, rows, state):
+        seen_files.extend(_spill_files(backend))
+        return _recording(spilled)(key, rows, state)
+
+    out = list(run_pandas(_seq_batches(users, 50), "user", fn, backend, OUT, spill_threshold=2048))
+    assert len([f for f in set(seen_files) if f.endswith(".arrow")]) > 10   # it did spill, to many runs
+    assert sorted(spilled) == sorted(in_memory) and len(spilled) == len(set(users))
+    assert sum(b.num_rows for b in out) == len(set(users))
+    assert {u: backend.value("value").get(u) for u in set(users)} == {u: users.count(u) for u in set(users)}
+    assert _spill_files(backend) == []
+
+
+def test_spill_files_are_deleted_when_the_function_raises_or_the_output_is_dropped(backend):
+    users = [f"u{i % 50}" for i in range(1000)]
+
+    def boom(key, rows, state):
+        assert _spill_files(backend)
+        raise RuntimeError(f"user function failed on {key}")
+
+    with pytest.raises(RuntimeError, match="user function failed"):
+        list(run_pandas(_seq_batches(users, 20), "user", boom, backend, OUT, spill_threshold=1024))
+    assert _spill_files(backend) == []
+    out = run_pandas(_seq_batches(users, 20), "user", _recording([]), backend, OUT, spill_threshold=1024,
+                     max_output_rows=1)
+    next(out)
+    assert _spill_files(backend)
+    out.close()   # the consumer stops early (a task killed mid-output)
+    assert _spill_files(backend) == []
+
+
+def test_output_batches_are_bounded(backend):
+    users = [f"u{i % 23}" for i in range(500)]
+    calls = []
+    out = list(run_pandas(_seq_batches(users, 100), "user", _recording(calls, out_rows=12), backend, OUT,
+                          max_output_rows=5))
+    assert len(calls) == 23 and sum(b.num_rows for b in out) == 23 * 12
+    assert max(b.num_rows for b in out) == 5 and all(b.schema == OUT for b in out)
+
+
+def test_key_group_ordered_input_calls_a_key_group_once_the_next_begins(backend):
+    from sparksteward.state.keygroups import key_group
+
+    users = sorted((f"u{i % 40}" for i in range(400)), key=lambda u: key_group(u, M))   # stable: interleaved keys
+    pulled, calls = [0], []
+    called_at = {}
+
+    def source():
+        for b in _seq_batches(users, 16):
+            pulled[0] += 1
+            yield b
+
+    def fn(key, rows, state):
+        called_at[key] = pulled[0]
+        return _recording(calls)(key, rows, state)
+
+    list(run_pandas(source(), "user", fn, backend, OUT, key_group_ordered=True))
+    assert sorted(k for k, _ in calls) == sorted(set(users))
+    for k, seq in calls:
+        assert seq == [i for i, u in enumerate(users) if u == k]
+    first = min(set(users), key=lambda u: key_group(u, M))
+    assert called_at[first] < pulled[0]   # called before the whole input was read (the cut's deadline runs)
+    backwards = _seq_batches(list(reversed(users)), 16)
+    with pytest.raises(StateError, match="not in key-group order"):
+        list(run_pandas(iter(backwards), "user", _recording([]), backend, OUT, key_group_ordered=True))
+
+
+def test_batches_with_other_columns_are_refused_by_name(backend):
+    a = pa.table({"user": ["a"], "seq": [1]}).to_batches()
+    b = pa.table({"user": ["a"], "seq": ["x"]}).to_batches()
+    with pytest.raises(StateError, match=r"different columns: \(user string, seq int64\) and \(user string, seq string\)"):
+        list(run_pandas(a + b, "user", _recording([]), backend, OUT))
+
+
+def test_the_default_spill_threshold_is_the_configs():
+    from sparksteward.config import StewardConfig
+    from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD
+
+    assert StewardConfig().state_spill_threshold == StewardConfig.from_conf({}).state_spill_threshold == \
+        DEFAULT_SPILL_THRESHOLD

@@ -1,18 +1,40 @@
-"""Running a user function over one subtask's rows with its keyed state: the Arrow form, and the
-per-key pandas form built on it. Spark-free: the Spark integration calls these inside ``mapInArrow``.
+"""Running a user function over one subtask's rows with its keyed state, in the Arrow form and in the
+per-key pandas form. Spark-free: the Spark integration calls these inside ``mapInArrow``.
 
 **Arrow form.** ``fn(keys: pyarrow.Array, rows: pyarrow.Table, state: KeyedStateAccess) ->
-pyarrow.Table | None`` is called once per input batch; ``keys`` are the distinct keys of ``rows``, and
-``state`` offers vectorized ``get_many(keys)``/``put_many(keys, values)`` (and named value, map and
-list states).
+pyarrow.Table | None`` is called once per input batch (Arrow buffer). ``keys`` are the distinct keys of
+``rows``, and ``state`` offers vectorized ``get_many(keys)``/``put_many(keys, values)``, plus named
+value, map and list states.
 
 **pandas form.** ``fn(key, rows: pandas.DataFrame, state: KeyState) -> pandas.DataFrame | None`` is
-called once per distinct key of each batch, with ``state.get()``/``update(v)``/``clear()`` (and
-``state.map(name)``, ``state.list(name)``) bound to that key.
+called **once per key per batch**: once for each distinct key of the subtask's whole input, with every
+row of that key from every Arrow buffer, in arrival order. ``state.get()``/``update(v)``/``clear()``
+(and ``state.map(name)``, ``state.list(name)``) are bound to that key. Spark's own per-key operators
+(``applyInPandasWithState``, ``transformWithStateInPandas``) behave the same way, and so a sink such as
+a MERGE sees one output row per key per batch, never an intermediate one. This requires the subtask's
+input to be read before the key is called. :func:`run_pandas` buffers that input in memory up to
+``spill_threshold`` bytes (``spark.steward.state.spill-threshold``). Past that, it spills sorted runs
+to Arrow IPC files in the backend's working directory and merges them back, one key at a time
+(:mod:`sparksteward.state.spill`). The files are deleted when the run ends, including on errors.
+Memory is therefore bounded, except that **one key's rows must fit in memory**, because they reach
+``fn`` as one DataFrame. Null keys are refused before any call. The order in which keys are called is
+unspecified. Output rows are yielded in batches of at most ``max_output_rows`` rows (Spark's
+``maxRecordsPerBatch``), as they come, and are never collected for the whole subtask.
 
-Both return an iterator of ``pyarrow.RecordBatch`` in the declared output schema. Results are cast to
-that schema (``mapInArrow`` does not cast) and a result that cannot be cast raises an error naming
-the column.
+*Aligned* input arrives in any order, so no key is called before the whole input has been read. With
+an *unaligned* alignment (FLIP-76; ``key_group_ordered=True``), a subtask's input comes in key-group
+order (:func:`sparksteward.checkpoint.cut.merge_by_key_group`). The rows of one key group are
+contiguous, but the keys inside a key group are interleaved. Every row of a key belongs to its key
+group, so the keys of a key group are called once the next key group begins. This happens at the
+buffer boundary where the cut checks its deadline. A straggler still processes only up to its cut, and
+the rows from the cut on go to the channel state, never to ``fn``. Because the cut never splits a key
+group, a key is either called with all its rows of the batch or deferred as a whole. The only thing
+that changes is the lag: a key group's keys are called when the next key group begins, one Arrow
+buffer late at most.
+
+Both forms return an iterator of ``pyarrow.RecordBatch`` in the declared output schema. Results are
+cast to that schema (``mapInArrow`` does not cast), and a result that cannot be cast raises an error
+that names the column.
 """
 
 from __future__ import annotations
@@ -20,17 +42,25 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparksteward.errors import StateEncodingError, StateError
 from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import key_group
+from sparksteward.state.spill import KeyedRowBuffer
 from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
 from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
-__all__ = ["DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow", "run_pandas"]
+__all__ = ["DEFAULT_OUTPUT_ROWS", "DEFAULT_SPILL_THRESHOLD", "DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow",
+           "run_pandas"]
 
 DEFAULT_STATE = "value"
+#: default of ``spark.steward.state.spill-threshold``: the input a per-key task holds in memory
+DEFAULT_SPILL_THRESHOLD = 64 << 20
+#: default size of the per-key form's output batches (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch``)
+DEFAULT_OUTPUT_ROWS = 10_000
 
 
 class KeyedStateAccess:
@@ -138,20 +168,118 @@ def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any
 
 
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
-               schema: pa.Schema, states: TypedStates | None = None) -> Iterator[pa.RecordBatch]:
-    """Call ``fn(key, rows, state)`` once per distinct key of each batch (built on :func:`run_arrow`)."""
+               schema: pa.Schema, states: TypedStates | None = None, *, spill_threshold: int = DEFAULT_SPILL_THRESHOLD,
+               max_output_rows: int = DEFAULT_OUTPUT_ROWS, key_group_ordered: bool = False) -> Iterator[pa.RecordBatch]:
+    """Call ``fn(key, rows, state)`` once per distinct key of ``batches``, with all of that key's rows.
 
-    def per_batch(keys: pa.Array, rows: pa.Table, access: KeyedStateAccess) -> pa.Table | None:
-        frame = rows.to_pandas()
-        outs = []
-        for k, group in frame.groupby(key, sort=False):
-            res = fn(k, group.reset_index(drop=True), KeyState(access, k))
-            if res is not None and len(res):
-                outs.append(res)
-        if not outs:
-            return None
+    ``spill_threshold``: bytes of input held in memory before the rest spills to sorted runs under
+    ``backend.directory`` (:class:`~sparksteward.state.spill.KeyedRowBuffer`); deleted at the end, on
+    errors too. ``max_output_rows``: the most rows of one output batch. ``key_group_ordered``: the input
+    comes in key-group order (an unaligned subtask's), so the keys of a key group are called as soon as
+    a later key group begins instead of after the whole input.
+    """
+    access = KeyedStateAccess(backend, states=states)
+    output = _Output(schema, max_output_rows)
+    with KeyedRowBuffer(key, spill_threshold, backend.directory) as held:
+        if key_group_ordered:
+            for _ in _complete_key_groups(batches, key, held, backend):
+                for table in held.drain():
+                    yield from _call_per_key(table, key, fn, access, output)
+        else:
+            for batch in batches:
+                if batch.num_rows:
+                    _key_column(pa.Table.from_batches([batch]), key)
+                    held.add(batch)
+        for table in held.drain():
+            yield from _call_per_key(table, key, fn, access, output)
+    yield from output.flush()
+
+
+def _complete_key_groups(batches: Iterable[pa.RecordBatch], key: str, held: KeyedRowBuffer,
+                         backend: RocksDBStateBackend) -> Iterator[None]:
+    """Add ``batches`` (in key-group order) to ``held``; yield whenever every key group it holds is
+    complete, that is a later key group has begun (a key's rows are all in its key group)."""
+    m, key_type = backend.max_parallelism, backend.key_type
+    pending: int | None = None   # the key group of the rows held, which the next batch may continue
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        keys = _key_column(pa.Table.from_batches([batch]), key)
+
+        def group(i: int, keys: pa.ChunkedArray = keys) -> int:
+            return key_group(keys[i].as_py(), m, key_type)
+
+        first, last = group(0), group(batch.num_rows - 1)
+        if pending is not None and first < pending:
+            raise StateError(f"the input of this subtask is not in key-group order (key group {first} after "
+                             f"{pending}); an unaligned subtask's input must be (checkpoint.cut.merge_by_key_group)")
+        if pending is not None and first != pending:
+            yield
+        if first != last:   # the first row of the last key group: rows before it complete what is held
+            lo, hi = 1, batch.num_rows - 1
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if group(mid) == last:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            held.add(batch.slice(0, lo))
+            yield
+            batch = batch.slice(lo)
+        held.add(batch)
+        pending = last
+
+
+def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
+                  output: _Output) -> Iterator[pa.RecordBatch]:
+    """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame."""
+    n = table.num_rows
+    starts = [0]
+    if n > 1:
+        keys = table.column(key)
+        changed = pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+        starts.extend((np.flatnonzero(changed) + 1).tolist())
+    starts.append(n)
+    frame = table.to_pandas()
+    values = frame[key]
+    for start, end in zip(starts, starts[1:]):
+        k = values.iat[start]
+        yield from output.add(fn(k, frame.iloc[start:end].reset_index(drop=True), KeyState(access, k)))
+
+
+class _Output:
+    """The function's results, as record batches of at most ``max_rows`` rows in the declared schema:
+    DataFrames are collected and cast together, anything else is cast on its own."""
+
+    def __init__(self, schema: pa.Schema, max_rows: int) -> None:
+        self.schema = schema
+        self.max_rows = max(1, int(max_rows))
+        self._frames: list[Any] = []
+        self._rows = 0
+
+    def add(self, result: Any) -> Iterator[pa.RecordBatch]:
         import pandas as pd
 
-        return pa.Table.from_pandas(pd.concat(outs, ignore_index=True), preserve_index=False)
+        if result is None:
+            return
+        if not isinstance(result, pd.DataFrame):
+            yield from self._sliced(_conform(result, self.schema))
+            return
+        if len(result):
+            self._frames.append(result)
+            self._rows += len(result)
+            if self._rows >= self.max_rows:
+                yield from self.flush()
 
-    return run_arrow(batches, key, per_batch, backend, schema, states)
+    def flush(self) -> Iterator[pa.RecordBatch]:
+        import pandas as pd
+
+        if not self._frames:
+            return
+        frames, self._frames, self._rows = self._frames, [], 0
+        yield from self._sliced(_conform(pd.concat(frames, ignore_index=True), self.schema))
+
+    def _sliced(self, batch: pa.RecordBatch | None) -> Iterator[pa.RecordBatch]:
+        if batch is not None:
+            for offset in range(0, batch.num_rows, self.max_rows):
+                yield batch.slice(offset, self.max_rows)

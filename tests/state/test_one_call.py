@@ -1,0 +1,47 @@
+"""The per-key (pandas) form calls its function once per key per batch, with all of the key's rows,
+however many Arrow buffers (``spark.sql.execution.arrow.maxRecordsPerBatch``) they arrive in, and with
+the input spilled to disk (``spark.steward.state.spill-threshold``). Shared local[2]; run under the
+Spark lock."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sparksteward import Steward
+
+pytestmark = pytest.mark.slow
+
+SMALL = {"spark.sql.execution.arrow.maxRecordsPerBatch": "7", "spark.steward.state.spill-threshold": "1k"}
+
+
+@pytest.fixture
+def small_buffers(spark):
+    """7-row Arrow buffers and a 1 KiB spill threshold for one test; the session's values come back after."""
+    before = {k: spark.conf.get(k, None) for k in SMALL}
+    for k, v in SMALL.items():
+        spark.conf.set(k, v)
+    yield
+    for k, v in before.items():
+        if v is None:
+            spark.conf.unset(k)
+        else:
+            spark.conf.set(k, v)
+
+
+def count(key, rows, state):
+    n = (state.get() or 0) + len(rows)
+    state.update(n)
+    return pd.DataFrame({"k": [key], "rows": [len(rows)], "n": [n]})
+
+
+def test_one_call_per_key_per_batch_over_many_small_buffers(spark, small_buffers, tmp_path):
+    ks = Steward.get(spark).keyed_state("one-call", key="k", parallelism=2, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    pdf = pd.DataFrame({"k": ["hot"] * 100 + [f"c{i}" for i in range(30)], "v": range(130)})
+    for batch in range(2):
+        out = ks.apply(spark.createDataFrame(pdf.sample(frac=1, random_state=batch)), count,
+                       "k string, rows long, n long", checkpoint_id=batch).collect()
+        ks.commit(batch, wait=60)
+        assert sorted((r.k, r.rows, r.n) for r in out) == \
+            sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
