@@ -34,12 +34,14 @@ import shutil
 import time
 import weakref
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import rocksdict
 
 from sparksteward.errors import StateBackendError, StateEncodingError
+from sparksteward.state.buffered import BufferedStore, Ops
 from sparksteward.state.encoding import group_bounds
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_bytes, key_group_of_bytes
 from sparksteward.state.rocksdb_options import db_options, reopen_options, write_options
@@ -97,6 +99,7 @@ class RocksDBStateBackend:
         self.key_type = KeyType.parse(key_type)
         self.read_only = read_only
         self._closed = False
+        self._buffered: BufferedStore | None = None
         self._iterators: weakref.WeakSet[Generator[Any, None, None]] = weakref.WeakSet()
         exists = (self.db_path / "CURRENT").exists()
         if create and exists:
@@ -138,6 +141,28 @@ class RocksDBStateBackend:
             raise StateBackendError(f"the state backend of {self.db_path} is closed")
         return self._db
 
+    @property
+    def store(self) -> Any:
+        """What the views read and write: the DB, or the :class:`BufferedStore` of a per-key run."""
+        return self._buffered if self._buffered is not None else self.db
+
+    def new_batch(self) -> Any:
+        """A write batch for :attr:`store` (``store.write(batch)`` applies it)."""
+        return Ops() if self._buffered is not None else rocksdict.WriteBatch(raw_mode=True)
+
+    @contextmanager
+    def buffered(self, flush_bytes: int = 32 << 20) -> Iterator[BufferedStore]:
+        """Buffer the views' writes in one write batch (see :mod:`sparksteward.state.buffered`),
+        written when the block ends without an error; the caller calls ``next_key()`` per key."""
+        if self._buffered is not None:
+            raise StateBackendError(f"the state backend of {self.db_path} is already buffering its writes")
+        store = self._buffered = BufferedStore(self.db, flush_bytes)
+        try:
+            yield store
+            store.flush()
+        finally:
+            self._buffered = None
+
     # --- typed views -------------------------------------------------------------------------
     def value(self, name: str) -> ValueState:
         return ValueState(self, name)
@@ -161,6 +186,10 @@ class RocksDBStateBackend:
 
     def _scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]:
         """A bounded scan whose generator the backend tracks, so ``close()`` can end it."""
+        if self._buffered is not None:   # the current key's writes, merged in
+            base = _bounded_scan(self.db, lower, upper, 0)
+            self._iterators.add(base)
+            return self._buffered.scan(base, lower, upper, strip)
         gen = _bounded_scan(self.db, lower, upper, strip)
         self._iterators.add(gen)
         return gen

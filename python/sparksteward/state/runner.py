@@ -48,6 +48,7 @@ import pyarrow.compute as pc
 
 from sparksteward.errors import StateEncodingError, StateError
 from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.buffered import BufferedStore
 from sparksteward.state.keygroups import key_group
 from sparksteward.state.spill import KeyedRowBuffer
 from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
@@ -180,18 +181,19 @@ def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., An
     """
     access = KeyedStateAccess(backend, states=states)
     output = _Output(schema, max_output_rows)
-    with KeyedRowBuffer(key, spill_threshold, backend.directory) as held:
+    # one write batch for the subtask's writes (the current key reads its own): see state/buffered.py
+    with KeyedRowBuffer(key, spill_threshold, backend.directory) as held, backend.buffered() as store:
         if key_group_ordered:
             for _ in _complete_key_groups(batches, key, held, backend):
                 for table in held.drain():
-                    yield from _call_per_key(table, key, fn, access, output)
+                    yield from _call_per_key(table, key, fn, access, output, store)
         else:
             for batch in batches:
                 if batch.num_rows:
                     _key_column(pa.Table.from_batches([batch]), key)
                     held.add(batch)
         for table in held.drain():
-            yield from _call_per_key(table, key, fn, access, output)
+            yield from _call_per_key(table, key, fn, access, output, store)
     yield from output.flush()
 
 
@@ -231,7 +233,7 @@ def _complete_key_groups(batches: Iterable[pa.RecordBatch], key: str, held: Keye
 
 
 def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
-                  output: _Output) -> Iterator[pa.RecordBatch]:
+                  output: _Output, store: BufferedStore) -> Iterator[pa.RecordBatch]:
     """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame."""
     n = table.num_rows
     starts = [0]
@@ -244,6 +246,7 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
     values = frame[key]
     for start, end in zip(starts, starts[1:]):
         k = values.iat[start]
+        store.next_key()
         yield from output.add(fn(k, frame.iloc[start:end].reset_index(drop=True), KeyState(access, k)))
 
 

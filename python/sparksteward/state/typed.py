@@ -214,25 +214,25 @@ class TypedValue(_Typed):
 
     def get(self, key: object) -> Any:
         k = self._prefix(key)
-        stored = self.backend.db.get(k)
+        stored = self.backend.store.get(k)
         if not self._alive(stored):
             return None
         assert stored is not None
         if self.on_read:
-            self._touch(self.backend.db, k, stored)
+            self._touch(self.backend.store, k, stored)
         return self._decode(stored)
 
     def update(self, key: object, value: Any) -> None:
         """Set the value; ``None`` clears it."""
         k = self._prefix(key)
         if value is None:
-            self.backend.db.delete(k)
+            self.backend.store.delete(k)
             return
         exp = self._expiry
-        self._put(self.backend.db, k, self.codec.encode_py(value, exp), exp)
+        self._put(self.backend.store, k, self.codec.encode_py(value, exp), exp)
 
     def clear(self, key: object) -> None:
-        self.backend.db.delete(self._prefix(key))
+        self.backend.store.delete(self._prefix(key))
 
     # --- vectorized -------------------------------------------------------------------------------
     def get_many(self, keys: Any) -> pa.Array:
@@ -240,14 +240,14 @@ class TypedValue(_Typed):
         raw = _raw_keys(self, keys)
         if not raw:
             return pa.array([], type=self.var.spec.type)
-        stored = cast("list[bytes | None]", self.backend.db.get(cast("list[Any]", raw)))
+        stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", raw)))
         now = self.states.now_ms
         alive = [i for i, s in enumerate(stored) if s is not None and not expired(s, now)]
         if self.on_read and alive:
-            wb = rocksdict.WriteBatch(raw_mode=True)
+            wb = self.backend.new_batch()
             for i in alive:
                 self._touch(wb, raw[i], cast(bytes, stored[i]))
-            self.backend.db.write(wb)
+            self.backend.store.write(wb)
         values = self._decode_column([cast(bytes, stored[i]) for i in alive])
         if len(alive) == len(raw):
             return values
@@ -265,20 +265,20 @@ class TypedValue(_Typed):
         present = arr.filter(pa.array(valid)) if valid is not None else arr
         encoded = self._encode_many(present)
         exp = self._expiry
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         it = iter(encoded)
         for i, k in enumerate(raw):
             if valid is not None and not valid[i]:
                 wb.delete(k)
             else:
                 self._put(wb, k, next(it), exp)
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def clear_many(self, keys: Any) -> None:
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for k in _raw_keys(self, keys):
             wb.delete(k)
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def bind(self, key: object) -> BoundValue:
         return BoundValue(self, key)
@@ -307,11 +307,11 @@ class TypedList(_Typed):
             else:
                 out.append(self._decode(stored))
         if self.on_read and entries:
-            wb = rocksdict.WriteBatch(raw_mode=True)
+            wb = self.backend.new_batch()
             for suffix, stored in entries:
                 if suffix:
                     self._touch(wb, prefix + suffix, stored)
-            self.backend.db.write(wb)
+            self.backend.store.write(wb)
         return out
 
     def _legacy_list(self, stored: bytes) -> list[Any]:
@@ -323,7 +323,7 @@ class TypedList(_Typed):
             raise StateEncodingError(f"list state {self.name!r}: None cannot be appended")
         exp = self._expiry
         k = self._prefix(key) + self.states.next_seq().to_bytes(8, "big")
-        self._put(self.backend.db, k, self.codec.encode_py(value, exp), exp)
+        self._put(self.backend.store, k, self.codec.encode_py(value, exp), exp)
 
     def extend(self, key: object, values: Iterable[Any]) -> None:
         values = list(values)
@@ -338,7 +338,7 @@ class TypedList(_Typed):
 
     def clear(self, key: object) -> None:
         prefix = self._prefix(key)
-        self.backend.db.delete_range(prefix, _prefix_upper(prefix))
+        self.backend.store.delete_range(prefix, _prefix_upper(prefix))
 
     # --- vectorized -------------------------------------------------------------------------------
     def get_many(self, keys: Any) -> pa.Array:
@@ -359,10 +359,10 @@ class TypedList(_Typed):
                         touched.append((prefix + suffix, v))
             offsets.append(len(stored))
         if touched:
-            wb = rocksdict.WriteBatch(raw_mode=True)
+            wb = self.backend.new_batch()
             for k, v in touched:
                 self._touch(wb, k, v)
-            self.backend.db.write(wb)
+            self.backend.store.write(wb)
         if legacy:   # rare: expand the old whole lists in place
             return pa.array([self.get(k) for k in _as_pylist(keys)], type=pa.list_(self.var.spec.type))
         values = self._decode_column(stored)
@@ -380,16 +380,16 @@ class TypedList(_Typed):
         encoded = self._encode_many(arr)
         exp = self._expiry
         first = self.states.next_seq(len(raw))
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for j, (k, stored) in enumerate(zip(raw, encoded)):
             self._put(wb, k + (first + j).to_bytes(8, "big"), stored, exp)
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def clear_many(self, keys: Any) -> None:
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for k in _raw_keys(self, keys):
             wb.delete_range(k, _prefix_upper(k))
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def bind(self, key: object) -> BoundList:
         return BoundList(self, key)
@@ -417,28 +417,28 @@ class TypedMap(_Typed):
 
     def get(self, key: object, map_key: Any) -> Any:
         k = self._entry(key, map_key)
-        stored = self.backend.db.get(k)
+        stored = self.backend.store.get(k)
         if not self._alive(stored):
             return None
         assert stored is not None
         if self.on_read:
-            self._touch(self.backend.db, k, stored)
+            self._touch(self.backend.store, k, stored)
         return self._decode(stored)
 
     def contains(self, key: object, map_key: Any) -> bool:
-        return self._alive(self.backend.db.get(self._entry(key, map_key)))
+        return self._alive(self.backend.store.get(self._entry(key, map_key)))
 
     def put(self, key: object, map_key: Any, value: Any) -> None:
         if value is None:
             self.remove(key, map_key)
             return
         exp = self._expiry
-        self._put(self.backend.db, self._entry(key, map_key), self.codec.encode_py(value, exp), exp)
+        self._put(self.backend.store, self._entry(key, map_key), self.codec.encode_py(value, exp), exp)
 
     def put_all(self, key: object, entries: Mapping[Any, Any]) -> None:
         exp = self._expiry
         prefix = self._prefix(key)
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for mk, v in entries.items():
             if mk is None:
                 raise StateEncodingError(f"map state {self.name!r}: a map key cannot be None")
@@ -447,10 +447,10 @@ class TypedMap(_Typed):
                 wb.delete(k)
             else:
                 self._put(wb, k, self.codec.encode_py(v, exp), exp)
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def remove(self, key: object, map_key: Any) -> None:
-        self.backend.db.delete(self._entry(key, map_key))
+        self.backend.store.delete(self._entry(key, map_key))
 
     def _entries(self, key: object) -> list[tuple[bytes, bytes]]:
         prefix = self._prefix(key)
@@ -458,10 +458,10 @@ class TypedMap(_Typed):
         found = [(s, v) for s, v in self.backend._scan(prefix, _prefix_upper(prefix), len(prefix))
                  if not expired(v, now)]
         if self.on_read and found:
-            wb = rocksdict.WriteBatch(raw_mode=True)
+            wb = self.backend.new_batch()
             for s, v in found:
                 self._touch(wb, prefix + s, v)
-            self.backend.db.write(wb)
+            self.backend.store.write(wb)
         return found
 
     def items(self, key: object) -> list[tuple[Any, Any]]:
@@ -475,7 +475,7 @@ class TypedMap(_Typed):
 
     def clear(self, key: object) -> None:
         prefix = self._prefix(key)
-        self.backend.db.delete_range(prefix, _prefix_upper(prefix))
+        self.backend.store.delete_range(prefix, _prefix_upper(prefix))
 
     # --- vectorized -------------------------------------------------------------------------------
     def get_many(self, keys: Any, map_keys: Any) -> pa.Array:
@@ -487,14 +487,14 @@ class TypedMap(_Typed):
         entry_keys = [k + mk for k, mk in zip(raw, self.key_codec.encode(mks))]
         if not entry_keys:
             return pa.array([], type=self.var.spec.type)
-        stored = cast("list[bytes | None]", self.backend.db.get(cast("list[Any]", entry_keys)))
+        stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", entry_keys)))
         now = self.states.now_ms
         alive = [i for i, s in enumerate(stored) if s is not None and not expired(s, now)]
         if self.on_read and alive:
-            wb = rocksdict.WriteBatch(raw_mode=True)
+            wb = self.backend.new_batch()
             for i in alive:
                 self._touch(wb, entry_keys[i], cast(bytes, stored[i]))
-            self.backend.db.write(wb)
+            self.backend.store.write(wb)
         values = self._decode_column([cast(bytes, stored[i]) for i in alive])
         positions = np.full(len(entry_keys), -1, dtype=np.int64)
         positions[np.asarray(alive, dtype=np.int64)] = np.arange(len(alive))
@@ -513,14 +513,14 @@ class TypedMap(_Typed):
         valid = np.asarray(arr.is_valid()) if arr.null_count else None
         encoded = iter(self._encode_many(arr.filter(pa.array(valid)) if valid is not None else arr))
         exp = self._expiry
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for i, (k, mk) in enumerate(zip(raw, self.key_codec.encode(mks))):
             ek = k + mk
             if valid is not None and not valid[i]:
                 wb.delete(ek)
             else:
                 self._put(wb, ek, next(encoded), exp)
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def items_many(self, keys: Any) -> pa.Array:
         """The maps of ``keys`` as an Arrow map array (an empty map where there is none)."""
@@ -537,10 +537,10 @@ class TypedMap(_Typed):
                                        pa.array(mk_rows, type=self.key_codec.dtype), values)
 
     def clear_many(self, keys: Any) -> None:
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for k in _raw_keys(self, keys):
             wb.delete_range(k, _prefix_upper(k))
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def bind(self, key: object) -> BoundMap:
         return BoundMap(self, key)

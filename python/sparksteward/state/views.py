@@ -36,6 +36,11 @@ class StateDB(Protocol):
     @property
     def db(self) -> rocksdict.Rdict: ...
 
+    @property
+    def store(self) -> Any: ...
+
+    def new_batch(self) -> Any: ...
+
     def _key(self, key: object) -> tuple[int, bytes]: ...
 
     def _scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]: ...
@@ -81,17 +86,17 @@ class ValueState(_View):
     kind = KIND_VALUE
 
     def get(self, key: object) -> Any:
-        return decode_value(self.backend.db.get(self._raw_key(key)))
+        return decode_value(self.backend.store.get(self._raw_key(key)))
 
     def update(self, key: object, value: object) -> None:
         """Set the value; ``None`` clears it."""
         if value is None:
             self.clear(key)
             return
-        self.backend.db.put(self._raw_key(key), encode_value(value))
+        self.backend.store.put(self._raw_key(key), encode_value(value))
 
     def clear(self, key: object) -> None:
-        self.backend.db.delete(self._raw_key(key))
+        self.backend.store.delete(self._raw_key(key))
 
     def get_many(self, keys: Iterable[object]) -> list[Any]:
         """The values of ``keys`` (``None`` where absent), in one multi-get."""
@@ -99,7 +104,7 @@ class ValueState(_View):
         if not raw:
             return []
         # a list of keys is a multi-get, answered by a list (rocksdict's stub: an invariant List in, Any | None out)
-        values = cast("list[bytes | None]", self.backend.db.get(cast("list[Any]", raw)))
+        values = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", raw)))
         return [decode_value(v) for v in values]
 
     def put_many(self, keys: Iterable[object], values: Iterable[object]) -> None:
@@ -107,13 +112,13 @@ class ValueState(_View):
         keys, values = _as_list(keys), _as_list(values)
         if len(keys) != len(values):
             raise StateEncodingError(f"put_many got {len(keys)} keys but {len(values)} values")
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for rk, v in zip(self._raw_keys(keys), values):
             if v is None:
                 wb.delete(rk)
             else:
                 wb.put(rk, encode_value(v))
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def bind(self, key: object) -> BoundValueState:
         return BoundValueState(self, key)
@@ -145,22 +150,22 @@ class MapState(_View):
 
     def get(self, key: object, map_key: object) -> Any:
         group, raw = self.backend._key(key)
-        return decode_value(self.backend.db.get(state_key(group, KIND_MAP, self.name, raw, map_key)))
+        return decode_value(self.backend.store.get(state_key(group, KIND_MAP, self.name, raw, map_key)))
 
     def put(self, key: object, map_key: object, value: object) -> None:
         group, raw = self.backend._key(key)
-        self.backend.db.put(state_key(group, KIND_MAP, self.name, raw, map_key), encode_value(value))
+        self.backend.store.put(state_key(group, KIND_MAP, self.name, raw, map_key), encode_value(value))
 
     def put_all(self, key: object, entries: dict[Any, Any]) -> None:
         group, raw = self.backend._key(key)
-        wb = rocksdict.WriteBatch(raw_mode=True)
+        wb = self.backend.new_batch()
         for mk, v in entries.items():
             wb.put(state_key(group, KIND_MAP, self.name, raw, mk), encode_value(v))
-        self.backend.db.write(wb)
+        self.backend.store.write(wb)
 
     def remove(self, key: object, map_key: object) -> None:
         group, raw = self.backend._key(key)
-        self.backend.db.delete(state_key(group, KIND_MAP, self.name, raw, map_key))
+        self.backend.store.delete(state_key(group, KIND_MAP, self.name, raw, map_key))
 
     def _scan(self, key: object) -> Iterator[tuple[bytes, bytes]]:
         prefix = self._raw_key(key)
@@ -177,7 +182,7 @@ class MapState(_View):
 
     def clear(self, key: object) -> None:
         prefix = self._raw_key(key)
-        self.backend.db.delete_range(prefix, _prefix_upper(prefix))
+        self.backend.store.delete_range(prefix, _prefix_upper(prefix))
 
     def bind(self, key: object) -> BoundMapState:
         return BoundMapState(self, key)
@@ -217,25 +222,25 @@ class ListState(_View):
     kind = KIND_LIST
 
     def get(self, key: object) -> list[Any]:
-        return decode_value(self.backend.db.get(self._raw_key(key))) or []
+        return decode_value(self.backend.store.get(self._raw_key(key))) or []
 
     def add(self, key: object, value: object) -> None:
         self.add_all(key, [value])
 
     def add_all(self, key: object, values: Iterable[object]) -> None:
         rk = self._raw_key(key)
-        current = decode_value(self.backend.db.get(rk)) or []
-        self.backend.db.put(rk, encode_value(current + list(values)))
+        current = decode_value(self.backend.store.get(rk)) or []
+        self.backend.store.put(rk, encode_value(current + list(values)))
 
     def update(self, key: object, values: Iterable[object]) -> None:
         values = list(values)
         if values:
-            self.backend.db.put(self._raw_key(key), encode_value(values))
+            self.backend.store.put(self._raw_key(key), encode_value(values))
         else:
             self.clear(key)
 
     def clear(self, key: object) -> None:
-        self.backend.db.delete(self._raw_key(key))
+        self.backend.store.delete(self._raw_key(key))
 
     def bind(self, key: object) -> BoundListState:
         return BoundListState(self, key)
