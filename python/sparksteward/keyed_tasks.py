@@ -133,7 +133,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
 
     conn = executor_connection()
     opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
-                          parallelism=parallelism)
+                          parallelism=parallelism, now_ms=declared.get("now_ms"))
     token = opened["token"]
     uploaded = False
     writer = None

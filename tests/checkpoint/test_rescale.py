@@ -123,3 +123,38 @@ def test_a_failed_rescale_leaves_no_half_built_db(tmp_path, store_url):
     with pytest.raises(CheckpointNotFoundError, match=rf"{victim.name} .* subtask 1 is missing"):
         rebuild_subtask(storage, meta, 1, 0, tmp_path / "new", LocalFileCache(tmp_path / "c"))
     assert not (tmp_path / "new" / "db").exists()
+
+
+def test_a_rescale_drops_expired_state_instead_of_copying_it(tmp_path):
+    """P=4 -> 1 at a time when half of each subtask's TTL entries expired: the subtasks copied into the
+    base leave the expired values, list elements, map entries and their index keys behind."""
+    from sparksteward.state.declared import list_state, map_state, resolve, value_state
+    from sparksteward.state.typed import TypedStates
+
+    storage = CheckpointStorage.open(str(tmp_path / "chk"), "ttl", "c1")
+    record = resolve(None, [value_state("c", "bigint", ttl=10), list_state("l", "bigint", ttl=10),
+                            map_state("m", "bigint", "bigint", ttl=10)])
+    t0 = 1_800_000_000_000
+    backends = [RocksDBStateBackend(tmp_path / f"w4-{i}", key_group_range(M, 4, i), M, "long") for i in range(4)]
+    expiring, living = {}, {}
+    for i, b in enumerate(backends):
+        mine = [k for k in range(4000) if key_group(k, M) in b.key_groups]
+        expiring[i], living[i] = mine[::2], mine[1::2]
+        for when, keys in ((t0, expiring[i]), (t0 + 8000, living[i])):   # expire at t0 + 10 s and t0 + 18 s
+            st = TypedStates(b, record, when, 1)
+            st.value("c").put_many(keys, keys)
+            st.list("l").append_many(keys, keys)
+            st.map("m").put_many(keys, keys, keys)
+    meta, _ = checkpoint_backends(storage, backends, 1, tmp_path / "snaps")
+    for b in backends:
+        b.close()
+    now = t0 + 12_000
+    b, stats = rebuild_subtask(storage, meta, 1, 0, tmp_path / "w1", LocalFileCache(tmp_path / "cache"), now_ms=now)
+    others = [i for i in range(4) if i != stats.base]
+    assert stats.expired_dropped == 3 * sum(len(expiring[i]) for i in others)
+    base_range = key_group_range(M, 4, stats.base)
+    copied = sum(1 for k, _ in b.iter_raw() if int.from_bytes(k[:2], "big") not in base_range)
+    assert copied == 6 * sum(len(living[i]) for i in others)   # 3 entries and 3 index keys per living key
+    values = TypedStates(b, record, now, 2).value("c").get_many(list(range(4000))).to_pylist()
+    assert sorted(k for k, v in enumerate(values) if v is not None) == sorted(k for ks in living.values() for k in ks)
+    b.close()

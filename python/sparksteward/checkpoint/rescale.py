@@ -30,6 +30,8 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import ParallelismError, StateEncodingError
 from sparksteward.state.backend import DB_DIR, RocksDBStateBackend
 from sparksteward.state.rocksdb_options import db_options
+from sparksteward.state.rows import expired
+from sparksteward.state.typed import KIND_EXPIRY, index_expiry
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
 
 __all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "rebuild_subtask",
@@ -51,6 +53,7 @@ class RescaleStats:
     bytes_read: int = 0                     # total length of the files in files_read
     bytes_downloaded: int = 0               # of those, what was not in the local file cache
     old_parallelism: int | None = None      # the parallelism of the checkpoint restored from
+    expired_dropped: int = 0                # expired state entries (TTL) not copied from other subtasks
 
     def to_json(self) -> dict[str, object]:
         """What the executor agent reports for one restored subtask (plain JSON)."""
@@ -58,7 +61,8 @@ class RescaleStats:
                 "ingested_from": list(self.ingested_from), "files_read": list(self.files_read),
                 "bytes_read": self.bytes_read, "files_downloaded": self.files_downloaded,
                 "bytes_downloaded": self.bytes_downloaded, "keys_ingested": self.keys_ingested,
-                "seconds": round(self.seconds, 4), "old_parallelism": self.old_parallelism}
+                "seconds": round(self.seconds, 4), "old_parallelism": self.old_parallelism,
+                "expired_dropped": self.expired_dropped}
 
 
 def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> None:
@@ -80,7 +84,7 @@ def overlapping_subtasks(meta: CheckpointMetadata, new_range: KeyGroupRange) -> 
 
 def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
                  workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int,
-                 key_type: KeyType | str = KeyType.STRING, compact: bool = False,
+                 key_type: KeyType | str = KeyType.STRING, compact: bool = False, now_ms: int | None = None,
                  ) -> tuple[RocksDBStateBackend, RescaleStats | None]:
     """What a task does before it processes checkpoint N: open subtask ``index``'s DB in ``workdir``.
 
@@ -99,7 +103,7 @@ def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, pa
             f"{base.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
             f"column to {base.key_type.value}")
     return rebuild_subtask(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                           compact=compact)
+                           compact=compact, now_ms=now_ms)
 
 
 def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata, index: int,
@@ -114,8 +118,12 @@ def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata
 
 def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_parallelism: int, index: int,
                     workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None = None,
-                    compact: bool = False) -> tuple[RocksDBStateBackend, RescaleStats]:
+                    compact: bool = False, now_ms: int | None = None) -> tuple[RocksDBStateBackend, RescaleStats]:
     """Build subtask ``index`` of ``new_parallelism`` in ``workdir`` (which must hold no DB).
+
+    With ``now_ms`` (the batch's processing time), the entries copied from other old subtasks skip
+    what a TTL expired by then (values, list elements and map entries, and their expiry index keys),
+    so a rescale drops expired state instead of copying it; the base's own are swept by later batches.
 
     Returns the open backend (the caller closes it) and what was read.
     """
@@ -128,7 +136,7 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
     overlaps = [(h, n) for h, n in overlapping_subtasks(meta, new_range) if h.files]
     files_read: list[str] = []
     downloaded = downloaded_bytes = 0
-    keys = 0
+    keys = dropped = 0
     if not overlaps:
         backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=True)
         return backend, RescaleStats(index, new_range, None, (), (), 0, 0, time.perf_counter() - started,
@@ -156,7 +164,8 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
                 sst = scratch / "overlap.sst"
                 with RocksDBStateBackend(scratch, other.key_groups, m, meta.key_type, create=False,
                                          read_only=True) as old:
-                    n = _write_sst(old, other.key_groups.intersect(new_range), sst)
+                    n, skipped = _write_sst(old, other.key_groups.intersect(new_range), sst, now_ms)
+                dropped += skipped
                 if n:
                     backend.ingest([sst])
                     keys += n
@@ -169,18 +178,23 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
         raise
     stats = RescaleStats(index, new_range, base.subtask, tuple(ingested), tuple(files_read), downloaded, keys,
                          time.perf_counter() - started, bytes_read=read_bytes, bytes_downloaded=downloaded_bytes,
-                         old_parallelism=meta.parallelism)
+                         old_parallelism=meta.parallelism, expired_dropped=dropped)
     log.log(logging.INFO if ingested or base.key_groups != new_range else logging.DEBUG,  # DEBUG: no rescale
             "rebuilt subtask %d %s of %s from old subtasks %s (base %d) in %.2f s", index, new_range,
             meta.state, [base.subtask, *ingested], base.subtask, stats.seconds)
     return backend, stats
 
 
-def _write_sst(old: RocksDBStateBackend, groups: KeyGroupRange, target: Path) -> int:
-    """Copy the entries of ``groups`` into one SstFileWriter file; return how many (0 writes nothing)."""
+def _write_sst(old: RocksDBStateBackend, groups: KeyGroupRange, target: Path,
+               now_ms: int | None = None) -> tuple[int, int]:
+    """Copy the entries of ``groups`` into one SstFileWriter file, without what expired at ``now_ms``;
+    return how many were copied (0 writes nothing) and how many expired ones were left out."""
     writer = None
-    n = 0
+    n = skipped = 0
     for k, v in old.iter_raw(groups):
+        if now_ms is not None and (expired(v, now_ms) or (k[2:3] == KIND_EXPIRY and index_expiry(k) <= now_ms)):
+            skipped += k[2:3] != KIND_EXPIRY
+            continue
         if writer is None:
             writer = rocksdict.SstFileWriter(options=db_options(create=False))
             writer.open(str(target))
@@ -188,4 +202,4 @@ def _write_sst(old: RocksDBStateBackend, groups: KeyGroupRange, target: Path) ->
         n += 1
     if writer is not None:
         writer.finish()
-    return n
+    return n, skipped

@@ -170,6 +170,7 @@ class SubtaskService:
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
         routed = f.integer("parallelism", default=None, lo=1)
+        now_ms = f.integer("now_ms", default=None, lo=0)   # the batch's processing time: a rescale drops what expired
         base = self._base(name, cid, subtask, routed)
         p, m = base.parallelism, base.max_parallelism
         if routed is not None and routed != p:
@@ -186,7 +187,7 @@ class SubtaskService:
         replay_dir = self.root / "replay" / token
         try:
             backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                          key_type=base.key_type)
+                                          key_type=base.key_type, now_ms=now_ms)
             backend.close()
             replay = self._replay(storage, meta, p, subtask, m, replay_dir) if meta is not None else []
         except BaseException:

@@ -46,7 +46,7 @@ from sparksteward.state.rows import (
 )
 from sparksteward.state.views import StateDB, _prefix_upper
 
-__all__ = ["KIND_EXPIRY", "SweepStats", "TypedList", "TypedMap", "TypedStates", "TypedValue", "drop_variables",
+__all__ = ["KIND_EXPIRY", "SweepStats", "index_expiry", "index_key", "TypedList", "TypedMap", "TypedStates", "TypedValue", "drop_variables",
            "sweep_expired"]
 
 KIND_EXPIRY = b"x"
@@ -56,6 +56,11 @@ _EXPIRY_LEN = 8
 def index_key(entry: bytes, expiry: int) -> bytes:
     """The expiry-index key of entry key ``entry`` expiring at ``expiry`` ms (same key group)."""
     return b"".join((entry[:2], KIND_EXPIRY, expiry.to_bytes(_EXPIRY_LEN, "big"), entry[2:]))
+
+
+def index_expiry(key: bytes) -> int:
+    """The expiry an expiry-index key records."""
+    return int.from_bytes(key[3:3 + _EXPIRY_LEN], "big")
 
 
 class TypedStates:
