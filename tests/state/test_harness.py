@@ -1,0 +1,87 @@
+"""KeyedStateHarness (sparksteward.testing): the documented example runs as written; both forms over
+value, list and map states; time advanced by the test expires state; a restart evolves or refuses a
+declaration by name."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from sparksteward import list_state, map_state, value_state
+from sparksteward.errors import StateSchemaError
+from sparksteward.testing import KeyedStateHarness
+from sparksteward.testing import harness as harness_module
+
+
+def test_the_documented_example_runs_as_written(tmp_path):
+    source = harness_module.__doc__.split("::\n", 1)[1].split("\n\n``restart", 1)[0]
+    code = "\n".join(line[4:] for line in source.splitlines())
+    scope: dict = {}
+    exec(compile(code, "harness-example", "exec"), scope)   # noqa: S102 - our own docstring
+    scope["test_counts_expire_after_an_hour"](tmp_path)
+    assert re.search(r"def test_counts_expire_after_an_hour", code)
+
+
+def count_and_collect(key, rows, state):
+    n = (state.value("count").get() or 0) + len(rows)
+    state.value("count").update(n)
+    state.list("events").extend(int(v) for v in rows["v"])
+    for v in rows["v"]:
+        state.map("by_v").put(int(v), (state.map("by_v").get(int(v)) or 0) + 1)
+    return pd.DataFrame({"k": [key], "n": [n], "events": [len(state.list("events").get())]})
+
+
+def count_and_collect_arrow(keys, rows, state):
+    counts = rows.group_by("k").aggregate([("v", "count")])
+    n = pc.add(pc.fill_null(state.value("count").get_many(counts["k"]), 0), counts["v_count"])
+    state.value("count").put_many(counts["k"], n)
+    state.list("events").append_many(rows["k"], rows["v"])
+    events = pc.list_value_length(state.list("events").get_many(counts["k"])).cast(pa.int64())
+    return pa.table({"k": counts["k"], "n": n, "events": events})
+
+
+SPECS = [value_state("count", "bigint", ttl=60), list_state("events", "bigint", ttl=60),
+         map_state("by_v", "bigint", "bigint", ttl=60)]
+
+
+@pytest.mark.parametrize("form", ["pandas", "arrow"])
+def test_both_forms_keep_state_and_expire_it_when_time_moves(form):
+    fn = count_and_collect if form == "pandas" else count_and_collect_arrow
+    with KeyedStateHarness(fn, key="k", schema="k string, n bigint, events bigint", states=SPECS, form=form,
+                           time=1_800_000_000_000) as h:
+        first = h.process(pd.DataFrame({"k": ["a", "b", "a"], "v": [1, 2, 3]}))
+        rows = first if form == "pandas" else first.to_pandas()
+        assert sorted(map(tuple, rows.values.tolist())) == [("a", 2, 2), ("b", 1, 1)]
+        h.advance(30)
+        h.process([{"k": "a", "v": 4}])
+        assert h.value("count").get("a") == 3 and h.list("events").get("a") == [1, 3, 4]
+        h.advance(45)   # b's entries (t0 + 60 s) expired; a's list keeps its element written at t0 + 30 s
+        assert h.value("count").get("b") is None and h.list("events").get("a") == [4]
+        h.process([{"k": "c", "v": 5}])
+        assert h.last_sweep is not None and h.last_sweep.deleted > 0
+        h.value("count").update("z", 9)    # set state directly
+        assert h.value("count").get("z") == 9
+
+
+def test_a_restart_evolves_or_refuses_a_declaration_by_name():
+    def last(key, rows, state):
+        state.value("last").update({"v": int(rows["v"].iloc[-1]), "note": "n"})
+        return None
+
+    with KeyedStateHarness(last, key="k", schema="k string",
+                           states=[value_state("last", "v int, note string")]) as h:
+        h.process([{"k": "a", "v": 1}])
+        with pytest.raises(StateSchemaError, match="'last' cannot be read as declared: .* field 'v' changed from "
+                                                   "int32 to string"):
+            h.restart(states=[value_state("last", "v string")])
+        h.restart(states=[value_state("last", "v bigint, extra double")])
+        assert h.value("last").get("a") == {"v": 1, "extra": None}
+        h.restart(states=[value_state("other", "bigint")])
+        assert "last" in h.record["variables"]    # undeclared: kept
+        before = h.entries()
+        h.restart(delete_states=["last"])
+        assert "last" not in h.record["variables"] and h.entries() == before - 1
