@@ -58,8 +58,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
+
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
-from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_values, subtask_fn
+from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
 
 __all__ = ["KeyedState"]
 
@@ -431,30 +433,46 @@ class KeyedState:
         self._st.request("state.savepoint", name=self.name, url=url, checkpoint_dir=self.checkpoint_dir)
         return url
 
-    def read(self, distributed: bool = False) -> Any:
-        """A DataFrame ``(key, value)`` of the latest completed checkpoint's default value state;
-        ``value`` is JSON text.
+    def read(self, variable: str | None = None, distributed: bool = False) -> Any:
+        """A DataFrame of one state variable in the latest completed checkpoint, in this application or
+        before its first batch (a state opened by ``st.keyed_state`` in a new application reads its
+        latest checkpoint without being applied).
+
+        ``variable`` None: the default value state, ``(key, value)`` with ``value`` as JSON text. A
+        declared value state: ``(key, value)`` of its type; a list state: ``(key, value)``, one row per
+        element in list order; a map state: ``(key, map_key, value)``. Entries whose TTL expired by now
+        are left out.
 
         By default the driver restores every subtask and the rows are in the DataFrame (fine for
         small states). With ``distributed=True`` the DataFrame is lazy: one task per subtask of the
         checkpoint restores and decodes it on an executor, so large states never pass through the
         driver. Run its actions before that checkpoint is subsumed (``num_retained`` commits later).
         """
-        info = self.info()
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        from sparksteward.checkpoint.reader import variable_schema
+        from sparksteward.checkpoint.records import CheckpointMetadata
+
+        if self._registered:
+            info = self.info()
+        else:   # not applied in this application: the driver agent reads the latest record, no lease taken
+            info = self._st.request("state.check", name=self.name, checkpoint_dir=self.checkpoint_dir,
+                                    max_parallelism=self.max_parallelism, file_merging=self.file_merging,
+                                    alignment=self.alignment)
         spark = self._st.spark
-        from pyspark.sql.types import StringType, StructField, StructType
-
-        key_sql = _KEY_SQL[self.key_type or "string"]
-        schema = StructType([StructField("key", spark.createDataFrame([], f"k {key_sql}").schema[0].dataType),
-                             StructField("value", StringType())])
-        meta = info["latest"]
-        if meta is None:
-            return spark.createDataFrame([], schema)
+        meta_json = info.get("latest")
+        if meta_json is None:
+            if variable is not None:
+                raise StateError(f"keyed state {self.name!r} has no completed checkpoint to read {variable!r} from")
+            key_sql = _KEY_SQL[self.key_type or "string"]
+            return spark.createDataFrame([], f"key {key_sql}, value string")
+        meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
+        arrow = variable_schema(meta, variable)
+        schema = from_arrow_schema(arrow)
+        now_ms = int(time.time() * 1000)
         if distributed:
-            from pyspark.sql.pandas.types import to_arrow_schema
-
-            n = len(meta["subtasks"])
-            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta, to_arrow_schema(schema))
+            n = len(meta_json["subtasks"])
+            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms)
             return spark.range(0, n, 1, n).mapInArrow(fn, schema)
-        rows = read_values(info["checkpoint_dir"], self.name, info["cluster_id"], meta)
-        return spark.createDataFrame(rows, schema)
+        table = read_table(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms=now_ms)
+        return spark.createDataFrame(table.to_pylist(), schema)

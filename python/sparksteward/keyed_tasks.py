@@ -25,8 +25,6 @@ inside the functions, on the worker. Keep it so: nothing here holds state of the
 from __future__ import annotations
 
 import itertools
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +32,7 @@ import orjson
 
 from sparksteward.errors import StateError, StateFunctionError
 
-__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_values", "subtask_fn",
+__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_table", "read_values", "subtask_fn",
            "unaligned_input"]
 
 ROUTE_COL = "__steward_subtask"
@@ -293,56 +291,36 @@ def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any
         yield batch
 
 
-def read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-            arrow_schema: Any) -> Callable[[Iterator[Any]], Iterator[Any]]:
+def read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any], variable: str | None,
+            now_ms: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The ``mapInArrow`` function of a distributed read: each input row is a subtask index."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
-        import pyarrow as pa
-
         for batch in batches:
             for index in batch.column(0).to_pylist():
-                rows = read_values(checkpoint_dir, name, cluster_id, meta_json, subtasks=[index])
-                for start in range(0, len(rows), 65536):
-                    chunk = rows[start:start + 65536]
-                    yield pa.RecordBatch.from_arrays(
-                        [pa.array([r[0] for r in chunk], arrow_schema.field(0).type),
-                         pa.array([r[1] for r in chunk], arrow_schema.field(1).type)], schema=arrow_schema)
+                table = read_table(checkpoint_dir, name, cluster_id, meta_json, variable, subtasks=[index],
+                                   now_ms=now_ms)
+                yield from table.to_batches(max_chunksize=65536)
 
     return run
 
 
-def read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-                subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
-    """Every (key, JSON value) of the default value state of a completed checkpoint (of the given
-    ``subtasks``, default all), restored into a scratch dir of this process."""
-    from sparksteward.checkpoint.cache import LocalFileCache
+def read_table(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+               variable: str | None = None, subtasks: list[int] | None = None, now_ms: int | None = None) -> Any:
+    """Every entry of ``variable`` (None: the default value state) of a completed checkpoint (of the
+    given ``subtasks``, default all), restored into a scratch dir of this process, as a pyarrow Table
+    (see :mod:`sparksteward.checkpoint.reader`)."""
+    from sparksteward.checkpoint.reader import read_variable
     from sparksteward.checkpoint.records import CheckpointMetadata
-    from sparksteward.checkpoint.rescale import restore_subtask_backend
     from sparksteward.checkpoint.storage import CheckpointStorage
-    from sparksteward.state.encoding import KIND_VALUE, decode_value, split_key
-    from sparksteward.state.keygroups import _INT, _LONG, KeyType
-    from sparksteward.state.runner import DEFAULT_STATE
 
     storage = CheckpointStorage.open(checkpoint_dir, name, cluster_id)
     meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
-    decode_key = {KeyType.STRING: lambda b: b.decode("utf-8"), KeyType.BINARY: bytes,
-                  KeyType.LONG: lambda b: _LONG.unpack(b)[0], KeyType.INT: lambda b: _INT.unpack(b)[0]}[meta.key_type]
-    tmp = tempfile.mkdtemp(prefix="steward-read-")
-    rows: list[tuple[Any, str]] = []
-    try:
-        cache = LocalFileCache(f"{tmp}/cache")
-        for handle in meta.subtasks:
-            if subtasks is not None and handle.subtask not in subtasks:
-                continue
-            backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
-            try:
-                for raw_key, raw_value in backend.iter_raw():
-                    _, kind, state_name, kb, _ = split_key(raw_key)
-                    if kind == KIND_VALUE and state_name == DEFAULT_STATE:
-                        rows.append((decode_key(kb), orjson.dumps(decode_value(raw_value)).decode()))
-            finally:
-                backend.close()
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return rows
+    return read_variable(storage, meta, variable, subtasks=subtasks, now_ms=now_ms)
+
+
+def read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
+                subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
+    """Every (key, JSON value) of the default value state of a completed checkpoint (:func:`read_table`)."""
+    table = read_table(checkpoint_dir, name, cluster_id, meta_json, None, subtasks=subtasks)
+    return list(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))

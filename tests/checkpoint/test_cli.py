@@ -48,3 +48,27 @@ def test_gc_deletes_only_old_unreferenced_files(tmp_path, store_url, capsys):
     storage.location.write_atomic(storage.metadata_path(5), b'{"version": 2}')
     assert main(["checkpoints", "gc", store_url, "clicks", "--min-age", "0s"]) == 2
     assert "not collecting garbage" in capsys.readouterr().err and storage.shared_files() == before
+
+
+def test_show_lists_the_declared_variables_and_read_decodes_one(tmp_path, store_url, capsys):
+    from sparksteward.state.declared import resolve, value_state
+
+    storage = CheckpointStorage.open(store_url, "typed")
+    coord = CheckpointCoordinator(storage, P, M)
+    coord.states = resolve(None, [value_state("count", "bigint", ttl=3600)])   # the untyped counts, declared
+    for n in range(2):
+        run_batch(coord, storage, tmp_path, n, BATCHES[n])
+        coord.complete(n)
+    assert storage.read_metadata(1).properties["states"]["variables"]["count"]["ttl_ms"] == 3_600_000
+    assert main(["checkpoints", "show", store_url, "typed"]) == 0
+    out = capsys.readouterr().out
+    assert "STATE VARIABLE" in out and "count" in out and "3600 s (on_write)" in out
+    assert main(["checkpoints", "read", store_url, "typed", "count", "--json", "--limit", "1000000"]) == 0
+    rows = [orjson.loads(line) for line in capsys.readouterr().out.splitlines()]
+    expected: dict = {}
+    for batch in BATCHES[:2]:
+        for k in batch:
+            expected[k] = expected.get(k, 0) + 1
+    assert {r["key"]: r["value"] for r in rows} == expected
+    assert main(["checkpoints", "read", store_url, "typed", "nope"]) == 2
+    assert "no declared variable 'nope'; declared: count (value)" in capsys.readouterr().err

@@ -155,3 +155,35 @@ def test_a_changed_declaration_is_evolved_or_refused_by_name(spark):
     new.commit(1, wait=120)
     assert [r.last for r in rows] == [str({"v": 7, "w": None})]
     assert new.states["variables"]["last"]["current"] == 2
+
+
+def test_read_returns_every_declared_variable_locally_and_distributed(spark):
+    spark, tmp = spark
+    st = Steward.get(spark)
+    chk = str(tmp / "chk")
+    ks = st.keyed_state("declared-read", key="k", parallelism=3, max_parallelism=32, checkpoint_dir=chk,
+                        states=_specs())
+    batches = _batches(2)
+    for i, b in enumerate(batches):
+        ks.apply(spark.createDataFrame(b), per_key, OUT, checkpoint_id=i).collect()
+        ks.commit(i, wait=120)
+    allrows = pd.concat(batches)
+    fresh = st.keyed_state("declared-read", key="k", parallelism=3, max_parallelism=32, checkpoint_dir=chk)
+    for distributed in (False, True):     # a KeyedState never applied reads the latest checkpoint too
+        counts = {r.key: r.value for r in fresh.read("count", distributed=distributed).collect()}
+        assert counts == allrows.groupby("k").size().to_dict()
+        events = fresh.read("events", distributed=distributed).collect()
+        by_key: dict = {}
+        for r in events:
+            by_key.setdefault(r.key, []).append(r.value)
+        for k, got in by_key.items():   # batch 0's elements, then batch 1's (within a batch, Spark's order)
+            first = batches[0][batches[0]["k"] == k]["v"].tolist()
+            second = batches[1][batches[1]["k"] == k]["v"].tolist()
+            assert sorted(got[:len(first)]) == sorted(first) and sorted(got[len(first):]) == sorted(second)
+        assert set(by_key) == set(allrows["k"])
+        seen = {(r.key, r.map_key): r.value for r in fresh.read("seen", distributed=distributed).collect()}
+        assert seen == {(k, v): n for (k, v), n in allrows.groupby(["k", "v"]).size().items()}
+    assert fresh.read("events").schema.simpleString() == "struct<key:string,value:bigint>"
+    with pytest.raises(Exception, match="no declared variable 'nope'; declared: count .value., events .list., "
+                                        "seen .map."):
+        fresh.read("nope")

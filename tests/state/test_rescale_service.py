@@ -178,3 +178,52 @@ def test_checkpoint_stats_show_incremental_uploads(tmp_path):
         assert [c["bytes_uploaded"] for c in info["checkpoints"]] == [s["bytes_uploaded"] for s in [first, *later]]
     finally:
         app.close()
+
+
+def test_declarations_survive_a_restart_evolve_and_are_read_before_the_first_batch(tmp_path):
+    """Application a declares a struct value state and writes it; application b (real agents, a new
+    driver agent) reads it before any batch, refuses a narrowing by name, and opens it evolved."""
+    from sparksteward.errors import StateSchemaError
+    from sparksteward.keyed_tasks import read_table
+    from sparksteward.state.declared import value_state
+    from sparksteward.state.typed import TypedStates
+
+    v1 = [value_state("last", "v int, note string").to_json()]
+    app = App(tmp_path, "a")
+    try:
+        reply = app.d.request("state.register", name="s", checkpoint_dir=None, parallelism=2, max_parallelism=M,
+                              key_type="string", num_retained=1, states=v1)
+        record = reply["states"]
+        app.d.request("state.begin", name="s", checkpoint_id=0, parallelism=2)
+        for i, part in enumerate(split_by_subtask({"a": 1, "b": 2, "c": 3}, 2, M)):
+            opened = app.e.request("state.open", name="s", checkpoint_id=0, subtask=i)
+
+            def extra(backend, part=part):
+                TypedStates(backend, record, 0, 0).value("last").put_many(
+                    list(part), [{"v": d, "note": "x"} for d in part.values()])
+
+            write_subtask(app.e, opened, i, 2, M, part, extra)
+        app.d.request("state.commit", name="s", checkpoint_id=0, wait=30)
+    finally:
+        app.close()
+    app = App(tmp_path, "b")
+    try:
+        checked = app.d.request("state.check", name="s", checkpoint_dir=None, max_parallelism=M)
+        assert checked["latest"]["properties"]["states"]["variables"]["last"]["current"] == 1
+        table = read_table(checked["checkpoint_dir"], "s", checked["cluster_id"], checked["latest"], "last")
+        assert sorted(table.to_pylist(), key=lambda r: r["key"]) == [
+            {"key": k, "value": {"v": d, "note": "x"}} for k, d in (("a", 1), ("b", 2), ("c", 3))]
+        with pytest.raises(StateSchemaError, match=r"keyed state 's': state variable 'last' cannot be read as "
+                                                   r"declared: version 1 of its values has type .* field 'v' "
+                                                   r"changed from int32 to int16"):
+            app.d.request("state.register", name="s", checkpoint_dir=None, parallelism=2, max_parallelism=M,
+                          key_type="string", states=[value_state("last", "v smallint").to_json()])
+        reply = app.d.request("state.register", name="s", checkpoint_dir=None, parallelism=2, max_parallelism=M,
+                              key_type="string", states=[value_state("last", "v bigint, w double").to_json()])
+        assert reply["states"]["variables"]["last"]["current"] == 2
+        reply = app.batch(1, 2, {"a": 1})
+        assert reply["metadata"]["properties"]["states"]["variables"]["last"]["types"].keys() == {"1", "2"}
+        table = read_table(str(tmp_path / "chk"), "s", "c1", reply["metadata"], "last")
+        assert sorted(table.to_pylist(), key=lambda r: r["key"])[0] == {"key": "a", "value": {"v": 1, "w": None}}
+    finally:
+        app.close()

@@ -4,6 +4,8 @@
 - ``show <state>``: one checkpoint (default: the latest) per subtask, or its ``_metadata`` as JSON,
   with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
   checkpoints hold, and their space amplification;
+- ``read <state> [variable]``: the entries of one state variable (default: the default value state)
+  of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines);
 - ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
   crash, if they entered the state's directory more than ``--min-age`` ago (default 1h, so uploads of a
   running query are never touched). A file's age counts from its latest timestamp: on a local store
@@ -26,6 +28,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, ConfigError, StewardError
+from sparksteward.state.declared import variables_of
 from sparksteward.storage import open_location
 from sparksteward.tables import table
 
@@ -106,6 +109,11 @@ def _show(args: argparse.Namespace) -> int:
                   f"{s.size / MB:.2f}", len(s.channel_state), sum(f.length for f in s.channel_state)]
                  for s in meta.subtasks], ["SUBTASK", "KEY GROUPS", "FILES", "SEGMENTS", "MB", "CHANNEL STATE",
                                            "CHANNEL BYTES"]))
+    variables = variables_of(meta.properties.get("states"))
+    if variables:
+        print(table([[n, v.spec.kind, str(v.spec.type) if v.spec.kind != "map" else f"{v.spec.key_type} -> {v.spec.type}",
+                      v.version, "-" if v.spec.ttl_ms is None else f"{v.spec.ttl_ms / 1000:g} s ({v.spec.ttl_update})"]
+                     for n, v in sorted(variables.items())], ["STATE VARIABLE", "KIND", "TYPE", "VERSION", "TTL"]))
     records, _ = _records(storage)
     one, retained = space_stats([meta]), space_stats(records.values())
     print(table([[label, sp.physical_files, f"{sp.physical_bytes / MB:.2f}", sp.logical_files,
@@ -114,6 +122,25 @@ def _show(args: argparse.Namespace) -> int:
                  for label, sp in ((f"checkpoint {meta.checkpoint_id}", one), (f"{len(records)} retained", retained))],
                 ["FILE MERGING", "PHYSICAL", "PHYSICAL MB", "LOGICAL", "LOGICAL MB", "AMPLIFICATION", "WHOLE FILES",
                  "WHOLE MB"]))
+    return 0
+
+
+def _read(args: argparse.Namespace) -> int:
+    from sparksteward.checkpoint.reader import read_variable
+
+    base, _ = _base(args)
+    storage = CheckpointStorage(base.child(args.state), args.state)
+    ids = storage.checkpoint_ids()
+    if args.id is None and not ids:
+        raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}")
+    meta = storage.read_metadata(ids[-1] if args.id is None else args.id)
+    rows = read_variable(storage, meta, args.variable).slice(0, args.limit).to_pylist()
+    if args.json:
+        for r in rows:
+            print(orjson.dumps(r, default=str).decode())
+        return 0
+    columns = list(rows[0]) if rows else ["key", "value"]
+    print(table([[str(r[c]) for c in columns] for r in rows], [c.upper() for c in columns]))
     return 0
 
 
@@ -152,6 +179,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--id", type=int, default=None, help="checkpoint id (default: the latest)")
     q.add_argument("--json", action="store_true", help="print the _metadata record")
     q.set_defaults(func=_show)
+    q = cmds.add_parser("read", help="the entries of one state variable of a checkpoint")
+    common(q)
+    q.add_argument("state")
+    q.add_argument("variable", nargs="?", default=None, help="a declared variable (default: the default value state)")
+    q.add_argument("--id", type=int, default=None, help="checkpoint id (default: the latest)")
+    q.add_argument("--limit", type=int, default=20, help="rows to print (default 20)")
+    q.add_argument("--json", action="store_true", help="print JSON lines")
+    q.set_defaults(func=_read)
     q = cmds.add_parser("gc", help="delete shared files no retained checkpoint references")
     common(q)
     q.add_argument("state")

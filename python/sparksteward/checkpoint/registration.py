@@ -196,7 +196,7 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         check_max_parallelism(latest, reg.max_parallelism)
         reg.states_of(latest.properties.get("states"))
         return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
-                "key_type": latest.key_type.value}
+                "key_type": latest.key_type.value, "latest": latest.to_json()}
     if reg.source:
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)

@@ -466,10 +466,14 @@ class StateService:
         if st is not None:  # open in this application: register settles the rest
             st.check_max_parallelism(reg.name, reg.max_parallelism)
             reg.states_of(st.coordinator.states)
-            return {"registered": True, "last_completed": st.coordinator.last_completed,
-                    "key_type": st.coordinator.key_type.value}
+            c = st.coordinator
+            latest = max(c.retained(), default=None)
+            return {"registered": True, "last_completed": c.last_completed, "key_type": c.key_type.value,
+                    "latest": None if latest is None else c.completed(latest).to_json(),
+                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id}
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
-        return check_unregistered(reg, storage, self.merging, self.alignment)
+        return {**check_unregistered(reg, storage, self.merging, self.alignment),
+                "checkpoint_dir": reg.checkpoint_dir, "cluster_id": self.cluster_id}
 
     def _op_savepoint(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)

@@ -1,0 +1,140 @@
+"""Reading one state variable of a completed checkpoint, without the user's code: the rows behind
+``KeyedState.read()`` (driver or distributed) and ``steward checkpoints read``.
+
+Each subtask is restored into a scratch dir of the calling process and its entries of the variable are
+decoded with the declarations the checkpoint recorded (``properties.states``):
+
+=================  ==============================================================
+variable           columns
+=================  ==============================================================
+``None``           ``key``, ``value``: the default value state, as JSON text
+a value state      ``key``, ``value`` (the declared type)
+a list state       ``key``, ``value``: one row per element, in list order
+a map state        ``key``, ``map_key``, ``value``
+=================  ==============================================================
+
+An entry whose TTL expired at ``now_ms`` (default: now) is not returned, as a batch would not see it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+import pyarrow as pa
+
+from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.rescale import restore_subtask_backend
+from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.errors import StateError
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.declared import variables_of
+from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
+from sparksteward.state.keygroups import _INT, _LONG, KeyType
+from sparksteward.state.rows import expired
+from sparksteward.state.typed import KIND_EXPIRY, TypedMap, TypedStates
+
+__all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
+
+DEFAULT_STATE = "value"
+_KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT: pa.int32(),
+              KeyType.BINARY: pa.binary()}
+_KINDS = {"value": KIND_VALUE, "list": KIND_LIST, "map": KIND_MAP}
+
+
+def variable_schema(meta: CheckpointMetadata, variable: str | None) -> pa.Schema:
+    """The columns :func:`read_variable` returns for ``variable`` of ``meta`` (see the module docstring)."""
+    key = pa.field("key", _KEY_ARROW[meta.key_type])
+    if variable is None or variable == DEFAULT_STATE:
+        return pa.schema([key, pa.field("value", pa.string())])
+    var = _variable(meta, variable)
+    if var.spec.kind == "map":
+        assert var.spec.key_type is not None
+        return pa.schema([key, pa.field("map_key", var.spec.key_type), pa.field("value", var.spec.type)])
+    return pa.schema([key, pa.field("value", var.spec.type)])
+
+
+def _variable(meta: CheckpointMetadata, variable: str) -> Any:
+    variables = variables_of(meta.properties.get("states"))
+    if variable not in variables:
+        known = ", ".join(f"{n} ({v.spec.kind})" for n, v in sorted(variables.items())) or "none"
+        raise StateError(f"state {meta.state!r} checkpoint {meta.checkpoint_id} has no declared variable "
+                         f"{variable!r}; declared: {known} (the default value state is read with no variable)")
+    return variables[variable]
+
+
+def read_variable(storage: CheckpointStorage, meta: CheckpointMetadata, variable: str | None = None, *,
+                  subtasks: Iterable[int] | None = None, now_ms: int | None = None) -> pa.Table:
+    """Every entry of ``variable`` (None: the default value state) in the given ``subtasks`` (default
+    all) of ``meta``, alive at ``now_ms``, as a table of :func:`variable_schema`."""
+    schema = variable_schema(meta, variable)
+    wanted = None if subtasks is None else set(subtasks)
+    now = int(time.time() * 1000) if now_ms is None else now_ms
+    tmp = tempfile.mkdtemp(prefix="steward-read-")
+    tables: list[pa.Table] = []
+    try:
+        cache = LocalFileCache(f"{tmp}/cache")
+        for handle in meta.subtasks:
+            if wanted is not None and handle.subtask not in wanted:
+                continue
+            backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
+            try:
+                tables.append(_read_subtask(backend, meta, variable, schema, now))
+            finally:
+                backend.close()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _decode_key(kt: KeyType) -> Any:
+    return {KeyType.STRING: lambda b: b.decode("utf-8"), KeyType.BINARY: bytes,
+            KeyType.LONG: lambda b: _LONG.unpack(b)[0], KeyType.INT: lambda b: _INT.unpack(b)[0]}[kt]
+
+
+def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable: str | None, schema: pa.Schema,
+                  now: int) -> pa.Table:
+    decode_key = _decode_key(meta.key_type)
+    keys: list[Any] = []
+    if variable is None or variable == DEFAULT_STATE:
+        values: list[Any] = []
+        for raw_key, raw_value in backend.iter_raw():
+            if raw_key[2:3] == KIND_EXPIRY:
+                continue
+            _, kind, name, kb, _ = split_key(raw_key)
+            if kind == KIND_VALUE and name == DEFAULT_STATE:
+                keys.append(decode_key(kb))
+                values.append(orjson.dumps(decode_value(raw_value)).decode())
+        return pa.table([pa.array(keys, schema.field(0).type), pa.array(values, pa.string())], schema=schema)
+    var = _variable(meta, variable)
+    states = TypedStates(backend, meta.properties.get("states"), now, 0)
+    view = states._view(variable, var.spec.kind)
+    kind = _KINDS[var.spec.kind]
+    stored: list[bytes] = []
+    map_keys: list[Any] = []
+    for raw_key, raw_value in backend.iter_raw():
+        if raw_key[2:3] != kind:
+            continue
+        _, _, name, kb, rest = split_key(raw_key)
+        if name != variable or expired(raw_value, now):
+            continue
+        if kind == KIND_LIST and not rest:   # a whole untyped list written before the declaration
+            for v in view._legacy_list(raw_value):
+                keys.append(decode_key(kb))
+                stored.append(view.codec.encode_py(v, 0 if view.codec.ttl else None))
+            continue
+        keys.append(decode_key(kb))
+        stored.append(raw_value)
+        if kind == KIND_MAP:
+            assert isinstance(view, TypedMap)
+            map_keys.append(view._map_key(rest))
+    columns = [pa.array(keys, schema.field(0).type)]
+    if kind == KIND_MAP:
+        columns.append(pa.array(map_keys, schema.field("map_key").type))
+    columns.append(view._decode_column(stored))
+    return pa.table(columns, schema=schema)
