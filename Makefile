@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: quickstart example-state lint test soak bench docs clean
+.PHONY: quickstart example-state example-declared lint test soak bench docs clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ quickstart: $(VENV)/.installed
 
 example-state: $(VENV)/.installed
 	$(PY) examples/keyed_state_stream.py
+
+example-declared: $(VENV)/.installed
+	$(PY) examples/declared_states.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache .

@@ -115,6 +115,34 @@ def test_keyed_state_with_merged_checkpoints_on_s3_across_hosts(spark, s3):
     assert merged and ks.info()["space"]["physical_files"] == len(merged)
 
 
+def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
+    """Declared value, list and map states (typed, with a TTL) on an executor that sees neither the
+    driver's files nor its boot id: each batch restores them from S3, and a distributed read decodes
+    every variable there with the declarations the checkpoint recorded."""
+    import pandas as pd
+
+    from sparksteward import list_state, map_state, value_state
+    from tests.helpers.keyed import declared_count_events, make_batches
+
+    st = Steward.get(spark)
+    specs = [value_state("count", "bigint", ttl=3600), list_state("events", "bigint", ttl=3600),
+             map_state("seen", "bigint", "bigint", ttl=3600)]
+    ks = st.keyed_state("xdeclared", key="k", parallelism=2, max_parallelism=16,
+                        checkpoint_dir=s3.url("xdeclared-chk"), states=specs)
+    batches = make_batches(19, count=3, rows=200, keys=10)
+    for i, batch in enumerate(batches):
+        rows = ks.apply(spark.createDataFrame(batch), declared_count_events, "k string, n long, events long, "
+                        "distinct long", checkpoint_id=i).collect()
+        ks.commit(i, wait=120)
+    allrows = pd.concat(batches)
+    assert {r.k: r.n for r in rows} == allrows[allrows["k"].isin(batches[-1]["k"])].groupby("k").size().to_dict()
+    assert {r.key: r.value for r in ks.read("count", distributed=True).collect()} == \
+        allrows.groupby("k").size().to_dict()
+    assert ks.read("events", distributed=True).count() == len(allrows)
+    seen = {(r.key, r.map_key): r.value for r in ks.read("seen", distributed=True).collect()}
+    assert seen == {kv: n for kv, n in allrows.groupby(["k", "v"]).size().items()}
+
+
 def test_unaligned_channel_state_across_hosts(spark, s3):
     """Channel state (FLIP-76) deferred on an executor that sees neither the driver's files nor its
     boot id goes to S3 inside the merged file, and the next batches replay it there."""

@@ -38,3 +38,16 @@ def state_of(ks) -> dict[str, tuple[int, int]]:
         v = orjson.loads(r.value)
         out[r.key] = (v["n"], v["s"])
     return out
+
+
+def declared_count_events(key, rows, state):
+    """Per key, with declared states: count (value), every v (list), how often each v (map)."""
+    count = state.value("count")
+    n = (count.get() or 0) + len(rows)
+    count.update(n)
+    state.list("events").extend(int(v) for v in rows["v"])
+    seen = state.map("seen")
+    for v in rows["v"]:
+        seen.put(int(v), (seen.get(int(v)) or 0) + 1)
+    return pd.DataFrame({"k": [key], "n": [n], "events": [len(state.list("events").get())],
+                         "distinct": [len(seen.keys())]})

@@ -44,7 +44,7 @@ from sparksteward.state.rows import (
     project_py,
     with_expiry,
 )
-from sparksteward.state.views import StateDB, _prefix_upper
+from sparksteward.state.views import StateDB, _prefix_upper, raw_keys, state_middle
 
 __all__ = ["KIND_EXPIRY", "SweepStats", "index_expiry", "index_key", "TypedList", "TypedMap", "TypedStates", "TypedValue", "drop_variables",
            "sweep_expired"]
@@ -120,6 +120,7 @@ class _Typed:
         self.backend = states.backend
         self.ttl = var.spec.ttl_ms
         self.on_read = var.spec.ttl_update == "on_read_and_write" and self.ttl is not None
+        self._middle = state_middle(self.kind, self.name)
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
 
@@ -715,11 +716,7 @@ def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
 
 # --- helpers -----------------------------------------------------------------------------------------
 def _raw_keys(view: _Typed, keys: Any) -> list[bytes]:
-    out = []
-    for k in _as_pylist(keys):
-        group, raw = view.backend._key(k)
-        out.append(key_prefix(group, view.kind, view.name, raw))
-    return out
+    return raw_keys(view.backend, view._middle, _as_pylist(keys))
 
 
 def _as_pylist(values: Any) -> list[Any]:

@@ -23,7 +23,8 @@ from sparksteward.state.encoding import (
 )
 from sparksteward.state.keygroups import SPARK_HASH_SEED, KeyGroupRange, KeyType, key_bytes
 
-__all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "MapState", "StateDB", "ValueState"]
+__all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "MapState", "StateDB", "ValueState",
+           "raw_keys", "state_middle"]
 
 
 class StateDB(Protocol):
@@ -50,8 +51,7 @@ class _View:
     kind: bytes
 
     def __init__(self, backend: StateDB, name: str) -> None:
-        # kind + name length + name: the constant middle of every key of this state (validated here)
-        self._middle = key_prefix(0, self.kind, name, b"")[2:-4]
+        self._middle = state_middle(self.kind, name)
         self.backend = backend
         self.name = name
 
@@ -60,24 +60,33 @@ class _View:
         return key_prefix(group, self.kind, self.name, raw)
 
     def _raw_keys(self, keys: list[object]) -> list[bytes]:
-        """:meth:`_raw_key` for many keys, with the per-key work inlined (the Arrow path's hot loop)."""
-        b = self.backend
-        kt, m, lo, hi, middle = b.key_type, b.max_parallelism, b.key_groups.start, b.key_groups.stop, self._middle
-        h = xxhash.xxh64_intdigest
-        out: list[bytes] = []
-        append = out.append
-        fast = kt is KeyType.STRING
-        for k in keys:
-            if fast and type(k) is str:
-                raw = k.encode("utf-8")
-            else:
-                raw = key_bytes(k, kt)
-            u = h(raw, SPARK_HASH_SEED)
-            g = (u - (1 << 64) if u >= 1 << 63 else u) % m
-            if not lo <= g < hi:
-                b._key(k)  # raises the error naming the key
-            append(b"".join((g.to_bytes(2, "big"), middle, len(raw).to_bytes(4, "big"), raw)))
-        return out
+        return raw_keys(self.backend, self._middle, keys)
+
+
+def state_middle(kind: bytes, name: str) -> bytes:
+    """Kind + name length + name: the constant middle of every key of one state (validated here)."""
+    return key_prefix(0, kind, name, b"")[2:-4]
+
+
+def raw_keys(b: StateDB, middle: bytes, keys: list[object]) -> list[bytes]:
+    """The RocksDB keys of ``keys`` in the state whose :func:`state_middle` is ``middle``, with the
+    per-key work inlined (the vectorized paths' hot loop)."""
+    kt, m, lo, hi = b.key_type, b.max_parallelism, b.key_groups.start, b.key_groups.stop
+    h = xxhash.xxh64_intdigest
+    out: list[bytes] = []
+    append = out.append
+    fast = kt is KeyType.STRING
+    for k in keys:
+        if fast and type(k) is str:
+            raw = k.encode("utf-8")
+        else:
+            raw = key_bytes(k, kt)
+        u = h(raw, SPARK_HASH_SEED)
+        g = (u - (1 << 64) if u >= 1 << 63 else u) % m
+        if not lo <= g < hi:
+            b._key(k)  # raises the error naming the key
+        append(b"".join((g.to_bytes(2, "big"), middle, len(raw).to_bytes(4, "big"), raw)))
+    return out
 
 
 class ValueState(_View):
