@@ -40,6 +40,9 @@ def count_and_collect_arrow(keys, rows, state):
     n = pc.add(pc.fill_null(state.value("count").get_many(counts["k"]), 0), counts["v_count"])
     state.value("count").put_many(counts["k"], n)
     state.list("events").append_many(rows["k"], rows["v"])
+    pairs = rows.group_by(["k", "v"]).aggregate([("v", "count")])
+    old = pc.fill_null(state.map("by_v").get_many(pairs["k"], pairs["v"]), 0)
+    state.map("by_v").put_many(pairs["k"], pairs["v"], pc.add(old, pairs["v_count"]))
     events = pc.list_value_length(state.list("events").get_many(counts["k"])).cast(pa.int64())
     return pa.table({"k": counts["k"], "n": n, "events": events})
 
@@ -59,6 +62,7 @@ def test_both_forms_keep_state_and_expire_it_when_time_moves(form):
         h.advance(30)
         h.process([{"k": "a", "v": 4}])
         assert h.value("count").get("a") == 3 and h.list("events").get("a") == [1, 3, 4]
+        assert sorted(h.map("by_v").items("a")) == [(1, 1), (3, 1), (4, 1)]
         h.advance(45)   # b's entries (t0 + 60 s) expired; a's list keeps its element written at t0 + 30 s
         assert h.value("count").get("b") is None and h.list("events").get("a") == [4]
         h.process([{"k": "c", "v": 5}])
