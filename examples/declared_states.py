@@ -4,7 +4,7 @@
 
 Three batches of page views go through ``sessions.apply`` (per key) and ``commit``. Each user keeps a
 view count (value state), the pages seen (list state) and a count per page (map state), all expiring
-3 seconds after their last write. Between the second and third batch the example waits 4 seconds: the
+8 seconds after their last write. Between the second and third batch the example waits 9 seconds: the
 users who were idle come back with empty state, and the sweep removes their entries. Then every
 variable is read back as a DataFrame, and the state is opened again with its count widened from int
 to bigint: an accepted evolution. A narrowing is refused with the variable named.
@@ -24,7 +24,7 @@ import sparksteward
 from sparksteward import list_state, map_state, value_state
 from sparksteward.errors import StateSchemaError
 
-TTL = 3.0
+TTL = 8.0
 
 
 def visit(user, rows: pd.DataFrame, state) -> pd.DataFrame:

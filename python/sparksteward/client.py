@@ -375,6 +375,7 @@ class Steward:
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
                         claim_mode=mode, file_merging=merging, alignment=aligned, states=declared,
                         delete_states=dropped, sweep_max_entries=sweep)
+        ks.states = checked.get("states")   # the declarations as the next batch will use them
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             ks._register(checked["key_type"])
         return ks

@@ -194,17 +194,17 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
     if own:
         latest = storage.read_metadata(own[-1])
         check_max_parallelism(latest, reg.max_parallelism)
-        reg.states_of(latest.properties.get("states"))
         return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
-                "key_type": latest.key_type.value, "latest": latest.to_json()}
+                "key_type": latest.key_type.value, "latest": latest.to_json(),
+                "states": reg.states_of(latest.properties.get("states"))}
     if reg.source:
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)
         check_sources(src, meta, reg.source)
-        reg.states_of(meta.properties.get("states"))
         return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
-                "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value}
-    return {"registered": False, "last_completed": None, "restore_from": None}
+                "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value,
+                "states": reg.states_of(meta.properties.get("states"))}
+    return {"registered": False, "last_completed": None, "restore_from": None, "states": reg.states_of(None)}
 
 
 class StateTable:

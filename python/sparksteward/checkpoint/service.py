@@ -465,11 +465,11 @@ class StateService:
         st = self.table.get(reg.name)
         if st is not None:  # open in this application: register settles the rest
             st.check_max_parallelism(reg.name, reg.max_parallelism)
-            reg.states_of(st.coordinator.states)
             c = st.coordinator
             latest = max(c.retained(), default=None)
             return {"registered": True, "last_completed": c.last_completed, "key_type": c.key_type.value,
                     "latest": None if latest is None else c.completed(latest).to_json(),
+                    "states": reg.states_of(c.states),
                     "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id}
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
         return {**check_unregistered(reg, storage, self.merging, self.alignment),

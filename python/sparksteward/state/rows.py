@@ -394,7 +394,8 @@ def evolve(old: pa.DataType, new: pa.DataType) -> str | None:
             continue
         a, b = _storable(was.type), _storable(f.type)
         if a != b and b not in _WIDER.get(a, ()):
-            return (f"field {f.name!r} changed from {was.type} to {f.type}: only widening a number "
+            what = f"field {f.name!r} changed" if new_struct else "its type changed"
+            return (f"{what} from {was.type} to {f.type}: only widening a number "
                     f"(int8 < int16 < int32 < int64, to float64; float32 to float64) is accepted")
     return None
 
