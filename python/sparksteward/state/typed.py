@@ -121,6 +121,7 @@ class _Typed:
         self.ttl = var.spec.ttl_ms
         self.on_read = var.spec.ttl_update == "on_read_and_write" and self.ttl is not None
         self._middle = state_middle(self.kind, self.name)
+        self._last_keys: tuple[pa.Array, list[bytes]] | None = None
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
 
@@ -716,6 +717,17 @@ def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
 
 # --- helpers -----------------------------------------------------------------------------------------
 def _raw_keys(view: _Typed, keys: Any) -> list[bytes]:
+    """The RocksDB keys of ``keys``; an Arrow array equal to the previous call's reuses its keys (a
+    ``get_many`` then ``put_many`` over the same keys builds them once)."""
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    if isinstance(keys, pa.Array):
+        last = view._last_keys
+        if last is not None and len(last[0]) == len(keys) and last[0].equals(keys):
+            return last[1]
+        raw = raw_keys(view.backend, view._middle, keys.to_pylist())
+        view._last_keys = (keys, raw)
+        return raw
     return raw_keys(view.backend, view._middle, _as_pylist(keys))
 
 

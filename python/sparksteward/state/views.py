@@ -5,6 +5,7 @@ and the others) for the per-key user API. Keys and values are encoded by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator
 from typing import Any, Protocol, cast
 
@@ -73,6 +74,8 @@ def raw_keys(b: StateDB, middle: bytes, keys: list[object]) -> list[bytes]:
     per-key work inlined (the vectorized paths' hot loop)."""
     kt, m, lo, hi = b.key_type, b.max_parallelism, b.key_groups.start, b.key_groups.stop
     h = xxhash.xxh64_intdigest
+    heads = _heads(m, middle)
+    lengths: dict[int, bytes] = {}
     out: list[bytes] = []
     append = out.append
     fast = kt is KeyType.STRING
@@ -85,8 +88,18 @@ def raw_keys(b: StateDB, middle: bytes, keys: list[object]) -> list[bytes]:
         g = (u - (1 << 64) if u >= 1 << 63 else u) % m
         if not lo <= g < hi:
             b._key(k)  # raises the error naming the key
-        append(b"".join((g.to_bytes(2, "big"), middle, len(raw).to_bytes(4, "big"), raw)))
+        n = len(raw)
+        ln = lengths.get(n)
+        if ln is None:
+            ln = lengths[n] = n.to_bytes(4, "big")
+        append(heads[g] + ln + raw)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _heads(max_parallelism: int, middle: bytes) -> list[bytes]:
+    """Key group + middle, the start of every key of one state, per key group."""
+    return [g.to_bytes(2, "big") + middle for g in range(max_parallelism)]
 
 
 class ValueState(_View):
