@@ -92,13 +92,18 @@ def _ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(args: argparse.Namespace) -> int:
+def _checkpoint(args: argparse.Namespace) -> tuple[CheckpointStorage, CheckpointMetadata]:
+    """The state's storage and the checkpoint ``--id`` (default: the latest) of ``args``."""
     base, _ = _base(args)
     storage = CheckpointStorage(base.child(args.state), args.state)
     ids = storage.checkpoint_ids()
     if args.id is None and not ids:
         raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}")
-    meta = storage.read_metadata(ids[-1] if args.id is None else args.id)
+    return storage, storage.read_metadata(ids[-1] if args.id is None else args.id)
+
+
+def _show(args: argparse.Namespace) -> int:
+    storage, meta = _checkpoint(args)
     if args.json:
         print(orjson.dumps(meta.to_json(), option=orjson.OPT_INDENT_2).decode())
         return 0
@@ -128,12 +133,7 @@ def _show(args: argparse.Namespace) -> int:
 def _read(args: argparse.Namespace) -> int:
     from sparksteward.checkpoint.reader import read_variable
 
-    base, _ = _base(args)
-    storage = CheckpointStorage(base.child(args.state), args.state)
-    ids = storage.checkpoint_ids()
-    if args.id is None and not ids:
-        raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}")
-    meta = storage.read_metadata(ids[-1] if args.id is None else args.id)
+    storage, meta = _checkpoint(args)
     rows = read_variable(storage, meta, args.variable).slice(0, args.limit).to_pylist()
     if args.json:
         for r in rows:

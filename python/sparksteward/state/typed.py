@@ -554,14 +554,19 @@ class TypedMap(_Typed):
 
 
 # --- bound to one key (the per-key form) -------------------------------------------------------------
-class BoundValue:
-    """A declared value state fixed to the current key."""
-
+class _Bound:
     __slots__ = ("_key", "_view")
 
-    def __init__(self, view: TypedValue, key: object) -> None:
+    def __init__(self, view: Any, key: object) -> None:
         self._view = view
         self._key = key
+
+
+class BoundValue(_Bound):
+    """A declared value state fixed to the current key."""
+
+    __slots__ = ()
+    _view: TypedValue
 
     def get(self) -> Any:
         return self._view.get(self._key)
@@ -576,14 +581,11 @@ class BoundValue:
         self._view.clear(self._key)
 
 
-class BoundList:
+class BoundList(_Bound):
     """A declared list state fixed to the current key."""
 
-    __slots__ = ("_key", "_view")
-
-    def __init__(self, view: TypedList, key: object) -> None:
-        self._view = view
-        self._key = key
+    __slots__ = ()
+    _view: TypedList
 
     def get(self) -> list[Any]:
         return self._view.get(self._key)
@@ -601,14 +603,11 @@ class BoundList:
         self._view.clear(self._key)
 
 
-class BoundMap:
+class BoundMap(_Bound):
     """A declared map state fixed to the current key."""
 
-    __slots__ = ("_key", "_view")
-
-    def __init__(self, view: TypedMap, key: object) -> None:
-        self._view = view
-        self._key = key
+    __slots__ = ()
+    _view: TypedMap
 
     def get(self, map_key: Any) -> Any:
         return self._view.get(self._key, map_key)
