@@ -232,3 +232,27 @@ def test_values_an_untyped_view_wrote_are_read_as_declared(backend):
     assert st.value("c").get("k") == 5 and st.value("c").get_many(["k"]).to_pylist() == [5]
     assert st.list("l").get("k") == [1, 2, 3] and st.list("l").get_many(["k"]).to_pylist() == [[1, 2, 3]]
     assert st.map("m").items("k") == [("x", 3)]
+
+
+def test_hostile_declarations_from_a_peer_are_refused_by_name():
+    """What a client sends in state.register: malformed, deeply nested or oversized declarations get
+    a StateSchemaError naming them, never a RecursionError or a KeyError from inside."""
+    from sparksteward.state.declared import StateSpec
+
+    deep: dict = {"struct": [{"name": "a", "type": "int64"}]}
+    for _ in range(5000):
+        deep = {"struct": [{"name": "a", "type": deep}]}
+    for bad, match in [
+        ({"name": "x", "kind": "value", "type": deep}, "not one this version reads"),
+        ({"name": "x", "kind": "value", "type": {"struct": "nope"}}, "not one this version reads"),
+        ({"name": "x", "kind": "value", "type": {"struct": [{"name": "a"}] * 2000}}, "not one this version reads"),
+        ({"name": "x", "kind": "value"}, "malformed"),
+        ({"name": "../x", "kind": "value", "type": "int64"}, "must be 1-100 letters"),
+        ({"name": "x", "kind": "queue", "type": "int64"}, "kind 'queue' is not one of"),
+        ({"name": "x", "kind": "value", "type": "int64", "ttl_ms": "soon"}, "malformed"),
+        ("not an object", "must be an object"),
+    ]:
+        with pytest.raises(StateSchemaError, match=match):
+            StateSpec.from_json(bad)
+    with pytest.raises(StateSchemaError, match="format"):
+        variables_of({"format": 99, "variables": {}})

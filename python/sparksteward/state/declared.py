@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
+import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,16 +183,17 @@ def type_to_json(t: pa.DataType) -> Any:
     raise StateSchemaError(f"type {t} is not one state values support")
 
 
-def type_from_json(j: Any) -> pa.DataType:
+def type_from_json(j: Any, nested: bool = False) -> pa.DataType:
+    """The type :func:`type_to_json` wrote; a struct holds scalars only (state values are flat)."""
     if isinstance(j, str) and j in _JSON_NAMES:
         return _JSON_NAMES[j]
-    if isinstance(j, dict) and isinstance(j.get("struct"), list):
+    if isinstance(j, dict) and isinstance(j.get("struct"), list) and not nested and len(j["struct"]) <= 1024:
         try:
-            return pa.struct([pa.field(str(f["name"]), type_from_json(f["type"]), nullable=bool(f.get("nullable", True)))
-                              for f in j["struct"]])
-        except (KeyError, TypeError):
+            return pa.struct([pa.field(str(f["name"])[:200], type_from_json(f["type"], nested=True),
+                                       nullable=bool(f.get("nullable", True))) for f in j["struct"]])
+        except (KeyError, TypeError, AttributeError):
             pass
-    raise StateSchemaError(f"recorded state type {str(j)[:80]!r} is not one this version reads: the checkpoint was "
+    raise StateSchemaError(f"recorded state type {reprlib.repr(j)} is not one this version reads: the checkpoint was "
                            f"written by a newer spark-steward, or its record is corrupt")
 
 
@@ -243,7 +245,7 @@ class StateSpec:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> StateSpec:
         if not isinstance(d, Mapping):
-            raise StateSchemaError(f"a state declaration must be an object, not {str(d)[:60]!r}")
+            raise StateSchemaError(f"a state declaration must be an object, not {reprlib.repr(d)}")
         try:
             ttl = d.get("ttl_ms")
             return cls(name=d["name"], kind=d["kind"], type=type_from_json(d["type"]),
@@ -253,7 +255,7 @@ class StateSpec:
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, StateSchemaError):
                 raise
-            raise StateSchemaError(f"state declaration {str(dict(d))[:120]} is malformed: {exc}") from None
+            raise StateSchemaError(f"state declaration {reprlib.repr(dict(d))} is malformed: {exc}") from None
 
 
 def _ttl_ms(ttl: float | dt.timedelta | None, name: str) -> int | None:
