@@ -334,7 +334,9 @@ class TypedList(_Typed):
 
     def extend(self, key: object, values: Iterable[Any]) -> None:
         values = list(values)
-        if not values:
+        if len(values) <= 8:   # a few values: one at a time is cheaper than the Arrow column path
+            for v in values:
+                self.append(key, v)
             return
         self.append_many([key] * len(values), values)
 
