@@ -22,6 +22,8 @@ def _run(tmp_path: Path, role: str = "driver", conf: dict[str, str] | None = Non
          env: dict[str, str] | None = None, **kw) -> tuple[dict, str]:
     """Start an agent, ask its health, stop it; return the health and what it wrote on stderr."""
     tmp_path.mkdir(parents=True, exist_ok=True)
+    if role == "executor":   # the driver's host: its state dir exists (else the log goes to the cwd)
+        (tmp_path / "state").mkdir(exist_ok=True)
     err = tmp_path / f"{role}.stderr"
     with err.open("wb") as out:
         agent = AgentProcess(role, {"spark.steward.state-dir": str(tmp_path / "state"), **(conf or {})},
@@ -105,3 +107,21 @@ def test_only_the_driver_agent_warns_about_an_unknown_key_and_strict_mode_refuse
         assert agent.first["type"] == "fatal" and agent.first["code"] == "CONFIG_INVALID"
         assert "spark.steward.rpc.timeoutt" in agent.first["message"]
         assert "did you mean spark.steward.rpc.timeout?" in agent.first["message"]
+
+
+def test_an_executor_agent_on_another_host_does_not_create_the_state_dir(tmp_path, monkeypatch):
+    """Where the driver's state dir does not exist (another machine), an executor agent's log goes to
+    YARN's LOG_DIRS or its working dir, in a steward-logs dir of its own (never chmod-ing either)."""
+    from sparksteward.agents.logs import log_dir
+    from sparksteward.config import StewardConfig
+
+    cfg = StewardConfig.from_conf({"spark.steward.state-dir": str(tmp_path / "drivers-state")})
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LOG_DIRS", raising=False)
+    assert log_dir(cfg, executor=True) == tmp_path / "steward-logs"
+    monkeypatch.setenv("LOG_DIRS", f"{tmp_path / 'yarn1'},{tmp_path / 'yarn2'}")
+    assert log_dir(cfg, executor=True) == tmp_path / "yarn1" / "steward-logs"
+    assert log_dir(cfg, executor=False) == tmp_path / "drivers-state" / "logs"
+    (tmp_path / "drivers-state").mkdir()   # the same host as the driver (local mode)
+    assert log_dir(cfg, executor=True) == tmp_path / "drivers-state" / "logs"
+    assert not (tmp_path / "yarn1").exists()

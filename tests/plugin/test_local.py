@@ -73,5 +73,5 @@ def test_public_names_are_pinned():
     assert sorted(sparksteward.__all__) == sorted([
         "PLUGIN_CLASS", "AgentUnavailableError", "BlobNotFoundError", "ChecksumMismatchError",
         "ConfigError", "CorruptRecordError", "InvalidIdError", "JobAlreadyCompleted", "Steward",
-        "StewardError", "__version__", "configure",
+        "StewardError", "__version__", "configure", "list_state", "map_state", "value_state",
     ])

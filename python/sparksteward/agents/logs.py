@@ -7,7 +7,10 @@
   ``<state-dir>/logs/driver-agent.log`` or ``executor-agent-<executor id>.log``, rotated at
   :data:`MAX_BYTES` with :data:`BACKUPS` old files kept. Successive applications on a host append to
   the same file; every line carries the agent's pid. ``health()`` names the file (``log_file``). When
-  the file cannot be opened the agent runs on with the console alone, and says so there.
+  the file cannot be opened the agent runs on with the console alone, and says so there. An executor
+agent on a host where the state dir does not exist (another machine than the driver's) does not create
+it: its file goes to ``steward-logs/`` in YARN's container log dir (``LOG_DIRS``) or else in the
+executor's working directory, beside Spark's own ``stderr`` of the executor.
 
 :func:`console` runs before the agent's configuration is known (so a bad ``hello`` is still reported);
 :func:`configure` then applies the configuration. Both change the process's root logger: only the
@@ -26,7 +29,7 @@ from pathlib import Path
 from sparksteward.config import StewardConfig, log_level
 from sparksteward.owner import private_dir
 
-__all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "log_file_name"]
+__all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "log_dir", "log_file_name"]
 
 log = logging.getLogger("sparksteward.agent")
 
@@ -59,7 +62,7 @@ def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str) -> P
     handler.setLevel(level)
     file_level = min(level, logging.INFO)
     logging.getLogger().setLevel(file_level)
-    path = Path(os.path.expanduser(cfg.effective_state_dir.removeprefix("file://"))) / "logs" / file_name
+    path = log_dir(cfg, executor=file_name.startswith("executor-")) / file_name
     try:
         private_dir(path.parent)
         rotating = logging.handlers.RotatingFileHandler(path, maxBytes=MAX_BYTES, backupCount=BACKUPS,
@@ -72,6 +75,15 @@ def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str) -> P
     rotating.setFormatter(logging.Formatter(_FILE_FORMAT))
     logging.getLogger().addHandler(rotating)
     return path
+
+
+def log_dir(cfg: StewardConfig, *, executor: bool) -> Path:
+    """Where the agent's log file goes (see the module docstring)."""
+    state = Path(os.path.expanduser(cfg.effective_state_dir.removeprefix("file://")))
+    if not executor or state.is_dir():
+        return state / "logs"
+    yarn = os.environ.get("LOG_DIRS", "").split(",")[0].strip()
+    return (Path(yarn) if yarn else Path.cwd()) / "steward-logs"   # a dir of its own: it is made private
 
 
 def log_file_name(role: str, executor_id: str | None = None) -> str:
