@@ -33,9 +33,13 @@ class AgentProcess:
                       "host": "127.0.0.1", "bind_host": "127.0.0.1", "port": port,
                       "driver_endpoint": driver_endpoint, "rendezvous_dir": rendezvous_dir,
                       "secret": self.secret, "conf": dict(conf or {})}
+        # an executor's working dir is its own (a log file may go there): the rendezvous dir, as Spark's
+        # executors run in their work dir
+        near = [rendezvous_dir, os.path.dirname(rendezvous_dir)] if rendezvous_dir else []
+        cwd = next((d for d in near if d and os.path.isdir(d)), None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"sparksteward.agents.{role}"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, **(env or {})})
+            stdout=subprocess.PIPE, stderr=stderr, env={**os.environ, **(env or {})}, cwd=cwd)
         self.send(self.hello)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
