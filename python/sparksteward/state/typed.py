@@ -213,6 +213,45 @@ class _Typed:
         exp = self._expiry
         return self.codec.encode(arr, expiry=exp)
 
+    def _read_many(self, entry_keys: list[bytes]) -> pa.Array:
+        """The values at ``entry_keys`` (one multi-get), null where absent or expired; with
+        ``on_read_and_write`` the alive ones' expiry moves."""
+        if not entry_keys:
+            return pa.array([], type=self.var.spec.type)
+        stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", entry_keys)))
+        now = self.states.now_ms
+        alive = [i for i, v in enumerate(stored) if v is not None and not expired(v, now)]
+        if self.on_read and alive:
+            wb = self.backend.new_batch()
+            for i in alive:
+                self._touch(wb, entry_keys[i], cast(bytes, stored[i]))
+            self.backend.store.write(wb)
+        values = self._decode_column([cast(bytes, stored[i]) for i in alive])
+        if len(alive) == len(entry_keys):
+            return values
+        positions = np.full(len(entry_keys), -1, dtype=np.int64)
+        positions[np.asarray(alive, dtype=np.int64)] = np.arange(len(alive))
+        return values.take(pa.array(positions, mask=positions < 0))
+
+    def _write_many(self, entry_keys: list[bytes], arr: pa.Array) -> None:
+        """Put ``arr[i]`` at ``entry_keys[i]`` in one write batch; a null deletes the entry."""
+        valid = np.asarray(arr.is_valid()) if arr.null_count else None
+        encoded = iter(self._encode_many(arr.filter(pa.array(valid)) if valid is not None else arr))
+        exp = self._expiry
+        wb = self.backend.new_batch()
+        for i, k in enumerate(entry_keys):
+            if valid is not None and not valid[i]:
+                wb.delete(k)
+            else:
+                self._put(wb, k, next(encoded), exp)
+        self.backend.store.write(wb)
+
+    def _clear_ranges(self, prefixes: list[bytes]) -> None:
+        wb = self.backend.new_batch()
+        for k in prefixes:
+            wb.delete_range(k, _prefix_upper(k))
+        self.backend.store.write(wb)
+
 
 class TypedValue(_Typed):
     """A declared value per key."""
@@ -244,23 +283,7 @@ class TypedValue(_Typed):
     # --- vectorized -------------------------------------------------------------------------------
     def get_many(self, keys: Any) -> pa.Array:
         """The values of ``keys`` as an Arrow array of the declared type (null where absent or expired)."""
-        raw = _raw_keys(self, keys)
-        if not raw:
-            return pa.array([], type=self.var.spec.type)
-        stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", raw)))
-        now = self.states.now_ms
-        alive = [i for i, s in enumerate(stored) if s is not None and not expired(s, now)]
-        if self.on_read and alive:
-            wb = self.backend.new_batch()
-            for i in alive:
-                self._touch(wb, raw[i], cast(bytes, stored[i]))
-            self.backend.store.write(wb)
-        values = self._decode_column([cast(bytes, stored[i]) for i in alive])
-        if len(alive) == len(raw):
-            return values
-        positions = np.full(len(raw), -1, dtype=np.int64)
-        positions[np.asarray(alive, dtype=np.int64)] = np.arange(len(alive))
-        return values.take(pa.array(positions, mask=positions < 0))
+        return self._read_many(_raw_keys(self, keys))
 
     def put_many(self, keys: Any, values: Any) -> None:
         """Set the values of ``keys`` in one write batch; a null value clears its key."""
@@ -268,18 +291,7 @@ class TypedValue(_Typed):
         arr = _as_arrow(values, self.var.spec.type, self.name)
         if len(arr) != len(raw):
             raise StateEncodingError(f"state {self.name!r}: put_many got {len(raw)} keys but {len(arr)} values")
-        valid = np.asarray(arr.is_valid()) if arr.null_count else None
-        present = arr.filter(pa.array(valid)) if valid is not None else arr
-        encoded = self._encode_many(present)
-        exp = self._expiry
-        wb = self.backend.new_batch()
-        it = iter(encoded)
-        for i, k in enumerate(raw):
-            if valid is not None and not valid[i]:
-                wb.delete(k)
-            else:
-                self._put(wb, k, next(it), exp)
-        self.backend.store.write(wb)
+        self._write_many(raw, arr)
 
     def clear_many(self, keys: Any) -> None:
         wb = self.backend.new_batch()
@@ -395,10 +407,8 @@ class TypedList(_Typed):
         self.backend.store.write(wb)
 
     def clear_many(self, keys: Any) -> None:
-        wb = self.backend.new_batch()
-        for k in _raw_keys(self, keys):
-            wb.delete_range(k, _prefix_upper(k))
-        self.backend.store.write(wb)
+        """Remove the whole list (map) of each of ``keys``, in one write batch."""
+        self._clear_ranges(_raw_keys(self, keys))
 
     def bind(self, key: object) -> BoundList:
         return BoundList(self, key)
@@ -493,21 +503,7 @@ class TypedMap(_Typed):
         mks = _as_arrow(map_keys, self.key_codec.dtype, f"{self.name} (map keys)")
         if len(mks) != len(raw):
             raise StateEncodingError(f"map state {self.name!r}: get_many got {len(raw)} keys but {len(mks)} map keys")
-        entry_keys = [k + mk for k, mk in zip(raw, self.key_codec.encode(mks))]
-        if not entry_keys:
-            return pa.array([], type=self.var.spec.type)
-        stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", entry_keys)))
-        now = self.states.now_ms
-        alive = [i for i, s in enumerate(stored) if s is not None and not expired(s, now)]
-        if self.on_read and alive:
-            wb = self.backend.new_batch()
-            for i in alive:
-                self._touch(wb, entry_keys[i], cast(bytes, stored[i]))
-            self.backend.store.write(wb)
-        values = self._decode_column([cast(bytes, stored[i]) for i in alive])
-        positions = np.full(len(entry_keys), -1, dtype=np.int64)
-        positions[np.asarray(alive, dtype=np.int64)] = np.arange(len(alive))
-        return values.take(pa.array(positions, mask=positions < 0))
+        return self._read_many([k + mk for k, mk in zip(raw, self.key_codec.encode(mks))])
 
     def put_many(self, keys: Any, map_keys: Any, values: Any) -> None:
         """Set ``map[keys[i]][map_keys[i]] = values[i]`` in one write batch; a null value removes the entry."""
@@ -519,17 +515,7 @@ class TypedMap(_Typed):
                                      f"{len(arr)} values")
         if mks.null_count:
             raise StateEncodingError(f"map state {self.name!r}: a map key cannot be null")
-        valid = np.asarray(arr.is_valid()) if arr.null_count else None
-        encoded = iter(self._encode_many(arr.filter(pa.array(valid)) if valid is not None else arr))
-        exp = self._expiry
-        wb = self.backend.new_batch()
-        for i, (k, mk) in enumerate(zip(raw, self.key_codec.encode(mks))):
-            ek = k + mk
-            if valid is not None and not valid[i]:
-                wb.delete(ek)
-            else:
-                self._put(wb, ek, next(encoded), exp)
-        self.backend.store.write(wb)
+        self._write_many([k + mk for k, mk in zip(raw, self.key_codec.encode(mks))], arr)
 
     def items_many(self, keys: Any) -> pa.Array:
         """The maps of ``keys`` as an Arrow map array (an empty map where there is none)."""
@@ -546,10 +532,8 @@ class TypedMap(_Typed):
                                        pa.array(mk_rows, type=self.key_codec.dtype), values)
 
     def clear_many(self, keys: Any) -> None:
-        wb = self.backend.new_batch()
-        for k in _raw_keys(self, keys):
-            wb.delete_range(k, _prefix_upper(k))
-        self.backend.store.write(wb)
+        """Remove the whole list (map) of each of ``keys``, in one write batch."""
+        self._clear_ranges(_raw_keys(self, keys))
 
     def bind(self, key: object) -> BoundMap:
         return BoundMap(self, key)
