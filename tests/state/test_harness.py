@@ -4,7 +4,6 @@ declaration by name."""
 
 from __future__ import annotations
 
-import re
 
 import pandas as pd
 import pyarrow as pa
@@ -22,8 +21,7 @@ def test_the_documented_example_runs_as_written(tmp_path):
     code = "\n".join(line[4:] for line in source.splitlines())
     scope: dict = {}
     exec(compile(code, "harness-example", "exec"), scope)   # noqa: S102 - our own docstring
-    scope["test_counts_expire_after_an_hour"](tmp_path)
-    assert re.search(r"def test_counts_expire_after_an_hour", code)
+    scope["test_counts_expire_after_an_hour"](tmp_path)   # its own asserts are the test
 
 
 def count_and_collect(key, rows, state):

@@ -110,6 +110,9 @@ def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
         dconn.request("state.begin", name="s", checkpoint_id="x")
     with pytest.raises(InvalidRequestError, match="state.open: subtask 5 is out of range for parallelism 2"):
         econn.request("state.open", name="s", checkpoint_id=0, subtask=5)
+    for bad in (-1, (1 << 63) - 1, "soon"):   # the batch's processing time, from a lying task
+        with pytest.raises(InvalidRequestError, match="state.open: field 'now_ms'"):
+            econn.request("state.open", name="s", checkpoint_id=0, subtask=0, now_ms=bad)
     with pytest.raises(StewardError, match="keyed state 'nope' is not registered"):
         dconn.request("state.info", name="nope")
     # a lying task: bad timings and counters are refused by name, and its subtask stays open to release

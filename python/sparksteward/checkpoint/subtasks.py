@@ -170,7 +170,7 @@ class SubtaskService:
         cid = f.integer("checkpoint_id", lo=0)
         subtask = f.integer("subtask", lo=0)
         routed = f.integer("parallelism", default=None, lo=1)
-        now_ms = f.integer("now_ms", default=None, lo=0)   # the batch's processing time: a rescale drops what expired
+        now_ms = f.integer("now_ms", default=None, lo=0, hi=1 << 62)   # the batch's processing time: a rescale drops what expired
         base = self._base(name, cid, subtask, routed)
         p, m = base.parallelism, base.max_parallelism
         if routed is not None and routed != p:
