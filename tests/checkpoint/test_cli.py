@@ -1,4 +1,4 @@
-"""`steward checkpoints ls|show|gc` on file:// and moto S3 checkpoint dirs."""
+"""`steward checkpoints ls|show|read|gc|rm` on file:// and moto S3 checkpoint dirs, and the installed command."""
 
 from __future__ import annotations
 
@@ -72,3 +72,110 @@ def test_show_lists_the_declared_variables_and_read_decodes_one(tmp_path, store_
     assert {r["key"]: r["value"] for r in rows} == expected
     assert main(["checkpoints", "read", store_url, "typed", "nope"]) == 2
     assert "no declared variable 'nope'; declared: count (value)" in capsys.readouterr().err
+
+
+def test_ls_defaults_to_the_embedded_checkpoint_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    default = str(tmp_path / "xdg" / "spark-steward" / "checkpoints")
+    assert main(["checkpoints", "ls"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint dir {default} (the default checkpoint dir" in err and "does not exist" in err
+    assert "spark.steward.checkpoint.dir" in err and len(err.splitlines()) == 1
+    _state(tmp_path, default)
+    assert main(["checkpoints", "ls"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"1 state(s) in {default}/default") and "clicks" in out
+
+
+def test_ls_of_a_missing_dir_or_cluster_is_an_error(tmp_path, store_url, capsys):
+    missing = store_url + "-missing"
+    assert main(["checkpoints", "ls", missing]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint dir {missing} " in err and ("does not exist" in err or "holds nothing" in err)
+    _state(tmp_path, store_url)
+    assert main(["checkpoints", "ls", store_url, "--cluster-id", "prod"]) == 2
+    err = capsys.readouterr().err
+    assert "no states of cluster id 'prod'" in err and "'default'" in err and "--cluster-id" in err
+
+
+def test_rm_refuses_a_live_writer_then_deletes_the_state(tmp_path, store_url, capsys):
+    from sparksteward.checkpoint.lease import StateLease
+
+    storage = _state(tmp_path, store_url)
+    files = storage.stored_files()
+    lease = StateLease(storage.location, "clicks", application="app-stream", ttl=60)
+    lease.acquire()
+    assert main(["checkpoints", "rm", store_url, "clicks"]) == 2
+    err = capsys.readouterr().err
+    assert "not deleting state 'clicks'" in err and "app-stream" in err and len(err.splitlines()) == 1
+    assert storage.checkpoint_ids() == [0, 1] and storage.stored_files() == files
+    lease.release()
+    assert main(["checkpoints", "rm", store_url, "clicks", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("would delete state 'clicks'") and "(chk-0, chk-1)" in out[0]
+    assert sorted(out[1:]) == sorted(files)
+    assert main(["checkpoints", "rm", store_url, "clicks"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(f"deleted state 'clicks' in {storage.url}: 2 checkpoint record(s) (chk-0, chk-1), "
+                              f"{len(files)} data file(s)")
+    assert "deleting the data files" not in out.err   # no progress line off a terminal
+    if storage.location.is_local:
+        assert main(["checkpoints", "ls", store_url]) == 0 and "0 state(s)" in capsys.readouterr().out
+    else:   # no object is left under the dir, so it is not there
+        assert main(["checkpoints", "ls", store_url]) == 2 and "holds nothing" in capsys.readouterr().err
+    assert main(["checkpoints", "rm", store_url, "../clicks"]) == 2
+    assert "state name '../clicks' is not valid" in capsys.readouterr().err
+
+
+def test_progress_line_only_on_a_terminal():
+    import io
+
+    from sparksteward.checkpoint.cli import _Progress
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        p = _Progress("deleting", stream, interval=0)
+        for i in range(1, 4):
+            p(i, 3)
+    assert tty.getvalue() == "\rdeleting: 1/3\rdeleting: 2/3\rdeleting: 3/3\n" and pipe.getvalue() == ""
+    slow = Tty()
+    p = _Progress("deleting", slow, interval=60)
+    for i in range(1, 1001):
+        p(i, 1000)
+    assert slow.getvalue() == "\rdeleting: 1/1000\rdeleting: 1000/1000\n"   # throttled, the last one always
+
+
+def test_the_installed_command(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from sparksteward.checkpoint.lease import StateLease
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "XDG_STATE_HOME": str(tmp_path / "xdg")}
+
+    def steward(*argv):
+        return subprocess.run([sys.executable, "-m", "sparksteward", *argv], capture_output=True, text=True,
+                              env=env, timeout=60)
+
+    assert "checkpoints" in steward("--help").stdout
+    helps = steward("checkpoints", "--help")
+    assert helps.returncode == 0 and "rm" in helps.stdout and "ls" in helps.stdout
+    assert "--dry-run" in steward("checkpoints", "rm", "--help").stdout
+    assert "--limit" in steward("jobs", "show", "--help").stdout
+    ls = steward("checkpoints", "ls")
+    assert ls.returncode == 2 and "Traceback" not in ls.stderr and "does not exist" in ls.stderr
+    url = str(tmp_path / "chk")
+    storage = _state(tmp_path, url)
+    lease = StateLease(storage.location, "clicks", application="app-stream", ttl=60)
+    lease.acquire()   # held by this (live) test process
+    rm = steward("checkpoints", "rm", url, "clicks")
+    assert rm.returncode == 2 and "Traceback" not in rm.stderr and "app-stream" in rm.stderr
+    lease.release()
+    rm = steward("checkpoints", "rm", url, "clicks")
+    assert rm.returncode == 0 and rm.stdout.startswith("deleted state 'clicks'") and rm.stderr == ""
+    assert not os.path.exists(storage.location.root)

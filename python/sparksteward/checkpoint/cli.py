@@ -1,6 +1,9 @@
-"""``steward checkpoints ls|show|gc <dir>``: keyed-state checkpoints on any fsspec URL.
+"""``steward checkpoints ls|show|read|gc|rm``: keyed-state checkpoints on any fsspec URL.
 
-- ``ls``: every state under ``<dir>/<cluster-id>/``, with its retained checkpoints, size and files;
+- ``ls [dir]``: every state under ``<dir>/<cluster-id>/``, with its retained checkpoints, size and files.
+  ``dir`` defaults to the embedded checkpoint dir, ``<state-dir>/checkpoints`` (the default of
+  ``spark.steward.checkpoint.dir``); a dir that does not exist (or, on an object store, holds nothing)
+  is an error, and so is a cluster id of which it holds no states while it holds others';
 - ``show <state>``: one checkpoint (default: the latest) per subtask, or its ``_metadata`` as JSON,
   with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
   checkpoints hold, and their space amplification;
@@ -12,24 +15,36 @@
   the later of mtime and ctime, since a hard link (a NO_CLAIM restore) keeps the source's old mtime
   but sets the ctime; on S3 its LastModified, which a CopyObject sets. A file without a timestamp is
   kept unless ``--min-age`` is 0. Nothing is deleted while any ``_metadata`` of the state is
-  unreadable (it may be a newer version's).
+  unreadable (it may be a newer version's);
+- ``rm <state>``: delete a whole state (:func:`~sparksteward.checkpoint.removal.remove_state`): refused
+  while a writer holds its lease; records first, then its own data files, except those another state
+  claimed; ``--dry-run`` lists them. On a terminal, a progress line on stderr counts the deletes.
+
+Every ``<dir>`` but ``ls``'s is required; a state name must be a valid id (:func:`~sparksteward.ids.validate_id`).
 """
 
 from __future__ import annotations
 
 import argparse
-import posixpath
+import logging
+import os
+import sys
 import time
+from collections.abc import Callable
+from typing import TextIO
 
 import orjson
 
 from sparksteward.checkpoint.merging import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
+from sparksteward.checkpoint.removal import Removal, read_records, remove_state, subdirs
+from sparksteward.checkpoint.service import default_checkpoint_dir
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
-from sparksteward.errors import CheckpointError, ConfigError, StewardError
+from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from sparksteward.ids import validate_id
 from sparksteward.state.declared import variables_of
-from sparksteward.storage import open_location
+from sparksteward.storage import Location, open_location
 from sparksteward.tables import table
 
 __all__ = ["add_subcommands", "find_orphans"]
@@ -37,23 +52,10 @@ __all__ = ["add_subcommands", "find_orphans"]
 MB = 1 << 20
 
 
-def _records(storage: CheckpointStorage) -> tuple[dict[int, CheckpointMetadata], list[str]]:
-    ids = storage.checkpoint_ids()
-    if storage.has_restored():
-        ids.insert(0, RESTORED)
-    records, unreadable = {}, []
-    for cid in ids:
-        try:
-            records[cid] = storage.read_metadata(cid)
-        except StewardError as exc:
-            unreadable.append(f"{checkpoint_dir_name(cid)}: {exc}")
-    return records, unreadable
-
-
 def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
     """Relative paths under ``shared/`` and ``merged/`` that no retained checkpoint references and that
     entered the directory at least ``min_age`` seconds before ``now``."""
-    records, unreadable = _records(storage)
+    records, unreadable = read_records(storage)
     if unreadable:
         raise CheckpointError(f"not collecting garbage in {storage.url}: unreadable records "
                               f"({'; '.join(unreadable)}). Fix or move them first")
@@ -64,20 +66,45 @@ def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list
                   if rel not in referenced and (min_age <= 0 or now - entered >= min_age))
 
 
-def _base(args: argparse.Namespace):
-    cluster = StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id}).cluster_id
-    return open_location(args.dir).child(cluster), cluster
+def _config(args: argparse.Namespace) -> StewardConfig:
+    return StewardConfig.from_conf({"spark.steward.cluster-id": args.cluster_id})
+
+
+def _storage(args: argparse.Namespace) -> CheckpointStorage:
+    cluster = _config(args).cluster_id
+    return CheckpointStorage(open_location(args.dir).child(cluster, validate_id(args.state, "state name")),
+                             args.state)
+
+
+def _ls_base(args: argparse.Namespace) -> Location:
+    """``<dir>/<cluster-id>`` of ``ls``; an error naming the dir when it does not exist."""
+    cfg = _config(args)
+    top = open_location(args.dir or default_checkpoint_dir(cfg))
+    given = "" if args.dir else (" (the default checkpoint dir, <state-dir>/checkpoints: none was given)")
+    if not top.exists(top.root):
+        missing = "does not exist" if top.is_local else "holds nothing (no state is stored there: none was written, " \
+                                                        "or all were removed)"
+        raise CheckpointNotFoundError(f"checkpoint dir {top.url}{given} {missing}: pass the dir your applications "
+                                      f"use (spark.steward.checkpoint.dir), as `steward checkpoints ls <dir>`")
+    if top.is_local and not os.path.isdir(top.root):
+        raise CheckpointNotFoundError(f"checkpoint dir {top.url}{given} is not a directory: pass the dir your "
+                                      f"applications use (spark.steward.checkpoint.dir)")
+    base = top.child(cfg.cluster_id)
+    found = subdirs(top)
+    if found and cfg.cluster_id not in found:
+        raise CheckpointNotFoundError(f"checkpoint dir {top.url}{given} holds no states of cluster id "
+                                      f"{cfg.cluster_id!r} (no {cfg.cluster_id!r} directory); its directories are "
+                                      f"{', '.join(map(repr, found))}: pass the applications' cluster id with "
+                                      f"--cluster-id, or the checkpoint dir itself if this is one cluster's dir")
+    return base
 
 
 def _ls(args: argparse.Namespace) -> int:
-    base, _ = _base(args)
+    base = _ls_base(args)
     rows = []
-    for info in base.listdir():
-        name = posixpath.basename(info["name"].rstrip("/"))
-        if info.get("type") != "directory":
-            continue
+    for name in subdirs(base):
         storage = CheckpointStorage(base.child(name), name)
-        records, unreadable = _records(storage)
+        records, unreadable = read_records(storage)
         real = sorted(c for c in records if c != RESTORED)
         latest = records[real[-1]] if real else None
         shared = storage.stored_files()
@@ -94,8 +121,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _checkpoint(args: argparse.Namespace) -> tuple[CheckpointStorage, CheckpointMetadata]:
     """The state's storage and the checkpoint ``--id`` (default: the latest) of ``args``."""
-    base, _ = _base(args)
-    storage = CheckpointStorage(base.child(args.state), args.state)
+    storage = _storage(args)
     ids = storage.checkpoint_ids()
     if args.id is None and not ids:
         raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}")
@@ -119,7 +145,7 @@ def _show(args: argparse.Namespace) -> int:
         print(table([[n, v.spec.kind, str(v.spec.type) if v.spec.kind != "map" else f"{v.spec.key_type} -> {v.spec.type}",
                       v.version, "-" if v.spec.ttl_ms is None else f"{v.spec.ttl_ms / 1000:g} s ({v.spec.ttl_update})"]
                      for n, v in sorted(variables.items())], ["STATE VARIABLE", "KIND", "TYPE", "VERSION", "TTL"]))
-    records, _ = _records(storage)
+    records, _ = read_records(storage)
     one, retained = space_stats([meta]), space_stats(records.values())
     print(table([[label, sp.physical_files, f"{sp.physical_bytes / MB:.2f}", sp.logical_files,
                   f"{sp.logical_bytes / MB:.2f}", f"{sp.amplification:.2f}", sp.whole_files,
@@ -145,8 +171,7 @@ def _read(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    base, _ = _base(args)
-    storage = CheckpointStorage(base.child(args.state), args.state)
+    storage = _storage(args)
     try:
         min_age = parse_duration(args.min_age)
     except ValueError:
@@ -162,16 +187,78 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """``<what>: <done>/<total>`` rewritten in place on ``stream`` (default stderr), only when it is a
+    terminal, at most every ``interval`` seconds; a newline once done."""
+
+    def __init__(self, what: str, stream: TextIO | None = None, interval: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.stream = stream if stream is not None else sys.stderr
+        isatty = getattr(self.stream, "isatty", None)
+        self.enabled = bool(isatty and isatty())
+        self.interval = interval
+        self._clock = clock
+        self._shown = float("-inf")
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or (done < total and self._clock() - self._shown < self.interval):
+            return
+        self._shown = self._clock()
+        self.stream.write(f"\r{self.what}: {done}/{total}" + ("\n" if done >= total else ""))
+        self.stream.flush()
+
+
+def _print_removal(out: Removal, state: str, dry_run: bool) -> None:
+    verb = "would delete" if dry_run else "deleted"
+    count = len(out.files) if dry_run else out.deleted
+    print(f"{verb} state {state!r} in {out.url}: {len(out.records)} checkpoint record(s)"
+          f"{' (' + ', '.join(out.records) + ')' if out.records else ''}, {count} data file(s)")
+    if dry_run:
+        for path in out.files:
+            print(path)
+    if out.kept:
+        holders = sorted({h for hs in out.kept.values() for h in hs})
+        print(f"kept {len(out.kept)} data file(s) that other states took over with a CLAIM restore "
+              f"({', '.join(holders)}): they delete them once their checkpoints no longer need them")
+    if out.claimed:
+        print(f"{out.claimed} file(s) this state claimed from other states lie outside its directory and stay "
+              f"(`steward checkpoints gc` of their state collects them)")
+    if out.left:
+        print(f"left {len(out.left)} entr{'y' if len(out.left) == 1 else 'ies'} that are not checkpoint files "
+              f"under {out.url}: {', '.join(out.left)}; delete them by hand if they are not needed")
+
+
+def _rm(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+
+    def notice(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    lease_log = logging.getLogger("sparksteward.checkpoint.lease")
+    level = lease_log.level
+    lease_log.setLevel(logging.ERROR)   # taking the lease over is said by notice(), once
+    try:
+        out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
+                           dry_run=args.dry_run, progress=_Progress(f"deleting the data files of {args.state}"),
+                           notice=notice)
+    finally:
+        lease_log.setLevel(level)
+    _print_removal(out, args.state, args.dry_run)
+    return 0
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoints", help="keyed-state checkpoints: ls, show, gc")
+    p = sub.add_parser("checkpoints", help="keyed-state checkpoints: ls, show, read, gc, rm")
     cmds = p.add_subparsers(dest="checkpoints_command", required=True)
 
-    def common(q: argparse.ArgumentParser) -> None:
-        q.add_argument("dir", help="the checkpoint dir (spark.steward.checkpoint.dir): a path or fsspec URL")
+    def common(q: argparse.ArgumentParser, nargs: str | None = None) -> None:
+        q.add_argument("dir", nargs=nargs, help="the checkpoint dir (spark.steward.checkpoint.dir): a path or fsspec "
+                                                "URL" + (" (default: <state-dir>/checkpoints)" if nargs else ""))
         q.add_argument("--cluster-id", default="default")
 
     q = cmds.add_parser("ls", help="states with their checkpoints, sizes and file counts")
-    common(q)
+    common(q, nargs="?")
     q.set_defaults(func=_ls)
     q = cmds.add_parser("show", help="one checkpoint of a state, per subtask")
     common(q)
@@ -193,3 +280,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--min-age", default="1h", help="only delete files older than this (default 1h)")
     q.add_argument("--dry-run", action="store_true")
     q.set_defaults(func=_gc)
+    q = cmds.add_parser("rm", help="delete a state's checkpoints and files (refused while a writer holds it)")
+    common(q)
+    q.add_argument("state")
+    q.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
+    q.set_defaults(func=_rm)
