@@ -182,3 +182,32 @@ def test_cleanup_stores_the_results_spooled_on_this_host_for_that_store(capsys, 
     assert FileSystemJobResultStore(path).get("spooled").clean
     left = [p for p in (state / SPOOL_DIR).rglob("*.json")]
     assert len(left) == 1  # the other store's result stays for its own store
+
+
+def test_show_of_a_stream_with_a_thousand_spark_jobs_summarizes(tmp_path, capsys):
+    from sparksteward.jobs.result import MAX_SPARK_JOBS, JobStatus, SparkJobOutcome
+
+    assert MAX_SPARK_JOBS == 1000   # what a result keeps of a stream's thousands
+    path = str(tmp_path / "jrs")
+    outcomes = ["failed" if i in (7, 500, 995) else "running" if i == 999 else "succeeded" for i in range(1000)]
+    FileSystemJobResultStore(path).create_dirty(JobResult(
+        job_id="stream", cluster_id="default", application_id="app-1", status=JobStatus.SUCCEEDED, start_time=1.7e9,
+        end_time=1.7e9 + 60, spark_jobs=tuple(SparkJobOutcome(i, o, "boom\nat x" if o == "failed" else None)
+                                              for i, o in enumerate(outcomes))))
+    code, out, _ = run(capsys, "jobs", "show", "stream", "--path", path)
+    lines = out.splitlines()
+    assert code == 0 and len(lines) < 40
+    assert "spark jobs:   1000 (3 failed, 1 running, 996 succeeded); a result keeps the first 1000" in lines
+    assert "the last 20 of 1000 Spark jobs; failed among the others: 7, 500 (--limit 0 prints all" in out
+    rows = [line.split() for line in lines[lines.index(next(x for x in lines if x.startswith("SPARK JOB"))) + 2:]]
+    assert [int(r[0]) for r in rows] == list(range(980, 1000))
+    assert rows[15][1:] == ["failed", "boom"] and rows[19][1] == "running"
+
+    code, out, _ = run(capsys, "jobs", "show", "stream", "--path", path, "--limit", "4")
+    assert code == 0 and "the last 4 of 1000" in out and "failed among the others: 7, 500, 995 (" in out
+    code, out, _ = run(capsys, "jobs", "show", "stream", "--path", path, "--limit", "0")
+    assert code == 0 and "the last" not in out and len(out.splitlines()) > 1000
+    code, _, err = run(capsys, "jobs", "show", "stream", "--path", path, "--limit", "-1")
+    assert code == 2 and "--limit -1" in err
+    code, out, _ = run(capsys, "jobs", "show", "stream", "--path", path, "--json")
+    assert len(orjson.loads(out)["result"]["spark_jobs"]) == 1000

@@ -3,15 +3,19 @@
 Every subcommand takes ``--path`` (a local path or fsspec URL; default: the embedded store under the
 local state dir) and ``--cluster-id``. Expected failures raise a
 :class:`~sparksteward.errors.StewardError`, which ``steward`` prints as one line, exiting with status 2.
+
+``show`` prints the counts of a result's Spark jobs by outcome and lists only the last ``--limit``
+of them (a stream runs thousands), naming the failed ones it does not list.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime as _dt
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -19,7 +23,7 @@ import orjson
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import ConfigError, JobResultNotFoundError, StewardError, StorageError
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
-from sparksteward.jobs.result import JobResultEntry
+from sparksteward.jobs.result import MAX_SPARK_JOBS, JobResultEntry, SparkJobOutcome
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.spool import SPOOL_DIR
@@ -96,8 +100,21 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _outcomes(jobs: Sequence[SparkJobOutcome]) -> str:
+    """``<n>`` and its counts by outcome: ``1200 (1190 succeeded, 10 failed)``."""
+    counts = collections.Counter(j.outcome for j in jobs)
+    return (f"{len(jobs)}" + (f" ({', '.join(f'{n} {o}' for o, n in sorted(counts.items()))})" if counts else "")
+            + (f"; a result keeps the first {MAX_SPARK_JOBS}" if len(jobs) >= MAX_SPARK_JOBS else ""))
+
+
+def _ids(ids: list[str], most: int = 10) -> str:
+    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
+
+
 @_guard
 def _show(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        raise ConfigError(f"--limit {args.limit} must be 0 (list every Spark job) or a positive number")
     entry = _store(args).get(args.job_id)
     if entry is None:
         raise JobResultNotFoundError(f"no result for job {args.job_id!r}")
@@ -111,14 +128,21 @@ def _show(args: argparse.Namespace) -> int:
     if r.failure:
         fields += [("failure", f"{r.failure.type}: {r.failure.message}"), ("where", r.failure.where or "-")]
     fields += [("payload", orjson.dumps(r.payload).decode()),
-               ("spark jobs", f"{len(r.spark_jobs)} ({sum(j.outcome == 'failed' for j in r.spark_jobs)} failed)"),
+               ("spark jobs", _outcomes(r.spark_jobs)),
                ("cleanup", f"{_steps(entry)} steps done")]
     for name, value in fields:
         print(f"{name + ':':13} {value}")
-    if r.spark_jobs:
+    shown = r.spark_jobs[-args.limit:] if args.limit else r.spark_jobs
+    if shown:
         print()
+        if len(shown) < len(r.spark_jobs):
+            hidden = r.spark_jobs[:len(r.spark_jobs) - len(shown)]
+            failed = [str(j.spark_job_id) for j in hidden if j.outcome == "failed"]
+            print(f"the last {len(shown)} of {len(r.spark_jobs)} Spark jobs"
+                  + (f"; failed among the others: {_ids(failed)}" if failed else "")
+                  + " (--limit 0 prints all, --json the whole record)")
         print(table([[j.spark_job_id, j.outcome, (j.reason or "").splitlines()[0][:80] if j.reason else ""]
-                     for j in r.spark_jobs], ["SPARK JOB", "OUTCOME", "REASON"]))
+                     for j in shown], ["SPARK JOB", "OUTCOME", "REASON"]))
     if r.cleanup:
         print()
         print(table([[s.kind, s.target, s.state, s.attempts,
@@ -208,6 +232,8 @@ def add_subcommands(sub: Any) -> None:
     common(p)
     p.add_argument("job_id")
     p.add_argument("--json", action="store_true", help="print the stored record as JSON")
+    p.add_argument("--limit", type=int, default=20,
+                   help="Spark jobs to list, the last ones (default 20; 0 lists all); counts by outcome are always shown")
     p.set_defaults(func=_show)
 
     p = jsub.add_parser("cleanup", help="finish the cleanup of dirty results, then commit them")
