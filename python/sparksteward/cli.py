@@ -4,6 +4,10 @@ Subcommands: ``jar`` (print the shim jar's path, building it if needed), ``confi
 ``jobs`` (the JobResultStore), ``blobs`` (blob storage) and ``checkpoints`` (keyed-state checkpoints).
 Errors print one line naming the problem and exit with status 2; there are no tracebacks for expected
 failures.
+
+Every subcommand of the groups that open stores takes ``--conf spark.steward.storage.options=JSON`` (as
+``spark-submit`` does; repeatable, the last wins): the fsspec options per protocol the agents of the
+application use, such as an S3 endpoint, applied to every store the command opens.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from sparksteward.errors import StewardError
+from sparksteward.errors import ConfigError, StewardError
+from sparksteward.storage import OPTIONS_KEY, parse_options, set_default_options
 
 __all__ = ["main"]
 
@@ -44,13 +49,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("markdown", "conf"), default="markdown")
     p.set_defaults(func=_cmd_config)
     for name in _GROUPS:
+        before = set(sub.choices)
         importlib.import_module(name).add_subcommands(sub)
+        for group in set(sub.choices) - before:
+            _add_conf(sub.choices[group])
     return parser
+
+
+def _add_conf(parser: argparse.ArgumentParser) -> None:
+    """``--conf`` on every subcommand under ``parser``."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        parser.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                            help=f"{OPTIONS_KEY}=JSON: fsspec options per protocol for the stores this opens "
+                                 f"(as the application's agents use them)")
+    for action in subs:
+        for child in set(action.choices.values()):
+            _add_conf(child)
+
+
+def _apply_conf(pairs: list[str]) -> None:
+    """Apply ``--conf`` settings: the storage options become this process's defaults."""
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep:   # not echoed: it may be a value, credentials and all
+            raise ConfigError(f"a --conf without '=': give KEY=VALUE, such as --conf {OPTIONS_KEY}='{{\"s3\": {{...}}}}'")
+        if key != OPTIONS_KEY:
+            raise ConfigError(f"--conf {key}: this command takes only {OPTIONS_KEY} as --conf; give the rest as "
+                              f"its own flags (--cluster-id, --path, ...; see --help)")
+        set_default_options(parse_options(value, "--conf"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _apply_conf(getattr(args, "conf", []))
         return int(args.func(args) or 0)
     except StewardError as exc:
         print(f"steward: error: {exc}", file=sys.stderr)

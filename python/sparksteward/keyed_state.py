@@ -447,6 +447,10 @@ class KeyedState:
         small states). With ``distributed=True`` the DataFrame is lazy: one task per subtask of the
         checkpoint restores and decodes it on an executor, so large states never pass through the
         driver. Run its actions before that checkpoint is subsumed (``num_retained`` commits later).
+
+        Both open the checkpoint with the session's ``spark.steward.storage.options`` (an S3 endpoint,
+        say), as the agents do; the tasks of a distributed read get them with the task, not from
+        their environment.
         """
         from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -470,9 +474,19 @@ class KeyedState:
         arrow = variable_schema(meta, variable)
         schema = from_arrow_schema(arrow)
         now_ms = int(time.time() * 1000)
+        options = _storage_options(spark)
         if distributed:
             n = len(meta_json["subtasks"])
-            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms)
+            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms, options)
             return spark.range(0, n, 1, n).mapInArrow(fn, schema)
-        table = read_table(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms=now_ms)
+        table = read_table(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms=now_ms,
+                           storage_options=options)
         return spark.createDataFrame(table.to_pylist(), schema)
+
+
+def _storage_options(spark: Any) -> dict[str, dict[str, Any]]:
+    """The session's ``spark.steward.storage.options``, which the agents were started with too: a read
+    opens the checkpoint with them on the driver and in its tasks, whatever their environment holds."""
+    from sparksteward.storage import OPTIONS_KEY, parse_options
+
+    return parse_options(spark.conf.get(OPTIONS_KEY, None), "the Spark session's conf")

@@ -11,9 +11,9 @@ sync-phase snapshot and hands it to the executor agent (``state.upload``), which
 the driver agent's coordinator. A task that ends before the upload releases its subtask
 (``state.release``). See :mod:`sparksteward.checkpoint.subtasks`.
 
-:func:`read_values` restores subtasks of a completed checkpoint into a scratch dir of the calling
-process and decodes their default value state: the driver calls it for a small read, each task of a
-distributed read for its own subtask.
+:func:`read_table` restores subtasks of a completed checkpoint into a scratch dir of the calling
+process and decodes one state variable: the driver calls it for a small read, each task of a
+distributed read (:func:`read_fn`) for its own subtask, both with the session's storage options.
 
 Pickling: :func:`subtask_fn` and :func:`read_fn` return closures, which the driver ships to the
 workers by cloudpickle by value, with what they close over (the user function, the ids, the schema).
@@ -292,35 +292,45 @@ def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any
 
 
 def read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any], variable: str | None,
-            now_ms: int) -> Callable[[Iterator[Any]], Iterator[Any]]:
-    """The ``mapInArrow`` function of a distributed read: each input row is a subtask index."""
+            now_ms: int, storage_options: dict[str, dict[str, Any]] | None = None
+            ) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """The ``mapInArrow`` function of a distributed read: each input row is a subtask index.
+
+    ``storage_options`` (``spark.steward.storage.options``, parsed) travel in the closure: the Python
+    worker opens the checkpoint with them, whatever its environment holds."""
 
     def run(batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
             for index in batch.column(0).to_pylist():
                 table = read_table(checkpoint_dir, name, cluster_id, meta_json, variable, subtasks=[index],
-                                   now_ms=now_ms)
+                                   now_ms=now_ms, storage_options=storage_options)
                 yield from table.to_batches(max_chunksize=65536)
 
     return run
 
 
 def read_table(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-               variable: str | None = None, subtasks: list[int] | None = None, now_ms: int | None = None) -> Any:
+               variable: str | None = None, subtasks: list[int] | None = None, now_ms: int | None = None,
+               storage_options: dict[str, dict[str, Any]] | None = None) -> Any:
     """Every entry of ``variable`` (None: the default value state) of a completed checkpoint (of the
     given ``subtasks``, default all), restored into a scratch dir of this process, as a pyarrow Table
-    (see :mod:`sparksteward.checkpoint.reader`)."""
+    (see :mod:`sparksteward.checkpoint.reader`). Every store it opens (the state's, and those of files
+    a restored checkpoint left elsewhere) is opened with ``storage_options`` per protocol."""
     from sparksteward.checkpoint.reader import read_variable
     from sparksteward.checkpoint.records import CheckpointMetadata
     from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.storage import options_scope
 
-    storage = CheckpointStorage.open(checkpoint_dir, name, cluster_id)
-    meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
-    return read_variable(storage, meta, variable, subtasks=subtasks, now_ms=now_ms)
+    with options_scope(storage_options or {}):
+        storage = CheckpointStorage.open(checkpoint_dir, name, cluster_id)
+        meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
+        return read_variable(storage, meta, variable, subtasks=subtasks, now_ms=now_ms)
 
 
 def read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-                subtasks: list[int] | None = None) -> list[tuple[Any, str]]:
+                subtasks: list[int] | None = None,
+                storage_options: dict[str, dict[str, Any]] | None = None) -> list[tuple[Any, str]]:
     """Every (key, JSON value) of the default value state of a completed checkpoint (:func:`read_table`)."""
-    table = read_table(checkpoint_dir, name, cluster_id, meta_json, None, subtasks=subtasks)
+    table = read_table(checkpoint_dir, name, cluster_id, meta_json, None, subtasks=subtasks,
+                       storage_options=storage_options)
     return list(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))

@@ -10,13 +10,21 @@ Local files that a store lists and reads back are read with :func:`read_regular`
 directory named like a record is reported (:class:`NotRegularFileError`) instead of followed or
 blocked on.
 
-S3 endpoints and credentials come from the usual environment (``AWS_ENDPOINT_URL``,
-``AWS_ACCESS_KEY_ID``, ...), so agents started by Spark see the same store as the user's driver.
+Options. Every process that opens a store opens it with the fsspec options of
+``spark.steward.storage.options`` (:data:`OPTIONS_KEY`, per protocol, :func:`parse_options`): the agents
+set them process-wide (:func:`set_default_options`); the user's driver and the Python tasks of a
+distributed read, which share their process with other work, apply them to what they open in one
+context (:func:`options_scope`); the ``steward`` command takes them as ``--conf``. Without
+``client_kwargs`` among the S3 options, the endpoint is ``AWS_ENDPOINT_URL`` if set; credentials
+missing from them come from the usual environment (``AWS_ACCESS_KEY_ID``, ...) or an instance profile.
+The options may hold credentials: this module never logs them, and a bad value is reported without
+quoting it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import logging
 import os
@@ -30,10 +38,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from sparksteward.errors import StorageError
+from sparksteward.errors import ConfigError, StorageError
 
-__all__ = ["Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location", "read_regular",
-           "regular_files"]
+__all__ = ["OPTIONS_KEY", "Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location",
+           "options_scope", "parse_options", "read_regular", "regular_files", "set_default_options"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -358,19 +366,63 @@ def _staged(directory: str, name: str) -> Iterator[str]:
             os.unlink(tmp)
 
 
+OPTIONS_KEY = "spark.steward.storage.options"
+"""The Spark setting of the fsspec options per protocol, such as ``{"s3": {"client_kwargs": {...}}}``."""
+
 _DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {}
+_SCOPED: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar(
+    "sparksteward_storage_options", default=None)
+
+
+def parse_options(raw: str | None, where: str) -> dict[str, dict[str, Any]]:
+    """The options of :data:`OPTIONS_KEY` from its JSON text ``raw`` (None or empty: none).
+
+    Raises :class:`~sparksteward.errors.ConfigError` naming the key and ``where`` the value came from
+    (such as ``--conf``); the message never quotes the value, which may hold credentials.
+    """
+    import orjson
+
+    example = '{"s3": {"client_kwargs": {"endpoint_url": "http://minio:9000"}}}'
+    try:
+        value = orjson.loads(raw or "{}")
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{OPTIONS_KEY} ({where}) is not valid JSON ({exc}); give a JSON object of fsspec "
+                          f"options per protocol, such as {example}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{OPTIONS_KEY} ({where}) is a JSON {type(value).__name__}, not a JSON object; give "
+                          f"fsspec options per protocol, such as {example}")
+    for protocol, options in value.items():
+        if not isinstance(options, dict):
+            raise ConfigError(f"{OPTIONS_KEY} ({where}): the options of protocol {protocol!r} are a JSON "
+                              f"{type(options).__name__}, not a JSON object; give them as in {example}")
+    return value
 
 
 def set_default_options(options: dict[str, dict[str, Any]]) -> None:
-    """Process-wide fsspec options per protocol (``spark.steward.storage.options``); agents set it once."""
+    """Process-wide fsspec options per protocol (:data:`OPTIONS_KEY`): for processes that hold one
+    application's stores only (the agents, the ``steward`` command), set once at start."""
     _DEFAULT_OPTIONS.clear()
     _DEFAULT_OPTIONS.update(options)
 
 
+@contextlib.contextmanager
+def options_scope(options: dict[str, dict[str, Any]]) -> Iterator[None]:
+    """Open every location in this context (this thread, until the block ends) with ``options`` per
+    protocol, over the process-wide ones: for a process that does other work too, such as the user's
+    driver or a Python worker. Threads started in the block do not inherit it."""
+    token = _SCOPED.set(options)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
 def open_location(url: str, **storage_options: Any) -> Location:
-    """Open ``url`` (a plain path or any fsspec URL) as a :class:`Location`."""
+    """Open ``url`` (a plain path or any fsspec URL) as a :class:`Location`, with the options of its
+    protocol: the process-wide ones, those of the :func:`options_scope` in force, then ``storage_options``."""
     protocol = url.split("://", 1)[0] if "://" in url else "file"
-    storage_options = {**_DEFAULT_OPTIONS.get(protocol, {}), **storage_options}
+    scoped = _SCOPED.get() or {}
+    storage_options = {**_DEFAULT_OPTIONS.get(protocol, {}), **scoped.get(protocol, {}), **storage_options}
     if not url:
         raise StorageError("empty storage path: set a path such as /data/steward or s3://bucket/steward")
     endpoint = os.environ.get("AWS_ENDPOINT_URL")

@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, StorageError
@@ -199,7 +198,8 @@ class Duplicator:
 
     # --- any other pair -----------------------------------------------------------------------
     def _stream(self, src: str, dst: str) -> None:
-        sfs, spath = fsspec.core.url_to_fs(src)
+        sloc = open_location(src)   # with the storage options, as every store is opened
+        sfs, spath = sloc.fs, sloc.root
         dloc = open_location(dst)
         dfs, dpath = dloc.fs, dloc.root
         tmp = f"{dpath}.{uuid.uuid4().hex[:8]}.tmp" if isinstance(dfs, LocalFileSystem) else dpath
