@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: quickstart example-state example-declared lint test soak bench docs clean
+.PHONY: quickstart example-state example-declared lint test soak bench docs dist clean
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,5 +36,10 @@ bench: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(PY) -m sparksteward.config .
 
+# dist/spark_steward-<version>.tar.gz and the wheel built from it (pip install dist/*.whl)
+dist: $(VENV)/.installed
+	rm -rf dist build
+	$(PY) -m build --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info jvm-shim/out jvm-shim/build
+	rm -rf $(VENV) build dist *.egg-info python/*.egg-info jvm-shim/out jvm-shim/build

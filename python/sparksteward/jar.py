@@ -1,7 +1,9 @@
 """Build and locate the JVM shim jar, offline, with the Scala compiler inside the installed pyspark.
 
-The jar is compiled from the Scala sources shipped in the package (``sparksteward/_shim_src``) with
-the ``scala-compiler`` jar in ``pyspark/jars``, so it always matches that pyspark's Scala version. It is
+The jar is compiled from the Scala sources shipped as package data (``sparksteward/shim-src``, a
+folder whose name is not a Python identifier, so no one can import it and setuptools does not take
+it for a package; in a checkout it is a symlink to ``jvm-shim/src/main/scala``) with the
+``scala-compiler`` jar in ``pyspark/jars``, so it always matches that pyspark's Scala version. It is
 cached under ``$SPARK_STEWARD_JAR_CACHE`` or ``~/.cache/spark-steward/jars``, named by the Scala binary
 version, the package version and a hash of the sources and the Spark and compiler jars; a build takes
 a file lock, so concurrent first uses build once. No Maven and no network are needed.
@@ -30,7 +32,7 @@ __all__ = ["PLUGIN_CLASS", "pyspark_jars_dir", "run_shim_tests", "shim_jar"]
 
 log = logging.getLogger("sparksteward.jar")
 
-_SOURCES = Path(__file__).resolve().parent / "_shim_src"
+_SOURCES = Path(__file__).resolve().parent / "shim-src"
 _REPO_SHIM = Path(__file__).resolve().parents[2] / "jvm-shim"
 
 
