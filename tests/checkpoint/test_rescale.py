@@ -158,3 +158,37 @@ def test_a_rescale_drops_expired_state_instead_of_copying_it(tmp_path):
     values = TypedStates(b, record, now, 2).value("c").get_many(list(range(4000))).to_pylist()
     assert sorted(k for k, v in enumerate(values) if v is not None) == sorted(k for ks in living.values() for k in ks)
     b.close()
+
+
+def test_prepare_subtask_links_the_base_unopened_and_opens_only_to_rescale(tmp_path, store_url):
+    """What the executor agent does at state.open: the same key groups as the base are its files,
+    linked and not opened (the task replays the WAL once); a rescale opens the DB to change it. Either
+    way the task's open finds every key of its range."""
+    from sparksteward.checkpoint.rescale import prepare_subtask
+
+    storage = CheckpointStorage.open(store_url, "sums")
+    backends = [RocksDBStateBackend(tmp_path / f"w{i}", key_group_range(M, 2, i), M, "long") for i in range(2)]
+    for b in backends:
+        keys = [k for k in range(5000) if key_group(k, M) in b.key_groups]
+        b.value("s").put_many(keys, [k + 1 for k in keys])
+    meta, _ = checkpoint_backends(storage, backends, 1, tmp_path / "snaps")
+    for b in backends:
+        b.close()
+
+    same = prepare_subtask(storage, meta, 2, 1, tmp_path / "same", LocalFileCache(tmp_path / "c1"), max_parallelism=M,
+                           key_type="long")
+    assert same is not None and same.base == 1 and same.ingested_from == ()
+    names = sorted(p.name for p in (tmp_path / "same" / "db").iterdir())
+    assert names == sorted(f.name for f in meta.subtasks[1].files), "the DB was opened (RocksDB wrote files)"
+
+    merged = prepare_subtask(storage, meta, 1, 0, tmp_path / "one", LocalFileCache(tmp_path / "c2"), max_parallelism=M,
+                             key_type="long")
+    assert merged is not None and len(merged.ingested_from) == 1
+    for where, kg in (("same", key_group_range(M, 2, 1)), ("one", key_group_range(M, 1, 0))):
+        with RocksDBStateBackend(tmp_path / where, kg, M, "long", create=False) as b:
+            keys = [k for k in range(5000) if key_group(k, M) in kg]
+            assert b.value("s").get_many(keys) == [k + 1 for k in keys]
+    assert prepare_subtask(storage, None, 2, 0, tmp_path / "new", LocalFileCache(tmp_path / "c3"),
+                           max_parallelism=M) is None
+    with RocksDBStateBackend(tmp_path / "new", key_group_range(M, 2, 0), M, create=False) as b:
+        assert b.value("s").get("k") is None

@@ -34,8 +34,8 @@ from sparksteward.state.rows import expired
 from sparksteward.state.typed import KIND_EXPIRY, index_expiry
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
 
-__all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "rebuild_subtask",
-           "restore_subtask_backend"]
+__all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "prepare_subtask",
+           "rebuild_subtask", "restore_subtask_backend"]
 
 log = logging.getLogger("sparksteward.checkpoint.rescale")
 
@@ -92,6 +92,30 @@ def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, pa
     files restored, rescaled when ``parallelism`` differs from the base's. A changed max parallelism or
     key type is refused.
     """
+    backend, stats = _build(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                            key_type=key_type, compact=compact, now_ms=now_ms, keep_open=True)
+    assert backend is not None
+    return backend, stats
+
+
+def prepare_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
+                    workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int,
+                    key_type: KeyType | str = KeyType.STRING, now_ms: int | None = None) -> RescaleStats | None:
+    """:func:`open_subtask` for a DB that someone else opens next (the executor agent builds the
+    directory, the task opens it): the DB is opened here only when it must change (a new DB is created;
+    a rescale deletes and ingests key groups). Restoring the base's own key groups links its files and
+    leaves the DB unopened, so its WAL is replayed once, by the task, instead of twice."""
+    backend, stats = _build(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                            key_type=key_type, now_ms=now_ms, keep_open=False)
+    if backend is not None:
+        backend.close()
+    return stats
+
+
+def _build(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
+           workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int, key_type: KeyType | str,
+           now_ms: int | None, keep_open: bool, compact: bool = False,
+           ) -> tuple[RocksDBStateBackend | None, RescaleStats | None]:
     if base is None:
         backend = RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
                                       key_type, create=True)
@@ -102,8 +126,8 @@ def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, pa
             f"state {base.state!r} was checkpointed with {base.key_type.value} keys (checkpoint "
             f"{base.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
             f"column to {base.key_type.value}")
-    return rebuild_subtask(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                           compact=compact, now_ms=now_ms)
+    return _rebuild(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                    compact=compact, now_ms=now_ms, keep_open=keep_open)
 
 
 def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata, index: int,
@@ -127,6 +151,15 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
 
     Returns the open backend (the caller closes it) and what was read.
     """
+    backend, stats = _rebuild(storage, meta, new_parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                              compact=compact, now_ms=now_ms, keep_open=True)
+    assert backend is not None
+    return backend, stats
+
+
+def _rebuild(storage: CheckpointStorage, meta: CheckpointMetadata, new_parallelism: int, index: int,
+             workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None, compact: bool,
+             now_ms: int | None, keep_open: bool) -> tuple[RocksDBStateBackend | None, RescaleStats]:
     started = time.perf_counter()
     m = meta.max_parallelism if max_parallelism is None else max_parallelism
     check_max_parallelism(meta, m)
@@ -148,6 +181,10 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
     read_bytes = sum(f.length for f in base.files)
     downloaded += st.downloaded_files
     downloaded_bytes += st.downloaded_bytes
+    if not keep_open and base.key_groups == new_range and len(overlaps) == 1:   # nothing to change: leave it closed
+        return None, RescaleStats(index, new_range, base.subtask, (), tuple(files_read), downloaded, 0,
+                                  time.perf_counter() - started, bytes_read=read_bytes,
+                                  bytes_downloaded=downloaded_bytes, old_parallelism=meta.parallelism)
     backend = RocksDBStateBackend(workdir, new_range, m, meta.key_type, create=False)
     try:
         if base.key_groups != new_range:

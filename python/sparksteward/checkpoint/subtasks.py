@@ -61,7 +61,7 @@ from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.messages import BaseReply
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.rescale import open_subtask
+from sparksteward.checkpoint.rescale import prepare_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.checkpoint.uploader import SnapshotUploader
 from sparksteward.clock import Clock, SystemClock
@@ -186,9 +186,8 @@ class SubtaskService:
         workdir = self.root / "work" / token
         replay_dir = self.root / "replay" / token
         try:
-            backend, stats = open_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                          key_type=base.key_type, now_ms=now_ms)
-            backend.close()
+            stats = prepare_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                    key_type=base.key_type, now_ms=now_ms)
             replay = self._replay(storage, meta, p, subtask, m, replay_dir) if meta is not None else []
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
