@@ -96,8 +96,9 @@ class Option:
         except (ValueError, TypeError):
             ok = False
         if not ok:
+            shown = "this value" if self.kind == "json" else repr(raw)   # a JSON option may hold credentials
             raise ConfigError(
-                f"{self.key}={raw!r} is not allowed: expected {self.allowed or _KIND_HELP[self.kind]}. "
+                f"{self.key}={shown} is not allowed: expected {self.allowed or _KIND_HELP[self.kind]}. "
                 f"Fix the value in --conf, spark-defaults.conf or SparkSession.builder.config()."
             )
         return value
@@ -169,7 +170,8 @@ OPTIONS: tuple[Option, ...] = (
            "Directory for embedded local state (job results, HA blobs) when their paths are not set. "
            "Empty means the per-user $XDG_STATE_HOME/spark-steward (~/.local/state/spark-steward)."),
     Option("spark.steward.storage.options", "json", "{}",
-           "fsspec storage options per protocol, applied to every storage path the agents open, e.g. "
+           "fsspec storage options per protocol, applied to every storage path the agents, the driver, the tasks "
+           "and the steward command open, e.g. "
            "an S3 endpoint. Credentials belong in the environment or an instance profile, not here: this "
            "value is not redacted."),
     Option("spark.steward.agent.python", "str", "",
