@@ -39,6 +39,7 @@ def test_a_column_round_trips(dtype, values):
     decoded, expiries = codec.decode(rows)
     assert decoded.to_pylist() == values and expiries is None
     assert [codec.decode_one(codec.encode_one(v)) for v in values[:5]] == values[:5]
+    assert [codec.decode_py(codec.encode_py(v))[0] for v in values[:5]] == values[:5]   # the per-key path
 
 
 def test_fixed_width_values_are_compact_and_carry_their_expiry():
@@ -50,6 +51,21 @@ def test_fixed_width_values_are_compact_and_carry_their_expiry():
     assert values.to_pylist() == [5, 6, 7] and expiries.tolist() == [10, 20, 30]
     with pytest.raises(StateEncodingError, match="has a TTL"):
         codec.encode(pa.array([1], type=pa.int64()))
+
+
+def test_many_numbers_decode_in_one_pass_or_fall_back():
+    """decode_many_py: the per-key list read's fast path agrees with decode_py, and declines (None)
+    rows it cannot take, so the caller decodes those one by one."""
+    for ttl, dtype, values in ((True, pa.int64(), [5, 0, -7]), (False, pa.float64(), [0.5, -0.0, 1e300]),
+                               (False, pa.int8(), [-128, 127, 3])):
+        codec = RowCodec("l", dtype, ttl=ttl)
+        rows = codec.encode(pa.array(values, type=dtype), expiry=np.array([10, 20, 30]) if ttl else None)
+        assert codec.decode_many_py(rows) == values == [codec.decode_py(r)[0] for r in rows]
+    codec = RowCodec("l", pa.int64())
+    rows = codec.encode(pa.array([1, 2], type=pa.int64()))
+    assert codec.decode_many_py(rows[:1] + [bytes([TAG_TYPED, 2, 0]) + rows[1][3:]]) is None   # another version
+    assert codec.decode_many_py(rows + [rows[0] + b"x"]) is None                                   # another length
+    assert RowCodec("s", pa.string()).decode_many_py(RowCodec("s", pa.string()).encode(pa.array(["a"]))) is None
 
 
 def test_bad_values_and_types_are_refused_by_name():
