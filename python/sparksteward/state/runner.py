@@ -235,6 +235,8 @@ def _complete_key_groups(batches: Iterable[pa.RecordBatch], key: str, held: Keye
 def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
                   output: _Output, store: BufferedStore) -> Iterator[pa.RecordBatch]:
     """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame."""
+    import pandas as pd
+
     n = table.num_rows
     starts = [0]
     if n > 1:
@@ -247,7 +249,9 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
     for start, end in zip(starts, starts[1:]):
         k = values.iat[start]
         store.next_key()
-        yield from output.add(fn(k, frame.iloc[start:end].reset_index(drop=True), KeyState(access, k)))
+        rows = frame.iloc[start:end].copy(deep=False)   # a frame of its own (no SettingWithCopy on a write)
+        rows.index = pd.RangeIndex(end - start)          # as reset_index(drop=True), in less time
+        yield from output.add(fn(k, rows, KeyState(access, k)))
 
 
 class _Output:

@@ -122,13 +122,19 @@ class _Typed:
         self.on_read = var.spec.ttl_update == "on_read_and_write" and self.ttl is not None
         self._middle = state_middle(self.kind, self.name)
         self._last_keys: tuple[pa.Array, list[bytes]] | None = None
+        self._last_prefix: tuple[object, bytes] | None = None
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
 
     # --- keys and writes --------------------------------------------------------------------------
     def _prefix(self, key: object) -> bytes:
+        last = self._last_prefix
+        if last is not None and last[0] is key:   # the per-key form's bound key, again
+            return last[1]
         group, raw = self.backend._key(key)
-        return key_prefix(group, self.kind, self.name, raw)
+        prefix = key_prefix(group, self.kind, self.name, raw)
+        self._last_prefix = (key, prefix)
+        return prefix
 
     @property
     def _expiry(self) -> int | None:
@@ -320,11 +326,15 @@ class TypedList(_Typed):
         prefix = self._prefix(key)
         out: list[Any] = []
         entries = self._alive_entries(prefix)
-        for suffix, stored in entries:
-            if not suffix:   # an untyped list, stored whole before the variable was declared
-                out.extend(self._legacy_list(stored))
-            else:
-                out.append(self._decode(stored))
+        fast = self.codec.decode_many_py([v for s, v in entries]) if all(s for s, _ in entries) else None
+        if fast is not None:   # every element a typed number of the current version
+            out = fast
+        else:
+            for suffix, stored in entries:
+                if not suffix:   # an untyped list, stored whole before the variable was declared
+                    out.extend(self._legacy_list(stored))
+                else:
+                    out.append(self._decode(stored))
         if self.on_read and entries:
             wb = self.backend.new_batch()
             for suffix, stored in entries:
