@@ -98,6 +98,22 @@ def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 
 
+def _function_failure(exc: BaseException, name: str, max_lines: int = 30) -> str | None:
+    """The :class:`~sparksteward.errors.StateFunctionError` of state ``name`` inside ``exc``'s text
+    (a task's error, as Spark reports it): its first line and the function's traceback, or None."""
+    marker = f"StateFunctionError: keyed state {name!r}"
+    lines = str(exc).splitlines()
+    at = next((i for i, line in enumerate(lines) if marker in line), None)
+    if at is None:
+        return None
+    out = [lines[at][lines[at].index(marker) + len("StateFunctionError: "):]]
+    for line in lines[at + 1:at + 1 + max_lines]:
+        if not line.strip() or line.startswith(("\tat ", "JVM stacktrace")):
+            break
+        out.append(line)
+    return "\n".join(out)
+
+
 def _streaming_query(df: Any) -> str | None:
     """The id of the streaming query whose ``foreachBatch`` runs this (Spark sets it as a local
     property of the batch's thread); None outside a streaming query."""
@@ -321,7 +337,10 @@ class KeyedState:
             if sink is not None:
                 sink(out, cid)
             self.commit(cid, wait=wait)
-        except BaseException:
+        except BaseException as exc:
+            failure = _function_failure(exc, self.name)
+            if failure:   # on the console first: Spark's own exception buries it under the JVM's frames
+                log.error("%s of keyed state %r failed: %s", what, self.name, failure)
             try:
                 deleted = self.abort(cid)
                 log.warning("%s of keyed state %s failed: checkpoint %s aborted (%d files deleted)",

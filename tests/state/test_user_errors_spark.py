@@ -4,6 +4,8 @@ function's own exception; a streaming query's exception has the same line. Run u
 
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
 import pytest
 
@@ -45,7 +47,7 @@ def test_a_per_key_function_returning_a_dict_is_told_what_to_return(spark, tmp_p
             "return a pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None") in head(info.value)
 
 
-def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_query(spark, tmp_path):
+def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_query(spark, tmp_path, caplog):
     ks = Steward.get(spark).keyed_state("user-errors-stream", key="k", parallelism=2, max_parallelism=8,
                                         checkpoint_dir=str(tmp_path / "chk"))
     source = tmp_path / "in"
@@ -54,6 +56,7 @@ def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_q
     run = ks.process(bad_row, "k string, n long", sink=lambda out, batch_id: out.count())
     q = (spark.readStream.schema("k string, v long").json(str(source)).writeStream.foreachBatch(run)
          .option("checkpointLocation", str(tmp_path / "query")).trigger(availableNow=True).start())
+    caplog.set_level(logging.WARNING, logger="sparksteward")
     try:
         with pytest.raises(Exception) as info:
             q.awaitTermination(120)
@@ -66,3 +69,11 @@ def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_q
     assert "StateFunctionError: keyed state 'user-errors-stream', checkpoint 0, subtask " in line, text[:3000]
     assert "the state function raised ValueError: bad row 42" in line
     assert "state.release" not in text
+    # the console shows it first, before Spark's exception: the state's line, then the function's frame
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert shown, "nothing was logged when the batch failed"
+    first = "\n".join(shown[0].splitlines()[:5])
+    assert first.startswith("batch 0 of keyed state 'user-errors-stream' failed: keyed state 'user-errors-stream', "
+                            "checkpoint 0, subtask "), shown[0]
+    assert "the state function raised ValueError: bad row 42" in first.splitlines()[0]
+    assert 'raise ValueError("bad row 42")' in shown[0] and "state.release" not in shown[0]
