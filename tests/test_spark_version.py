@@ -1,10 +1,12 @@
 """The pyspark versions we test, and ``configure()`` refusing the others: the list lives in
-``sparksteward.config.TESTED_SPARK_VERSIONS``. No JVM starts: only the builder's options and
-``pyspark.__version__`` are read."""
+``sparksteward.config.TESTED_SPARK_VERSIONS`` and the Makefile's venvs and the README follow it. No JVM
+starts: only the builder's options and ``pyspark.__version__`` are read."""
 
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pyspark
 import pytest
@@ -13,6 +15,7 @@ import sparksteward
 from sparksteward.config import TESTED_SPARK_VERSIONS
 from sparksteward.errors import ConfigError
 from sparksteward.session import VERSION_CHECK_KEY
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.compat
 
@@ -55,3 +58,24 @@ def test_a_bad_value_of_the_setting_is_refused_naming_it(monkeypatch):
     with pytest.raises(ConfigError, match=rf"{re.escape(VERSION_CHECK_KEY)}='maybe' is not allowed: expected true or false"):
         sparksteward.configure(_builder().config(VERSION_CHECK_KEY, "maybe"), jar="shim.jar")
 
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_the_makefile_installs_the_newest_in_venv_and_each_other_in_its_own():
+    def dry_run(target: str) -> str:
+        return subprocess.run(["make", "-n", "-B", target], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout
+
+    *older, newest = TESTED_SPARK_VERSIONS
+    assert f"'pyspark=={newest}.*'" in dry_run(".venv/.installed")
+    compat = dry_run("compat")
+    for version in older:
+        assert f".venv-{version}/bin/python -m pip install --quiet -e '.[test]' 'pyspark=={version}.*'" in compat
+        assert f".venv-{version}/bin/python -m pytest -q -ra -m compat" in compat
+    assert f"pyspark=={newest}" not in compat
+
+
+def test_the_readme_names_the_tested_versions():
+    readme = (REPO / "README.md").read_text()
+    line = next((ln for ln in readme.splitlines() if ln.startswith("Tested pyspark versions:")), "")
+    assert line, "README.md has no line starting with 'Tested pyspark versions:'"
+    assert re.findall(r"`(\d+\.\d+)`", line) == list(TESTED_SPARK_VERSIONS), line
