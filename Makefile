@@ -2,13 +2,29 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# The pyspark major.minor versions we test, oldest first, read from their one place,
+# sparksteward.config.TESTED_SPARK_VERSIONS: .venv gets the newest, `make compat` one .venv-X.Y each of the others.
+TESTED_SPARK := $(shell sed -n 's/^TESTED_SPARK_VERSIONS[^=]*= *(\(.*\))$$/\1/p' python/sparksteward/config.py | tr -d "\"',")
+NEWEST_SPARK := $(lastword $(TESTED_SPARK))
+COMPAT_SPARK := $(filter-out $(NEWEST_SPARK),$(TESTED_SPARK))
+ifeq ($(NEWEST_SPARK),)
+$(error no TESTED_SPARK_VERSIONS = (...) line in python/sparksteward/config.py)
+endif
 
-.PHONY: quickstart example-state example-declared lint test soak bench docs dist clean
+.PHONY: quickstart example-state example-declared lint test soak compat bench docs dist clean
+.PRECIOUS: .venv-%/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]' 'pyspark==$(NEWEST_SPARK).*'
+	touch $@
+
+# .venv-4.0, .venv-4.1, ...: the same install on an older pyspark, for `make compat`
+.venv-%/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-$*/bin/python -m pip install --quiet -e '.[test]' 'pyspark==$*.*'
 	touch $@
 
 quickstart: $(VENV)/.installed
@@ -30,6 +46,13 @@ test: lint
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m soak -s
 
+# the compat set (the tests marked compat) on each older tested pyspark; `make compat-4.0` runs one
+compat: $(COMPAT_SPARK:%=compat-%)
+
+compat-%: .venv-%/.installed
+	@.venv-$*/bin/python -c 'import pyspark; print("compat: pyspark", pyspark.__version__)'
+	.venv-$*/bin/python -m pytest -q -ra -m compat --durations=10
+
 bench: $(VENV)/.installed
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
 
@@ -42,4 +65,4 @@ dist: $(VENV)/.installed
 	$(PY) -m build --outdir dist .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info python/*.egg-info jvm-shim/out jvm-shim/build
+	rm -rf $(VENV) .venv-* build dist *.egg-info python/*.egg-info jvm-shim/out jvm-shim/build

@@ -12,7 +12,7 @@ import pytest
 from sparksteward import Steward
 from tests.helpers import spark_session, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.compat]
 
 SOURCE = "plugin.sparksteward.shim.StewardPlugin"
 SCHEMA = "k string, n long"

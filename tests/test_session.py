@@ -11,6 +11,8 @@ import pytest
 import sparksteward
 from sparksteward.protocol import PLUGIN_CLASS
 
+pytestmark = pytest.mark.compat
+
 ADDED = {"spark.jars", "spark.plugins", "spark.hadoop.fs.steward.impl", "spark.python.daemon.module"}
 
 

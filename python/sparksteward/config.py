@@ -27,8 +27,8 @@ from typing import Any
 from sparksteward.errors import ConfigError
 from sparksteward.ids import validate_id
 
-__all__ = ["LOG_LEVELS", "OPTIONS", "Option", "StewardConfig", "default_state_dir", "log_level", "parse_bytes",
-           "parse_duration"]
+__all__ = ["LOG_LEVELS", "OPTIONS", "TESTED_SPARK_VERSIONS", "Option", "StewardConfig", "default_state_dir",
+           "log_level", "parse_bytes", "parse_duration"]
 
 log = logging.getLogger("sparksteward.config")
 
@@ -44,6 +44,10 @@ _SIZE_UNITS = {"b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
 LOG_LEVELS = {"ALL": logging.DEBUG, "TRACE": logging.DEBUG, "DEBUG": logging.DEBUG, "INFO": logging.INFO,
               "WARN": logging.WARNING, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
               "FATAL": logging.CRITICAL, "CRITICAL": logging.CRITICAL, "OFF": logging.CRITICAL + 10}
+#: The pyspark major.minor versions CI tests, oldest first: the newest runs the whole suite (``make test``),
+#: the others the compat set (``make compat``, which reads this line). ``configure()`` refuses any other
+#: unless ``spark.steward.spark-version-check`` is false.
+TESTED_SPARK_VERSIONS = ("4.0", "4.1", "4.3")
 _NUMBER_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -219,6 +223,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("spark.steward.config.strict", "bool", "false",
            "Refuse an unknown spark.steward.* key (a typo) with an error naming it and the closest known "
            "key, instead of warning about it once and ignoring it."),
+    Option("spark.steward.spark-version-check", "bool", "true",
+           "sparksteward.configure(builder) refuses a pyspark whose major.minor version is not one we test "
+           f"({', '.join(TESTED_SPARK_VERSIONS)}), naming the version it found. Set this to false on the builder "
+           "to run on another version anyway."),
     Option("spark.steward.metrics.interval", "duration", "5s",
            "How often the driver agent checks its numbers (per keyed state: merged physical and logical "
            "files and bytes, space amplification, no-reuse files) and, when they changed, hands them to "
@@ -428,6 +436,7 @@ class StewardConfig:
     agent_events_max_bytes: int = 4 << 20
     log_level: str = "WARN"
     config_strict: bool = False
+    spark_version_check: bool = True
     metrics_interval: float = 5.0
     blob_storage_dir: str = ""
     blob_ha_storage_path: str = ""

@@ -7,28 +7,56 @@ overwriting it: the shim jar is added to ``spark.jars`` and the plugin class to 
 for where no agent runs yet, as when spark-submit downloads ``--jars`` before the SparkContext starts.
 It must run before the first SparkSession of the process starts its JVM, since jars on the driver
 class path cannot be added later.
+
+It first checks the installed pyspark: a major.minor version outside
+:data:`~sparksteward.config.TESTED_SPARK_VERSIONS` is refused with a :class:`~sparksteward.errors.ConfigError`
+unless the builder sets ``spark.steward.spark-version-check=false``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Mapping
 from typing import Any
 
+from sparksteward.config import OPTIONS, TESTED_SPARK_VERSIONS
+from sparksteward.errors import ConfigError
 from sparksteward.protocol import PLUGIN_CLASS
 
-__all__ = ["FS_CLASS", "FS_HA_KEY", "FS_IMPL_KEY", "PLUGIN_CLASS", "configure"]
+__all__ = ["FS_CLASS", "FS_HA_KEY", "FS_IMPL_KEY", "PLUGIN_CLASS", "VERSION_CHECK_KEY", "configure"]
 
 #: The shim's read-only Hadoop FileSystem for ``steward://`` URLs, and the setting that enables it.
 FS_CLASS = "sparksteward.shim.StewardFileSystem"
 FS_IMPL_KEY = "spark.hadoop.fs.steward.impl"
 #: The HA blob store the FileSystem reads ``steward blobs put`` URLs from where no agent runs yet.
 FS_HA_KEY = "spark.hadoop.fs.steward.ha.storage-path"
+#: The builder setting that lets :func:`configure` run on a pyspark version we do not test.
+VERSION_CHECK_KEY = "spark.steward.spark-version-check"
 
 
 def _append(existing: str | None, item: str) -> str:
     parts = [p.strip() for p in (existing or "").split(",") if p.strip()]
     return ",".join(parts if item in parts else [*parts, item])
+
+
+def _check_spark_version(options: Mapping[str, str]) -> None:
+    """Refuse a pyspark whose major.minor is not tested, unless ``options`` turn the check off."""
+    opt = next(o for o in OPTIONS if o.key == VERSION_CHECK_KEY)
+    if not opt.parse(str(options.get(opt.key, opt.default))):
+        return
+    import pyspark
+
+    found = str(pyspark.__version__)
+    m = re.match(r"(\d+)\.(\d+)", found)
+    if m and f"{m[1]}.{m[2]}" in TESTED_SPARK_VERSIONS:
+        return
+    raise ConfigError(
+        f"pyspark {found} (in {os.path.dirname(pyspark.__file__ or '')}) is not a version spark-steward is tested "
+        f"on; tested are {', '.join(TESTED_SPARK_VERSIONS)}. Install one of them "
+        f"(pip install 'pyspark=={TESTED_SPARK_VERSIONS[-1]}.*'), or set {VERSION_CHECK_KEY}=false on the builder "
+        f"(.config(\"{VERSION_CHECK_KEY}\", \"false\") before configure()) to run on {found} anyway.")
 
 
 def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any:
@@ -41,6 +69,13 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     jar : path, optional
         The shim jar. Default: ``steward jar`` (built once from the installed pyspark's Scala).
 
+    Raises
+    ------
+    ConfigError
+        The installed pyspark's major.minor version is not one of
+        :data:`~sparksteward.config.TESTED_SPARK_VERSIONS` and the builder does not set
+        ``spark.steward.spark-version-check=false``, or that setting is not a boolean.
+
     Notes
     -----
     If no Python was chosen for the workers (``spark.pyspark.python`` or ``PYSPARK_PYTHON``), this sets
@@ -51,6 +86,7 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     from sparksteward.jar import shim_jar
 
     options: dict[str, str] = getattr(builder, "_options", {})
+    _check_spark_version(options)
     jar_path = str(jar or shim_jar())
     builder = builder.config("spark.jars", _append(options.get("spark.jars"), jar_path))
     builder = builder.config("spark.plugins", _append(options.get("spark.plugins"), PLUGIN_CLASS))

@@ -38,6 +38,7 @@ def _cache_stats(spark):
     return spark.sparkContext.parallelize([0], 1).mapPartitions(probe).collect()[0]
 
 
+@pytest.mark.compat
 def test_numpy_broadcast_is_zero_copy_in_workers(spark):
     st = Steward.get(spark)
     arr = np.arange(4_000_000, dtype=np.float64)  # 32 MB
@@ -84,6 +85,7 @@ def _make_wheel(tmp_path: Path, value: int) -> Path:
     return whl
 
 
+@pytest.mark.compat
 def test_add_library_is_importable_in_workers_and_shipped_once(spark, tmp_path):
     st = Steward.get(spark)
     whl = _make_wheel(tmp_path, 41)

@@ -21,6 +21,7 @@ from tests.helpers.jars import JAVAC, cache_stats_by_executor, build_udf_jar
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
+@pytest.mark.compat
 def test_a_put_jar_in_spark_jars_reaches_every_executor_through_ha():
     from pyspark.sql.types import StringType
 

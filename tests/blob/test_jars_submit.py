@@ -86,6 +86,7 @@ def udf(tmp_path):
     return jar, put(jar, str(tmp_path / "ha"))
 
 
+@pytest.mark.compat
 def test_spark_submit_jars_with_a_put_url_runs_the_udf_on_every_executor(tmp_path, udf):
     _, url = udf
     proc = _submit(tmp_path, url, "--conf", f"spark.hadoop.fs.steward.ha.storage-path={tmp_path / 'ha'}")

@@ -9,6 +9,8 @@ from sparksteward import Steward
 from tests.helpers import agent_processes, wait_until
 from tests.helpers.plugin import task_probe
 
+pytestmark = pytest.mark.compat
+
 
 def test_driver_agent_sees_app_start_with_the_real_app_id(spark):
     st = Steward.get(spark)

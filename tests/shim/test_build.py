@@ -11,6 +11,7 @@ from sparksteward.errors import ShimBuildError
 from sparksteward.jar import run_shim_tests, shim_jar
 
 
+@pytest.mark.compat
 def test_jar_contains_the_plugin_and_is_cached():
     jar = shim_jar()
     with zipfile.ZipFile(jar) as zf:
@@ -19,6 +20,7 @@ def test_jar_contains_the_plugin_and_is_cached():
     assert shim_jar() == jar and os.stat(jar).st_mtime_ns == mtime, "a second call must not rebuild"
 
 
+@pytest.mark.compat
 def test_scala_golden_protocol_test_passes():
     proc = run_shim_tests()
     assert proc.returncode == 0, proc.stdout + proc.stderr

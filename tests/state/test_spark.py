@@ -27,6 +27,7 @@ def st(spark):
     return Steward.get(spark)
 
 
+@pytest.mark.compat
 def test_count_and_sum_over_three_batches_equals_pandas_and_is_exactly_once(spark, st, dirs):
     batches = make_batches(1)
     ks = st.keyed_state("counts", key="k", parallelism=3, max_parallelism=16, checkpoint_dir=str(dirs / "chk"))
@@ -52,6 +53,7 @@ def test_count_and_sum_over_three_batches_equals_pandas_and_is_exactly_once(spar
     assert not (dirs / "chk" / "default" / "counts" / "chk-0").exists()  # subsumed
 
 
+@pytest.mark.compat
 def test_apply_arrow_form(spark, st, dirs):
     import pyarrow as pa
     import pyarrow.compute as pc

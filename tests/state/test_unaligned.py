@@ -41,6 +41,7 @@ def _run(spark, ks, batches, first_id=0):
     return [c for c in ks.info()["checkpoints"] if c["checkpoint_id"] >= first_id]
 
 
+@pytest.mark.compat
 def test_deferred_input_is_replayed_and_counted_exactly_once(spark, st, dirs):
     batches = make_batches(31, count=3, rows=400)
     ks = st.keyed_state("defer", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
@@ -61,6 +62,7 @@ def test_deferred_input_is_replayed_and_counted_exactly_once(spark, st, dirs):
     assert state_of(ks) == reference(batches)
 
 
+@pytest.mark.compat
 def test_rescale_8_to_3_with_pending_channel_state_reroutes_by_key_group(spark, st, dirs):
     """Must-show 3: 8 -> 3 -> 5 while channel state is pending: replayed rows go to the subtask that
     owns their key group now, filtered while re-persisted, so the channel state after two rescales
