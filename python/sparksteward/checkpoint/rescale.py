@@ -92,8 +92,11 @@ def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, pa
     files restored, rescaled when ``parallelism`` differs from the base's. A changed max parallelism or
     key type is refused.
     """
-    backend, stats = _build(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                            key_type=key_type, compact=compact, now_ms=now_ms, keep_open=True)
+    if base is None:
+        return RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
+                                   key_type, create=True), None
+    backend, stats = _rebuild(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                              key_type=key_type, compact=compact, now_ms=now_ms, keep_open=True)
     assert backend is not None
     return backend, stats
 
@@ -105,29 +108,15 @@ def prepare_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None,
     directory, the task opens it): the DB is opened here only when it must change (a new DB is created;
     a rescale deletes and ingests key groups). Restoring the base's own key groups links its files and
     leaves the DB unopened, so its WAL is replayed once, by the task, instead of twice."""
-    backend, stats = _build(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                            key_type=key_type, now_ms=now_ms, keep_open=False)
+    if base is None:   # a new, empty DB
+        open_subtask(storage, None, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                     key_type=key_type)[0].close()
+        return None
+    backend, stats = _rebuild(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
+                              key_type=key_type, compact=False, now_ms=now_ms, keep_open=False)
     if backend is not None:
         backend.close()
     return stats
-
-
-def _build(storage: CheckpointStorage, base: CheckpointMetadata | None, parallelism: int, index: int,
-           workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int, key_type: KeyType | str,
-           now_ms: int | None, keep_open: bool, compact: bool = False,
-           ) -> tuple[RocksDBStateBackend | None, RescaleStats | None]:
-    if base is None:
-        backend = RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
-                                      key_type, create=True)
-        return backend, None
-    check_max_parallelism(base, max_parallelism)
-    if KeyType.parse(key_type) is not base.key_type:
-        raise StateEncodingError(
-            f"state {base.state!r} was checkpointed with {base.key_type.value} keys (checkpoint "
-            f"{base.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
-            f"column to {base.key_type.value}")
-    return _rebuild(storage, base, parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                    compact=compact, now_ms=now_ms, keep_open=keep_open)
 
 
 def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata, index: int,
@@ -152,17 +141,25 @@ def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_pa
     Returns the open backend (the caller closes it) and what was read.
     """
     backend, stats = _rebuild(storage, meta, new_parallelism, index, workdir, cache, max_parallelism=max_parallelism,
-                              compact=compact, now_ms=now_ms, keep_open=True)
+                              key_type=None, compact=compact, now_ms=now_ms, keep_open=True)
     assert backend is not None
     return backend, stats
 
 
 def _rebuild(storage: CheckpointStorage, meta: CheckpointMetadata, new_parallelism: int, index: int,
-             workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None, compact: bool,
-             now_ms: int | None, keep_open: bool) -> tuple[RocksDBStateBackend | None, RescaleStats]:
+             workdir: str | Path, cache: LocalFileCache, *, max_parallelism: int | None,
+             key_type: KeyType | str | None, compact: bool, now_ms: int | None,
+             keep_open: bool) -> tuple[RocksDBStateBackend | None, RescaleStats]:
+    """:func:`rebuild_subtask`, also refusing another ``key_type`` (when given) and, unless
+    ``keep_open``, leaving unopened (None) a DB that needs no change."""
     started = time.perf_counter()
     m = meta.max_parallelism if max_parallelism is None else max_parallelism
     check_max_parallelism(meta, m)
+    if key_type is not None and KeyType.parse(key_type) is not meta.key_type:
+        raise StateEncodingError(
+            f"state {meta.state!r} was checkpointed with {meta.key_type.value} keys (checkpoint "
+            f"{meta.checkpoint_id}); it cannot continue with {KeyType.parse(key_type).value} keys: cast the key "
+            f"column to {meta.key_type.value}")
     validate_parallelism(new_parallelism, m)
     new_range = key_group_range(m, new_parallelism, index)
     workdir = Path(workdir)
