@@ -18,7 +18,8 @@ import sys
 from collections.abc import Sequence
 
 from sparksteward.errors import ConfigError, StewardError
-from sparksteward.storage import OPTIONS_KEY, parse_options, set_default_options
+from sparksteward.config import parse_setting
+from sparksteward.storage import OPTIONS_KEY, set_default_options
 
 __all__ = ["main"]
 
@@ -78,7 +79,7 @@ def _apply_conf(pairs: list[str]) -> None:
         if key != OPTIONS_KEY:
             raise ConfigError(f"--conf {key}: this command takes only {OPTIONS_KEY} as --conf; give the rest as "
                               f"its own flags (--cluster-id, --path, ...; see --help)")
-        set_default_options(parse_options(value, "--conf"))
+        set_default_options(parse_setting(OPTIONS_KEY, value))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

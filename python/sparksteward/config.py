@@ -94,15 +94,18 @@ class Option:
 
     def parse(self, raw: str) -> Any:
         """Parse and validate ``raw``; raise ConfigError naming key, value and what is allowed."""
+        why = ""
         try:
             value = _PARSERS[self.kind](raw)
             ok = self.check is None or self.check(value)
+        except _JsonValueError as exc:   # says what is wrong without the value
+            ok, why = False, f" ({exc})"
         except (ValueError, TypeError):
             ok = False
         if not ok:
             shown = "this value" if self.kind == "json" else repr(raw)   # a JSON option may hold credentials
             raise ConfigError(
-                f"{self.key}={shown} is not allowed: expected {self.allowed or _KIND_HELP[self.kind]}. "
+                f"{self.key}={shown} is not allowed{why}: expected {self.allowed or _KIND_HELP[self.kind]}. "
                 f"Fix the value in --conf, spark-defaults.conf or SparkSession.builder.config()."
             )
         return value
@@ -117,15 +120,22 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
+class _JsonValueError(ValueError):
+    """What is wrong with a JSON option, in words that never quote its value (it may hold credentials)."""
+
+
 def _parse_json_object(raw: str) -> dict[str, Any]:
     import orjson
 
     try:
         value = orjson.loads(raw or "{}")
     except orjson.JSONDecodeError as exc:
-        raise ValueError(raw) from exc
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ValueError(raw)
+        raise _JsonValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise _JsonValueError(f"a JSON {type(value).__name__}, not a JSON object")
+    for name, inner in value.items():
+        if not isinstance(inner, dict):
+            raise _JsonValueError(f"the value of {name!r} is a JSON {type(inner).__name__}, not a JSON object")
     return value
 
 
@@ -399,6 +409,13 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
             return
         _warned.add(key)
     log.warning(message, *args)
+
+
+def parse_setting(key: str, raw: str | None) -> Any:
+    """One ``spark.steward.*`` setting's value from its text ``raw`` (None: its default), parsed and
+    checked as :class:`StewardConfig` does; a bad value raises :class:`ConfigError` naming the key."""
+    opt = _BY_KEY[key]
+    return opt.parse(opt.default if raw is None else raw)
 
 
 def log_level(name: str) -> int:

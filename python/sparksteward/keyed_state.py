@@ -506,6 +506,7 @@ class KeyedState:
 def _storage_options(spark: Any) -> dict[str, dict[str, Any]]:
     """The session's ``spark.steward.storage.options``, which the agents were started with too: a read
     opens the checkpoint with them on the driver and in its tasks, whatever their environment holds."""
-    from sparksteward.storage import OPTIONS_KEY, parse_options
+    from sparksteward.config import parse_setting
+    from sparksteward.storage import OPTIONS_KEY
 
-    return parse_options(spark.conf.get(OPTIONS_KEY, None), "the Spark session's conf")
+    return parse_setting(OPTIONS_KEY, spark.conf.get(OPTIONS_KEY, None))

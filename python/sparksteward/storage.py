@@ -11,7 +11,7 @@ directory named like a record is reported (:class:`NotRegularFileError`) instead
 blocked on.
 
 Options. Every process that opens a store opens it with the fsspec options of
-``spark.steward.storage.options`` (:data:`OPTIONS_KEY`, per protocol, :func:`parse_options`): the agents
+``spark.steward.storage.options`` (:data:`OPTIONS_KEY`, per protocol, parsed by the config registry): the agents
 set them process-wide (:func:`set_default_options`); the user's driver and the Python tasks of a
 distributed read, which share their process with other work, apply them to what they open in one
 context (:func:`options_scope`); the ``steward`` command takes them as ``--conf``. Without
@@ -38,10 +38,10 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from sparksteward.errors import ConfigError, StorageError
+from sparksteward.errors import StorageError
 
 __all__ = ["OPTIONS_KEY", "Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location",
-           "options_scope", "parse_options", "read_regular", "regular_files", "set_default_options"]
+           "options_scope", "read_regular", "regular_files", "set_default_options"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -372,30 +372,6 @@ OPTIONS_KEY = "spark.steward.storage.options"
 _DEFAULT_OPTIONS: dict[str, dict[str, Any]] = {}
 _SCOPED: contextvars.ContextVar[dict[str, dict[str, Any]] | None] = contextvars.ContextVar(
     "sparksteward_storage_options", default=None)
-
-
-def parse_options(raw: str | None, where: str) -> dict[str, dict[str, Any]]:
-    """The options of :data:`OPTIONS_KEY` from its JSON text ``raw`` (None or empty: none).
-
-    Raises :class:`~sparksteward.errors.ConfigError` naming the key and ``where`` the value came from
-    (such as ``--conf``); the message never quotes the value, which may hold credentials.
-    """
-    import orjson
-
-    example = '{"s3": {"client_kwargs": {"endpoint_url": "http://minio:9000"}}}'
-    try:
-        value = orjson.loads(raw or "{}")
-    except orjson.JSONDecodeError as exc:
-        raise ConfigError(f"{OPTIONS_KEY} ({where}) is not valid JSON ({exc}); give a JSON object of fsspec "
-                          f"options per protocol, such as {example}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{OPTIONS_KEY} ({where}) is a JSON {type(value).__name__}, not a JSON object; give "
-                          f"fsspec options per protocol, such as {example}")
-    for protocol, options in value.items():
-        if not isinstance(options, dict):
-            raise ConfigError(f"{OPTIONS_KEY} ({where}): the options of protocol {protocol!r} are a JSON "
-                              f"{type(options).__name__}, not a JSON object; give them as in {example}")
-    return value
 
 
 def set_default_options(options: dict[str, dict[str, Any]]) -> None:

@@ -18,7 +18,8 @@ import pytest
 
 from sparksteward.cli import main
 from sparksteward.errors import ConfigError
-from sparksteward.storage import OPTIONS_KEY, open_location, options_scope, parse_options
+from sparksteward.config import parse_setting
+from sparksteward.storage import OPTIONS_KEY, open_location, options_scope
 from tests.helpers import REPO
 from tests.helpers.keyed import make_batches, reference
 
@@ -79,17 +80,21 @@ def test_the_cli_refuses_bad_options_naming_the_key_and_never_the_value(tmp_path
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
-def test_parse_options_names_the_key_and_where_it_came_from():
-    assert parse_options(None, "here") == {}
-    assert parse_options('{"s3": {"anon": true}}', "here") == {"s3": {"anon": True}}
-    with pytest.raises(ConfigError, match=f"{OPTIONS_KEY} .*the Spark conf.*not valid JSON"):
-        parse_options('{"s3": ', "the Spark conf")
+def test_bad_options_name_the_key_and_the_fix_and_never_echo_the_value():
+    assert parse_setting(OPTIONS_KEY, None) == {}
+    assert parse_setting(OPTIONS_KEY, '{"s3": {"anon": true}}') == {"s3": {"anon": True}}
+    for bad, why in (('{"s3": {"secret": "hunter2"', "not valid JSON"), ('["hunter2"]', "a JSON list, not a JSON object"),
+                     ('{"s3": "hunter2"}', "the value of 's3' is a JSON str")):
+        with pytest.raises(ConfigError, match=f"{OPTIONS_KEY}=.*{why}.*expected a JSON object of objects.*Fix the value") \
+                as info:
+            parse_setting(OPTIONS_KEY, bad)
+        assert "hunter2" not in str(info.value)
 
 
 def test_an_options_scope_applies_to_opens_in_its_context_only(s3, monkeypatch):
     for k in [k for k in os.environ if k.startswith("AWS_ENDPOINT_URL")]:
         monkeypatch.delenv(k)
-    opts = parse_options(s3.storage_options(), "test")
+    opts = parse_setting(OPTIONS_KEY, s3.storage_options())
     s3.filesystem().pipe_file(f"{s3.bucket}/scoped/x", b"1")
     with options_scope(opts):
         loc = open_location(s3.url("scoped"))
@@ -106,6 +111,6 @@ def test_a_streamed_duplicate_reads_its_source_with_the_options(s3, tmp_path, mo
         monkeypatch.delenv(k)
     s3fs.S3FileSystem.clear_instance_cache()   # none made with the endpoint of the environment
     s3.filesystem().pipe_file(f"{s3.bucket}/dup/f.sst", b"payload")
-    with options_scope(parse_options(s3.storage_options(), "test")):
+    with options_scope(parse_setting(OPTIONS_KEY, s3.storage_options())):
         Duplicator().duplicate([(s3.url("dup", "f.sst"), str(tmp_path / "f.sst"))])
     assert (tmp_path / "f.sst").read_bytes() == b"payload"
