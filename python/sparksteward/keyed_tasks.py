@@ -32,7 +32,7 @@ import orjson
 
 from sparksteward.errors import StateError, StateFunctionError
 
-__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_table", "read_values", "subtask_fn",
+__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_table", "subtask_fn",
            "unaligned_input"]
 
 ROUTE_COL = "__steward_subtask"
@@ -326,11 +326,3 @@ def read_table(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[
         meta = CheckpointMetadata.from_bytes(orjson.dumps(meta_json), f"checkpoint {meta_json.get('checkpoint_id')}")
         return read_variable(storage, meta, variable, subtasks=subtasks, now_ms=now_ms)
 
-
-def read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any],
-                subtasks: list[int] | None = None,
-                storage_options: dict[str, dict[str, Any]] | None = None) -> list[tuple[Any, str]]:
-    """Every (key, JSON value) of the default value state of a completed checkpoint (:func:`read_table`)."""
-    table = read_table(checkpoint_dir, name, cluster_id, meta_json, None, subtasks=subtasks,
-                       storage_options=storage_options)
-    return list(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))

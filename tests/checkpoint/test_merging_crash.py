@@ -172,7 +172,7 @@ class Cluster:
         return self.storage.stored_files() | self.storage.staged_files()
 
     def values(self, cid: int) -> dict[str, int]:
-        from sparksteward.keyed_tasks import read_values
+        from tests.helpers.keyed import read_values
 
         meta = self.storage.read_metadata(cid)
         return {k: int(v) for k, v in read_values(self.checkpoint_dir, "s", self.cluster_id, meta.to_json())}

@@ -393,7 +393,7 @@ class Soak:
     def check_checkpoints(self, when: str) -> dict[int, dict]:
         """Every retained checkpoint restores to the values of the rows its batches emitted, and every
         file it references is in the bucket, long enough."""
-        from sparksteward.keyed_tasks import read_values
+        from tests.helpers.keyed import read_values
 
         metas = self.metadata()
         stored = self.stored()

@@ -51,3 +51,12 @@ def declared_count_events(key, rows, state):
         seen.put(int(v), (seen.get(int(v)) or 0) + 1)
     return pd.DataFrame({"k": [key], "n": [n], "events": [len(state.list("events").get())],
                          "distinct": [len(seen.keys())]})
+
+
+def read_values(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict,
+                subtasks: list[int] | None = None) -> list[tuple[object, str]]:
+    """Every (key, JSON value) of the default value state of a completed checkpoint."""
+    from sparksteward.keyed_tasks import read_table
+
+    table = read_table(checkpoint_dir, name, cluster_id, meta_json, None, subtasks=subtasks)
+    return list(zip(table.column("key").to_pylist(), table.column("value").to_pylist()))

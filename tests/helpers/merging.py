@@ -61,7 +61,7 @@ class MergingRig:
         self.p = parallelism
 
     def values(self, meta: CheckpointMetadata) -> dict[str, int]:
-        from sparksteward.keyed_tasks import read_values
+        from tests.helpers.keyed import read_values
 
         return {k: int(v) for k, v in read_values(self.checkpoint_dir, self.name, "c1", meta.to_json())}
 

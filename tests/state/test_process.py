@@ -255,7 +255,7 @@ def test_a_second_application_on_a_state_is_refused_and_the_first_restores(spark
     for i, b in enumerate(batches[2:], start=2):   # the first goes on, untouched
         run(spark.createDataFrame(b), i)
     storage = CheckpointStorage.open(str(chk), "shared", CLUSTER)
-    from sparksteward.keyed_tasks import read_values
+    from tests.helpers.keyed import read_values
 
     retained = ks.info()["retained"]
     assert retained == [1, 2, 3]

@@ -61,7 +61,7 @@ class App:
 
 
 def values(tmp: Path, meta: dict) -> dict[str, int]:
-    from sparksteward.keyed_tasks import read_values
+    from tests.helpers.keyed import read_values
 
     return {k: int(v) for k, v in read_values(str(tmp / "chk"), "s", "c1", meta)}
 

@@ -73,7 +73,7 @@ def test_open_upload_ack_commit_and_rerun_from_the_same_base(rig):
     assert subtasks.open_subtasks() == 0
     assert not any((subtasks.root / "work").iterdir())
     # the values are those of exactly two applications
-    from sparksteward.keyed_tasks import read_values
+    from tests.helpers.keyed import read_values
 
     got = dict(read_values(str(tmp / "chk"), "s", "c1", meta))
     assert {k: int(v) for k, v in got.items()} == {k: 2 * v for k, v in keys.items()}
