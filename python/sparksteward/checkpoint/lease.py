@@ -56,12 +56,12 @@ from sparksteward.errors import CorruptRecordError, StateLeaseError, StorageErro
 from sparksteward.owner import OwnerRecord
 from sparksteward.storage import Location
 
-__all__ = ["LEASE_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "read_lease"]
+__all__ = ["LEASE_FILE", "LOCK_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "read_lease"]
 
 log = logging.getLogger("sparksteward.checkpoint.lease")
 
 LEASE_FILE = "_lease"
-_LOCK_FILE = "_lease.lock"
+LOCK_FILE = "_lease.lock"
 _VERSION = 1
 _VALID_FRACTION = 0.8   # a holder writes only within this fraction of ttl after its last renewal began
 _MAX_RECORD = 1 << 16
@@ -273,7 +273,7 @@ class StateLease:
     def _swap(self, version: str | None, data: bytes) -> bool:
         if not self.loc.is_local:
             return self.loc.replace_if(self.path, data, version)
-        lock_path = self.loc.path(_LOCK_FILE)
+        lock_path = self.loc.path(LOCK_FILE)
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.duplicate import place
-from sparksteward.checkpoint.lease import _LOCK_FILE, LEASE_FILE, StateLease, read_lease
+from sparksteward.checkpoint.lease import LOCK_FILE, LEASE_FILE, StateLease, read_lease
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import MERGED_DIR, RESTORED, CheckpointStorage, checkpoint_dir_name, is_data_path
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, StateLeaseError, StewardError
@@ -162,7 +162,7 @@ def _plan(storage: CheckpointStorage, refs: dict[str, list[str]]) -> Removal:
     staged = storage.staged_files()
     found = storage.stored_files() | staged
     out.left = sorted([e for e in entries if not _RECORD_DIR.match(e)
-                       and e not in ("shared", MERGED_DIR, LEASE_FILE, _LOCK_FILE)]
+                       and e not in ("shared", MERGED_DIR, LEASE_FILE, LOCK_FILE)]
                       + [p for p in found if not is_data_path(p) and p not in staged])
     data = sorted(p for p in found if is_data_path(p) or p in staged)
     out.kept = {p: refs[p] for p in data if p in refs}
@@ -219,7 +219,7 @@ def remove_state(checkpoint_dir: str, state: str, cluster_id: str = "default", *
         if out.kept or out.left:
             return out
         held.check()
-        loc.delete(loc.path(_LOCK_FILE))
+        loc.delete(loc.path(LOCK_FILE))
         loc.delete(loc.path(LEASE_FILE))   # held until here; nothing of the state is left
         holding = False
         if loc.is_local:

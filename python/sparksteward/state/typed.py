@@ -133,7 +133,8 @@ class _Typed:
             return last[1]
         group, raw = self.backend._key(key)
         prefix = key_prefix(group, self.kind, self.name, raw)
-        self._last_prefix = (key, prefix)
+        if type(key) is not bytearray:   # a key that cannot change under the same object
+            self._last_prefix = (key, prefix)
         return prefix
 
     @property
