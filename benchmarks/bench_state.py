@@ -120,18 +120,20 @@ def tws_processor():
 # --- files -------------------------------------------------------------------------------------
 
 
-def write_inputs(root: Path) -> list[Path]:
-    """``FILES + 2`` parquet files (the last two are added for the restart and the rescale)."""
-    rng = np.random.default_rng(8)
-    names = np.array([f"user-{i:07d}" for i in range(KEYS)], dtype=object)
+def write_inputs(root: Path, files: int = FILES + 2, keys: int = KEYS, rows: int = ROWS, seed: int = 8,
+                 every_key_first: bool = True) -> list[Path]:
+    """``files`` parquet files of ``rows`` rows ``(k string, v long)`` over ``keys`` keys (here the last
+    two are added for the restart and the rescale); with ``every_key_first`` the first holds every key."""
+    rng = np.random.default_rng(seed)
+    names = np.array([f"user-{i:07d}" for i in range(keys)], dtype=object)
     staged = root / "inputs"
     staged.mkdir()
     out = []
-    for i in range(FILES + 2):
-        idx = rng.integers(0, KEYS, ROWS)
-        if i == 0:
-            idx[:KEYS] = np.arange(min(KEYS, ROWS))[:KEYS]  # every key exists from batch 0 on
-        table = pa.table({"k": pa.array(names[idx], pa.string()), "v": pa.array(rng.integers(0, 1000, ROWS))})
+    for i in range(files):
+        idx = rng.integers(0, keys, rows)
+        if i == 0 and every_key_first:
+            idx[:keys] = np.arange(min(keys, rows))[:keys]  # every key exists from batch 0 on
+        table = pa.table({"k": pa.array(names[idx], pa.string()), "v": pa.array(rng.integers(0, 1000, rows))})
         path = staged / f"part-{i:04d}.parquet"
         pq.write_table(table, path)
         out.append(path)
@@ -307,18 +309,24 @@ def final_state(out: Path) -> dict[str, tuple[int, int]]:
     return dict(zip(t.column("k").to_pylist(), zip(t.column("n_max").to_pylist(), t.column("s_max").to_pylist())))
 
 
-def main() -> int:
+def bench_main(prefix: str, run: Any) -> int:
+    """``run(root)`` in a new temp dir ``root`` that also holds the agents' state dir (never the user's
+    default one); the dir and the executors' local dirs are deleted afterwards."""
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    root = Path(tempfile.mkdtemp(prefix="bench-state-"))
-    os.environ["XDG_STATE_HOME"] = str(root / "xdg")  # never the user's default state dir
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["XDG_STATE_HOME"] = str(root / "xdg")
     try:
         return run(root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         for d in _LOCAL_DIRS:
             shutil.rmtree(d, ignore_errors=True)
+
+
+def main() -> int:
+    return bench_main("bench-state-", run)
 
 
 def run(root: Path) -> int:

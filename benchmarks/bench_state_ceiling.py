@@ -17,19 +17,16 @@ the JVM warms up over the first queries (the ceiling itself ran 118k records/s f
 the report is of the last round, with the first for reference.
 
 Records/s are over batches 1.. (batch 0 pays the Python workers' start); the report gives each as a
-fraction of ``stateless``. ``CEIL_PROFILE=1`` then profiles one subtask's state work of a batch of the
-same size without Spark (``run_arrow`` plus the snapshot) with cProfile and prints where it goes.
+fraction of ``stateless``, and the CPU each kind of process spent per batch (Python workers, agents,
+JVMs; ``psutil``). ``CEIL_PROFILE=1`` then times one subtask's state work of a batch of the same size
+without Spark, piece by piece (:func:`time_state_work`).
 
     flock /tmp/steward-spark.lock python benchmarks/bench_state_ceiling.py
 """
 
 from __future__ import annotations
 
-import cProfile
-import io
-import logging
 import os
-import pstats
 import shutil
 import statistics
 import sys
@@ -40,7 +37,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_state  # noqa: E402 - the shared session setup
@@ -81,21 +78,6 @@ def json_fn(keys, rows, state):
     return bench_state.ours_arrow_fn(keys, rows, state)
 
 
-def write_inputs(root: Path) -> list[Path]:
-    rng = np.random.default_rng(20)
-    names = np.array([f"user-{i:07d}" for i in range(KEYS)], dtype=object)
-    staged = root / "inputs"
-    staged.mkdir()
-    out = []
-    for i in range(FILES):
-        idx = rng.integers(0, KEYS, ROWS)
-        t = pa.table({"k": pa.array(names[idx], pa.string()), "v": pa.array(rng.integers(0, 1000, ROWS))})
-        path = staged / f"part-{i:04d}.parquet"
-        pq.write_table(t, path)
-        out.append(path)
-    return out
-
-
 def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, float]:
     from pyspark.sql import functions as F
 
@@ -128,81 +110,153 @@ def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, fl
     return {p.batchId: p.durationMs.get("triggerExecution", 0) for p in q.recentProgress if p.numInputRows}
 
 
-def profile_state_work() -> str:
-    """cProfile of one subtask's state work for a batch of ROWS / P rows (no Spark)."""
+def time_state_work(batches: int = 10) -> str:
+    """One subtask's state work for a batch of ROWS / P rows without Spark, timed piece by piece (cProfile
+    inflates the per-key loops several times): each batch as a task does it (open the DB, replay its WAL;
+    build the keys; multi-get; compute; put_many; snapshot) and as the executor agent does next (fold the
+    WAL into an SST past wal-flush-size). Medians of the batches after the first three, then the same
+    keys read three other ways, to compare with the multi-get."""
     from sparksteward.state.backend import RocksDBStateBackend
     from sparksteward.state.declared import resolve, value_state
     from sparksteward.state.keygroups import key_group_range
-    from sparksteward.state.runner import run_arrow
-    from sparksteward.state.typed import TypedStates
+    from sparksteward.state.snapshot import fold_wal
+    from sparksteward.state.typed import TypedStates, _raw_keys
 
-    tmp = Path(tempfile.mkdtemp(prefix="ceil-prof-"))
+    tmp = Path(tempfile.mkdtemp(prefix="ceil-time-"))
+    rng = np.random.default_rng(3)
+    n = ROWS // P
+    kg = key_group_range(M, 1, 0)
+    record = resolve(None, [value_state("agg", "n bigint, s bigint")])
+    times: dict[str, list[float]] = {}
     try:
-        rng = np.random.default_rng(3)
-        n = ROWS // P
-        rows = pa.record_batch({"k": pa.array([f"user-{i:07d}" for i in rng.integers(0, KEYS, n)]),
-                                "v": pa.array(rng.integers(0, 1000, n))})
-        kg = key_group_range(M, 1, 0)
-        record = resolve(None, [value_state("agg", "n bigint, s bigint")])
-        schema = pa.schema([("k", pa.string()), ("n", pa.int64()), ("s", pa.int64())])
-        b = RocksDBStateBackend(tmp / "w0", kg, M, "string")
-        list(run_arrow(iter([rows]), "k", typed_fn, b, schema, states=TypedStates(b, record, 0, 1)))  # warm
-        b.snapshot(tmp / "s0")
-        prof = cProfile.Profile()
-        b = RocksDBStateBackend(tmp / "w0", kg, M, "string", create=False)
-        started = time.perf_counter()
-        prof.enable()
-        list(run_arrow(iter([rows]), "k", typed_fn, b, schema, states=TypedStates(b, record, 0, 2)))
-        b.snapshot(tmp / "s1")
-        prof.disable()
-        total = (time.perf_counter() - started) * 1000
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
-        return f"one subtask, {n:,} rows: {total:.0f} ms of state work\n" + text.getvalue()
+        RocksDBStateBackend(tmp / "w", kg, M, "string").snapshot(tmp / "s0")
+        for cid in range(1, batches + 1):
+            work = tmp / f"w{cid}"
+            (work / "db").mkdir(parents=True)
+            for f in (tmp / f"s{cid - 1}").iterdir():   # the agent links the base snapshot's files
+                os.link(f, work / "db" / f.name)
+            rows = pa.table({"k": pa.array([f"user-{i:07d}" for i in rng.integers(0, KEYS, n)]),
+                             "v": pa.array(rng.integers(0, 1000, n))})
+            t = [time.perf_counter()]
+            b = RocksDBStateBackend(work, kg, M, "string", create=False)
+            t.append(time.perf_counter())
+            agg = TypedStates(b, record, 0, cid).value("agg")
+            g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")]).combine_chunks()
+            _raw_keys(agg, g["k"])
+            t.append(time.perf_counter())
+            old = agg.get_many(g["k"])
+            t.append(time.perf_counter())
+            had = pc.is_valid(old)
+            new = pa.StructArray.from_arrays(
+                [pc.add(pc.if_else(had, pc.struct_field(old, f), 0), g[c]).combine_chunks()
+                 for f, c in (("n", "v_count"), ("s", "v_sum"))], names=["n", "s"])
+            t.append(time.perf_counter())
+            agg.put_many(g["k"], new)
+            t.append(time.perf_counter())
+            b.snapshot(tmp / f"s{cid}")
+            b.close()
+            t.append(time.perf_counter())
+            folded = fold_wal(tmp / f"s{cid}")
+            t.append(time.perf_counter())
+            shutil.rmtree(work)
+            if cid > 3:
+                for name, a, z in zip(("open (WAL replay)", "group_by + keys", "multi-get", "compute", "put_many",
+                                       "snapshot", "agent: WAL fold"), t, t[1:]):
+                    times.setdefault(name, []).append((z - a) * 1000 if folded or name != "agent: WAL fold" else 0.0)
+        keys = pa.array([f"user-{i:07d}" for i in rng.integers(0, KEYS, n)]).unique()
+        reads = {}
+        for way in ("multi-get", "sorted multi-get", "single gets"):
+            work = tmp / f"r-{len(reads)}"
+            (work / "db").mkdir(parents=True)
+            for f in (tmp / f"s{batches}").iterdir():
+                os.link(f, work / "db" / f.name)
+            b = RocksDBStateBackend(work, kg, M, "string", create=False)
+            raw = _raw_keys(TypedStates(b, record, 0, 99).value("agg"), keys)
+            started = time.perf_counter()
+            if way == "single gets":
+                for k in raw:
+                    b.db.get(k)
+            else:
+                b.db.get(sorted(raw) if way == "sorted multi-get" else raw)
+            reads[way] = (time.perf_counter() - started) * 1000
+            b.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    lines = [f"one subtask, {n:,} rows a batch, medians of batches 4-{batches} (ms):"]
+    lines += [f"  {name:18} {statistics.median(v):6.1f}" for name, v in times.items()]
+    lines.append(f"  the same {len(keys):,} keys read cold: " + ", ".join(f"{w} {ms:.1f}" for w, ms in reads.items()))
+    return "\n".join(lines)
+
+
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds so far of this machine's Spark processes by kind: the Python workers (and the
+    workers they forked), our agents, the executors' and the driver's JVMs."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter():
+        try:
+            cmd = " ".join(proc.cmdline())
+            t = proc.cpu_times()
+        except (psutil.Error, OSError):
+            continue
+        if "sparksteward.agents" in cmd:
+            kind = "agents"
+        elif "daemon" in cmd and "python" in proc.name():
+            kind = "Python workers"
+        elif "CoarseGrainedExecutorBackend" in cmd:
+            kind = "executor JVMs"
+        elif proc.pid == os.getpid() or "java" not in proc.name() or "deploy.worker" in cmd or "deploy.master" in cmd:
+            continue
+        else:
+            kind = "driver JVM"
+        out[kind] = out.get(kind, 0.0) + t.user + t.system + t.children_user + t.children_system
+    return out
+
+
+def run(root: Path) -> int:
+    files = bench_state.write_inputs(root, FILES, KEYS, ROWS, seed=20, every_key_first=False)
+    print(f"input: {FILES} files x {ROWS:,} rows over {KEYS:,} keys; {bench_state.MASTER}; P={P}, M={M}")
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(bench_state)   # the workers cannot import it by name
+    spark = bench_state.start_session(root, "ceiling")
+    rounds: list[dict[str, tuple[float, float]]] = []
+    cpu: dict[str, dict[str, float]] = {}
+    for r in range(ROUNDS):
+        indir = root / f"in-{r}"
+        indir.mkdir()
+        base = time.time() - 3600
+        for i, f in enumerate(files):
+            bench_state.add_input(f, indir, base + i)
+        got = {}
+        for engine in ENGINES:
+            before = cpu_by_process()
+            ms = run_engine(spark, engine, root / f"round-{r}", indir)
+            after = cpu_by_process()
+            cpu[engine] = {k: (after[k] - before.get(k, 0.0)) / len(ms) * 1000 for k in after}
+            steady = [ms[i] for i in sorted(ms)[1:]]
+            got[engine] = (ROWS * len(steady) / (sum(steady) / 1000), statistics.median(steady))
+            print(f"  round {r}, {engine}: batches {[ms[i] for i in sorted(ms)]} ms", flush=True)
+        rounds.append(got)
+    spark.stop()
+    print()
+    print(f"{'engine':12} {'records/s':>10} {'batch p50':>10} {'of stateless':>13} {'(round 1)':>10}")
+    last, first = rounds[-1], rounds[0]
+    for e in ENGINES:
+        print(f"{e:12} {last[e][0]:10,.0f} {last[e][1]:8.0f}ms {last[e][0] / last['stateless'][0]:12.2f} "
+              f"{first[e][0] / first['stateless'][0]:10.2f}")
+    print("CPU ms per batch by process (last round):")
+    for e in ENGINES:
+        print(f"  {e:12} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(cpu[e].items())))
+    if os.environ.get("CEIL_PROFILE") == "1":
+        print()
+        print(time_state_work())
+    return 0
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    root = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
-    os.environ["XDG_STATE_HOME"] = str(root / "xdg")
-    try:
-        files = write_inputs(root)
-        print(f"input: {FILES} files x {ROWS:,} rows over {KEYS:,} keys; {bench_state.MASTER}; P={P}, M={M}")
-        from pyspark import cloudpickle
-
-        cloudpickle.register_pickle_by_value(bench_state)   # the workers cannot import it by name
-        spark = bench_state.start_session(root, "ceiling")
-        rounds: list[dict[str, tuple[float, float]]] = []
-        for r in range(ROUNDS):
-            indir = root / f"in-{r}"
-            indir.mkdir()
-            base = time.time() - 3600
-            for i, f in enumerate(files):
-                bench_state.add_input(f, indir, base + i)
-            got = {}
-            for engine in ENGINES:
-                ms = run_engine(spark, engine, root / f"round-{r}", indir)
-                steady = [ms[i] for i in sorted(ms)[1:]]
-                got[engine] = (ROWS * len(steady) / (sum(steady) / 1000), statistics.median(steady))
-                print(f"  round {r}, {engine}: batches {[ms[i] for i in sorted(ms)]} ms", flush=True)
-            rounds.append(got)
-        spark.stop()
-        print()
-        print(f"{'engine':12} {'records/s':>10} {'batch p50':>10} {'of stateless':>13} {'(round 1)':>10}")
-        last, first = rounds[-1], rounds[0]
-        for e in ENGINES:
-            print(f"{e:12} {last[e][0]:10,.0f} {last[e][1]:8.0f}ms {last[e][0] / last['stateless'][0]:12.2f} "
-                  f"{first[e][0] / first['stateless'][0]:10.2f}")
-        if os.environ.get("CEIL_PROFILE") == "1":
-            print()
-            print(profile_state_work())
-        return 0
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    return bench_state.bench_main("bench-ceiling-", run)
 
 
 if __name__ == "__main__":

@@ -70,12 +70,10 @@ A single run on a shared 2-core machine: quote the ratios. The defaults take abo
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -527,17 +525,7 @@ def scenario_bounded(spark: Any, root: Path) -> list[tuple[str, bool]]:
 
 
 def main() -> int:
-    logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-    root = Path(tempfile.mkdtemp(prefix="bench-state-ttl-"))
-    os.environ["XDG_STATE_HOME"] = str(root / "xdg")  # never the user's default state dir
-    try:
-        return run(root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        for d in bench_state._LOCAL_DIRS:
-            shutil.rmtree(d, ignore_errors=True)
+    return bench_state.bench_main("bench-state-ttl-", run)
 
 
 def run(root: Path) -> int:
