@@ -529,13 +529,8 @@ def main() -> int:
 
 
 def run(root: Path) -> int:
-    if "1" in SCENARIOS:
-        try:
-            import google.protobuf  # noqa: F401 - transformWithStateInPandas talks protobuf to its state server
-        except ImportError:
-            print("transformWithStateInPandas needs protobuf in the Python workers: pip install "
-                  "'protobuf>=6.33.5,<7'", file=sys.stderr)
-            return 2
+    if "1" in SCENARIOS and not bench_state.has_protobuf():
+        return 2
     t_all = time.perf_counter()
     from pyspark import cloudpickle
 
