@@ -3,13 +3,25 @@
 One run, one session, 8 tasks per job, every task reads the whole array. Reports time to create,
 time of the first job (first use on all executors) and of a second job, and the growth of each
 Python worker's anonymous memory (RssAnon: neither shared nor page cache) while it holds the value.
-Then small-blob throughput (10,000 blobs of 4 KB, put and get) and loopback server throughput.
-Ratios are printed at the end. Run: python benchmarks/bench_blob.py
+Then small-blob throughput (10,000 blobs of 4 KB, put and get) and a 256 MB loopback ``blob.get``
+streamed (authenticated, verified, into a file) between this process and the driver agent, each
+against its ceiling: a raw TCP copy of the same bytes between this process and a child process
+(``sendfile`` into the socket, ``recv_into`` + ``write`` into a new file; 4 KB request/response
+round trips with no MAC, no checksum and no store). The large get and the ceiling run once each
+cold (the file's pages are the first this VM touches: slow for both), then alternate ``--rounds``
+times each; the ratio is of the medians. Ratios are printed at the end.
+
+    python benchmarks/bench_blob.py [--blobs-only] [--rounds 3]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import socket
+import statistics
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +55,140 @@ def run_job(sc, fn):
     return time.perf_counter() - t, max(r[1] for r in rows), rows
 
 
+_OP = struct.Struct(">cQ")  # the ceiling's request: op (P put, G get, F file stream) and a size
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the ceiling peer closed the socket")
+        got += k
+    return bytes(buf)
+
+
+def ceiling_server(path: str) -> None:
+    """The raw-socket peer (a child process): serves ``path``'s bytes with no MAC, checksum or store."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(listener.getsockname()[1], flush=True)
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with open(path, "rb") as f:
+        head = os.pread(f.fileno(), 1 << 16, 0)
+        while True:
+            try:
+                op, n = _OP.unpack(_recv_exact(sock, _OP.size))
+            except EOFError:
+                return
+            if op == b"P":
+                _recv_exact(sock, n)
+                sock.sendall(b"k")
+            elif op == b"G":
+                sock.sendall(head[:n])
+            else:
+                sock.sendfile(f, 0, n)
+
+
+class Ceiling:
+    """This process's end of the raw copy; see :func:`ceiling_server`."""
+
+    def __init__(self, path: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--ceiling-server", path],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.sock = socket.create_connection(("127.0.0.1", int(self.proc.stdout.readline())))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, data: bytes) -> None:
+        self.sock.sendall(_OP.pack(b"P", len(data)) + data)
+        _recv_exact(self.sock, 1)
+
+    def get(self, n: int) -> bytes:
+        self.sock.sendall(_OP.pack(b"G", n))
+        return _recv_exact(self.sock, n)
+
+    def get_to_file(self, n: int, dest: str) -> None:
+        self.sock.sendall(_OP.pack(b"F", n))
+        buf = bytearray(4 * MB)
+        view, got = memoryview(buf), 0
+        with open(dest, "wb", buffering=0) as out:
+            while got < n:
+                k = self.sock.recv_into(view, min(len(buf), n - got))
+                if not k:
+                    raise EOFError("the ceiling peer closed the socket")
+                out.write(view[:k])
+                got += k
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.wait(timeout=30)
+
+
+def _rate(count: float, fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return count / (time.perf_counter() - t)
+
+
+def blob_throughput(st, data: bytes, rounds: int) -> None:
+    """Small blobs and the large streamed get, each beside its raw-socket ceiling (see the docstring)."""
+    blobs = st.blobs
+    size = len(data)
+    with tempfile.TemporaryDirectory(prefix="bench-blob-") as d:
+        src = os.path.join(d, "ceiling-src")
+        with open(src, "wb") as f:
+            f.write(data)
+        ceiling = Ceiling(src)
+        try:
+            payloads = [os.urandom(4096) for _ in range(10_000)]
+            keys: list = []
+            put = _rate(len(payloads), lambda: keys.extend(blobs.put_bytes(p) for p in payloads))
+            get = _rate(len(keys), lambda: [blobs.get_bytes(k) for k in keys])
+            raw_put = _rate(len(payloads), lambda: [ceiling.put(p) for p in payloads])
+            raw_get = _rate(len(keys), lambda: [ceiling.get(4096) for _ in keys])
+            print(f"small blobs, 10,000 x 4 KB: put {put:,.0f}/s (ceiling {raw_put:,.0f}/s, ratio "
+                  f"{put / raw_put:.2f}), get {get:,.0f}/s (ceiling {raw_get:,.0f}/s, ratio {get / raw_get:.2f})")
+
+            fd, staged = blobs.staging_file()
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            key = blobs.put_path(staged)
+            dest = os.path.join(d, "got")
+            ours: list[float] = []
+            raw: list[float] = []
+
+            def get_ours() -> None:
+                blobs.get_to_file(key, dest)
+
+            cold = _rate(size / MB, get_ours)  # new pages for the file: slow on this VM, for both
+            os.unlink(dest)
+            raw_cold = _rate(size / MB, lambda: ceiling.get_to_file(size, dest))
+            os.unlink(dest)
+            for _ in range(rounds):
+                raw.append(_rate(size / MB, lambda: ceiling.get_to_file(size, dest)))
+                os.unlink(dest)
+                ours.append(_rate(size / MB, get_ours))
+                os.unlink(dest)
+        finally:
+            ceiling.close()
+    med, raw_med = statistics.median(ours), statistics.median(raw)
+    print(f"large get, {size // MB} MB streamed, authenticated and verified, into a file: {med:,.0f} MB/s median "
+          f"of {rounds} ({', '.join(f'{r:,.0f}' for r in ours)}); ceiling {raw_med:,.0f} MB/s "
+          f"({', '.join(f'{r:,.0f}' for r in raw)}); ratio {med / raw_med:.2f}. The first of each, into pages "
+          f"this VM had not touched yet: ours {cold:,.0f} MB/s, ceiling {raw_cold:,.0f}")
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--blobs-only", action="store_true", help="skip the broadcast comparison")
+    ap.add_argument("--rounds", type=int, default=5, help="large gets (and ceiling copies) measured warm")
+    ap.add_argument("--ceiling-server", metavar="PATH", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ceiling_server:
+        ceiling_server(args.ceiling_server)
+        return 0
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark import SparkFiles
     from pyspark.sql import SparkSession
@@ -60,6 +205,11 @@ def main() -> int:
     arr = np.random.default_rng(0).random(SIZE // 8)
     expect = float(arr.sum())
     res = {}
+
+    if args.blobs_only:
+        blob_throughput(st, arr.tobytes(), args.rounds)
+        spark.stop()
+        return 0
 
     baseline = min(run_job(sc, lambda _: (0.0, 0.0))[0] for _ in range(3))  # the same job, no payload
 
@@ -113,26 +263,7 @@ def main() -> int:
     print(f"worker RssAnon growth: steward {s[3]:.1f} MB = {100 * s[3] / (SIZE / MB):.1f}% of the payload "
           f"(target <= 10%); sc.broadcast {b_[3]:.1f} MB = {100 * b_[3] / (SIZE / MB):.0f}%")
 
-    # small blobs and loopback throughput, against the same driver agent
-    blobs = st.blobs
-    payloads = [os.urandom(4096) for _ in range(10_000)]
-    t = time.perf_counter()
-    keys = [blobs.put_bytes(p) for p in payloads]
-    put_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for k in keys:
-        blobs.get_bytes(k)
-    get_s = time.perf_counter() - t
-    print(f"small blobs: 10,000 x 4 KB put {10_000 / put_s:,.0f}/s, get {10_000 / get_s:,.0f}/s")
-    fd, staged = blobs.staging_file()
-    with os.fdopen(fd, "wb") as f:
-        f.write(arr.tobytes())
-    key = blobs.put_path(staged)
-    with tempfile.TemporaryDirectory() as d:
-        t = time.perf_counter()
-        blobs.get_to_file(key, os.path.join(d, "x"))
-        got = time.perf_counter() - t
-    print(f"loopback server throughput: {SIZE / MB / got:,.0f} MB/s ({SIZE // MB} MB get, verified, into a file)")
+    blob_throughput(st, arr.tobytes(), args.rounds)
     spark.stop()
     return 0
 

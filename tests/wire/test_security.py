@@ -145,6 +145,8 @@ class Relay:
         self.lock = threading.Lock()
         self.flip_c2s_at: int | None = None  # flip one byte at this offset of the client's stream
         self.flip_s2c_at: int | None = None
+        self.cut_c2s_at: int | None = None  # pass the client's stream up to this offset, then hang up
+        self.cut_s2c_at: int | None = None
         self.s2c_count = 0
         self.threads: list[threading.Thread] = []
         t = threading.Thread(target=self._accept, daemon=True)
@@ -165,15 +167,16 @@ class Relay:
                 data = bytearray(data)
                 with self.lock:
                     if c2s:
-                        start = len(self.c2s)
-                        if self.flip_c2s_at is not None and start <= self.flip_c2s_at < start + len(data):
-                            data[self.flip_c2s_at - start] ^= 0x01
+                        start, flip, cut = len(self.c2s), self.flip_c2s_at, self.cut_c2s_at
                         self.c2s += data
                     else:
-                        start = self.s2c_count
-                        if self.flip_s2c_at is not None and start <= self.flip_s2c_at < start + len(data):
-                            data[self.flip_s2c_at - start] ^= 0x01
+                        start, flip, cut = self.s2c_count, self.flip_s2c_at, self.cut_s2c_at
                         self.s2c_count += len(data)
+                    if flip is not None and start <= flip < start + len(data):
+                        data[flip - start] ^= 0x01
+                    if cut is not None and cut < start + len(data):
+                        dst.sendall(data[:max(0, cut - start)])
+                        return
                     dst.sendall(data)
         except OSError:
             pass
@@ -326,3 +329,136 @@ def test_frames_and_bodies_still_flow_through_an_honest_relay(tmp_path, body_mac
         relay.close()
         server.close()
         blobs.close()
+
+
+# --- bodies of every size: tampered, truncated, wrong secret (issue 22 item 4) --------------------
+_SIZES = [4096, 9 << 20]  # one write with its frame; several chunks, hashed beside the transfer
+_WHERE = {"first byte": lambda size: 0, "last byte": lambda size: size - 1, "tag": lambda size: size + 5}
+
+
+def _body_start(msg: dict) -> int:
+    """Offset of a body after the authenticated frame ``msg`` that announces it."""
+    return 4 + len(orjson.dumps(msg)) + wire.TAG_SIZE
+
+
+@pytest.mark.parametrize("size", _SIZES)
+@pytest.mark.parametrize("where", list(_WHERE))
+def test_a_download_tampered_anywhere_is_refused_and_never_lands(tmp_path, body_mac, size, where):
+    secret, blobs, server = _blob_rig(tmp_path)
+    with Connection.connect(server.endpoint, secret) as direct:
+        key = BlobClient(lambda: direct).put_bytes(os.urandom(size), "job-d")
+    relay = Relay(server.endpoint)
+    try:
+        conn = Connection.connect(relay.endpoint, secret, timeout=5)
+        with relay.lock:
+            relay.flip_s2c_at = relay.s2c_count + _body_start({"ok": True, "size": size}) + _WHERE[where](size)
+        with pytest.raises(AuthenticationError, match="does not match its tag"):
+            BlobClient(lambda: conn).get_to_file(key, tmp_path / "out" / "blob", "job-d")
+        assert conn.broken
+        assert not list((tmp_path / "out").iterdir()), "a tampered body left a file"
+    finally:
+        relay.close()
+        server.close()
+        blobs.close()
+
+
+@pytest.mark.parametrize("size", _SIZES)
+@pytest.mark.parametrize("where", list(_WHERE))
+def test_an_upload_tampered_anywhere_is_refused_with_the_reason_and_stores_nothing(tmp_path, body_mac, size,
+                                                                                   where):
+    secret, blobs, server = _blob_rig(tmp_path)
+    relay = Relay(server.endpoint)
+    try:
+        conn = Connection.connect(relay.endpoint, secret, timeout=5)
+        head = {"op": "blob.put", "job_id": "job-u", "size": size, "type": "t"}
+        with relay.lock:
+            relay.flip_c2s_at = len(relay.c2s) + _body_start(head) + _WHERE[where](size)
+        with pytest.raises(AuthenticationError, match="does not match its tag"):
+            BlobClient(lambda: conn).put_bytes(os.urandom(size), "job-u")
+        assert not (blobs.dir / "job-u").exists()
+        wait_until(lambda: not list(blobs.incoming.iterdir()), what="the upload's staged file is removed")
+    finally:
+        relay.close()
+        server.close()
+        blobs.close()
+
+
+@pytest.mark.parametrize("size", _SIZES)
+def test_a_truncated_download_is_refused_and_never_lands(tmp_path, body_mac, size):
+    secret, blobs, server = _blob_rig(tmp_path)
+    with Connection.connect(server.endpoint, secret) as direct:
+        key = BlobClient(lambda: direct).put_bytes(os.urandom(size), "job-t")
+    for cut in (size // 2, size + wire.TAG_SIZE - 1):  # inside the body; only the tag's last byte missing
+        relay = Relay(server.endpoint)
+        try:
+            conn = Connection.connect(relay.endpoint, secret, timeout=5)
+            with relay.lock:
+                relay.cut_s2c_at = relay.s2c_count + _body_start({"ok": True, "size": size}) + cut
+            with pytest.raises(ProtocolError, match="closed the connection in the middle"):
+                BlobClient(lambda c=conn: c).get_to_file(key, tmp_path / "out" / "blob", "job-t")
+            assert not list((tmp_path / "out").iterdir()), "a truncated body left a file"
+        finally:
+            relay.close()
+    server.close()
+    blobs.close()
+
+
+@pytest.mark.parametrize("size", _SIZES)
+def test_a_truncated_upload_stores_nothing_and_the_server_keeps_serving(tmp_path, body_mac, size):
+    secret, blobs, server = _blob_rig(tmp_path)
+    relay = Relay(server.endpoint)
+    try:
+        conn = Connection.connect(relay.endpoint, secret, timeout=5)
+        head = {"op": "blob.put", "job_id": "job-t", "size": size, "type": "t"}
+        with relay.lock:
+            relay.cut_c2s_at = len(relay.c2s) + _body_start(head) + size + wire.TAG_SIZE - 1
+        with pytest.raises((StewardError, OSError)):
+            BlobClient(lambda: conn).put_bytes(os.urandom(size), "job-t")
+        wait_until(lambda: not list(blobs.incoming.iterdir()), what="the upload's staged file is removed")
+        assert not (blobs.dir / "job-t").exists()
+        with Connection.connect(server.endpoint, secret) as direct:
+            client = BlobClient(lambda: direct)
+            assert client.get_bytes(client.put_bytes(b"still serving")) == b"still serving"
+    finally:
+        relay.close()
+        server.close()
+        blobs.close()
+
+
+def test_a_wrong_secret_is_refused_both_ways_before_any_blob_moves(tmp_path):
+    secret, blobs, server = _blob_rig(tmp_path)
+    try:
+        with pytest.raises(AuthenticationError, match="secret"):
+            Connection.connect(server.endpoint, new_secret(), timeout=5)
+        assert server.auth_failures == 1
+        with pytest.raises(AuthenticationError, match="secret"):  # an agent without the client's secret
+            with AgentServer("127.0.0.1", 0, new_secret(), {}) as other:
+                Connection.connect(other.endpoint, secret, timeout=5)
+        assert blobs.stats["uploads"] == blobs.stats["served"] == 0
+    finally:
+        server.close()
+        blobs.close()
+
+
+def _session_pair() -> tuple[Connection, Connection]:
+    a, b = socket.socketpair()
+    client, server = Connection(a, 1 << 20, "server"), Connection(b, 1 << 20, "client", server_side=True)
+    nonces = os.urandom(32), os.urandom(32)
+    for conn in (client, server):
+        conn._start_session("s" * 64, *nonces, "hmac-sha256")
+    return client, server
+
+
+def test_bytes_read_ahead_are_verified_when_used_and_unasked_ones_make_the_connection_stale():
+    client, server = _session_pair()
+    try:
+        # one write: a real frame, then a forged one; the first receive reads both
+        server._sendall(server._frame(b'{"ok":true,"n":1}') + _plain_frame({"ok": True, "n": 2}) + bytes(32))
+        assert client.recv() == {"ok": True, "n": 1}
+        assert client.is_stale(), "bytes nobody asked for are waiting: the connection must not be reused"
+        with pytest.raises(AuthenticationError, match="does not verify"):
+            client.recv()
+        assert client.broken
+    finally:
+        client.close()
+        server.close()

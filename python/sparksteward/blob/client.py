@@ -60,13 +60,14 @@ class BlobClient:
                               type=(BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value, move=move)
         return BlobKey.parse(reply["key"])
 
-    def _put(self, size: int, job_id: str | None, permanent: bool, send_body: Callable[[Connection], None]) -> BlobKey:
+    def _put(self, size: int, job_id: str | None, permanent: bool,
+             send_body: Callable[[Connection, dict[str, Any]], None]) -> BlobKey:
         conn = self._conn()
         try:
-            conn.send({"op": "blob.put", "job_id": job_id, "size": size,
-                       "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value})
+            head = {"op": "blob.put", "job_id": job_id, "size": size,
+                    "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value}
             try:
-                send_body(conn)
+                send_body(conn, head)  # the request frame, then the body (one write when it is small)
             except OSError as exc:
                 # the agent may have refused the header and closed the connection: its reply says why
                 try:
@@ -84,11 +85,11 @@ class BlobClient:
         """Store a local file by streaming it (works from any host)."""
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            return self._put(size, job_id, permanent, lambda conn: conn.send_file(f, size))
+            return self._put(size, job_id, permanent, lambda conn, head: conn.send_file(f, size, head))
 
     def put_bytes(self, data: bytes, job_id: str | None = None, *, permanent: bool = False) -> BlobKey:
         """Store ``data`` (streamed from memory)."""
-        return self._put(len(data), job_id, permanent, lambda conn: conn.send_body(data))
+        return self._put(len(data), job_id, permanent, lambda conn, head: conn.send_body(data, head))
 
     def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, RawReader]:
         key = BlobKey.parse(str(key))

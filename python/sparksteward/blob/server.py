@@ -34,6 +34,7 @@ free keys) serializes placing, refilling and deleting a blob. ``close`` joins th
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import os
 import shutil
@@ -94,6 +95,13 @@ def copy_file(src: Path, dest: Path) -> None:
             shutil.copyfileobj(fin, fout, 4 << 20)
 
 
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 class BlobServer:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
@@ -104,6 +112,9 @@ class BlobServer:
         self.secret = secret
         self.incoming = self.dir / "@incoming"
         self.incoming.mkdir(parents=True, exist_ok=True)
+        self._incoming_str, self._dir_str = str(self.incoming), str(self.dir)
+        self._stage_prefix = f"{self._incoming_str}/.stage-{uuid.uuid4().hex[:12]}-"
+        self._stage_seq = itertools.count()
         os.chmod(self.dir, 0o700)
         self.ha = ha
         self.retention = retention
@@ -129,24 +140,23 @@ class BlobServer:
 
     # --- storage -----------------------------------------------------------------------------
     def local_path(self, job_id: str | None, key: BlobKey) -> Path:
-        return self.dir / job_dir_name(job_id) / str(key)
+        return Path(self._local(job_id, key))
 
-    def put_file(self, src: Path, job_id: str | None, btype: BlobType, *, move: bool = False,
-                 digest: bytes | None = None) -> tuple[BlobKey, int]:
+    def _local(self, job_id: str | None, key: BlobKey) -> str:
+        return f"{self._dir_str}/{job_dir_name(job_id)}/{key}"
+
+    def put_file(self, src: Path, job_id: str | None, btype: BlobType, *, move: bool = False) -> tuple[BlobKey, int]:
         """Store the file ``src`` as a blob and return ``(key, size)``.
 
         With ``move`` the server takes ownership of ``src`` (renamed away); without, it copies it, so
-        later changes to ``src`` cannot reach the blob. ``digest`` is trusted only from callers that
-        hashed the bytes themselves (``receive``); otherwise the server's own staged file is hashed.
-        A permanent blob is durable in HA when this returns.
+        later changes to ``src`` cannot reach the blob. Either way the server hashes its own staged
+        file. A permanent blob is durable in HA when this returns.
         """
         job_id = _job(job_id)
-        with self._lock:
-            self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
         size = src.stat().st_size
         if size > self.max_size:
             raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size ({self.max_size})")
-        staged = self.incoming / f".stage-{uuid.uuid4().hex}.tmp"
+        staged = self._stage_path()
         try:
             if move:
                 if src.stat().st_dev == self.incoming.stat().st_dev:
@@ -154,83 +164,108 @@ class BlobServer:
                 else:
                     shutil.move(src, staged)
             else:
-                copy_file(src, staged)
-                digest = None  # the caller's file may have changed while we copied: hash our copy
-            size = staged.stat().st_size
+                copy_file(src, Path(staged))
+            size = os.stat(staged).st_size
             if size > self.max_size:  # the caller's file grew while it was copied
                 raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size "
                                            f"({self.max_size})")
-            key = BlobKey(btype, digest or hash_file(staged))
-            ref = (job_id, key)
-            dest = self.local_path(job_id, key)
-            with self._key_locks[ref]:
-                with self._lock:  # a put revives a blob that staged cleanup was about to take
-                    for pending in (self._marked, self._released, self._orphans):
-                        pending.discard(ref)
-                    self._put_in_pass.add(ref)
-                needs_ha = key.permanent and not self.ha.exists(job_id, key)
-                if dest.exists() and (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
-                    log.warning("local copy %s does not match its key; replacing it with the uploaded bytes", dest)
-                    self.stats["corrupt_replaced"] += 1
+            return self._place(staged, job_id, btype, hash_file(staged), size)
+        except BaseException:
+            _unlink_quietly(staged)
+            raise
+
+    def _stage_path(self) -> str:
+        return f"{self._stage_prefix}{next(self._stage_seq)}.tmp"
+
+    def _place(self, staged: str, job_id: str | None, btype: BlobType, digest: bytes, size: int) -> tuple[BlobKey, int]:
+        """Make the staged file, whose content hashes to ``digest``, the blob's local copy (or drop it
+        if an intact copy is there) and, for a permanent blob, put it to HA. On success ``staged`` is
+        gone; after an error the caller removes it."""
+        with self._lock:
+            self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
+        key = BlobKey(btype, digest)
+        ref = (job_id, key)
+        dest = self._local(job_id, key)
+        with self._key_locks[ref]:
+            with self._lock:  # a put revives a blob that staged cleanup was about to take
+                for pending in (self._marked, self._released, self._orphans):
+                    pending.discard(ref)
+                self._put_in_pass.add(ref)
+            needs_ha = key.permanent and not self.ha.exists(job_id, key)
+            exists = os.path.exists(dest)
+            if exists and (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
+                log.warning("local copy %s does not match its key; replacing it with the uploaded bytes", dest)
+                self.stats["corrupt_replaced"] += 1
+                self._verified.discard(ref)
+                self._commit(staged, dest)
+            elif exists:
+                os.unlink(staged)
+                self.stats["dedup"] += 1
+            else:
+                self._commit(staged, dest)
+                self.stats["uploads"] += 1
+            self._verified.add(ref)
+            if needs_ha:
+                try:
+                    self.ha.put(job_id, key, Path(dest))
+                    self.stats["ha_uploads"] += 1
+                except Exception:
                     self._verified.discard(ref)
-                    self._commit(staged, dest)
-                elif dest.exists():
-                    self.stats["dedup"] += 1
-                else:
-                    self._commit(staged, dest)
-                    self.stats["uploads"] += 1
-                self._verified.add(ref)
-                if needs_ha:
-                    try:
-                        self.ha.put(job_id, key, dest)
-                        self.stats["ha_uploads"] += 1
-                    except Exception:
-                        self._verified.discard(ref)
-                        dest.unlink(missing_ok=True)  # acknowledged only when the HA copy is durable
-                        raise
-        finally:
-            staged.unlink(missing_ok=True)
+                    _unlink_quietly(dest)  # acknowledged only when the HA copy is durable
+                    raise
         return key, size
 
-    def _commit(self, staged: Path, dest: Path) -> None:
+    def _commit(self, staged: str, dest: str) -> None:
         """Rename a staged, verified file into place (scratch storage: no fsync, see decision 0008)."""
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged, dest)
+        try:
+            os.replace(staged, dest)
+        except FileNotFoundError:
+            if not os.path.exists(staged):
+                raise
+            os.makedirs(os.path.dirname(dest), exist_ok=True)  # the job's first blob
+            os.replace(staged, dest)
 
     def in_ha(self, key: BlobKey) -> bool:
         """Whether an acknowledged put of ``key`` is stored in an HA store."""
         return key.permanent and getattr(self.ha, "url", "none") != "none"
 
     def receive(self, conn: Connection, job_id: str | None, btype: BlobType, size: int) -> tuple[BlobKey, int]:
-        """Receive ``size`` raw bytes from ``conn`` into the store; a truncated upload leaves nothing."""
+        """Receive ``size`` raw bytes from ``conn`` into the store; a truncated or tampered upload
+        leaves nothing (its body tag is verified before the last bytes are written)."""
         if not isinstance(size, int) or size < 0 or size > self.max_size:
             raise MessageTooLargeError(f"announced blob size {size!r} is not between 0 and "
                                        f"spark.steward.blob.max-size ({self.max_size})")
-        tmp = self.incoming / f"upload-{uuid.uuid4().hex}"
+        staged = self._stage_path()
         h = Hasher()
         try:
-            with open(tmp, "wb") as f:
+            with open(staged, "xb", buffering=0) as f:
                 conn.recv_into_file(f, size, h.update)
-            return self.put_file(tmp, job_id, btype, move=True, digest=h.digest())
-        finally:
-            tmp.unlink(missing_ok=True)
+            return self._place(staged, _job(job_id), btype, h.digest(), size)
+        except BaseException:
+            _unlink_quietly(staged)
+            raise
 
     def ensure_local(self, job_id: str | None, key: BlobKey) -> Path:
         """The verified local copy of a blob, refilled from HA if missing or corrupt."""
+        return Path(self._ensure_local(job_id, key))
+
+    def _ensure_local(self, job_id: str | None, key: BlobKey) -> str:
         job_id = _job(job_id)
-        path = self.local_path(job_id, key)
+        path = self._local(job_id, key)
         with self._key_locks[(job_id, key)]:
-            if path.exists() and (job_id, key) not in self._verified:
+            exists = os.path.exists(path)
+            if exists and (job_id, key) not in self._verified:
                 if hash_file(path) == key.digest:
                     self._verified.add((job_id, key))
                 else:
                     log.warning("local copy of %s is corrupt; discarding it", key)
-                    path.unlink()
-            if not path.exists():
+                    os.unlink(path)
+                    exists = False
+            if not exists:
                 if not key.permanent:
                     raise BlobNotFoundError(f"blob {key} of job {job_id!r} is not stored on this server")
                 try:
-                    self.ha.get(job_id, key, path)
+                    self.ha.get(job_id, key, Path(path))
                 except (FileNotFoundError, ChecksumMismatchError) as exc:
                     raise BlobNotFoundError(f"blob {key} of job {job_id!r}: no good copy locally or in the HA "
                                             f"store {self.ha.url}: {exc}") from exc
@@ -404,17 +439,16 @@ class BlobServer:
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> None:
         fields = Fields(req)
         key, job_id, boot_id = _key(fields), fields.job_id(nullable=True), fields.text("boot_id", default=None)
-        path = self.ensure_local(job_id, key)
+        path = self._ensure_local(job_id, key)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if boot_id and boot_id == BOOT_ID:
                 # same kernel: the caller copies the file in-kernel (copy_file_range); no socket copy
-                conn.send({"ok": True, "size": size, "path": str(path)})
+                conn.send({"ok": True, "size": size, "path": path})
                 self.stats["served"] += 1
                 self.stats["served_local"] += 1
                 return None
-            conn.send({"ok": True, "size": size})
-            conn.send_file(f, size)
+            conn.send_file(f, size, head={"ok": True, "size": size})
         self.stats["served"] += 1
         self.stats["bytes_served"] += size
         return None

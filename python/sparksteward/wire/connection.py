@@ -15,11 +15,17 @@ bytes from each side, so a key is never reused across connections).
 ``HMAC-SHA256(K, direction | "F" | seq | payload)``. Each direction counts its own sequence numbers
 from 0, so a relay that passed one real handshake through can neither inject, replay, reorder nor
 reflect frames: the receiver closes the connection on the first tag that does not verify.
-**Bodies** (raw blob bytes of a length a frame announced) are followed by a 32-byte
-``HMAC-SHA256(K, direction | "B" | seq | size | bytes)``, computed over large chunks without copies;
-readers verify it before they hand the last chunk over, so a tampered body is never accepted. Bodies
-and frames share the sequence counter. Same-host blob copies hand over a file path and stay free of
-per-byte cost.
+**Bodies** (raw blob bytes of a length a frame announced) are followed by a 32-byte tag under a
+key of their own, ``Kb = HMAC(K, direction | "B" | seq | size)``: Poly1305 under the one-time key
+``Kb`` when both sides have ``cryptography`` (negotiated in the handshake, inside both proofs), else
+``HMAC-SHA256`` keyed the same way (decision 0007). Senders hash each 1 MiB chunk of a file right
+after ``sendfile`` handed it to the kernel, from a read-only memory map (no copies); readers hash
+each chunk as it arrives and verify the tag before they hand the last chunk over, so a tampered or
+truncated body is never accepted. Bodies and frames share the sequence counter. A frame and a small
+body that follows it go out in one write, and after the handshake a receive takes up to 64 KiB the
+peer sent already (so a request or reply with a small body costs one system call each way); those
+bytes are verified when they are consumed, and an idle connection holding any is stale. Same-host
+blob copies hand over a file path and stay free of per-byte cost.
 
 **Bounds.** Until a peer is authenticated its frames are bounded to :data:`PRE_AUTH_LIMIT` bytes and
 the whole handshake to ``handshake_timeout`` seconds. Unauthenticated connections never hold one of
@@ -81,8 +87,9 @@ TAG_SIZE = 32
 NONCE_SIZE = 32
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
-_CHUNK = 4 << 20
-_PARALLEL_MAC = 1 << 20  # chunks at least this big are hashed on a helper thread
+_CHUNK = 1 << 20  # a body's bytes move in chunks this big: each stays in cache while it is hashed and written
+_PARALLEL_MAC = 1 << 20  # HMAC-SHA256 bodies this big are hashed on a helper thread
+_READ_AHEAD = 64 << 10  # after the handshake, a short read asks the socket for up to this much
 _CLIENT_PROOF = b"sparksteward wire v2 client proof\0"
 _SERVER_PROOF = b"sparksteward wire v2 server proof\0"
 _SESSION_KEY = b"sparksteward wire v2 session key\0"
@@ -153,6 +160,8 @@ class Connection:
         self._send_seq = self._recv_seq = 0
         self._deadline: float | None = None
         self._timeout = sock.gettimeout()
+        self._ahead = bytearray()  # bytes received beyond what was asked for (authenticated only)
+        self._scratch: bytearray | None = None
 
     # --- session ---------------------------------------------------------------------------------
     def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes, body_mac: str) -> None:
@@ -189,11 +198,14 @@ class Connection:
 
     def send(self, msg: dict[str, Any]) -> None:
         """Send one frame; a message over ``max_message`` raises MessageTooLargeError and sends nothing."""
+        self._sendall(self._encode(msg))
+
+    def _encode(self, msg: dict[str, Any]) -> bytes:
         body = orjson.dumps(msg)
         if len(body) > self.max_message:
             raise MessageTooLargeError(
                 f"message of {len(body)} bytes exceeds spark.steward.rpc.max-message-size ({self.max_message})")
-        self._sendall(self._frame(body))
+        return self._frame(body)
 
     def recv(self) -> dict[str, Any]:
         """Receive one frame, verify its tag and parse it."""
@@ -220,12 +232,36 @@ class Connection:
         return msg
 
     def recv_exact(self, n: int) -> bytes:
+        """Exactly ``n`` bytes. After the handshake a short read takes what the peer sent already, up
+        to :data:`_READ_AHEAD` bytes, and keeps the rest for the next read (one system call for a
+        frame and a small body); the bytes are verified by whoever consumes them, as ever."""
+        ahead = self._ahead
+        if len(ahead) < n and self._key is not None and n < _READ_AHEAD:
+            if self._scratch is None:
+                self._scratch = bytearray(_READ_AHEAD)
+            view = memoryview(self._scratch)
+            while len(ahead) < n:
+                ahead += view[:self._recv_into(view, _READ_AHEAD, n)]
+        if len(ahead) >= n:
+            out = bytes(ahead[:n])
+            del ahead[:n]
+            return out
         buf = bytearray(n)
         view = memoryview(buf)
         got = 0
         while got < n:
-            got += self._recv_into(view[got:], n - got, n)
+            got += self._read_into(view[got:], n - got, n)
         return bytes(buf)
+
+    def _read_into(self, view: memoryview, want: int, total: int) -> int:
+        """Up to ``want`` bytes into ``view``: read-ahead bytes first, else one receive."""
+        ahead = self._ahead
+        if ahead:
+            k = min(want, len(ahead))
+            view[:k] = ahead[:k]
+            del ahead[:k]
+            return k
+        return self._recv_into(view, want, total)
 
     def _recv_into(self, view: memoryview, want: int, total: int) -> int:
         try:
@@ -267,20 +303,26 @@ class Connection:
                 f"the {size}-byte body from peer {self.peer} does not match its tag (tampered or corrupted "
                 f"in transit); it was discarded and the connection closed"))
 
-    def send_body(self, data: bytes | memoryview) -> None:
-        """Send ``data`` as a body (then its tag)."""
+    def send_body(self, data: bytes | memoryview, head: dict[str, Any] | None = None) -> None:
+        """Send ``data`` as a body (then its tag). ``head``: a frame to send just before it (small
+        bodies go out in the same write)."""
+        framed = b"" if head is None else self._encode(head)
         h = self._body_mac(self._out, len(data))
         h.update(data)
         if len(data) < _PARALLEL_MAC:
-            self._sendall(bytes(data) + h.digest())
+            self._sendall(b"".join((framed, data, h.digest())))
         else:
+            if framed:
+                self._sendall(framed)
             self._sendall(data)
             self._sendall(h.digest())
 
-    def send_file(self, f: BinaryIO, n: int) -> None:
+    def send_file(self, f: BinaryIO, n: int, head: dict[str, Any] | None = None) -> None:
         """Send exactly ``n`` bytes of ``f`` from its current offset as a body: ``sendfile`` for the
-        bytes, a tag computed over a read-only memory map of the same range (no copies). Bodies under
-        1 MiB go out as one read and one write instead."""
+        bytes, a tag computed over a read-only memory map of the same range (no copies) on a helper
+        thread meanwhile. Bodies under 1 MiB go out as one read and one write instead. ``head``: a
+        frame to send just before the body (small bodies go out in the same write)."""
+        framed = b"" if head is None else self._encode(head)
         h = self._body_mac(self._out, n)
         start = f.tell()
         if n < _PARALLEL_MAC:  # small: one read and one write beat a memory map and sendfile
@@ -292,9 +334,11 @@ class Connection:
                 raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of "
                                                f"{getattr(f, 'name', 'a file')!r}: it is shorter"))
             h.update(data)
-            self._sendall(data + h.digest())
+            self._sendall(b"".join((framed, data, h.digest())))
             f.seek(start + n)
             return
+        if framed:
+            self._sendall(framed)
         try:
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
                 view = memoryview(mm)
@@ -302,18 +346,21 @@ class Connection:
                     end = start + n
                     if end > len(view):
                         raise ProtocolError(f"cannot send {n} bytes from offset {start} of a {len(view)}-byte file")
-                    # HMAC on a second thread while the kernel sends (both release the GIL)
-                    hasher = None if isinstance(h, _PolyMac) else threading.Thread(
-                        target=h.update, args=(view[start:end],), name="steward-mac")
-                    if hasher is not None:
+                    if isinstance(h, _PolyMac):  # cheap: each chunk right after the kernel took it
+                        sent = 0
+                        while sent < n:
+                            k = self.sock.sendfile(f, offset=start + sent, count=min(_CHUNK, n - sent))
+                            if k <= 0:
+                                break
+                            h.update(view[start + sent:start + sent + k])
+                            sent += k
+                    else:  # HMAC on a second thread while the kernel sends (both release the GIL)
+                        hasher = threading.Thread(target=h.update, args=(view[start:end],), name="steward-mac")
                         hasher.start()
-                    try:
-                        sent = self.sock.sendfile(f, offset=start, count=n)
-                    finally:
-                        if hasher is not None:
+                        try:
+                            sent = self.sock.sendfile(f, offset=start, count=n)
+                        finally:
                             hasher.join()
-                    if hasher is None:
-                        h.update(view[start:end])
                     if sent != n:
                         raise ProtocolError(f"sent {sent} of {n} bytes to {self.peer}")
                 finally:
@@ -420,7 +467,7 @@ class Connection:
     def is_stale(self) -> bool:
         """True if this idle connection cannot be used: it broke, the peer closed it, or the peer sent
         something unasked. Never blocks; call it before reusing a cached connection."""
-        if self.broken or self.sock.fileno() < 0:
+        if self.broken or self.sock.fileno() < 0 or self._ahead:
             return True
         poller = select.poll()
         poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
@@ -452,15 +499,15 @@ class RawReader:
     valid until the next read). The body's tag is verified before the last chunk is returned, so a
     tampered body raises AuthenticationError instead of ending.
 
-    Two reused 4 MiB buffers alternate: the tag of one chunk is computed on a helper thread while
-    the caller writes that chunk and the next one arrives (hashing releases the GIL), so the MAC
-    costs little wall time.
+    Chunks are at most 1 MiB, so one stays in the CPU cache while it is received, MAC'd, checksummed
+    and written by the caller. Poly1305 hashes each chunk at once; under the HMAC-SHA256 fallback two
+    reused buffers alternate and a chunk's MAC is computed on a helper thread while the caller writes
+    it and the next one arrives (hashing releases the GIL).
     """
 
     def __init__(self, conn: Connection, size: int) -> None:
         self.conn, self.size, self.left = conn, size, size
-        n = min(4 << 20, max(size, 1))
-        self._bufs = [bytearray(n)] + ([bytearray(n)] if size > n else [])
+        self._bufs: list[bytearray] = []  # made on the first read that needs them
         self._turn = 0
         self._mac = conn._body_mac(conn._in, size)
         self._hasher: threading.Thread | None = None
@@ -487,13 +534,16 @@ class RawReader:
             self.left, self._verified = 0, True
             self.conn._verify_body(self._mac, self.size, data[self.size:])
             return data[:self.size]
+        if not self._bufs:
+            n = min(_CHUNK, max(self.size, 1))
+            self._bufs = [bytearray(n)] + ([bytearray(n)] if self.size > n else [])
         buf = self._bufs[self._turn]
         self._turn = (self._turn + 1) % len(self._bufs)
         view = memoryview(buf)[: min(n, self.left, len(buf))]
         got = 0
         try:
             while got < len(view):
-                got += self.conn._recv_into(view[got:], len(view) - got, self.size)
+                got += self.conn._read_into(view[got:], len(view) - got, self.size)
         finally:
             self._join()  # the previous chunk is hashed (in order) before this one starts
         chunk = view[:got]

@@ -171,7 +171,12 @@ class AgentServer:
                 raise ProtocolError(f"unknown request op {op!r}; known: {', '.join(sorted(self._handlers))}")
             reply = handler(conn, req)
         except StewardError as exc:
-            if conn.broken:
+            if conn.broken:  # the stream in is untrusted; still say why on the way out, then close
+                if isinstance(exc, AuthenticationError):
+                    try:
+                        conn.send({"ok": False, "error": exc.to_wire()})
+                    except OSError:
+                        pass
                 return False
             conn.send({"ok": False, "error": exc.to_wire()})
             return not isinstance(exc, ProtocolError) and not conn.unread_body
