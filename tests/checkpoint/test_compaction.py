@@ -24,7 +24,7 @@ from sparksteward.errors import ConfigError, StateBackendError
 from sparksteward.state import snapshot as snapshot_mod
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.state.snapshot import CompactionPolicy, compact_snapshot, last_run_bytes
+from sparksteward.state.snapshot import CompactionPolicy, SortedRuns, compact_snapshot
 
 M = 128
 ALL = KeyGroupRange(0, M)
@@ -69,6 +69,15 @@ def data_bytes(directory):
     return sum(p.stat().st_size for p in directory.iterdir() if p.name.endswith((".sst", ".log")))
 
 
+def sorted_runs(db_dir):
+    db = rocksdict.Rdict(str(db_dir), rocksdict.Options(raw_mode=True), access_type=rocksdict.AccessType.read_only())
+    try:
+        return SortedRuns.of(db.live_files())
+    finally:
+        db.close()
+        del db
+
+
 def levels(db_dir):
     db = rocksdict.Rdict(str(db_dir), rocksdict.Options(raw_mode=True), access_type=rocksdict.AccessType.read_only())
     try:
@@ -83,14 +92,21 @@ def test_the_policy_is_validated_and_reads_the_last_run():
         CompactionPolicy(-1)
     with pytest.raises(ConfigError, match=r"compaction.min-size=0 .* size > 0"):
         CompactionPolicy(1.25, 0)
-    assert not CompactionPolicy(0.5).enabled and not CompactionPolicy(0.5).wants(10 << 20, 1)
+
+    def f(level, size, entries=10, deletions=0):
+        return {"level": level, "size": size, "num_entries": entries, "num_deletions": deletions}
+
+    files = [f(0, 300, 10, 5), f(0, 500, 10, 0), f(2, 50, 20, 1), f(6, 700), f(6, 400)]
+    assert SortedRuns.of(files) == SortedRuns(1100, 40, 6)    # the deepest level below L0; the rest above
+    assert SortedRuns.of(files[:2]) == SortedRuns(500, 10, 5)   # all in L0: the largest file
+    assert SortedRuns.of([f(0, 500), f(0, 500, 10, 3)]) == SortedRuns(500, 10, 3)   # one of two equal files
+    assert SortedRuns.of([]) == SortedRuns(0, 0, 0)
+    assert not CompactionPolicy(0.5).enabled and not CompactionPolicy(0.5).wants(10 << 20, SortedRuns(1, 10, 10))
     p = CompactionPolicy(1.25, 1000)
-    assert p.wants(1300, 1000) and not p.wants(1250, 1000) and not p.wants(999, 1)
-    files = [{"level": 0, "size": 300}, {"level": 0, "size": 500}, {"level": 2, "size": 50},
-             {"level": 6, "size": 700}, {"level": 6, "size": 400}]
-    assert last_run_bytes(files) == 1100          # the deepest level below L0
-    assert last_run_bytes(files[:2]) == 500       # all in L0: the largest file
-    assert last_run_bytes([]) == 0
+    assert p.wants(1300, SortedRuns(1000, 100, 10)) and not p.wants(1250, SortedRuns(1000, 100, 10))
+    assert not p.wants(999, SortedRuns(1, 100, 10))              # under min-size
+    assert not p.wants(5000, SortedRuns(1000, 100, 9))           # new entries, few deletions: growth
+    assert not p.wants(5000, SortedRuns(1000, 0, 0))
 
 
 def test_a_snapshot_with_much_garbage_is_compacted_into_a_copy_with_the_same_entries(tmp_path):
@@ -133,15 +149,32 @@ def test_small_or_compact_snapshots_are_left_alone(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".compacting")]
 
 
-def _upload(tmp_path, snap, policy, **submit):
-    """Upload ``snap`` as the executor agent does; return the checkpoint (or the error) and the bytes sent."""
+def test_a_growing_state_without_deletions_is_left_alone(tmp_path):
+    """New keys above the last run are growth, not garbage: no rewrite of the whole state for them."""
+    b = RocksDBStateBackend(tmp_path / "w", ALL, M)
+    s = b.value("s")
+    s.put_many([f"k{i}" for i in range(10_000)], [os.urandom(16).hex() for _ in range(10_000)])
+    compact = rocksdict.CompactOptions()
+    compact.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
+    b.db.compact_range(None, None, compact)
+    s.put_many([f"n{i}" for i in range(10_000)], [os.urandom(16).hex() for _ in range(10_000)])
+    b.db.flush(True)
+    snap = b.snapshot(tmp_path / "snap")
+    runs = sorted_runs(snap.path)
+    assert data_bytes(snap.path) > 1.8 * runs.last_run and runs.deletions_above == 0   # twice the last run
+    assert compact_snapshot(snap.path, SMALL) is None
+
+
+def _upload(tmp_path, snap, policy, fold_wal_above=256 << 10, **submit):
+    """Upload ``snap`` as the executor agent does; return the storage, the checkpoint (None if the
+    upload failed) and the upload's results."""
     storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
     coord = CheckpointCoordinator(storage, 1, M)
     begun = coord.begin(0)
     results = []
     with SnapshotUploader(threads=1) as up:
         fut = up.submit(storage, 0, 0, snap, begun.known, on_done=lambda cid, r: (coord.ack(cid, r), results.append(r)),
-                        fold_wal_above=256 << 10, compaction=policy, **submit)
+                        fold_wal_above=fold_wal_above, compaction=policy, **submit)
         fut.exception(60)
     return storage, (coord.complete(0) if results else None), results
 
@@ -159,6 +192,28 @@ def test_the_uploader_uploads_the_compacted_copy_and_removes_both(tmp_path):
     assert results[0].bytes_uploaded < size / 1.25   # only the compacted run (and metadata) went up
     assert _restored(tmp_path, storage, meta) == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith((".snap", "snap"))] == []
+
+
+def test_the_policy_looks_at_the_snapshot_after_its_wal_is_folded(tmp_path):
+    """A ZSTD-compressed WAL folds into an SST several times its size: the uploader folds first, so the
+    bound holds for what is uploaded."""
+    import pyarrow as pa
+
+    b = RocksDBStateBackend(tmp_path / "w", ALL, M, "long")
+    s = b.value("s")
+    s.put_many(pa.array(range(40_000)), list(range(40_000)))
+    compact = rocksdict.CompactOptions()
+    compact.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
+    b.db.compact_range(None, None, compact)
+    s.put_many(pa.array(range(6_000)), [7] * 6_000)
+    s.put_many(pa.array(range(6_000, 12_000)), [None] * 6_000)
+    snap = b.snapshot(tmp_path / "snap")
+    before = entries(snap.path)
+    assert compact_snapshot(snap.path, SMALL) is None   # the WAL, as compressed, stays under the factor
+    storage, meta, results = _upload(tmp_path, snap, SMALL, fold_wal_above=0)
+    names = [f.name for f in results[0].handle.files]
+    assert sum(n.endswith(".sst") for n in names) == 1   # folded, then compacted into one run
+    assert _restored(tmp_path, storage, meta) == before
 
 
 @pytest.mark.parametrize("where", ["link", "compact", "cleanup"])

@@ -1,12 +1,13 @@
 """The async phase of checkpoints, off the task's critical path (hosted by the executor agent).
 
 A task hands its local snapshot to :meth:`SnapshotUploader.submit` and returns its rows at once. A
-pool of threads prepares the snapshot (a fully compacted copy when its files carry too much garbage,
-:func:`~sparksteward.state.snapshot.compact_snapshot`, else its WAL folded into an SST past
-``wal-flush-size``), uploads its new files (:meth:`CheckpointStorage.upload_snapshot`), deletes the
-local snapshot (and the copy), and reports the :class:`UploadResult` to ``on_done`` (the agent acks it to the
-driver agent's coordinator) or the error to ``on_error`` (the agent reports the subtask failed, so
-the coordinator aborts the checkpoint).
+pool of threads prepares the snapshot (its WAL folded into an SST past ``wal-flush-size``, then a
+fully compacted copy when its files carry too much garbage,
+:func:`~sparksteward.state.snapshot.compact_snapshot`), uploads its new files
+(:meth:`CheckpointStorage.upload_snapshot`), deletes the local snapshot (and the copy), and reports
+the :class:`UploadResult` to ``on_done`` (the agent acks it to the driver agent's coordinator) or the
+error to ``on_error`` (the agent reports the subtask failed, so the coordinator aborts the
+checkpoint).
 
 Thread-safe. ``close()`` waits for the uploads in flight (or cancels the queued ones with
 ``cancel=True``), joins the threads, and is idempotent.
@@ -51,9 +52,9 @@ class SnapshotUploader:
                fold_wal_above: int | None = None,
                compaction: CompactionPolicy | None = None) -> Future[UploadResult]:
         """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``). With
-        ``compaction``, a snapshot the policy picks is uploaded as a fully compacted copy
-        (:func:`compact_snapshot`); otherwise, with ``fold_wal_above``, a WAL larger than that is first
-        folded into an SST (:func:`fold_wal`)."""
+        ``fold_wal_above``, a WAL larger than that is first folded into an SST (:func:`fold_wal`); then,
+        with ``compaction``, a snapshot the policy picks is uploaded as a fully compacted copy
+        (:func:`compact_snapshot`)."""
         with self._lock:
             if self._closed:
                 raise CheckpointError("the snapshot uploader is closed")
@@ -61,10 +62,10 @@ class SnapshotUploader:
             def work() -> UploadResult:
                 compacted: SnapshotCompaction | None = None
                 try:
-                    if compaction is not None:   # decision 0019: garbage past the policy's factor is dropped
-                        compacted = compact_snapshot(snapshot.path, compaction)
-                    if compacted is None and fold_wal_above is not None:  # decision 0012: the WAL becomes an SST
+                    if fold_wal_above is not None:  # decision 0012: the WAL past the limit becomes an SST
                         fold_wal(snapshot.path, fold_wal_above)
+                    if compaction is not None:   # decision 0019, after the fold: an SST outgrows its ZSTD WAL
+                        compacted = compact_snapshot(snapshot.path, compaction)
                     local = compacted.path if compacted is not None else snapshot.path
                     result = storage.upload_snapshot(local, subtask, snapshot.key_groups, known=known,
                                                      cache=self._cache, merge=merge, merge_below=merge_below,

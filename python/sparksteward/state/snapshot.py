@@ -28,7 +28,7 @@ from sparksteward.state.rocksdb_options import db_options
 from sparksteward.storage import NotRegularFileError, regular_files
 
 __all__ = ["COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "WAL_FLUSH_BYTES", "CompactionPolicy",
-           "LocalSnapshot", "SnapshotCompaction", "compact_snapshot", "fold_wal", "last_run_bytes",
+           "LocalSnapshot", "SnapshotCompaction", "SortedRuns", "compact_snapshot", "fold_wal",
            "snapshot_files", "wal_bytes"]
 
 log = logging.getLogger("sparksteward.state.snapshot")
@@ -38,6 +38,8 @@ WAL_FLUSH_BYTES = 256 << 10
 #: defaults of ``spark.steward.state.compaction.max-space-amplification`` and ``.min-size``
 COMPACTION_SPACE_AMPLIFICATION = 1.25
 COMPACTION_MIN_BYTES = 1 << 20
+#: the least share of deletions among the entries above the last sorted run for them to count as garbage
+COMPACTION_MIN_DELETIONS = 0.1
 
 _DATA = (".sst", ".log", ".blob")   # the files that hold entries (the rest is metadata)
 
@@ -111,11 +113,14 @@ def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) ->
 class CompactionPolicy:
     """When the async phase compacts a snapshot before its upload (decision 0019).
 
-    A snapshot is compacted when its data (SST, WAL and blob bytes) is at least ``min_size`` and more
-    than ``max_space_amplification`` times its last sorted run (:func:`last_run_bytes`). Everything
-    above the last run may be garbage: overwritten values, entries the TTL sweep deleted and their
-    tombstones. A full compaction leaves one run, so the bytes uploaded stay within that factor of the
-    live state. Below 1 the policy is off.
+    A snapshot is compacted when its data (SST, WAL and blob bytes) is at least ``min_size``, more
+    than ``max_space_amplification`` times its last sorted run (:class:`SortedRuns`), and at least
+    :data:`COMPACTION_MIN_DELETIONS` of the entries above that run are deletions. The files above the
+    last run then hold garbage: the TTL sweep's (or the user's) deletes, the entries they cover, and
+    overwritten values. A full compaction leaves one run, so the bytes uploaded stay within that factor
+    of the state as it was at the last compaction. Without deletions, what lies above the last run is
+    mostly new keys (a growing state): rewriting and uploading the whole state again for it would
+    drop little. Below 1 the policy is off.
     """
 
     max_space_amplification: float = COMPACTION_SPACE_AMPLIFICATION
@@ -134,9 +139,10 @@ class CompactionPolicy:
     def enabled(self) -> bool:
         return self.max_space_amplification >= 1
 
-    def wants(self, data: int, last_run: int) -> bool:
-        """Whether ``data`` bytes over a last sorted run of ``last_run`` bytes call for a compaction."""
-        return self.enabled and data >= self.min_size and data > self.max_space_amplification * last_run
+    def wants(self, data: int, runs: SortedRuns) -> bool:
+        """Whether a snapshot of ``data`` bytes whose SSTs are ``runs`` calls for a compaction."""
+        return (self.enabled and data >= self.min_size and data > self.max_space_amplification * runs.last_run
+                and runs.deletions_above > 0 and runs.deletions_above >= COMPACTION_MIN_DELETIONS * runs.entries_above)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,19 +155,31 @@ class SnapshotCompaction:
     ms: float
 
 
-def last_run_bytes(live_files: Iterable[Mapping[str, object]]) -> int:
-    """The bytes of the last sorted run among ``live_files`` (rocksdict's ``Rdict.live_files()``): its
-    deepest non-empty level below L0, or, with every file in L0, the largest file. A full compaction
-    leaves only that run; what lies above it is at most the garbage a compaction could drop."""
-    levels: dict[int, int] = {}
-    largest_l0 = 0
-    for f in live_files:
-        level, size = int(f["level"]), int(f["size"])  # type: ignore[call-overload]
-        levels[level] = levels.get(level, 0) + size
-        if level == 0:
-            largest_l0 = max(largest_l0, size)
-    deeper = [lvl for lvl in levels if lvl > 0]
-    return levels[max(deeper)] if deeper else largest_l0
+@dataclass(frozen=True, slots=True)
+class SortedRuns:
+    """The shape of a DB's live SSTs: the bytes of its last sorted run (its deepest non-empty level
+    below L0, or, with every file in L0, the largest file), and the entries and deletions of the files
+    above it. A full compaction leaves only the last run; what lies above it is at most the garbage a
+    compaction could drop."""
+
+    last_run: int
+    entries_above: int
+    deletions_above: int
+
+    @classmethod
+    def of(cls, live_files: Iterable[Mapping[str, object]]) -> SortedRuns:
+        """From rocksdict's ``Rdict.live_files()``."""
+        files = [(int(f["level"]), int(f["size"]), int(f["num_entries"]), int(f["num_deletions"]))  # type: ignore[call-overload]
+                 for f in live_files]
+        deepest = max((f[0] for f in files), default=0)
+        if deepest > 0:
+            in_last = [f[0] == deepest for f in files]
+        else:   # all in L0: the largest file stands for the run the others stack on
+            largest = max(range(len(files)), key=lambda i: files[i][1], default=-1)
+            in_last = [i == largest for i in range(len(files))]
+        last = [f for f, x in zip(files, in_last) if x]
+        above = [f for f, x in zip(files, in_last) if not x]
+        return cls(sum(f[1] for f in last), sum(f[2] for f in above), sum(f[3] for f in above))
 
 
 def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy) -> SnapshotCompaction | None:
@@ -199,8 +217,8 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
             del db
     except Exception as exc:  # rocksdict raises a bare Exception
         raise StateBackendError(f"cannot read the levels of snapshot {directory}: {exc}") from exc
-    last_run = last_run_bytes(live)
-    if not policy.wants(data, last_run):
+    runs = SortedRuns.of(live)
+    if not policy.wants(data, runs):
         return None
     into = directory.with_name(f".{directory.name}.{os.getpid()}.compacting")
     try:
@@ -211,7 +229,8 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
         log.warning("compaction of snapshot %s failed (%s); its files are uploaded as they are", directory, exc)
         return None
     ms = (time.perf_counter() - started) * 1000
-    log.info("compacted snapshot %s: %d B (last run %d B) -> %d B in %.0f ms", directory, data, last_run, after, ms)
+    log.info("compacted snapshot %s: %d B (last run %d B, %d of %d entries above it deletions) -> %d B in %.0f ms",
+             directory, data, runs.last_run, runs.deletions_above, runs.entries_above, after, ms)
     return SnapshotCompaction(into, data, after, ms)
 
 
