@@ -355,10 +355,11 @@ OPTIONS = OPTIONS + (
            "and more WAL to upload and to replay at each open.", check=_positive),
     Option("spark.steward.state.compaction.max-space-amplification", "float", "1.25",
            "A subtask's RocksDB lives for one batch, so its own compactions rarely finish and the garbage of "
-           "overwrites and TTL deletes piles up in the checkpoints. Before uploading a snapshot whose data "
-           "(SSTs and WAL) is more than this times its last sorted run (its deepest level), the executor "
-           "agent uploads a fully compacted copy instead, which then holds only live entries. Lower: "
-           "smaller checkpoints, more of the state rewritten and uploaded again. Below 1 turns it off.",
+           "TTL deletes and overwrites piles up in the checkpoints. When a snapshot's data (SSTs and WAL, "
+           "after the WAL fold) is more than this times its last sorted run (its deepest level) and at "
+           "least a tenth of the entries above that run are deletions, the executor agent uploads a fully "
+           "compacted copy instead (decision 0019). Lower: smaller checkpoints, the whole state rewritten "
+           "and uploaded more often. Below 1 turns it off.",
            check=_nonneg, allowed="a number >= 0 (below 1 turns it off)"),
     Option("spark.steward.state.compaction.min-size", "bytes", "1m",
            "A subtask's snapshot with less data (SSTs and WAL) than this is never compacted before its "
