@@ -56,7 +56,11 @@ task does at the start of every batch. Per measured batch, in a table per run:
 - ``restore s``: the time to restore all subtasks, one after the other (best of 5);
 - the DB's entries: values, list elements and expiry-index keys.
 
-Then the ratios batch 60 / batch 15. Targets, with TTL: checkpoint bytes, local DB size and restore
+Then the ratios batch 60 / batch 15, and over the batches from 15 on: the checkpoints' MB (min,
+median, max), the bytes uploaded per batch (p50, mean, max: a compaction uploads a subtask's whole
+state at once), the batch p50, and how many subtask checkpoints rewrote all their SSTs (a full
+compaction, the executor agent's (decision 0019) or, rarely, one of RocksDB's that finished in the
+task). Targets, with TTL: checkpoint bytes, local DB size and restore
 time <= 1.3x (the point samples), and the same for the saw-tooth-proof pair (the window's
 largest checkpoint, the compacted DB); without TTL the checkpoint and the DB grow.
 
@@ -438,6 +442,8 @@ def bounded_run(spark: Any, root: Path, ttl: float | None) -> dict[str, Any]:
     aside: dict[int, dict[str, Any]] = {}
     durations: list[float] = []
     sizes: list[int] = []   # per batch, the bytes of its checkpoint
+    rewrites: list[int] = []   # per batch, the subtasks whose SSTs are all new (a full compaction ran)
+    previous: dict[int, set[str]] = {}
     overruns = 0
     began = time.perf_counter()
     for i in range(BATCHES):
@@ -454,6 +460,10 @@ def bounded_run(spark: Any, root: Path, ttl: float | None) -> dict[str, Any]:
         durations.append(time.perf_counter() - t)
         info = ks.info()
         sizes.append(checkpoint_bytes(info["latest"]))
+        ssts = {s["subtask"]: {f["checksum"] for f in s["files"] if f["name"].endswith(".sst")}
+                for s in info["latest"]["subtasks"]}
+        rewrites.append(sum(1 for k, v in ssts.items() if v and previous.get(k) and not v & previous[k]))
+        previous = ssts
         if i + 1 in MEASURE_AT:
             aside[i + 1] = set_aside(ks, info, side / f"b{i + 1}")
     wall = time.perf_counter() - began
@@ -464,7 +474,7 @@ def bounded_run(spark: Any, root: Path, ttl: float | None) -> dict[str, Any]:
                        "chk": a["bytes"], "files": a["files"]}
         shutil.rmtree(root / "scratch" / label / f"b{b}", ignore_errors=True)
     return {"label": label, "durations": durations, "overruns": overruns, "wall": wall, "measured": measured,
-            "removed": sum(c.get("ttl_expired_removed", 0) for c in stats), "sizes": sizes,
+            "removed": sum(c.get("ttl_expired_removed", 0) for c in stats), "sizes": sizes, "rewrites": rewrites,
             "uploaded": [c["bytes_uploaded"] for c in stats]}
 
 
@@ -502,9 +512,12 @@ def scenario_bounded(spark: Any, root: Path) -> list[tuple[str, bool]]:
               f"window {ratios['chk_max']:.2f}x), local DB as restored {ratios['db']:.2f}x (compacted "
               f"{ratios['compacted']:.2f}x), restore time {ratios['seconds']:.2f}x")
         later = [n / MB for n in sizes[min(m) - 1:]]
+        up = r["uploaded"][min(m) - 1:]
         print(f"{'':8} checkpoint MB of every batch from {min(m)} on: min {min(later):.2f}, median "
               f"{statistics.median(later):.2f}, max {max(later):.2f}; uploaded per batch p50 "
-              f"{statistics.median(r['uploaded']) / MB:.2f} MB")
+              f"{statistics.median(up) / MB:.2f} MB, mean {statistics.mean(up) / MB:.2f} MB, max {max(up) / MB:.2f} "
+              f"MB; batch p50 {statistics.median(r['durations'][min(m) - 1:]):.2f} s; subtask checkpoints that "
+              f"rewrote all their SSTs {sum(r['rewrites'][min(m) - 1:])} of {P * len(later)}")
         if r["label"] == "ttl":
             checks.append((f"with TTL, batch {max(m)} / batch {min(m)} <= 1.3x: checkpoint bytes, local DB size and "
                            f"restore time", all(ratios[k] <= 1.3 for k in ("chk", "db", "seconds"))))

@@ -373,6 +373,17 @@ OPTIONS = OPTIONS + (
            "sync phase writes and fsyncs nothing); the executor agent folds a snapshot with more WAL "
            "than this into an SST before uploading it (the async phase). Larger: fewer, larger SSTs, "
            "and more WAL to upload and to replay at each open.", check=_positive),
+    Option("spark.steward.state.compaction.max-space-amplification", "float", "1.25",
+           "A subtask's RocksDB lives for one batch, so its own compactions rarely finish and the garbage of "
+           "TTL deletes and overwrites piles up in the checkpoints. When a snapshot's data (SSTs and WAL, "
+           "after the WAL fold) is more than this times its last sorted run (its deepest level) and at "
+           "least a tenth of the entries above that run are deletions, the executor agent uploads a fully "
+           "compacted copy instead (decision 0019). Lower: smaller checkpoints, the whole state rewritten "
+           "and uploaded more often. Below 1 turns it off.",
+           check=_nonneg, allowed="a number >= 0 (below 1 turns it off)"),
+    Option("spark.steward.state.compaction.min-size", "bytes", "1m",
+           "A subtask's snapshot with less data (SSTs and WAL) than this is never compacted before its "
+           "upload (see compaction.max-space-amplification).", check=_positive),
     Option("spark.steward.state.open-timeout", "duration", "6h",
            "How long an executor agent keeps a subtask that a task opened and neither uploaded nor released "
            "(the task was killed) before it deletes its working dir. Such a subtask is released sooner once "
@@ -488,6 +499,8 @@ class StewardConfig:
     state_max_parallelism: int = 128
     state_local_dir: str = ""
     state_wal_flush_size: int = 256 << 10
+    state_compaction_max_space_amplification: float = 1.25
+    state_compaction_min_size: int = 1 << 20
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
     state_ttl_sweep_max_entries: int = 100_000

@@ -21,6 +21,7 @@ from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.config import StewardConfig
 from sparksteward.owner import private_dir, sweep_dead
 from sparksteward.rendezvous import Rendezvous
+from sparksteward.state.snapshot import CompactionPolicy
 
 __all__ = ["ExecutorAgent"]
 
@@ -51,6 +52,8 @@ class ExecutorAgent(Agent):
                                      upload_threads=self.cfg.checkpoint_upload_threads,
                                      cache_max_bytes=self.cfg.state_cache_max_size,
                                      wal_flush_bytes=self.cfg.state_wal_flush_size,
+                                     compaction=CompactionPolicy(self.cfg.state_compaction_max_space_amplification,
+                                                                 self.cfg.state_compaction_min_size),
                                      open_timeout=self.cfg.state_open_timeout, clock=self.clock)  # keyed state
         self.states.register_handlers(self.server)
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id, timeout=self.cfg.rpc_timeout)

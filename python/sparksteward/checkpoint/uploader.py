@@ -1,10 +1,13 @@
 """The async phase of checkpoints, off the task's critical path (hosted by the executor agent).
 
 A task hands its local snapshot to :meth:`SnapshotUploader.submit` and returns its rows at once. A
-pool of threads uploads the snapshot's new files (:meth:`CheckpointStorage.upload_snapshot`), deletes
-the local snapshot, and reports the :class:`UploadResult` to ``on_done`` (the agent acks it to the
-driver agent's coordinator) or the error to ``on_error`` (the agent reports the subtask failed, so
-the coordinator aborts the checkpoint).
+pool of threads prepares the snapshot (its WAL folded into an SST past ``wal-flush-size``, then a
+fully compacted copy when its files carry too much garbage,
+:func:`~sparksteward.state.snapshot.compact_snapshot`), uploads its new files
+(:meth:`CheckpointStorage.upload_snapshot`), deletes the local snapshot (and the copy), and reports
+the :class:`UploadResult` to ``on_done`` (the agent acks it to the driver agent's coordinator) or the
+error to ``on_error`` (the agent reports the subtask failed, so the coordinator aborts the
+checkpoint).
 
 Thread-safe. ``close()`` waits for the uploads in flight (or cancels the queued ones with
 ``cancel=True``), joins the threads, and is idempotent.
@@ -23,7 +26,7 @@ from sparksteward.checkpoint.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.errors import CheckpointError
-from sparksteward.state.snapshot import LocalSnapshot, fold_wal
+from sparksteward.state.snapshot import CompactionPolicy, LocalSnapshot, SnapshotCompaction, compact_snapshot, fold_wal
 
 __all__ = ["SnapshotUploader"]
 
@@ -46,18 +49,25 @@ class SnapshotUploader:
                on_error: Callable[[int, int, BaseException], None] | None = None,
                merge: Callable[[str, Path, str], FileHandle] | None = None,
                merge_below: int = 0, channel: tuple[Path, ...] = (),
-               fold_wal_above: int | None = None) -> Future[UploadResult]:
-        """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``); with
-        ``fold_wal_above``, a WAL larger than that is first folded into an SST (:func:`fold_wal`)."""
+               fold_wal_above: int | None = None,
+               compaction: CompactionPolicy | None = None) -> Future[UploadResult]:
+        """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``). With
+        ``fold_wal_above``, a WAL larger than that is first folded into an SST (:func:`fold_wal`); then,
+        with ``compaction``, a snapshot the policy picks is uploaded as a fully compacted copy
+        (:func:`compact_snapshot`)."""
         with self._lock:
             if self._closed:
                 raise CheckpointError("the snapshot uploader is closed")
 
             def work() -> UploadResult:
+                compacted: SnapshotCompaction | None = None
                 try:
                     if fold_wal_above is not None:  # decision 0012: the WAL past the limit becomes an SST
                         fold_wal(snapshot.path, fold_wal_above)
-                    result = storage.upload_snapshot(snapshot.path, subtask, snapshot.key_groups, known=known,
+                    if compaction is not None:   # decision 0019, after the fold: an SST outgrows its ZSTD WAL
+                        compacted = compact_snapshot(snapshot.path, compaction)
+                    local = compacted.path if compacted is not None else snapshot.path
+                    result = storage.upload_snapshot(local, subtask, snapshot.key_groups, known=known,
                                                      cache=self._cache, merge=merge, merge_below=merge_below,
                                                      channel=channel)
                 except BaseException as exc:
@@ -68,6 +78,8 @@ class SnapshotUploader:
                     raise
                 finally:
                     shutil.rmtree(snapshot.path, ignore_errors=True)
+                    if compacted is not None:
+                        shutil.rmtree(compacted.path, ignore_errors=True)
                     for p in channel:
                         Path(p).unlink(missing_ok=True)
                 if on_done is not None:

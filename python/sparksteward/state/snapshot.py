@@ -1,24 +1,47 @@
 """A subtask's local snapshot (the output of a checkpoint's sync phase) and what the async phase
-does to it before the upload: :func:`fold_wal` folds a WAL past ``wal-flush-size`` into an SST.
-:func:`snapshot_files` names the files of a closed DB that a copy needs."""
+does to it before the upload: :func:`compact_snapshot` writes a fully compacted copy of a snapshot
+whose files carry too much garbage (:class:`CompactionPolicy`, decision 0019), and :func:`fold_wal`
+folds a WAL past ``wal-flush-size`` into an SST. :func:`snapshot_files` names the files of a closed DB
+that a copy needs.
+
+Both work on a closed DB that nothing else opens: the executor agent's upload thread owns the
+snapshot dir until the upload. :func:`fold_wal` changes the snapshot in place (RocksDB's recovery is
+crash-safe); :func:`compact_snapshot` never changes it: it compacts a copy next to it and the agent
+uploads whichever of the two it returns.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import rocksdict
 
-from sparksteward.errors import StateBackendError
+from sparksteward.errors import ConfigError, StateBackendError
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.rocksdb_options import db_options
 from sparksteward.storage import NotRegularFileError, regular_files
 
-__all__ = ["WAL_FLUSH_BYTES", "LocalSnapshot", "fold_wal", "snapshot_files", "wal_bytes"]
+__all__ = ["COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "WAL_FLUSH_BYTES", "CompactionPolicy",
+           "LocalSnapshot", "SnapshotCompaction", "SortedRuns", "compact_snapshot", "fold_wal",
+           "snapshot_files", "wal_bytes"]
+
+log = logging.getLogger("sparksteward.state.snapshot")
 
 #: default of ``spark.steward.state.wal-flush-size``: a snapshot with more WAL than this is folded
 WAL_FLUSH_BYTES = 256 << 10
+#: defaults of ``spark.steward.state.compaction.max-space-amplification`` and ``.min-size``
+COMPACTION_SPACE_AMPLIFICATION = 1.25
+COMPACTION_MIN_BYTES = 1 << 20
+#: the least share of deletions among the entries above the last sorted run for them to count as garbage
+COMPACTION_MIN_DELETIONS = 0.1
+
+_DATA = (".sst", ".log", ".blob")   # the files that hold entries (the rest is metadata)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +107,157 @@ def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) ->
         if p.name not in keep and p.is_file():
             p.unlink()
     return wal
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionPolicy:
+    """When the async phase compacts a snapshot before its upload (decision 0019).
+
+    A snapshot is compacted when its data (SST, WAL and blob bytes) is at least ``min_size``, more
+    than ``max_space_amplification`` times its last sorted run (:class:`SortedRuns`), and at least
+    :data:`COMPACTION_MIN_DELETIONS` of the entries above that run are deletions. The files above the
+    last run then hold garbage: the TTL sweep's (or the user's) deletes, the entries they cover, and
+    overwritten values. A full compaction leaves one run, so the bytes uploaded stay within that factor
+    of the state as it was at the last compaction. Without deletions, what lies above the last run is
+    mostly new keys (a growing state): rewriting and uploading the whole state again for it would
+    drop little. Below 1 the policy is off.
+    """
+
+    max_space_amplification: float = COMPACTION_SPACE_AMPLIFICATION
+    min_size: int = COMPACTION_MIN_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.max_space_amplification >= 0:   # NaN too
+            raise ConfigError(f"spark.steward.state.compaction.max-space-amplification="
+                              f"{self.max_space_amplification!r} is not allowed: expected a number >= 0 "
+                              f"(below 1 turns the compaction off)")
+        if self.min_size <= 0:
+            raise ConfigError(f"spark.steward.state.compaction.min-size={self.min_size!r} is not allowed: expected "
+                              f"a size > 0 such as 1m")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_space_amplification >= 1
+
+    def wants(self, data: int, runs: SortedRuns) -> bool:
+        """Whether a snapshot of ``data`` bytes whose SSTs are ``runs`` calls for a compaction."""
+        return (self.enabled and data >= self.min_size and data > self.max_space_amplification * runs.last_run
+                and runs.deletions_above > 0 and runs.deletions_above >= COMPACTION_MIN_DELETIONS * runs.entries_above)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotCompaction:
+    """A compacted copy of a snapshot (:func:`compact_snapshot`): its dir, to upload instead."""
+
+    path: Path
+    bytes_before: int   # the snapshot's SST, WAL and blob bytes
+    bytes_after: int    # the copy's
+    ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class SortedRuns:
+    """The shape of a DB's live SSTs: the bytes of its last sorted run (its deepest non-empty level
+    below L0, or, with every file in L0, the largest file), and the entries and deletions of the files
+    above it. A full compaction leaves only the last run; what lies above it is at most the garbage a
+    compaction could drop."""
+
+    last_run: int
+    entries_above: int
+    deletions_above: int
+
+    @classmethod
+    def of(cls, live_files: Iterable[Mapping[str, object]]) -> SortedRuns:
+        """From rocksdict's ``Rdict.live_files()``."""
+        files = [(int(f["level"]), int(f["size"]), int(f["num_entries"]), int(f["num_deletions"]))  # type: ignore[call-overload]
+                 for f in live_files]
+        deepest = max((f[0] for f in files), default=0)
+        if deepest > 0:
+            in_last = [f[0] == deepest for f in files]
+        else:   # all in L0: the largest file stands for the run the others stack on
+            largest = max(range(len(files)), key=lambda i: files[i][1], default=-1)
+            in_last = [i == largest for i in range(len(files))]
+        last = [f for f, x in zip(files, in_last) if x]
+        above = [f for f, x in zip(files, in_last) if not x]
+        return cls(sum(f[1] for f in last), sum(f[2] for f in above), sum(f[3] for f in above))
+
+
+def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy) -> SnapshotCompaction | None:
+    """A fully compacted copy of the snapshot in ``directory`` when ``policy`` calls for one, else None.
+
+    The executor agent runs this in the async phase, before the upload. Below ``policy.min_size`` it
+    only lists the dir. Otherwise a read-only open reads the levels of the live SSTs (about a
+    millisecond). When compacting, it hard-links the snapshot's SSTs (RocksDB never writes an SST
+    again) and copies its other files into a sibling dir ``.<name>.<pid>.compacting``, opens that with
+    auto compactions off (recovery flushes the WAL), compacts the whole key range with the bottommost
+    level forced (tombstones and the entries they cover go), closes it and keeps only the files a copy
+    needs. The snapshot itself is never changed: a compaction that fails is logged and its copy
+    deleted, and the caller uploads the snapshot as it is. The state is the same; only its files differ.
+
+    Raises :class:`StateBackendError` when the snapshot holds a non-regular file or cannot be opened
+    (then no copy of it may be uploaded either).
+    """
+    directory = Path(directory)
+    if not policy.enabled:
+        return None
+    try:  # RocksDB would follow a symlinked file
+        files = regular_files(directory)
+    except NotRegularFileError as exc:
+        raise StateBackendError(f"will not compact snapshot {directory}: {exc}") from exc
+    data = sum(p.stat().st_size for p in files if p.name.endswith(_DATA))
+    if data < policy.min_size:
+        return None
+    started = time.perf_counter()
+    try:
+        db = rocksdict.Rdict(str(directory), db_options(create=False), access_type=rocksdict.AccessType.read_only())
+        try:
+            live = db.live_files()
+        finally:
+            db.close()
+            del db
+    except Exception as exc:  # rocksdict raises a bare Exception
+        raise StateBackendError(f"cannot read the levels of snapshot {directory}: {exc}") from exc
+    runs = SortedRuns.of(live)
+    if not policy.wants(data, runs):
+        return None
+    into = directory.with_name(f".{directory.name}.{os.getpid()}.compacting")
+    try:
+        _compact_copy(directory, into)
+        after = sum(p.stat().st_size for p in into.iterdir() if p.name.endswith(_DATA))
+    except Exception as exc:  # noqa: BLE001 - an optimization: the snapshot is whole, upload it instead
+        shutil.rmtree(into, ignore_errors=True)
+        log.warning("compaction of snapshot %s failed (%s); its files are uploaded as they are", directory, exc)
+        return None
+    ms = (time.perf_counter() - started) * 1000
+    log.info("compacted snapshot %s: %d B (last run %d B, %d of %d entries above it deletions) -> %d B in %.0f ms",
+             directory, data, runs.last_run, runs.deletions_above, runs.entries_above, after, ms)
+    return SnapshotCompaction(into, data, after, ms)
+
+
+def _compact_copy(directory: Path, into: Path) -> None:
+    """Copy the closed DB in ``directory`` into ``into`` (a new dir) and compact it fully there."""
+    shutil.rmtree(into, ignore_errors=True)   # a leftover of an attempt that died
+    into.mkdir()
+    for name in snapshot_files(directory):
+        if name.endswith((".sst", ".blob")):
+            os.link(directory / name, into / name)
+        else:  # a WAL, MANIFEST or config that the open may append to or rewrite: never a shared inode
+            shutil.copyfile(directory / name, into / name)
+    opts = db_options(create=False)
+    opts.set_disable_auto_compactions(True)
+    compact = rocksdict.CompactOptions()
+    compact.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
+    try:
+        db = rocksdict.Rdict(str(into), opts)
+    except Exception as exc:  # rocksdict raises a bare Exception
+        raise StateBackendError(f"cannot open the copy of snapshot {directory} in {into}: {exc}") from exc
+    try:
+        db.compact_range(None, None, compact)
+        live = {str(f["name"]).lstrip("/") for f in db.live_files()}
+    finally:
+        db.close()
+        del db
+    keep = {n for n in snapshot_files(into) if not n.endswith(".sst") or n in live}
+    for p in into.iterdir():
+        if p.name not in keep:
+            p.unlink()
