@@ -53,7 +53,8 @@ task does at the start of every batch. Per measured batch, in a table per run:
   a single batch's checkpoint sits anywhere on that saw-tooth; the window's maximum does not;
 - ``DB MB``: the restored DBs (their SSTs, WAL and MANIFEST), and ``compact`` the same after a full
   compaction (the live entries plus expired ones the sweep has not removed yet);
-- ``restore s``: the time to restore all subtasks, one after the other (best of 5);
+- ``restore s``: the time to restore all subtasks, one after the other (the median of 7 rounds, each
+  restoring every set-aside checkpoint in turn, so the load of the machine falls on all alike);
 - the DB's entries: values, list elements and expiry-index keys.
 
 Then the ratios batch 60 / batch 15, and over the batches from 15 on: the checkpoints' MB (min,
@@ -103,6 +104,7 @@ PERIOD = float(os.environ.get("BENCH_TTL_PERIOD", "2.0"))
 TTL_BATCHES = 5
 SCENARIOS = os.environ.get("BENCH_SCENARIOS", "12")
 MEASURE_AT = [b for b in (BATCHES // 4, BATCHES // 2, 3 * BATCHES // 4, BATCHES) if b > 0]
+RESTORE_ROUNDS = 7   # restore time: the median of this many rounds over every set-aside checkpoint in turn
 SCHEMA = "k string, n long, events long"
 ENGINES = ("ours-pandas", "ours-arrow", "transformWithStateInPandas")
 
@@ -385,31 +387,44 @@ def db_bytes(workdir: Path) -> int:
                if p.endswith((".sst", ".log")) or os.path.basename(p).startswith(("MANIFEST-", "CURRENT")))
 
 
-def restore_all(side: Path, name: str, aside: dict[str, Any], scratch: Path, tries: int = 5) -> dict[str, float]:
-    """Restore every subtask of a set-aside checkpoint ``tries`` times, each into a fresh dir under
-    ``scratch`` with a fresh cache (the best time), then once more to look at the DBs: their bytes as
-    restored and after a full compaction, and their entries by kind."""
+def open_aside(side: Path, name: str, aside: dict[str, Any]) -> tuple[Any, Any]:
+    """The storage and the metadata of a checkpoint set aside under ``side``."""
     import orjson
-    import rocksdict
 
-    from sparksteward.checkpoint.cache import LocalFileCache
     from sparksteward.checkpoint.records import CheckpointMetadata
-    from sparksteward.checkpoint.rescale import restore_subtask_backend
     from sparksteward.checkpoint.storage import CheckpointStorage
 
     storage = CheckpointStorage.open(str(side), name, aside["cluster"])
-    meta = CheckpointMetadata.from_bytes(orjson.dumps(aside["meta"]), f"checkpoint {aside['meta']['checkpoint_id']}")
-    times = []
-    for attempt in range(tries):
-        into = scratch / f"r{attempt}"
-        cache = LocalFileCache(into / "cache")
-        began = time.perf_counter()
-        for h in meta.subtasks:
-            backend, _ = restore_subtask_backend(storage, meta, h.subtask, into / f"s{h.subtask}", cache)
-            backend.close()
-        times.append(time.perf_counter() - began)
-        shutil.rmtree(into)
-    into = scratch / "look"
+    return storage, CheckpointMetadata.from_bytes(orjson.dumps(aside["meta"]),
+                                                  f"checkpoint {aside['meta']['checkpoint_id']}")
+
+
+def time_restore(side: Path, name: str, aside: dict[str, Any], into: Path) -> float:
+    """Seconds to restore every subtask of a set-aside checkpoint, one after the other, into a fresh
+    dir ``into`` with a fresh cache (then deleted)."""
+    from sparksteward.checkpoint.cache import LocalFileCache
+    from sparksteward.checkpoint.rescale import restore_subtask_backend
+
+    storage, meta = open_aside(side, name, aside)
+    cache = LocalFileCache(into / "cache")
+    began = time.perf_counter()
+    for h in meta.subtasks:
+        backend, _ = restore_subtask_backend(storage, meta, h.subtask, into / f"s{h.subtask}", cache)
+        backend.close()
+    took = time.perf_counter() - began
+    shutil.rmtree(into)
+    return took
+
+
+def look_restored(side: Path, name: str, aside: dict[str, Any], into: Path) -> dict[str, int]:
+    """Restore every subtask of a set-aside checkpoint once more to look at the DBs: their bytes as
+    restored and after a full compaction, and their entries by kind."""
+    import rocksdict
+
+    from sparksteward.checkpoint.cache import LocalFileCache
+    from sparksteward.checkpoint.rescale import restore_subtask_backend
+
+    storage, meta = open_aside(side, name, aside)
     cache = LocalFileCache(into / "cache")
     restored = compacted = 0
     kinds = {b"v": 0, b"l": 0, b"x": 0}
@@ -427,8 +442,20 @@ def restore_all(side: Path, name: str, aside: dict[str, Any], scratch: Path, tri
             backend.close()
         compacted += db_bytes(workdir)
     shutil.rmtree(into)
-    return {"seconds": min(times), "db": restored, "compacted": compacted, "values": kinds[b"v"],
-            "elements": kinds[b"l"], "index": kinds[b"x"]}
+    return {"db": restored, "compacted": compacted, "values": kinds[b"v"], "elements": kinds[b"l"],
+            "index": kinds[b"x"]}
+
+
+def restore_rounds(side: Path, name: str, aside: dict[int, dict[str, Any]], scratch: Path,
+                   rounds: int = RESTORE_ROUNDS) -> dict[int, float]:
+    """The restore time of each set-aside checkpoint: ``rounds`` rounds, each restoring every one of
+    them in turn (so a change in the machine's load falls on all of them alike), the median per
+    checkpoint."""
+    times: dict[int, list[float]] = {b: [] for b in aside}
+    for r in range(rounds):
+        for b, a in aside.items():
+            times[b].append(time_restore(side / f"b{b}", name, a, scratch / f"b{b}-r{r}"))
+    return {b: statistics.median(t) for b, t in times.items()}
 
 
 def bounded_run(spark: Any, root: Path, ttl: float | None) -> dict[str, Any]:
@@ -468,11 +495,11 @@ def bounded_run(spark: Any, root: Path, ttl: float | None) -> dict[str, Any]:
             aside[i + 1] = set_aside(ks, info, side / f"b{i + 1}")
     wall = time.perf_counter() - began
     stats = sorted(ks.info()["checkpoints"], key=lambda c: c["checkpoint_id"])
-    measured = {}
-    for b, a in aside.items():
-        measured[b] = {**restore_all(side / f"b{b}", name, a, root / "scratch" / label / f"b{b}"),
-                       "chk": a["bytes"], "files": a["files"]}
-        shutil.rmtree(root / "scratch" / label / f"b{b}", ignore_errors=True)
+    scratch = root / "scratch" / label
+    seconds = restore_rounds(side, name, aside, scratch)
+    measured = {b: {**look_restored(side / f"b{b}", name, a, scratch / f"b{b}-look"), "seconds": seconds[b],
+                    "chk": a["bytes"], "files": a["files"]} for b, a in aside.items()}
+    shutil.rmtree(scratch, ignore_errors=True)
     return {"label": label, "durations": durations, "overruns": overruns, "wall": wall, "measured": measured,
             "removed": sum(c.get("ttl_expired_removed", 0) for c in stats), "sizes": sizes, "rewrites": rewrites,
             "uploaded": [c["bytes_uploaded"] for c in stats]}
@@ -529,7 +556,7 @@ def scenario_bounded(spark: Any, root: Path) -> list[tuple[str, bool]]:
                            ratios["chk"] > 1.3 and ratios["db"] > 1.3))
     print("  chk MB: the checkpoint of that batch (its files' lengths); max MB: the largest checkpoint of the "
           "batches since the previous row; DB MB: the restored DBs' SSTs, WAL and MANIFEST; compact: the same after a full "
-          "compaction; restore: every subtask into a fresh dir and cache, best of 5; entries: after the compaction "
+          "compaction; restore: every subtask into a fresh dir and cache, median of 7 interleaved rounds; entries: after the compaction "
           "(expired entries the sweep has not removed yet included)")
     return checks
 
