@@ -40,6 +40,8 @@ def spark(cluster, s3):
             "spark.executor.cores": "1", "spark.cores.max": "1", "spark.executor.memory": "512m",
             "spark.pyspark.python": sys.executable, "spark.executorEnv.PYTHONPATH": os.environ["PYTHONPATH"],
             "spark.steward.agent.python": sys.executable,
+            # every batch's WAL is folded, and a snapshot of a few KB may be compacted (decision 0019)
+            "spark.steward.state.wal-flush-size": "1k", "spark.steward.state.compaction.min-size": "1k",
             "spark.steward.storage.options": s3.storage_options()}) as session:
         yield session
 

@@ -10,6 +10,7 @@ job's cleanup must all work there.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 import zipfile
 from pathlib import Path
@@ -141,6 +142,47 @@ def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
     assert ks.read("events", distributed=True).count() == len(allrows)
     seen = {(r.key, r.map_key): r.value for r in ks.read("seen", distributed=True).collect()}
     assert seen == {kv: n for kv, n in allrows.groupby(["k", "v"]).size().items()}
+
+
+def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s3):
+    """The executor agent on a host that sees neither the driver's files nor its boot id compacts a
+    snapshot whose SSTs carry the TTL sweep's deletions (decision 0019) before it uploads it to S3: the
+    first batch's SSTs leave the checkpoint, which shrinks, and a restore reads only the live keys."""
+    import pandas as pd
+
+    from sparksteward import value_state
+
+    def count(key, rows, state):
+        n = state.value("n")
+        n.update((n.get() or 0) + len(rows))
+        return pd.DataFrame({"k": [key], "n": [n.get()]})
+
+    ks = Steward.get(spark).keyed_state("xcompact", key="k", parallelism=2, max_parallelism=16,
+                                        checkpoint_dir=s3.url("xcompact-chk"),
+                                        states=[value_state("n", "bigint", ttl=1.5)])
+
+    def batch(i: int, keys: range) -> None:
+        df = spark.createDataFrame(pd.DataFrame({"k": [f"key-{k:05d}" for k in keys], "v": 1}))
+        ks.apply(df, count, "k string, n long", checkpoint_id=i).write.format("noop").mode("overwrite").save()
+        ks.commit(i, wait=120)
+
+    def ssts() -> dict[int, set[str]]:
+        return {s["subtask"]: {f["checksum"] for f in s["files"] if f["name"].endswith(".sst")}
+                for s in ks.info()["latest"]["subtasks"]}
+
+    def size() -> int:
+        return sum(f["length"] for s in ks.info()["latest"]["subtasks"] for f in s["files"])
+
+    batch(0, range(2000))
+    first, first_size = ssts(), size()
+    assert all(first.values()), first   # the WAL of each subtask was folded into an SST
+    time.sleep(2.0)   # every key of batch 0 expires
+    for i in (1, 2):   # the sweep deletes them; the agent compacts the tombstones and what they cover
+        batch(i, range(5000 + 10 * i, 5010 + 10 * i))
+    last = ssts()
+    assert all(not (last[s] & first[s]) for s in first), (first, last)
+    assert size() < first_size / 3, (first_size, size())
+    assert {r.key for r in ks.read("n", distributed=True).collect()} <= {f"key-{k:05d}" for k in range(5010, 5030)}
 
 
 def test_unaligned_channel_state_across_hosts(spark, s3):
