@@ -6,7 +6,7 @@ A streaming query reads ``BENCH_PLOT_BATCHES`` small JSON files (default 200, on
 then only updates. ``ks.process`` counts per key (P=2) and each batch's report (``ks.report``, the
 figures of docs/state.md "Metrics") is kept. The plot (an SVG written by hand: no plotting library is
 a dependency) shows the checkpointed and local state bytes and the bytes uploaded per batch, and the
-checkpoint's duration (driver's begin to ``_metadata``) with its sync, async and commit phases;
+checkpoint's duration (driver's begin to ``_metadata``) with its restore, sync, async and commit phases;
 it goes to ``docs/img/state-metrics.svg`` (``BENCH_PLOT_OUT`` to change), the figures to a CSV beside it.
 
 On local[2] (``BENCH_MASTER`` to change). Run under the Spark lock:
@@ -98,7 +98,7 @@ def run(root: Path) -> int:
 
 # --- the SVG ---------------------------------------------------------------------------------------
 _W, _H, _PAD_L, _PAD_R, _PAD_T, _PAD_B = 760, 260, 70, 150, 30, 40
-_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd"]
 
 
 def _panel(reports: list[dict[str, Any]], y0: int, title: str, series: list[tuple[str, str]], unit: str,
@@ -121,9 +121,10 @@ def _panel(reports: list[dict[str, Any]], y0: int, title: str, series: list[tupl
         v = top * i / 4
         y = py(v * scale)
         out.append(f'<line x1="{_PAD_L}" y1="{y:.1f}" x2="{_PAD_L + w}" y2="{y:.1f}" stroke="#eee"/>')
-        out.append(f'<text x="{_PAD_L - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{v:.3g}</text>')
-    for i in range(6):   # the x labels
-        x = x_max * i / 5
+        label = f"{v:,.0f}" if v >= 10 or v == 0 else f"{v:.2g}"
+        out.append(f'<text x="{_PAD_L - 6}" y="{y + 4:.1f}" font-size="11" text-anchor="end">{label}</text>')
+    step = max(1, round(x_max / 5, -1 if x_max >= 50 else 0))
+    for x in range(0, int(x_max) + 1, int(step)):   # the x labels
         out.append(f'<text x="{px(x):.1f}" y="{y0 + _PAD_T + h + 16}" font-size="11" '
                    f'text-anchor="middle">{x:.0f}</text>')
     out.append(f'<text x="{_PAD_L + w / 2}" y="{y0 + _H - 4}" font-size="11" text-anchor="middle">batch</text>')
@@ -145,9 +146,10 @@ def svg(reports: list[dict[str, Any]]) -> str:
     body = _panel(reports, 0, f"Keyed state bytes over {len(reports)} batches (P=2)",
                   [("state_bytes", "checkpointed"), ("state_bytes_local", "local snapshot"),
                    ("bytes_uploaded", "uploaded")], "KiB", 1024.0)
-    body += _panel(reports, _H, "Checkpoint duration per batch",
+    body += _panel(reports[1:] or reports, _H, "Checkpoint duration per batch (batch 0, starting the workers, left out)",
                    [("duration_ms", "begin to _metadata"), ("async_ms", "async (slowest)"),
-                    ("sync_ms", "sync (slowest)"), ("commit_ms", "commit")], "ms", 1.0)
+                    ("restore_ms", "restore (slowest)"), ("sync_ms", "sync (slowest)"), ("commit_ms", "commit")],
+                   "ms", 1.0)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{2 * _H}" '
             f'font-family="sans-serif">\n<rect width="100%" height="100%" fill="white"/>\n'
             + "\n".join(body) + "\n</svg>\n")
