@@ -218,7 +218,8 @@ class KeyedState:
         the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when it was acked in
         this application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints
         in a row it grew; from 3 on, each batch logs a warning). :meth:`drain` processes it.
-        ``drains``: the checkpoint ids drains took."""
+        ``drains``: the checkpoint ids drains took. ``report``: the figures of the latest checkpoint
+        completed in this application (see :meth:`report`)."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._request("state.info")
