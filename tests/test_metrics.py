@@ -109,6 +109,70 @@ def test_state_service_metrics_equal_info_space_per_state(tmp_path):
         states.close()
 
 
+def test_each_completed_checkpoint_has_a_report_in_commit_metrics_info_and_one_info_line(tmp_path, caplog):
+    """The task's counters, the executor agent's measurements and the driver agent's timings reach the
+    commit's reply, ``state.checkpoint.*`` gauges, ``state.info`` and one INFO line per checkpoint."""
+    secret = new_secret()
+    driver = AgentServer("127.0.0.1", 0, secret, {})
+    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30, merging=MergingOptions(enabled=False))
+    states.register_handlers(driver)
+    executor = AgentServer("127.0.0.1", 0, secret, {})
+    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
+    subtasks.register_handlers(executor)
+    caplog.set_level("INFO", logger="sparksteward.checkpoint.report")
+    try:
+        with Connection.connect(driver.endpoint, secret) as dconn, Connection.connect(executor.endpoint, secret) as econn:
+            dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
+                          key_type="string", num_retained=1)
+            assert states.report("s") is None and dconn.request("state.info", name="s")["report"] is None
+            replies = []
+            for cid in range(2):
+                dconn.request("state.begin", name="s", batch_id=cid)
+                for subtask in range(P):
+                    opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
+                    backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string",
+                                                  create=False)
+                    try:
+                        vs = backend.value("value")
+                        mine = [k for k in (f"k{i}" for i in range(40))
+                                if subtask_for_key_group(M, P, key_group(k, M)) == subtask]
+                        for k in mine:
+                            vs.update(k, cid)
+                        snap = backend.snapshot(opened["snapshot"])
+                    finally:
+                        backend.close()
+                    econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms,
+                                  counters={"rows_processed": 3 * len(mine), "rows_out": len(mine),
+                                            "keys_touched": len(mine), "entries_estimate": len(mine)})
+                replies.append(dconn.request("state.commit", name="s", checkpoint_id=cid, wait=30))
+            info = dconn.request("state.info", name="s")
+        report = replies[1]["report"]
+        assert report["state"] == "s" and report["checkpoint_id"] == report["batch_id"] == 1
+        assert (report["rows_in"], report["rows_out"], report["keys_touched"], report["entries_estimate"]) == \
+            (120, 40, 40, 40)
+        assert report["state_bytes"] == sum(f["length"] for s in info["latest"]["subtasks"]
+                                            for f in s["files"] + s["channel_state"])
+        assert report["state_bytes_local"] > 0 and report["bytes_uploaded"] > 0
+        assert report["bytes_uploaded"] + report["bytes_reused"] == report["state_bytes"]
+        assert replies[0]["report"]["bytes_reused"] == 0 and replies[0]["report"]["restore_ms"] == 0
+        assert report["restore_ms"] > 0 and report["rescale_ms"] == 0   # batch 1 restored batch 0's state
+        assert report["duration_ms"] >= report["commit_ms"] > 0 and report["async_ms"] > 0
+        assert report["objects_written"] >= 2   # at least one file and _metadata
+        assert info["report"] == report
+        gauges = {k[len("state.s.checkpoint."):]: v for k, v in states.metrics().items()
+                  if k.startswith("state.s.checkpoint.")}
+        assert gauges == {k: v for k, v in report.items() if k not in ("state", "query")}
+        lines = [r.getMessage() for r in caplog.records if r.name == "sparksteward.checkpoint.report"]
+        assert len(lines) == 2, lines
+        assert lines[1].startswith("keyed state s completed checkpoint 1 (batch 1, query -) in ")
+        assert "120 rows in, 40 out, 40 keys touched" in lines[1]
+    finally:
+        subtasks.close()
+        executor.close()
+        driver.close()
+        states.close()
+
+
 # --- a real driver agent: stdout toward the shim, and health --------------------------------------
 def _next_line(agent: AgentProcess, timeout: float) -> bytes | None:
     """The agent's next stdout line, or None if none comes within ``timeout`` (the reader thread

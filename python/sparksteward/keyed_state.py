@@ -71,6 +71,7 @@ _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "
 _KEY_SQL = {"string": "string", "long": "bigint", "int": "int", "binary": "binary"}
 _BATCH_LOCKS: dict[str, threading.Lock] = {}   # state name -> held while a batch or a drain of it runs
 _BATCH_LOCKS_GUARD = threading.Lock()
+_REPORTS = 100   # checkpoint reports a KeyedState keeps (report())
 
 
 def _batch_lock(name: str) -> threading.Lock:
@@ -158,6 +159,7 @@ class KeyedState:
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
         self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
+        self._reports: dict[int, dict[str, Any]] = {}   # checkpoint id -> its report, the latest _REPORTS
 
     # --- driver agent ------------------------------------------------------------------------
     def _register(self, key_type: str) -> None:
@@ -216,10 +218,62 @@ class KeyedState:
         the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when it was acked in
         this application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints
         in a row it grew; from 3 on, each batch logs a warning). :meth:`drain` processes it.
-        ``drains``: the checkpoint ids drains took."""
+        ``drains``: the checkpoint ids drains took. ``report``: the figures of the latest checkpoint
+        completed in this application (see :meth:`report`)."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
         return self._request("state.info")
+
+    def report(self, batch_id: int | None = None, *, checkpoint_id: int | None = None) -> dict[str, Any] | None:
+        """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and
+        out, keys touched, entries, state bytes (local and checkpointed), bytes uploaded and reused,
+        objects written, sync/async/commit/whole durations, restore and rescale time (see
+        :mod:`sparksteward.checkpoint.report`, and docs/state.md, "Metrics").
+
+        Parameters
+        ----------
+        batch_id : int, optional
+            The streaming batch (``progress["batchId"]`` in a ``StreamingQueryListener``): its
+            checkpoint completed before Spark reports the batch's progress.
+        checkpoint_id : int, optional
+            The checkpoint instead. With neither: the latest.
+
+        Returns
+        -------
+        dict or None
+            The report, or None when this object committed no such checkpoint (another process did,
+            or it is older than the kept ones; ``info()["report"]`` has the driver agent's latest).
+        """
+        if checkpoint_id is not None:
+            return self._reports.get(checkpoint_id)
+        if batch_id is not None:
+            return next((r for r in reversed(self._reports.values()) if r.get("batch_id") == batch_id), None)
+        return self._reports[max(self._reports)] if self._reports else None
+
+    def observe(self, df: Any, name: str | None = None) -> Any:
+        """``df.observe`` with this state's input figures, for the query's progress.
+
+        Call it on the streaming DataFrame before ``writeStream.foreachBatch(ks.process(...))``: each
+        batch's ``query.lastProgress["observedMetrics"][name]`` (and a ``StreamingQueryListener``'s
+        ``event.progress.observedMetrics``) then holds ``rows_in`` (the batch's input rows) and
+        ``keys_approx`` (its distinct keys, HyperLogLog: observed metrics allow no exact distinct
+        count). Figures known only inside ``foreachBatch`` or after the commit (rows out, bytes,
+        durations) cannot enter the progress from PySpark: read them with :meth:`report` by the
+        progress's ``batchId``. The input is counted as often as the batch's DataFrame is computed:
+        once with ``process(..., persist=True)`` (the default).
+
+        Parameters
+        ----------
+        df : DataFrame
+            The streaming DataFrame the state's batches come from; it must have the key column.
+        name : str, optional
+            The observation's name; default ``steward.<state name>``.
+        """
+        from pyspark.sql import functions as F
+
+        self._key_type_of(df)
+        return df.observe(name or f"steward.{self.name}", F.count(F.lit(1)).alias("rows_in"),
+                          F.approx_count_distinct(F.col(self.key)).alias("keys_approx"))
 
     # --- the batch API -----------------------------------------------------------------------
     def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
@@ -429,6 +483,10 @@ class KeyedState:
                              f"application. Apply one first (ks.apply(df, fn, schema) or ks.apply_arrow(...)), then "
                              f"commit its checkpoint; or let ks.process(...) in foreachBatch apply and commit each "
                              f"batch") from exc
+        if reply.get("report"):
+            self._reports[reply["checkpoint_id"]] = reply["report"]
+            while len(self._reports) > _REPORTS:
+                del self._reports[min(self._reports)]
         if self.states and self.states.get("dropped"):   # deleted in the checkpoint that completed
             self.states = {**self.states, "dropped": []}
         scope = self._st.current_scope()

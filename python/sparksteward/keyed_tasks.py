@@ -159,13 +159,16 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 from pyspark import TaskContext
 
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
-            yield from runner(source, key, fn, backend, schema, states=typed, **options)
+            for out in runner(_keys_touched(source, key, counters), key, fn, backend, schema, states=typed, **options):
+                counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
+                yield out
             if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
                 swept = sweep_expired(backend, now_ms, start=checkpoint_id,
                                       max_entries=int(declared.get("sweep") or 100_000))
                 counters.update(ttl_expired_removed=swept.deleted, ttl_sweep_ms=int(swept.ms))
             channel = writer.close() if writer is not None else None
             writer = None
+            counters["entries_estimate"] = backend.db.property_int_value("rocksdb.estimate-num-keys") or 0
             snap = backend.snapshot(opened["snapshot"])  # the sync phase
         finally:
             backend.close()
@@ -289,6 +292,19 @@ def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any
     for batch in source:
         counters["rows_processed"] += batch.num_rows
         yield batch
+
+
+def _keys_touched(source: Iterator[Any], key: str, counters: dict[str, int]) -> Iterator[Any]:
+    """``source`` as it is; once it is exhausted, ``counters["keys_touched"]`` holds its distinct keys."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    seen: list[Any] = []
+    for batch in source:
+        if batch.num_rows:
+            seen.append(pc.unique(batch.column(key)))
+        yield batch
+    counters["keys_touched"] = len(pc.unique(pa.concat_arrays(seen))) if seen else 0
 
 
 def read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any], variable: str | None,

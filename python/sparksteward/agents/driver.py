@@ -10,9 +10,12 @@ which fails SparkContext start before any user code runs. Scoped jobs (``st.job(
 their Spark jobs through the ``sparksteward-job-<id>`` job tag.
 
 Metrics: every ``spark.steward.metrics.interval`` a thread compares :meth:`DriverAgent.metrics` (per
-keyed state, the file-merging numbers) with what it sent last and, when they changed, writes one
-``metrics`` line toward the shim, which keeps them as gauges of the driver plugin's ``metricRegistry``
-(Spark's metrics system). ``health`` carries the same numbers under ``metrics``.
+keyed state: the file-merging numbers, the unaligned backlog, and the figures of its latest completed
+checkpoint, ``state.<name>.checkpoint.*``, see :mod:`sparksteward.checkpoint.report`) with what it
+sent last and, when they changed, writes one ``metrics`` line toward the shim, which keeps them as
+gauges of the driver plugin's ``metricRegistry`` (Spark's metrics system). ``health`` carries the
+same numbers under ``metrics``. Each completed checkpoint is also logged once at INFO (logger
+``sparksteward.checkpoint.report``).
 """
 
 from __future__ import annotations
@@ -135,7 +138,8 @@ class DriverAgent(Agent):
 
     # --- metrics (issue 9, Visibility) -------------------------------------------------------
     def metrics(self) -> dict[str, int | float]:
-        """The numbers for health and Spark's metrics system: ``state.<name>.merged.*`` per keyed state."""
+        """The numbers for health and Spark's metrics system: ``state.<name>.merged.*``,
+        ``state.<name>.unaligned.*`` and ``state.<name>.checkpoint.*`` per keyed state."""
         return self.states.metrics()
 
     def attach_stdout(self, out: BinaryIO) -> None:

@@ -25,7 +25,8 @@ Ops (every request names its state with ``name``)::
                     while a checkpoint is pending; id null when there is no backlog)
                     -> id, rerun, unaligned, backlog_warning, attempt
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
-                    returns the checkpoint's stats;
+                    returns the checkpoint's stats and its report (checkpoint/report.py; null for a
+                    re-run), which it logs at INFO;
                     on a failure, a silent executor agent it waits for, or when the wait runs out
                     the checkpoint is aborted and an error raised
     state.abort     checkpoint_id -> files deleted
@@ -64,6 +65,7 @@ from sparksteward.checkpoint.registration import (
     check_unregistered,
     restore_on_register,
 )
+from sparksteward.checkpoint.report import CheckpointReport, checkpoint_report
 from sparksteward.checkpoint.restore import write_savepoint
 from sparksteward.checkpoint.stats import summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
@@ -108,6 +110,9 @@ class StateService:
         self._application = application
         self._closed = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self._figures_lock = threading.Lock()
+        self._begun: dict[tuple[str, int], tuple[float, int | None]] = {}   # (state, id) -> begin's time, batch
+        self._reports: dict[str, CheckpointReport] = {}   # state -> its latest checkpoint completed here
 
     def metrics(self) -> dict[str, int | float]:
         """The file-merging numbers of every registered state, flat, for health and Spark's metrics:
@@ -117,7 +122,8 @@ class StateService:
         ``rows_deferred``, ``channel_bytes``, ``unaligned_subtasks``, ``checkpoint_id``; and its backlog,
         the channel state of the latest completed checkpoint that no batch processed yet:
         ``backlog_bytes``, ``backlog_rows`` (when acked in this application) and ``backlog_growth``
-        (consecutive checkpoints it grew for).
+        (consecutive checkpoints it grew for); and ``state.<name>.checkpoint.<figure>`` of the latest
+        checkpoint completed in this application (see :mod:`~sparksteward.checkpoint.report`).
 
         Thread-safe: the states are listed under the service's condition; each state's numbers are read
         under its own lock.
@@ -145,7 +151,30 @@ class StateService:
                 out[unaligned + "backlog_growth"] = backlog["growth"]
                 if backlog["rows"] is not None:
                     out[unaligned + "backlog_rows"] = backlog["rows"]
+            report = self.report(name)
+            if report is not None:
+                out.update(report.gauges())
         return out
+
+    def report(self, name: str) -> CheckpointReport | None:
+        """The report of state ``name``'s latest checkpoint completed in this application, or None."""
+        with self._figures_lock:
+            return self._reports.get(name)
+
+    def _completed(self, name: str, st: RegisteredState, cid: int, stats: dict[str, Any], commit_ms: float,
+                   query: str | None) -> CheckpointReport:
+        """Make, keep and log the report of checkpoint ``cid``, just completed."""
+        with self._figures_lock:
+            begun, batch = self._begun.get((name, cid), (None, None))
+            for key in [k for k in self._begun if k[0] == name and k[1] <= cid]:
+                del self._begun[key]
+        duration = (time.monotonic() - begun) * 1000 if begun is not None else commit_ms
+        report = checkpoint_report(name, stats, parallelism=st.coordinator.parallelism, batch_id=batch,
+                                   commit_ms=commit_ms, duration_ms=duration, query=query)
+        with self._figures_lock:
+            self._reports[name] = report
+        report.log()
+        return report
 
     def _backlog(self, st: RegisteredState) -> dict[str, Any] | None:
         """The channel state of the latest completed checkpoint (see checkpoint/backlog.py): its bytes
@@ -329,6 +358,8 @@ class StateService:
             else:
                 cid = st.drains.checkpoint_of(batch) if batch is not None else self._checkpoint_id(f, st)
             begun = c.begin(cid, query=query)
+            with self._figures_lock:
+                self._begun[(name, cid)] = (time.monotonic(), batch)
             if override is not None:
                 st.overrides[cid] = override
             else:
@@ -404,6 +435,7 @@ class StateService:
                 waiting = c.waiting_for(cid)
                 if waiting is None:
                     pending = c.pending_checkpoint(cid)
+                    started = time.monotonic()
                     try:
                         meta = c.complete(cid)
                     except (CheckpointOrderError, StateLeaseError):
@@ -417,6 +449,10 @@ class StateService:
                                 del st.completed[min(st.completed)]
                         done = st.completed.get(cid)
                         stats = done.summary(cid) if done is not None else summarize(cid, {})
+                        report = None
+                        if pending is not None and not pending.rerun:
+                            report = self._completed(name, st, cid, stats, (time.monotonic() - started) * 1000,
+                                                     pending.query)
                         break
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -426,7 +462,8 @@ class StateService:
                                           f"with the same checkpoint_id")
             generation = self.table.wait(generation, min(left, 1.0))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": c.retained(),
-                "path": c.storage.url_of(checkpoint_dir_name(cid)), "stats": stats}
+                "path": c.storage.url_of(checkpoint_dir_name(cid)), "stats": stats,
+                "report": report.to_json() if report is not None else None}
 
     def _abort_if_failed(self, st: RegisteredState, name: str, cid: int) -> None:
         """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
@@ -522,9 +559,10 @@ class StateService:
 
     def _op_info(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         f = Fields(req)
-        _, st = self.table.lookup(f)
+        name, st = self.table.lookup(f)
         c = st.coordinator
         backlog = self._backlog(st)
+        report = self.report(name)
         with st.lock:
             last = c.last_completed
             latest = max((i for i in c.retained()), default=None)
@@ -536,6 +574,7 @@ class StateService:
                     "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),
                     "no_reuse": sorted(c.no_reuse())[:1000],
+                    "report": report.to_json() if report is not None else None,
                     "checkpoints": [st.completed[cid].summary(cid) for cid in sorted(st.completed)]}
 
 

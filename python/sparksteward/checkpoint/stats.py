@@ -35,6 +35,11 @@ class SubtaskStats:
     unaligned: bool = False
     wal_bytes: int = 0
     ttl_expired_removed: int = 0              # expired state entries the subtask's sweep removed
+    rows_out: int = 0                         # rows the state function returned
+    keys_touched: int = 0                     # distinct keys of the rows processed
+    entries_estimate: int = 0                 # RocksDB's estimate-num-keys at the sync phase
+    local_bytes: int = 0                      # the local snapshot (the DB's live files) on the executor
+    async_ms: float = 0.0                     # the async phase: upload (and merge) until the ack
 
     @classmethod
     def from_fields(cls, f: Fields) -> SubtaskStats:
@@ -45,11 +50,13 @@ class SubtaskStats:
                    whole_files_uploaded=f.integer("whole_files_uploaded", default=None),
                    sync_ms=float(f.number("sync_ms", default=0.0, lo=0)),
                    flush_ms=float(f.number("flush_ms", default=0.0, lo=0)),
+                   async_ms=float(f.number("async_ms", default=0.0, lo=0)),
                    restore=f.mapping("restore", default=None), unaligned=f.flag("unaligned", default=False))
 
 
 _COUNTS = ("files_uploaded", "bytes_uploaded", "segments_written", "files_reused", "files", "bytes",
-           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes", "ttl_expired_removed")
+           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes", "ttl_expired_removed", "rows_out",
+           "keys_touched", "entries_estimate", "local_bytes")
 
 
 def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
@@ -71,7 +78,10 @@ def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
             # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
             "objects_written": whole + merged_files_written + 1,
             "files": total("files"), "bytes": total("bytes"), "ttl_expired_removed": total("ttl_expired_removed"),
+            "rows_out": total("rows_out"), "keys_touched": total("keys_touched"),
+            "entries_estimate": total("entries_estimate"), "local_bytes": total("local_bytes"),
             "sync_ms_max": max((a.sync_ms for a in acks), default=0.0),
+            "async_ms_max": max((a.async_ms for a in acks), default=0.0),
             "sync_ms": [a.sync_ms for a in acks],  # per subtask, in subtask order
             "flush_ms": [a.flush_ms for a in acks],
             "restores": [a.restore for a in acks if a.restore],

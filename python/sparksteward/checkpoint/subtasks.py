@@ -13,7 +13,8 @@ A task (a ``mapInArrow`` partition, see :mod:`sparksteward.keyed_tasks`) does::
     state.upload    token, sync_ms, flush_ms, counters -> the snapshot is queued on the
                     SnapshotUploader; when it is uploaded the agent acks the driver agent's
                     coordinator with the handle and its stats (files and bytes uploaded and reused,
-                    the restore, the WAL the open replayed) or reports the failure; the working dir
+                    the restore, the WAL the open replayed, the task's counters, the local snapshot's
+                    bytes and the async phase's time) or reports the failure; the working dir
                     is deleted at once
     state.release   token -> the working dir (and an unused snapshot) are deleted (a failed task)
 
@@ -50,6 +51,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -327,6 +329,9 @@ class SubtaskService:
                     "rows_deferred": c.integer("rows_deferred", default=0, lo=0),
                     "wal_bytes": c.integer("wal_bytes", default=0, lo=0),
                     "ttl_expired_removed": c.integer("ttl_expired_removed", default=0, lo=0),
+                    "rows_out": c.integer("rows_out", default=0, lo=0),
+                    "keys_touched": c.integer("keys_touched", default=0, lo=0),
+                    "entries_estimate": c.integer("entries_estimate", default=0, lo=0),
                     "unaligned": bool(c.integer("unaligned", default=0, lo=0, hi=1))}  # 0/1 from the task
         opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
@@ -336,6 +341,8 @@ class SubtaskService:
         if not opened.snapshot.is_dir():
             raise InvalidRequestError(f"{f.op}: no snapshot in {opened.snapshot}: take it before the upload")
         snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms, flush_ms)
+        local_bytes = _size_of(opened.snapshot)   # the DB's live files the sync phase linked
+        started = time.monotonic()
 
         upload_id = id(opened)
         with self._lock:
@@ -356,7 +363,10 @@ class SubtaskService:
                          "rows_processed": counters["rows_processed"], "rows_deferred": counters["rows_deferred"],
                          "channel_bytes": sum(h.length for h in result.handle.channel_state),
                          "unaligned": counters["unaligned"], "wal_bytes": counters["wal_bytes"],
-                         "ttl_expired_removed": counters["ttl_expired_removed"]}
+                         "ttl_expired_removed": counters["ttl_expired_removed"],
+                         "rows_out": counters["rows_out"], "keys_touched": counters["keys_touched"],
+                         "entries_estimate": counters["entries_estimate"], "local_bytes": local_bytes,
+                         "async_ms": round((time.monotonic() - started) * 1000, 3)}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,
                              stats=stats, attempt=opened.attempt)
@@ -499,3 +509,11 @@ class SubtaskService:
         self._link.close()
         self.merger.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _size_of(directory: Path) -> int:
+    """The bytes of the regular files directly in ``directory`` (0 if it is missing)."""
+    try:
+        return sum(e.stat().st_size for e in os.scandir(directory) if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
