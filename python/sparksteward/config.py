@@ -239,7 +239,8 @@ OPTIONS: tuple[Option, ...] = (
            "to run on another version anyway."),
     Option("spark.steward.metrics.interval", "duration", "5s",
            "How often the driver agent checks its numbers (per keyed state: merged physical and logical "
-           "files and bytes, space amplification, no-reuse files) and, when they changed, hands them to "
+           "files and bytes, space amplification, no-reuse files, and the latest completed checkpoint's "
+           "report as state.<name>.checkpoint.*) and, when they changed, hands them to "
            "the shim, which reports them as gauges of Spark's metrics system under "
            "plugin.sparksteward.shim.StewardPlugin. 0 turns the reporting off (health still has them).",
            check=_nonneg),
