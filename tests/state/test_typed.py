@@ -133,6 +133,29 @@ def test_an_expired_entry_is_never_returned(backend):
     assert at_5s.map("m").get_many(["k", "k"], [1, 2]).to_pylist() == [None, 2]
 
 
+def test_get_many_over_arrow_keys_reads_what_get_reads(backend, tmp_path):
+    specs = [value_state("c", "n bigint, s bigint", ttl=5), value_state("p", "bigint")]
+    keys = pa.array([f"user-{i:05d}" for i in range(2000)])
+    first = _states(backend, specs, now=T0)
+    first.value("c").put_many(keys.slice(0, 1000), [{"n": i, "s": -i} for i in range(1000)])
+    first.value("p").put_many(keys.slice(0, 1500), list(range(1500)))
+    later = _states(backend, specs, now=T0 + 3000, batch=2)
+    later.value("c").put_many(keys.slice(500, 1000), [{"n": i, "s": i} for i in range(1000)])
+    at_5s = _states(backend, specs, now=T0 + 5000, batch=3)   # keys 0-499 expired, 1500-1999 never written
+    for name in ("c", "p"):
+        view = at_5s.value(name)
+        assert view.get_many(keys).to_pylist() == [view.get(k) for k in keys.to_pylist()]
+    got = at_5s.value("c").get_many(keys).to_pylist()
+    assert got[:500] == [None] * 500 and got[500] == {"n": 0, "s": 0} and got[1500:] == [None] * 500
+    assert at_5s.value("p").get_many(keys).to_pylist() == list(range(1500)) + [None] * 500
+    one = RocksDBStateBackend(tmp_path / "one", KeyGroupRange(0, 1), M, "string")
+    try:
+        with pytest.raises(StateEncodingError, match="routed to the wrong subtask"):
+            _states(one, specs).value("p").get_many(keys)
+    finally:
+        one.close()
+
+
 def test_on_read_and_write_moves_the_expiry_on_a_read(backend):
     specs = [value_state("c", "bigint", ttl=5, ttl_update="on_read_and_write"), value_state("w", "bigint", ttl=5)]
     _states(backend, specs, now=T0).value("c").update("k", 1)

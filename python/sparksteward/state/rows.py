@@ -195,13 +195,27 @@ class RowCodec:
         return self.encode(arr, expiry)[0]
 
     # --- decoding ---------------------------------------------------------------------------------
+    @property
+    def record_width(self) -> int:
+        """Bytes of a row's fixed part (the whole row of a :attr:`fixed_width` codec)."""
+        return self._record.itemsize
+
     def decode(self, rows: Sequence[bytes]) -> tuple[pa.Array, np.ndarray | None]:
         """Decode rows written by this codec; returns the values and, with a TTL, their expiries."""
-        n = len(rows)
+        if not self.fixed_width:
+            return self._decode(rows, np.frombuffer(b"".join(rows), dtype=np.uint8))
+        return self.decode_joined(b"".join(rows), len(rows))
+
+    def decode_joined(self, joined: bytes, n: int) -> tuple[pa.Array, np.ndarray | None]:
+        """:meth:`decode` of ``n`` rows of a :attr:`fixed_width` codec already joined into one buffer."""
+        return self._decode(None, np.frombuffer(joined, dtype=np.uint8), n)
+
+    def _decode(self, rows: Sequence[bytes] | None, joined: np.ndarray,
+                n: int | None = None) -> tuple[pa.Array, np.ndarray | None]:
+        n = len(rows) if rows is not None else int(n or 0)
         rec_dtype = self._record
         width = rec_dtype.itemsize
         fields, is_struct = _fields_of(self.dtype)
-        joined = np.frombuffer(b"".join(rows), dtype=np.uint8)
         if self.fixed_width:
             if len(joined) != n * width:
                 raise StateEncodingError(f"stored values of state {self.name!r} do not have the width of version "
@@ -209,6 +223,7 @@ class RowCodec:
             rec = joined.view(rec_dtype)
             starts = np.arange(n + 1, dtype=np.int64) * width
         else:
+            assert rows is not None   # decode_joined is for fixed-width codecs only
             starts = np.zeros(n + 1, dtype=np.int64)
             np.cumsum(np.fromiter(map(len, rows), dtype=np.int64, count=n), out=starts[1:])
             if n and int(np.diff(starts).min()) < width:

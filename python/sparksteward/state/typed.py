@@ -23,6 +23,7 @@ list's first elements.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,10 +32,12 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 import rocksdict
+import xxhash
 
 from sparksteward.errors import StateEncodingError, StateError
 from sparksteward.state.declared import VariableRecord, variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, key_prefix
+from sparksteward.state.keygroups import SPARK_HASH_SEED, KeyType
 from sparksteward.state.rows import (
     TAG_EXPIRING,
     TAG_TYPED,
@@ -44,7 +47,7 @@ from sparksteward.state.rows import (
     project_py,
     with_expiry,
 )
-from sparksteward.state.views import StateDB, _prefix_upper, raw_keys, state_middle
+from sparksteward.state.views import StateDB, _heads, _prefix_upper, raw_keys, state_middle
 
 __all__ = ["KIND_EXPIRY", "SweepStats", "index_expiry", "index_key", "TypedList", "TypedMap", "TypedStates", "TypedValue", "drop_variables",
            "sweep_expired"]
@@ -227,6 +230,10 @@ class _Typed:
             return pa.array([], type=self.var.spec.type)
         stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", entry_keys)))
         now = self.states.now_ms
+        if not self.on_read:
+            fast = self._read_uniform(stored, now)
+            if fast is not None:
+                return fast
         alive = [i for i, v in enumerate(stored) if v is not None and not expired(v, now)]
         if self.on_read and alive:
             wb = self.backend.new_batch()
@@ -240,12 +247,48 @@ class _Typed:
         positions[np.asarray(alive, dtype=np.int64)] = np.arange(len(alive))
         return values.take(pa.array(positions, mask=positions < 0))
 
+    def _read_uniform(self, stored: list[bytes | None], now: int) -> pa.Array | None:
+        """:meth:`_read_many`'s values when every stored one is of the current fixed-width encoding
+        (the common case), found and checked by numpy over all of them at once; None otherwise."""
+        codec = self.codec
+        if not codec.fixed_width:
+            return None
+        n = len(stored)
+        objects = np.empty(n, dtype=object)
+        objects[:] = stored
+        present = np.flatnonzero(objects != None)  # noqa: E711 - elementwise, not identity
+        rows = stored if len(present) == n else objects[present].tolist()
+        width = codec.record_width
+        joined = b"".join(cast("list[bytes]", rows))
+        if len(joined) != len(rows) * width:
+            return None
+        head = np.frombuffer(joined, dtype=np.uint8).reshape(-1, width)
+        if len(rows) and not (np.all(head[:, 0] == codec.tag)
+                              and np.all(head[:, 1].astype(np.uint16) | head[:, 2].astype(np.uint16) << 8
+                                         == self.var.version)):
+            return None
+        values, expiries = codec.decode_joined(joined, len(rows))
+        if values.type != self.var.spec.type:
+            return None
+        alive = np.ones(len(rows), dtype=bool) if expiries is None else expiries > now
+        if len(present) == n and alive.all():
+            return values
+        positions = np.full(n, -1, dtype=np.int64)
+        positions[present[alive]] = np.flatnonzero(alive)
+        return values.take(pa.array(positions, mask=positions < 0))
+
     def _write_many(self, entry_keys: list[bytes], arr: pa.Array) -> None:
         """Put ``arr[i]`` at ``entry_keys[i]`` in one write batch; a null deletes the entry."""
         valid = np.asarray(arr.is_valid()) if arr.null_count else None
         encoded = iter(self._encode_many(arr.filter(pa.array(valid)) if valid is not None else arr))
         exp = self._expiry
         wb = self.backend.new_batch()
+        if valid is None and exp is None:   # the common case: puts only
+            put = wb.put
+            for k, stored in zip(entry_keys, encoded):
+                put(k, stored)
+            self.backend.store.write(wb)
+            return
         for i, k in enumerate(entry_keys):
             if valid is not None and not valid[i]:
                 wb.delete(k)
@@ -721,10 +764,41 @@ def _raw_keys(view: _Typed, keys: Any) -> list[bytes]:
         last = view._last_keys
         if last is not None and len(last[0]) == len(keys) and last[0].equals(keys):
             return last[1]
-        raw = raw_keys(view.backend, view._middle, keys.to_pylist())
+        raw = _string_raw_keys(view, keys)
+        if raw is None:
+            raw = raw_keys(view.backend, view._middle, keys.to_pylist())
         view._last_keys = (keys, raw)
         return raw
     return raw_keys(view.backend, view._middle, _as_pylist(keys))
+
+
+def _string_raw_keys(view: _Typed, keys: pa.Array) -> list[bytes] | None:
+    """:func:`~sparksteward.state.views.raw_keys` of an Arrow string array of a string-keyed state,
+    with the key groups computed by numpy over the hashes (None for any other key or array type)."""
+    b = view.backend
+    if b.key_type is not KeyType.STRING or not (pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type)):
+        return None
+    if keys.null_count:
+        return None   # the per-key path names the null key
+    raws = keys.cast(pa.large_binary() if pa.types.is_large_string(keys.type) else pa.binary()).to_pylist()
+    hashes = np.fromiter(map(xxhash.xxh64_intdigest, raws, itertools.repeat(SPARK_HASH_SEED)), dtype=np.uint64,
+                         count=len(raws))
+    groups = hashes.view(np.int64) % b.max_parallelism   # pmod of the signed hash, as Spark SQL
+    lo, hi = b.key_groups.start, b.key_groups.stop
+    outside = np.flatnonzero((groups < lo) | (groups >= hi))
+    if len(outside):
+        b._key(keys[int(outside[0])].as_py())   # raises the error naming the key
+    heads = _heads(b.max_parallelism, view._middle)
+    lengths: dict[int, bytes] = {}
+    out: list[bytes] = []
+    append = out.append
+    for g, raw in zip(groups.tolist(), raws):
+        n = len(raw)
+        ln = lengths.get(n)
+        if ln is None:
+            ln = lengths[n] = n.to_bytes(4, "big")
+        append(heads[g] + ln + raw)
+    return out
 
 
 def _as_pylist(values: Any) -> list[Any]:
