@@ -78,6 +78,11 @@ def json_fn(keys, rows, state):
     return bench_state.ours_arrow_fn(keys, rows, state)
 
 
+#: per engine, per batch of the last run: (stage and sink ms, commit wait ms, and the checkpoint report's
+#: slowest sync phase, slowest async phase and completion ms)
+SPLITS: dict[str, list[tuple[float, ...]]] = {}
+
+
 def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, float]:
     from pyspark.sql import functions as F
 
@@ -97,9 +102,15 @@ def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, fl
                 P, "__steward_subtask")
             routed.mapInArrow(stateless_fn, SCHEMA).write.mode("append").parquet(str(out))
         else:
+            began = time.perf_counter()
             ks.apply_arrow(df, typed_fn if engine == "ours-typed" else json_fn, SCHEMA,
                            checkpoint_id=batch_id).write.mode("append").parquet(str(out))
+            applied = time.perf_counter()
             ks.commit(batch_id)
+            r = ks.report(checkpoint_id=batch_id) or {}
+            SPLITS.setdefault(engine, []).append(
+                ((applied - began) * 1000, (time.perf_counter() - applied) * 1000,
+                 r.get("sync_ms", 0.0), r.get("async_ms", 0.0), r.get("commit_ms", 0.0)))
 
     src = spark.readStream.schema("k string, v long").option("maxFilesPerTrigger", 1).parquet(str(indir))
     q = src.writeStream.foreachBatch(sink).option("checkpointLocation", str(root / "q" / engine)).start()
@@ -231,6 +242,7 @@ def run(root: Path) -> int:
             bench_state.add_input(f, indir, base + i)
         got = {}
         for engine in ENGINES:
+            SPLITS.pop(engine, None)
             before = cpu_by_process()
             ms = run_engine(spark, engine, root / f"round-{r}", indir)
             after = cpu_by_process()
@@ -246,6 +258,12 @@ def run(root: Path) -> int:
     for e in ENGINES:
         print(f"{e:12} {last[e][0]:10,.0f} {last[e][1]:8.0f}ms {last[e][0] / last['stateless'][0]:12.2f} "
               f"{first[e][0] / first['stateless'][0]:10.2f}")
+    print("a batch of ours, medians of the last round's batches 1.. (ms): state stage and sink | commit wait "
+          "(the acks: the async phases still running when the stage ended) | report: slowest sync, slowest async, "
+          "completion")
+    for e, rows in SPLITS.items():
+        med = [statistics.median(col) for col in zip(*rows[1:])] if len(rows) > 1 else []
+        print(f"  {e:12} " + " | ".join(f"{m:7.1f}" for m in med))
     print("CPU ms per batch by process (last round):")
     for e in ENGINES:
         print(f"  {e:12} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(cpu[e].items())))
