@@ -374,6 +374,13 @@ OPTIONS = OPTIONS + (
            "sync phase writes and fsyncs nothing); the executor agent folds a snapshot with more WAL "
            "than this into an SST before uploading it (the async phase). Larger: fewer, larger SSTs, "
            "and more WAL to upload and to replay at each open.", check=_positive),
+    Option("spark.steward.state.wal-flush-files", "int", "16",
+           "The executor agent also folds a snapshot's WAL into an SST once it spans more than this many "
+           "WAL files, however small (each open of a subtask adds one or two, so this bounds the WAL's age "
+           "in batches too). A low-volume stream then never piles up WAL files: files per subtask, the "
+           "size of _metadata, retained merged files and the requests of a cold restore stay bounded "
+           "(decision 0021). Larger: fewer folds, more WAL files to replay and restore.",
+           check=_positive, allowed="an integer > 0"),
     Option("spark.steward.state.compaction.max-space-amplification", "float", "1.25",
            "A subtask's RocksDB lives for one batch, so its own compactions rarely finish and the garbage of "
            "TTL deletes and overwrites piles up in the checkpoints. When a snapshot's data (SSTs and WAL, "
@@ -384,7 +391,15 @@ OPTIONS = OPTIONS + (
            check=_nonneg, allowed="a number >= 0 (below 1 turns it off)"),
     Option("spark.steward.state.compaction.min-size", "bytes", "1m",
            "A subtask's snapshot with less data (SSTs and WAL) than this is never compacted before its "
-           "upload (see compaction.max-space-amplification).", check=_positive),
+           "upload (see compaction.max-space-amplification), unless its SSTs are many (see "
+           "compaction.max-files); a snapshot this small that the agent just folded is compacted into one "
+           "SST (decision 0021).", check=_positive),
+    Option("spark.steward.state.compaction.max-files", "int", "8",
+           "When a snapshot has more than this many SSTs above its last sorted run (the L0 SSTs that WAL "
+           "folds add, since a subtask's RocksDB rarely finishes a compaction of its own), the executor "
+           "agent uploads a fully compacted copy instead, whatever its size or garbage, so the files of a "
+           "subtask stay bounded however long the stream runs (decision 0021).",
+           check=_positive, allowed="an integer > 0"),
     Option("spark.steward.state.open-timeout", "duration", "6h",
            "How long an executor agent keeps a subtask that a task opened and neither uploaded nor released "
            "(the task was killed) before it deletes its working dir. Such a subtask is released sooner once "
@@ -500,8 +515,10 @@ class StewardConfig:
     state_max_parallelism: int = 128
     state_local_dir: str = ""
     state_wal_flush_size: int = 256 << 10
+    state_wal_flush_files: int = 16
     state_compaction_max_space_amplification: float = 1.25
     state_compaction_min_size: int = 1 << 20
+    state_compaction_max_files: int = 8
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
     state_ttl_sweep_max_entries: int = 100_000

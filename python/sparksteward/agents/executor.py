@@ -52,8 +52,10 @@ class ExecutorAgent(Agent):
                                      upload_threads=self.cfg.checkpoint_upload_threads,
                                      cache_max_bytes=self.cfg.state_cache_max_size,
                                      wal_flush_bytes=self.cfg.state_wal_flush_size,
+                                     wal_flush_files=self.cfg.state_wal_flush_files,
                                      compaction=CompactionPolicy(self.cfg.state_compaction_max_space_amplification,
-                                                                 self.cfg.state_compaction_min_size),
+                                                                 self.cfg.state_compaction_min_size,
+                                                                 self.cfg.state_compaction_max_files),
                                      open_timeout=self.cfg.state_open_timeout, clock=self.clock)  # keyed state
         self.states.register_handlers(self.server)
         self.rendezvous.publish(self.server.endpoint, self.secret, self.executor_id, timeout=self.cfg.rpc_timeout)

@@ -49,27 +49,32 @@ class LocalFileCache:
             st = p.stat()
             found.append((st.st_mtime, p.name, st.st_size))
         self._lru: OrderedDict[str, int] = OrderedDict((name, size) for _, name, size in sorted(found))
+        self._total = sum(self._lru.values())   # kept with _lru: a long stream's cache holds many entries
 
     @property
     def size(self) -> int:
         with self._lock:
-            return sum(self._lru.values())
+            return self._total
 
     def _touch(self, checksum: str, size: int | None = None) -> None:
         with self._lock:
             if size is not None:
+                self._total += size - self._lru.get(checksum, 0)
                 self._lru[checksum] = size
             if checksum in self._lru:
                 self._lru.move_to_end(checksum)
             if self.max_bytes is None:
                 return
-            total = sum(self._lru.values())
+            total = self._total
+            if total <= self.max_bytes:
+                return
             for victim in list(self._lru)[:-1]:   # never the newest
                 if total <= self.max_bytes:
                     break
                 if victim in self._pins:
                     continue
                 vsize = self._lru.pop(victim)
+                self._total -= vsize
                 with contextlib.suppress(FileNotFoundError):
                     self.path(victim).unlink()
                 total -= vsize
@@ -101,7 +106,7 @@ class LocalFileCache:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
             with self._lock:
-                self._lru.pop(checksum, None)
+                self._total -= self._lru.pop(checksum, 0)
             return None
         self._touch(checksum, p.stat().st_size)
         return p

@@ -18,11 +18,18 @@ directory: immutable SSTs are hard-linked from the executor's :class:`LocalFileC
 the missing ones), the small mutable files (CURRENT, MANIFEST, OPTIONS) are copied out of it. Every
 file is verified against its checksum; a mismatch or a missing file raises an error naming the file
 and the checkpoint, and leaves no half-restored directory behind.
+
+**One pass per merged file** (decision 0021). The segments a restore still lacks are read by physical
+file, in as few ranged reads as :func:`read_ranges` plans: segments closer than 64 KB, or that would
+fill at least half of the range they span, share one read, so a merged file the subtask mostly needs
+costs one GET instead of a HEAD and a GET per segment. Each segment is still verified against its
+own checksum as it enters the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
 import posixpath
@@ -44,7 +51,7 @@ from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.storage import Location, NotRegularFileError, fsync_dir, fsync_file, open_location, regular_files
 
 __all__ = ["DATA_PATH_FORMS", "METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult",
-           "checkpoint_dir_name", "is_data_path", "open_checkpoint"]
+           "checkpoint_dir_name", "is_data_path", "open_checkpoint", "read_ranges"]
 
 log = logging.getLogger("sparksteward.checkpoint.storage")
 
@@ -54,6 +61,12 @@ MERGED_DIR = "merged"   # FLIP-306 physical files (see checkpoint/merging.py)
 _DATA_NAME = re.compile(r"^[0-9a-f]{32}$")                    # an xxh3-128 checksum or a uuid4 hex
 _STAGED_NAME = re.compile(r"^\.[A-Za-z0-9_-][A-Za-z0-9._-]*\.tmp$")   # a staged upload (see staged_files)
 DATA_PATH_FORMS = "shared/<32 hex checksum> or merged/<32 hex>"
+#: segments of one merged file closer than this share a ranged read at restore
+RANGE_MAX_GAP = 64 << 10
+#: ... or when they fill at least this share of the range they would span
+RANGE_MIN_SHARE = 0.5
+#: the most bytes one ranged read holds in memory
+RANGE_MAX_BYTES = 64 << 20
 
 
 def is_data_path(path: str) -> bool:
@@ -98,6 +111,30 @@ class RestoreStats:
     downloaded_bytes: int
     cached_files: int
     fetched_paths: tuple[str, ...]
+
+
+def read_ranges(segments: list[FileHandle], max_gap: int = RANGE_MAX_GAP, min_share: float = RANGE_MIN_SHARE,
+                max_bytes: int = RANGE_MAX_BYTES) -> list[tuple[int, int, list[FileHandle]]]:
+    """The ranged reads ``(start, end, segments)`` that fetch ``segments`` (of one physical file).
+
+    In offset order, a segment joins the current read when the gap to it is at most ``max_gap``, or
+    when the segments would fill at least ``min_share`` of the range they span (most of the file is
+    needed: one read is cheaper than several), as long as the read stays within ``max_bytes``.
+    """
+    out: list[tuple[int, int, list[FileHandle]]] = []
+    need = 0
+    for f in sorted(segments, key=lambda x: (x.offset, x.length)):
+        end = f.offset + f.length
+        if out:
+            start, last, members = out[-1]
+            span = max(last, end) - start
+            if span <= max_bytes and (f.offset - last <= max_gap or need + f.length >= min_share * span):
+                out[-1] = (start, max(last, end), [*members, f])
+                need += f.length
+                continue
+        out.append((f.offset, end, [f]))
+        need = f.length
+    return out
 
 
 def _is_immutable(name: str) -> bool:
@@ -357,33 +394,74 @@ class CheckpointStorage:
         downloaded = downloaded_bytes = cached = 0
         fetched: list[str] = []
         try:
-            for f in handle.files:
-                with cache.pinned(f.checksum):   # no other open evicts it between the fetch and the link
-                    path, hit, n = self._fetch(meta, handle, f, cache)
-                    dest = staging / f.name
-                    if _is_linkable(f.name):
-                        os.link(path, dest)
-                    else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
-                        shutil.copyfile(path, dest)
-                if not hit:
-                    downloaded += 1
-                    downloaded_bytes += n
-                    fetched.append(f.path)
-                else:
-                    cached += 1
+            with contextlib.ExitStack() as pins:
+                ahead = self._fetch_segments(meta, handle, cache, pins)   # one pass per merged file
+                for f in handle.files:
+                    with cache.pinned(f.checksum):   # no other open evicts it between the fetch and the link
+                        path, hit, n = self._fetch(meta, handle, f, cache)
+                        dest = staging / f.name
+                        if _is_linkable(f.name):
+                            os.link(path, dest)
+                        else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
+                            shutil.copyfile(path, dest)
+                    if hit and f.checksum in ahead:   # downloaded above
+                        hit, n = False, ahead.pop(f.checksum)
+                    if not hit:
+                        downloaded += 1
+                        downloaded_bytes += n
+                        fetched.append(f.path)
+                    else:
+                        cached += 1
             os.replace(staging, db_dir)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
         return RestoreStats(len(handle.files), downloaded, downloaded_bytes, cached, tuple(fetched))
 
-    def _fetch(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle,
-               cache: LocalFileCache) -> tuple[Path, bool, int]:
+    def _fetch_segments(self, meta: CheckpointMetadata, handle: SubtaskHandle, cache: LocalFileCache,
+                        pins: contextlib.ExitStack) -> dict[str, int]:
+        """Download the segments of merged files that ``cache`` lacks, by physical file in the ranged
+        reads :func:`read_ranges` plans, each verified as it enters the cache and pinned by ``pins``.
+        Returns checksum -> bytes downloaded."""
+        todo: dict[str, dict[str, FileHandle]] = {}
+        for f in handle.files:
+            if f.is_segment and not cache.path(f.checksum).exists():
+                todo.setdefault(f.path, {}).setdefault(f.checksum, f)
+        out: dict[str, int] = {}
+        for physical, by_checksum in todo.items():
+            loc, path = self._abs(physical)
+            for start, end, segments in read_ranges(list(by_checksum.values())):
+                try:
+                    data = loc.fs.cat_file(path, start=start, end=end)
+                except FileNotFoundError as exc:
+                    raise CheckpointNotFoundError(
+                        f"{self._what(meta, handle, segments[0])} is missing: the checkpoint is incomplete (deleted "
+                        f"by hand, or by a gc that did not know it); {_fix(meta)}") from exc
+                except Exception as exc:
+                    raise StorageError(f"cannot read {self._what(meta, handle, segments[0])}: {exc}") from exc
+                view = memoryview(data)
+                for f in segments:
+                    pins.enter_context(cache.pinned(f.checksum))
+                    a = f.offset - start
+                    _, hit, n = self._fetch(meta, handle, f, cache, view[a:a + f.length])
+                    if not hit:
+                        out[f.checksum] = n
+        return out
+
+    def _what(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle) -> str:
         loc, path = self._abs(f.path)
-        what = (f"file {f.name} ({loc.display(path)}) of checkpoint {meta.checkpoint_id} of state "
+        return (f"file {f.name} ({loc.display(path)}) of checkpoint {meta.checkpoint_id} of state "
                 f"{meta.state!r}, subtask {handle.subtask}")
 
+    def _fetch(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle,
+               cache: LocalFileCache, data: memoryview | None = None) -> tuple[Path, bool, int]:
+        """``f`` from ``cache``, downloaded when missing (or taken from ``data``, its bytes read already)."""
+        loc, path = self._abs(f.path)
+        what = self._what(meta, handle, f)
+
         def open_source():
+            if data is not None:
+                return io.BytesIO(data)
             try:
                 src = loc.fs.open(path, "rb")
             except FileNotFoundError as exc:

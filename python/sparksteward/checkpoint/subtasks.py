@@ -75,7 +75,7 @@ from sparksteward.errors import (
     ParallelismError,
 )
 from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
-from sparksteward.state.snapshot import WAL_FLUSH_BYTES, CompactionPolicy, LocalSnapshot
+from sparksteward.state.snapshot import WAL_FLUSH_BYTES, WAL_FLUSH_FILES, CompactionPolicy, LocalSnapshot
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
 from sparksteward.wire.link import AgentLink
@@ -127,7 +127,7 @@ class SubtaskService:
 
     def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
                  cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES,
-                 open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None,
+                 wal_flush_files: int = WAL_FLUSH_FILES, open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None,
                  compaction: CompactionPolicy | None = None) -> None:
         parent = private_dir(Path(parent))
         sweep_dead(parent, STATE_DIR_PREFIX)
@@ -136,6 +136,7 @@ class SubtaskService:
         self.cache = LocalFileCache(self.root / "cache", max_bytes=cache_max_bytes)
         self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
         self.wal_flush_bytes = wal_flush_bytes  # a snapshot with more WAL is folded before its upload
+        self.wal_flush_files = wal_flush_files  # and one with more WAL files
         self.compaction = compaction or CompactionPolicy()  # a snapshot with much garbage is compacted first
         self._driver_endpoint = driver_endpoint
         self._link = AgentLink(driver_endpoint or "", secret)   # one reused connection per sending thread
@@ -402,7 +403,8 @@ class SubtaskService:
             self.uploader.submit(opened.storage, opened.checkpoint_id, opened.subtask, snap, known=opened.known,
                                  on_done=done, on_error=failed, merge=merge,
                                  merge_below=opts.max_file_size if opts.enabled else 0, channel=channel,
-                                 fold_wal_above=self.wal_flush_bytes, compaction=self.compaction)
+                                 fold_wal_above=self.wal_flush_bytes,
+                                 fold_wal_files=self.wal_flush_files, compaction=self.compaction)
         except BaseException:
             finished()
             raise

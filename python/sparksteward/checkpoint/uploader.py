@@ -1,9 +1,10 @@
 """The async phase of checkpoints, off the task's critical path (hosted by the executor agent).
 
 A task hands its local snapshot to :meth:`SnapshotUploader.submit` and returns its rows at once. A
-pool of threads prepares the snapshot (its WAL folded into an SST past ``wal-flush-size``, then a
-fully compacted copy when its files carry too much garbage,
-:func:`~sparksteward.state.snapshot.compact_snapshot`), uploads its new files
+pool of threads prepares the snapshot (its WAL folded into an SST past ``wal-flush-size`` or
+``wal-flush-files``, then a fully compacted copy when its files carry too much garbage or are too
+many, or when it is small and was just folded, :func:`~sparksteward.state.snapshot.compact_snapshot`),
+uploads its new files
 (:meth:`CheckpointStorage.upload_snapshot`), deletes the local snapshot (and the copy), and reports
 the :class:`UploadResult` to ``on_done`` (the agent acks it to the driver agent's coordinator) or the
 error to ``on_error`` (the agent reports the subtask failed, so the coordinator aborts the
@@ -49,10 +50,11 @@ class SnapshotUploader:
                on_error: Callable[[int, int, BaseException], None] | None = None,
                merge: Callable[[str, Path, str], FileHandle] | None = None,
                merge_below: int = 0, channel: tuple[Path, ...] = (),
-               fold_wal_above: int | None = None,
+               fold_wal_above: int | None = None, fold_wal_files: int | None = None,
                compaction: CompactionPolicy | None = None) -> Future[UploadResult]:
         """Queue the upload of ``snapshot`` (subtask ``subtask`` of checkpoint ``checkpoint_id``). With
-        ``fold_wal_above``, a WAL larger than that is first folded into an SST (:func:`fold_wal`); then,
+        ``fold_wal_above``, a WAL larger than that, or of more than ``fold_wal_files`` files, is first
+        folded into an SST (:func:`fold_wal`); then,
         with ``compaction``, a snapshot the policy picks is uploaded as a fully compacted copy
         (:func:`compact_snapshot`)."""
         with self._lock:
@@ -62,10 +64,11 @@ class SnapshotUploader:
             def work() -> UploadResult:
                 compacted: SnapshotCompaction | None = None
                 try:
-                    if fold_wal_above is not None:  # decision 0012: the WAL past the limit becomes an SST
-                        fold_wal(snapshot.path, fold_wal_above)
-                    if compaction is not None:   # decision 0019, after the fold: an SST outgrows its ZSTD WAL
-                        compacted = compact_snapshot(snapshot.path, compaction)
+                    folded = False
+                    if fold_wal_above is not None:  # decisions 0012, 0021: the WAL past a limit becomes an SST
+                        folded = fold_wal(snapshot.path, fold_wal_above, fold_wal_files) > 0
+                    if compaction is not None:   # decisions 0019, 0021, after the fold: an SST outgrows its ZSTD WAL
+                        compacted = compact_snapshot(snapshot.path, compaction, folded=folded)
                     local = compacted.path if compacted is not None else snapshot.path
                     result = storage.upload_snapshot(local, subtask, snapshot.key_groups, known=known,
                                                      cache=self._cache, merge=merge, merge_below=merge_below,

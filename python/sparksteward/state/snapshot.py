@@ -1,8 +1,13 @@
 """A subtask's local snapshot (the output of a checkpoint's sync phase) and what the async phase
-does to it before the upload: :func:`compact_snapshot` writes a fully compacted copy of a snapshot
-whose files carry too much garbage (:class:`CompactionPolicy`, decision 0019), and :func:`fold_wal`
-folds a WAL past ``wal-flush-size`` into an SST. :func:`snapshot_files` names the files of a closed DB
-that a copy needs.
+does to it before the upload: :func:`fold_wal` folds a WAL past ``wal-flush-size`` or
+``wal-flush-files`` into an SST, then :func:`compact_snapshot` writes a fully compacted copy of a
+snapshot whose files carry too much garbage or are too many, or of a small one just folded
+(:class:`CompactionPolicy`, decisions 0019 and 0021). :func:`snapshot_files` names the files of a closed
+DB that a copy needs.
+
+Together they bound a subtask's files however long its stream runs: at most ``wal-flush-files`` WAL
+files, and at most ``compaction.max-files`` SSTs above its last sorted run (one SST in all for a
+subtask under ``compaction.min-size``), whatever the volume of each batch.
 
 Both work on a closed DB that nothing else opens: the executor agent's upload thread owns the
 snapshot dir until the upload. :func:`fold_wal` changes the snapshot in place (RocksDB's recovery is
@@ -27,14 +32,18 @@ from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.rocksdb_options import db_options
 from sparksteward.storage import NotRegularFileError, regular_files
 
-__all__ = ["COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "WAL_FLUSH_BYTES", "CompactionPolicy",
-           "LocalSnapshot", "SnapshotCompaction", "SortedRuns", "compact_snapshot", "fold_wal",
-           "snapshot_files", "wal_bytes"]
+__all__ = ["COMPACTION_MAX_FILES", "COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "WAL_FLUSH_BYTES",
+           "WAL_FLUSH_FILES", "CompactionPolicy", "LocalSnapshot", "SnapshotCompaction", "SortedRuns",
+           "compact_snapshot", "fold_wal", "snapshot_files", "ssts_above_last_run", "wal_bytes"]
 
 log = logging.getLogger("sparksteward.state.snapshot")
 
 #: default of ``spark.steward.state.wal-flush-size``: a snapshot with more WAL than this is folded
 WAL_FLUSH_BYTES = 256 << 10
+#: default of ``spark.steward.state.wal-flush-files``: a snapshot with more WAL files than this is folded
+WAL_FLUSH_FILES = 16
+#: default of ``spark.steward.state.compaction.max-files``: more SSTs above the last run are compacted
+COMPACTION_MAX_FILES = 8
 #: defaults of ``spark.steward.state.compaction.max-space-amplification`` and ``.min-size``
 COMPACTION_SPACE_AMPLIFICATION = 1.25
 COMPACTION_MIN_BYTES = 1 << 20
@@ -77,22 +86,27 @@ def wal_bytes(directory: Path) -> int:
     return sum(p.lstat().st_size for p in directory.glob("*.log"))
 
 
-def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES) -> int:
-    """Fold the WAL of a closed DB (a local snapshot) into an SST when it holds more than ``limit`` bytes.
+def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES, max_files: int | None = None) -> int:
+    """Fold the WAL of a closed DB (a local snapshot) into an SST when it holds more than ``limit`` bytes
+    or, with ``max_files``, spans more than ``max_files`` WAL files (decision 0021: every open adds
+    one, so a low-volume stream would otherwise pile up hundreds of tiny WAL files that every open
+    replays and every restore fetches).
 
     The executor agent runs this in the async phase, before the upload, so the task never flushes.
     An open with :func:`db_options` replays the WAL and flushes it at recovery (auto compactions off, so
     no existing SST is rewritten or deleted). The close afterwards finds an empty memtable. Then
     everything a copy does not need (LOCK, LOG, the old MANIFEST and OPTIONS) is removed. Returns the
-    WAL bytes folded, or 0 when under the limit. The state is the same; only its files differ.
+    WAL bytes folded (0 also when the WAL files folded by count were empty), or 0 when under both
+    limits. The state is the same; only its files differ.
     """
     directory = Path(directory)
     try:  # RocksDB would follow a symlinked WAL and recover (and delete) through it
         files = regular_files(directory)
     except NotRegularFileError as exc:
         raise StateBackendError(f"will not fold the WAL of snapshot {directory}: {exc}") from exc
-    wal = sum(p.stat().st_size for p in files if p.name.endswith(".log"))
-    if wal <= limit:
+    logs = [p for p in files if p.name.endswith(".log")]
+    wal = sum(p.stat().st_size for p in logs)
+    if wal <= limit and (max_files is None or len(logs) <= max_files):
         return 0
     opts = db_options(create=False)
     opts.set_disable_auto_compactions(True)
@@ -121,10 +135,16 @@ class CompactionPolicy:
     of the state as it was at the last compaction. Without deletions, what lies above the last run is
     mostly new keys (a growing state): rewriting and uploading the whole state again for it would
     drop little. Below 1 the policy is off.
+
+    Two more triggers bound a subtask's files (decision 0021), and :func:`compact_snapshot` applies
+    them: a snapshot with more than ``max_files`` SSTs above its last run is compacted whatever its
+    size or garbage (:meth:`wants_by_count`), and a snapshot under ``min_size`` whose WAL was just
+    folded is compacted into one SST (rewriting less than ``min_size`` costs little).
     """
 
     max_space_amplification: float = COMPACTION_SPACE_AMPLIFICATION
     min_size: int = COMPACTION_MIN_BYTES
+    max_files: int = COMPACTION_MAX_FILES
 
     def __post_init__(self) -> None:
         if not self.max_space_amplification >= 0:   # NaN too
@@ -134,6 +154,9 @@ class CompactionPolicy:
         if self.min_size <= 0:
             raise ConfigError(f"spark.steward.state.compaction.min-size={self.min_size!r} is not allowed: expected "
                               f"a size > 0 such as 1m")
+        if isinstance(self.max_files, bool) or not isinstance(self.max_files, int) or self.max_files <= 0:
+            raise ConfigError(f"spark.steward.state.compaction.max-files={self.max_files!r} is not allowed: expected "
+                              f"an integer > 0 such as {COMPACTION_MAX_FILES}")
 
     @property
     def enabled(self) -> bool:
@@ -143,6 +166,10 @@ class CompactionPolicy:
         """Whether a snapshot of ``data`` bytes whose SSTs are ``runs`` calls for a compaction."""
         return (self.enabled and data >= self.min_size and data > self.max_space_amplification * runs.last_run
                 and runs.deletions_above > 0 and runs.deletions_above >= COMPACTION_MIN_DELETIONS * runs.entries_above)
+
+    def wants_by_count(self, files_above: int) -> bool:
+        """Whether ``files_above`` SSTs above the last sorted run call for a compaction (any size)."""
+        return self.enabled and files_above > self.max_files
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,16 +209,30 @@ class SortedRuns:
         return cls(sum(f[1] for f in last), sum(f[2] for f in above), sum(f[3] for f in above))
 
 
-def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy) -> SnapshotCompaction | None:
+def ssts_above_last_run(live_files: Iterable[Mapping[str, object]]) -> int:
+    """How many of a DB's live SSTs (rocksdict's ``Rdict.live_files()``) lie above its last sorted run
+    (as :class:`SortedRuns` draws it)."""
+    levels = [int(f["level"]) for f in live_files]  # type: ignore[call-overload]
+    deepest = max(levels, default=0)
+    if deepest > 0:
+        return sum(1 for lv in levels if lv != deepest)
+    return max(len(levels) - 1, 0)
+
+
+def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy,
+                     folded: bool = False) -> SnapshotCompaction | None:
     """A fully compacted copy of the snapshot in ``directory`` when ``policy`` calls for one, else None.
 
-    The executor agent runs this in the async phase, before the upload. Below ``policy.min_size`` it
-    only lists the dir. Otherwise a read-only open reads the levels of the live SSTs (about a
-    millisecond). When compacting, it hard-links the snapshot's SSTs (RocksDB never writes an SST
-    again) and copies its other files into a sibling dir ``.<name>.<pid>.compacting``, opens that with
-    auto compactions off (recovery flushes the WAL), compacts the whole key range with the bottommost
-    level forced (tombstones and the entries they cover go), closes it and keeps only the files a copy
-    needs. The snapshot itself is never changed: a compaction that fails is logged and its copy
+    The executor agent runs this in the async phase, before the upload; ``folded`` says that
+    :func:`fold_wal` just folded its WAL. Below ``policy.min_size`` it only lists the dir, and
+    compacts a snapshot of two SSTs or more that was ``folded`` (into one SST), or one with more than
+    ``max_files`` SSTs above its last run. Otherwise a read-only open reads the levels of the live
+    SSTs (about a millisecond), for :meth:`CompactionPolicy.wants` and
+    :meth:`CompactionPolicy.wants_by_count`. When compacting, it hard-links the snapshot's SSTs
+    (RocksDB never writes an SST again) and copies its other files into a sibling dir
+    ``.<name>.<pid>.compacting``, opens that with auto compactions off (recovery flushes the WAL),
+    compacts the whole key range with the bottommost level forced (tombstones and the entries they
+    cover go), closes it and keeps only the files a copy needs. The snapshot itself is never changed: a compaction that fails is logged and its copy
     deleted, and the caller uploads the snapshot as it is. The state is the same; only its files differ.
 
     Raises :class:`StateBackendError` when the snapshot holds a non-regular file or cannot be opened
@@ -205,9 +246,14 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
     except NotRegularFileError as exc:
         raise StateBackendError(f"will not compact snapshot {directory}: {exc}") from exc
     data = sum(p.stat().st_size for p in files if p.name.endswith(_DATA))
-    if data < policy.min_size:
-        return None
+    ssts = sum(1 for p in files if p.name.endswith(".sst"))
     started = time.perf_counter()
+    if data < policy.min_size:
+        if folded and ssts >= 2:   # a small DB folds into one SST: rewriting it costs little
+            return _compacted(directory, data, started, f"{ssts} SSTs after a WAL fold, under min-size",
+                              quiet=True)
+        if ssts <= policy.max_files + 1:
+            return None
     try:
         db = rocksdict.Rdict(str(directory), db_options(create=False), access_type=rocksdict.AccessType.read_only())
         try:
@@ -218,8 +264,20 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
     except Exception as exc:  # rocksdict raises a bare Exception
         raise StateBackendError(f"cannot read the levels of snapshot {directory}: {exc}") from exc
     runs = SortedRuns.of(live)
-    if not policy.wants(data, runs):
+    above = ssts_above_last_run(live)
+    if policy.wants_by_count(above):
+        why = f"{above} SSTs above its last run"
+    elif data >= policy.min_size and policy.wants(data, runs):
+        why = (f"last run {runs.last_run} B, {runs.deletions_above} of {runs.entries_above} entries above it "
+               f"deletions")
+    else:
         return None
+    return _compacted(directory, data, started, why)
+
+
+def _compacted(directory: Path, data: int, started: float, why: str, quiet: bool = False) -> SnapshotCompaction | None:
+    """Compact a copy of ``directory`` (see :func:`compact_snapshot`); None when that fails. ``quiet``:
+    a routine one (a small DB's fold), logged at DEBUG."""
     into = directory.with_name(f".{directory.name}.{os.getpid()}.compacting")
     try:
         _compact_copy(directory, into)
@@ -229,8 +287,8 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
         log.warning("compaction of snapshot %s failed (%s); its files are uploaded as they are", directory, exc)
         return None
     ms = (time.perf_counter() - started) * 1000
-    log.info("compacted snapshot %s: %d B (last run %d B, %d of %d entries above it deletions) -> %d B in %.0f ms",
-             directory, data, runs.last_run, runs.deletions_above, runs.entries_above, after, ms)
+    log.log(logging.DEBUG if quiet else logging.INFO, "compacted snapshot %s: %d B (%s) -> %d B in %.0f ms",
+            directory, data, why, after, ms)
     return SnapshotCompaction(into, data, after, ms)
 
 
