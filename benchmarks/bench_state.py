@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -61,6 +62,8 @@ FILES = int(os.environ.get("BENCH_FILES", "6"))
 MASTER = os.environ.get("BENCH_MASTER", "local-cluster[2,1,1024]")
 DUP_KEYS = int(os.environ.get("BENCH_DUP_KEYS", "1000000"))  # the NO_CLAIM duplication's checkpoint
 LOCAL_DIR = os.environ.get("BENCH_LOCAL_DIR")  # e.g. /dev/shm: our working dirs on tmpfs
+#: more session settings for an A/B run, e.g. BENCH_CONF='{"spark.steward.state.wal-flush-size": "16k"}'
+EXTRA_CONF: dict[str, str] = orjson.loads(os.environ.get("BENCH_CONF", "{}"))
 _LOCAL_DIRS: list[str] = []  # made under LOCAL_DIR, deleted at exit
 P, P_NEW, M = 8, 4, 128
 SCHEMA = "k string, n long, s long"
@@ -200,6 +203,7 @@ def start_session(root: Path, label: str) -> Any:
         "spark.sql.adaptive.enabled": "false",
         "spark.steward.state-dir": str(root / "steward-state"),
     }
+    conf.update(EXTRA_CONF)
     if LOCAL_DIR:  # the executor agents' RocksDB working dirs, local snapshots and file cache
         local = tempfile.mkdtemp(prefix="bench-state-local-", dir=LOCAL_DIR)
         _LOCAL_DIRS.append(local)

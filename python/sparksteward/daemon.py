@@ -4,10 +4,13 @@
 chose another daemon), so every Python worker forked from it can import libraries added with
 ``Steward.add_library``. The finder sits at the *end* of ``sys.meta_path``: it is consulted only after
 a normal import failed, so it costs nothing for imports that already work. The daemon also imports the modules ``h.value``
-needs, so forked workers do not each pay for them.
+needs, so forked workers do not each pay for them, and freezes its objects before it forks
+(``gc.freeze``, see :func:`sparksteward.worker.settle_heap`).
 """
 
 from __future__ import annotations
+
+import gc
 
 from sparksteward.libraries import install_finder
 
@@ -21,4 +24,7 @@ if __name__ == "__main__":
     import sparksteward.worker  # noqa: F401
     from pyspark.daemon import manager
 
+    # the objects loaded so far are never walked by a worker's collections, nor copied by them
+    # (sparksteward.worker.settle_heap)
+    gc.freeze()
     manager()

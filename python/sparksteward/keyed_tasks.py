@@ -127,8 +127,9 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
     from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
-    from sparksteward.worker import executor_connection
+    from sparksteward.worker import executor_connection, settle_heap
 
+    settle_heap()   # the modules above stay out of the collections PySpark runs after each task
     conn = executor_connection()
     opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
                           parallelism=parallelism, now_ms=declared.get("now_ms"))

@@ -191,3 +191,28 @@ def _answers(st) -> bool:
         return True
     except Exception:  # noqa: BLE001 - not up yet
         return False
+
+
+def test_workers_fork_from_a_frozen_daemon_and_a_state_task_freezes_its_imports(spark, st, dirs):
+    """PySpark runs a full gc.collect() after each task of a reused worker. Our daemon freezes its
+    objects before it forks, so those collections neither walk nor copy them, and a keyed-state task
+    freezes what its worker imported, once per worker (sparksteward.worker.settle_heap)."""
+    import gc
+
+    def frozen(it):
+        for _ in it:
+            pass
+        yield pd.DataFrame({"frozen": [gc.get_freeze_count()]})
+
+    plain = spark.range(2).repartition(2).mapInPandas(frozen, "frozen long").collect()
+    assert all(r.frozen > 10_000 for r in plain), plain   # the daemon's modules, frozen before the fork
+
+    def fn(key, rows, state):
+        return pd.DataFrame({"k": [key], "frozen": [gc.get_freeze_count()]})
+
+    ks = st.keyed_state("frozen-heap", key="k", parallelism=2, checkpoint_dir=str(dirs / "frozen"))
+    df = spark.createDataFrame(pd.DataFrame({"k": ["a", "b", "c", "d"]}))
+    rows = ks.apply(df, fn, "k string, frozen long", checkpoint_id=0).collect()
+    ks.commit(0)
+    before = min(r.frozen for r in plain)
+    assert all(r.frozen > before for r in rows), (before, rows)   # settled after importing the state modules
