@@ -103,6 +103,9 @@ ROWS2 = int(os.environ.get("BENCH_TTL_ROWS", str(WINDOW)))
 PERIOD = float(os.environ.get("BENCH_TTL_PERIOD", "2.0"))
 TTL_BATCHES = 5
 SCENARIOS = os.environ.get("BENCH_SCENARIOS", "12")
+#: ``process(persist=...)`` of ours. False (``BENCH_PERSIST=0``): the sink's one write runs the state stage
+#: in its own job, as Spark's operator does; True (the default of ``process``) persists the output first
+PERSIST = os.environ.get("BENCH_PERSIST", "1") != "0"
 MEASURE_AT = [b for b in (BATCHES // 4, BATCHES // 2, 3 * BATCHES // 4, BATCHES) if b > 0]
 RESTORE_ROUNDS = 7   # restore time: the median of this many rounds over every set-aside checkpoint in turn
 SCHEMA = "k string, n long, events long"
@@ -202,7 +205,7 @@ class Engine:
                                                      states=declarations(TTL_S1))
             form = "pandas" if engine == "ours-pandas" else "arrow"
             fn = ours_pandas_fn if form == "pandas" else ours_arrow_fn
-            self.run_batch = self.ks.process(fn, SCHEMA, self._write, form=form)
+            self.run_batch = self.ks.process(fn, SCHEMA, self._write, form=form, persist=PERSIST)
             self.written = Written(root / "ours-chk" / "default" / engine)
             commit = self.ks.commit
 
