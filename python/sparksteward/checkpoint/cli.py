@@ -24,13 +24,15 @@
   ``url`` (:func:`~sparksteward.checkpoint.restore.write_savepoint`: S3 CopyObject or hard links
   where the stores allow, ``_metadata`` last) and print its ``_metadata`` URL; ``dir`` defaults as
   ``ls``'s. A ``url`` ending in ``chk-<N>`` or ``_metadata`` is refused (``restore_from`` would
-  read it as a checkpoint of another state root). Refused while a writer may hold the state's lease (its coordinator subsumes checkpoints
-  and deletes their files; ``ks.savepoint(url)`` in that application pins the checkpoint instead).
-  A writer that starts during the copy keeps the checkpoint until newer ones subsume it, and a file
-  that goes missing fails the copy, which deletes what it wrote: ``url`` holds a whole savepoint or
-  none. On a terminal, a progress line on stderr counts the copied files.
+  read it as a checkpoint of another state root). Refused while a writer may hold the state's lease
+  (its coordinator subsumes checkpoints and deletes their files; ``ks.savepoint(url)`` in that
+  application pins the checkpoint instead). A writer that starts during the copy keeps the
+  checkpoint until newer ones subsume it, and a file that goes missing fails the copy, which deletes
+  what it wrote: ``url`` holds a whole savepoint or none. On a terminal, a progress line on stderr
+  counts the copied files.
 
-Every ``<dir>`` but ``ls``'s and ``savepoint``'s is required; a state name must be a valid id (:func:`~sparksteward.ids.validate_id`).
+Every ``<dir>`` but ``ls``'s and ``savepoint``'s is required; a state name must be a valid id
+(:func:`~sparksteward.ids.validate_id`).
 """
 
 from __future__ import annotations
