@@ -1,4 +1,4 @@
-"""``steward checkpoints ls|show|read|gc|rm``: keyed-state checkpoints on any fsspec URL.
+"""``steward checkpoints ls|show|read|gc|rm|savepoint``: keyed-state checkpoints on any fsspec URL.
 
 - ``ls [dir]``: every state under ``<dir>/<cluster-id>/``, with its retained checkpoints, size and files.
   ``dir`` defaults to the embedded checkpoint dir, ``<state-dir>/checkpoints`` (the default of
@@ -18,9 +18,21 @@
   unreadable (it may be a newer version's);
 - ``rm <state>``: delete a whole state (:func:`~sparksteward.checkpoint.removal.remove_state`): refused
   while a writer holds its lease; records first, then its own data files, except those another state
-  claimed; ``--dry-run`` lists them. On a terminal, a progress line on stderr counts the deletes.
+  claimed; ``--dry-run`` lists them. On a terminal, a progress line on stderr counts the deletes;
+- ``savepoint [dir] <state> <url>``: copy a completed checkpoint (``--checkpoint N``, default: the
+  latest, or the restored starting point of a state that has none) to a self-contained savepoint at
+  ``url`` (:func:`~sparksteward.checkpoint.restore.write_savepoint`: S3 CopyObject or hard links
+  where the stores allow, ``_metadata`` last) and print its ``_metadata`` URL; ``dir`` defaults as
+  ``ls``'s. A ``url`` ending in ``chk-<N>`` or ``_metadata`` is refused (``restore_from`` would
+  read it as a checkpoint of another state root). Refused while a writer may hold the state's lease
+  (its coordinator subsumes checkpoints and deletes their files; ``ks.savepoint(url)`` in that
+  application pins the checkpoint instead). A writer that starts during the copy keeps the
+  checkpoint until newer ones subsume it, and a file that goes missing fails the copy, which deletes
+  what it wrote: ``url`` holds a whole savepoint or none. On a terminal, a progress line on stderr
+  counts the copied files.
 
-Every ``<dir>`` but ``ls``'s is required; a state name must be a valid id (:func:`~sparksteward.ids.validate_id`).
+Every ``<dir>`` but ``ls``'s and ``savepoint``'s is required; a state name must be a valid id
+(:func:`~sparksteward.ids.validate_id`).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -35,13 +48,16 @@ from typing import TextIO
 
 import orjson
 
+from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.merging import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.removal import Removal, read_records, remove_state, subdirs
+from sparksteward.checkpoint.restore import write_savepoint
 from sparksteward.checkpoint.service import default_checkpoint_dir
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
-from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError, StateLeaseError
 from sparksteward.ids import validate_id
 from sparksteward.state.declared import variables_of
 from sparksteward.storage import Location, open_location
@@ -50,6 +66,7 @@ from sparksteward.tables import table
 __all__ = ["add_subcommands", "find_orphans"]
 
 MB = 1 << 20
+_NOT_A_SAVEPOINT_NAME = re.compile(r"^(chk-\d+|_metadata)$")   # open_checkpoint's names of a checkpoint
 
 
 def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
@@ -248,8 +265,49 @@ def _rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _savepoint(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    last = args.url.rstrip("/").rsplit("/", 1)[-1]
+    if _NOT_A_SAVEPOINT_NAME.match(last):
+        raise CheckpointError(f"savepoint {args.url!r} ends in {last!r}, which restore_from reads as a checkpoint "
+                              f"directory or its record, not as a savepoint; nothing was written. Give it another "
+                              f"last name, such as {args.state}-sp-1")
+    default = default_checkpoint_dir(cfg)
+    top = open_location(args.dir or default)
+    storage = CheckpointStorage(top.child(cfg.cluster_id, validate_id(args.state, "state name")), args.state)
+    loc = storage.location
+    if not loc.exists(loc.root):
+        given = "" if args.dir else " (the default checkpoint dir: none was given)"
+        raise CheckpointNotFoundError(f"no state {args.state!r} of cluster id {cfg.cluster_id!r} in {top.url}{given}: "
+                                      f"nothing to save. `steward checkpoints ls {top.url}` lists the states")
+    record = read_lease(loc)
+    if record is not None and record.may_be_live(time.time()):
+        raise StateLeaseError(
+            f"not taking a savepoint of state {args.state!r} at {loc.url}: it is being written by "
+            f"{record.describe()}, which subsumes checkpoints and deletes their files while they would be "
+            f"copied. Take it in that application with ks.savepoint(url), which keeps the checkpoint until the "
+            f"copy is done, or stop the application first (its lease is released when it stops, or expires "
+            f"{record.ttl:g} s after its last renewal)")
+    ids = storage.checkpoint_ids()
+    cid = args.checkpoint if args.checkpoint is not None else (
+        ids[-1] if ids else (RESTORED if storage.has_restored() else None))
+    if cid is None:
+        raise CheckpointError(f"state {args.state!r} has no completed checkpoint in {storage.url}: nothing to save; "
+                              f"`steward checkpoints ls {top.url}` lists the states and their checkpoints")
+    meta = storage.read_metadata(cid)
+    dup = Duplicator()
+    what = "restored starting point" if cid == RESTORED else f"checkpoint {cid}"
+    path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
+                           checkpoint_dirs=[default], progress=_Progress(f"copying {args.state} {what}"))
+    print(path if "://" in path else "file://" + os.path.abspath(path))
+    print(f"saved state {args.state!r} {what} ({len({f.path for f in meta.files()})} files, {meta.size / MB:.1f} "
+          f"MB: {dup.stats.server_side} copied on the server, {dup.stats.linked} linked, "
+          f"{dup.stats.bytes_streamed} bytes streamed)", file=sys.stderr)
+    return 0
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("checkpoints", help="keyed-state checkpoints: ls, show, read, gc, rm")
+    p = sub.add_parser("checkpoints", help="keyed-state checkpoints: ls, show, read, gc, rm, savepoint")
     cmds = p.add_subparsers(dest="checkpoints_command", required=True)
 
     def common(q: argparse.ArgumentParser, nargs: str | None = None) -> None:
@@ -285,3 +343,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     q.add_argument("state")
     q.add_argument("--dry-run", action="store_true", help="only print what would be deleted")
     q.set_defaults(func=_rm)
+    q = cmds.add_parser("savepoint", help="copy a completed checkpoint to a self-contained savepoint at a URL")
+    common(q, nargs="?")
+    q.add_argument("state")
+    q.add_argument("url", help="where the savepoint goes, outside every checkpoint dir: a path or fsspec URL")
+    q.add_argument("--checkpoint", type=int, default=None, help="checkpoint id (default: the latest)")
+    q.set_defaults(func=_savepoint)

@@ -4,8 +4,9 @@
 avoid moving bytes through this process: both on one S3 endpoint (server-side ``CopyObject`` through
 s3fs's ``copy``), or both on one local file system (hard link; ``copy_file_range`` in the kernel if
 linking is refused). :class:`Duplicator` copies a batch of ``(src, dst)`` URLs that way, and streams
-the bytes in every other case. It counts the bytes that passed through the process
-(``bytes_streamed``), so callers and tests can assert that a NO_CLAIM restore moved nothing.
+the bytes in every other case, calling an optional ``progress(done, total)`` as the files go. It
+counts the bytes that passed through the process (``bytes_streamed``), so callers and tests can
+assert that a NO_CLAIM restore moved nothing.
 
 Destinations are written all-or-nothing: a streamed or kernel copy goes to a staged temp file that is
 renamed, a link over an existing file is made under a temp name and renamed; an S3 CopyObject is
@@ -22,7 +23,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from fsspec.implementations.local import LocalFileSystem
@@ -34,6 +35,7 @@ __all__ = ["Duplicator", "DuplicationStats", "can_fast_duplicate", "overlaps", "
 
 log = logging.getLogger("sparksteward.checkpoint.duplicate")
 _CHUNK = 4 << 20
+_S3_BATCH = 128   # server-side copies per progress report (s3fs issues 128 at a time anyway)
 
 
 def _protocol(url: str) -> str:
@@ -102,10 +104,12 @@ class Duplicator:
     def bytes_streamed(self) -> int:
         return self.stats.bytes_streamed
 
-    def duplicate(self, pairs: Iterable[tuple[str, str]]) -> None:
+    def duplicate(self, pairs: Iterable[tuple[str, str]],
+                  progress: Callable[[int, int], None] | None = None) -> None:
         """Copy every ``src`` URL to its ``dst`` URL. A missing source raises CheckpointNotFoundError;
         a pair whose source and destination are one place raises CheckpointError before anything is
-        copied."""
+        copied. ``progress(done, total)`` is called after each linked or streamed file and after each
+        batch of server-side copies."""
         pairs = list(pairs)
         for src, dst in pairs:
             if place(src) == place(dst):
@@ -116,12 +120,25 @@ class Duplicator:
             kind = "local" if _protocol(src) in ("file", "local") and _protocol(dst) in ("file", "local") else (
                 "s3" if can_fast_duplicate(src, dst) else "stream")
             by_kind.setdefault(kind, []).append((src, dst))
+        done = 0
+
+        def copied(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(done, len(pairs))
+
         for src, dst in by_kind.get("local", []):
             self._local(src.split("://", 1)[-1], dst.split("://", 1)[-1])
-        if by_kind.get("s3"):
-            self._s3(by_kind["s3"])
+            copied(1)
+        server = by_kind.get("s3", [])
+        step = _S3_BATCH if progress is not None else max(len(server), 1)   # without progress: one call, as before
+        for i in range(0, len(server), step):
+            self._s3(server[i:i + step])
+            copied(len(server[i:i + step]))
         for src, dst in by_kind.get("stream", []):
             self._stream(src, dst)
+            copied(1)
 
     # --- local -------------------------------------------------------------------------------
     def _local(self, src: str, dst: str) -> None:

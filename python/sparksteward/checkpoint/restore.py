@@ -51,7 +51,7 @@ import logging
 import os
 import posixpath
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from sparksteward.hashing import Hasher
@@ -195,12 +195,13 @@ def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str, *,
 
 
 def _duplicate_into(src: CheckpointStorage, files: Iterable[FileHandle], dst: CheckpointStorage,
-                    duplicator: Duplicator, label: str) -> set[str]:
+                    duplicator: Duplicator, label: str,
+                    progress: Callable[[int, int], None] | None = None) -> set[str]:
     """Copy the physical files of ``files`` to ``dst`` (a file already there is copied again: only a
     fresh copy of the source is trusted): whole files to ``shared/<checksum>``, merged physical files
     (FLIP-306) once each to ``merged/<uuid>``, their segments keeping their offsets, and verified
     against their checksums. Returns the relative paths this call created. On a failure those files
-    (and only those) are deleted."""
+    (and only those) are deleted. ``progress(done, total)`` counts the physical files copied."""
     files = list(files)
     pairs = {}
     for f in files:
@@ -215,7 +216,10 @@ def _duplicate_into(src: CheckpointStorage, files: Iterable[FileHandle], dst: Ch
         if any(is_merged(r) for r in pairs):
             dst.location.makedirs(dst.location.path(MERGED_DIR))
     try:
-        duplicator.duplicate(list(pairs.values()))
+        if progress is None:
+            duplicator.duplicate(list(pairs.values()))
+        else:
+            duplicator.duplicate(list(pairs.values()), progress=progress)
         _verify_segments(dst, [f for f in files if f.is_segment], label)
     except BaseException:
         _discard(dst, created)
@@ -373,7 +377,7 @@ def check_savepoint_target(url: str, src: CheckpointStorage, checkpoint_dirs: It
 
 def write_savepoint(src: CheckpointStorage, meta: CheckpointMetadata, url: str,
                     duplicator: Duplicator | None = None, *, source: str | None = None,
-                    checkpoint_dirs: Iterable[str] = ()) -> str:
+                    checkpoint_dirs: Iterable[str] = (), progress: Callable[[int, int], None] | None = None) -> str:
     """Copy checkpoint ``meta`` of ``src`` to a self-contained savepoint at ``url``; return the URL of
     its ``_metadata``. Refuses a ``url`` that already holds a ``_metadata``, and one that overlaps a
     checkpoint directory (:func:`check_savepoint_target`; ``checkpoint_dirs`` names more of them).
@@ -381,7 +385,7 @@ def write_savepoint(src: CheckpointStorage, meta: CheckpointMetadata, url: str,
     The files are duplicated first and ``_metadata`` is written last (atomically: the savepoint's
     commit marker); if anything fails, the files this call created are deleted again, so ``url``
     holds a whole savepoint or none. ``source`` (default ``chk-<N>/_metadata`` of ``src``) is
-    recorded as ``savepoint_of``.
+    recorded as ``savepoint_of``. ``progress(done, total)`` is called as the files are copied.
     """
     check_savepoint_target(url, src, checkpoint_dirs)
     loc = open_location(url)
@@ -392,7 +396,7 @@ def write_savepoint(src: CheckpointStorage, meta: CheckpointMetadata, url: str,
     of = source or src.url_of(posixpath.join(checkpoint_dir_name(meta.checkpoint_id), METADATA_FILE))
     label = f"savepoint {url!r} of {of}"
     check_sources(src, meta, of, claimed=_claims(meta, own=True), label=label)
-    created = _duplicate_into(src, meta.files(), target, duplicator or Duplicator(), label)
+    created = _duplicate_into(src, meta.files(), target, duplicator or Duplicator(), label, progress)
     saved = _map_files(meta, _dest)
     props = {k: v for k, v in meta.properties.items() if k not in ("claimed", "claimed_metadata")}
     props["savepoint_of"] = of
