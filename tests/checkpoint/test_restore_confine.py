@@ -92,6 +92,21 @@ def test_a_savepoint_overlapping_a_checkpoint_dir_is_refused_before_anything_is_
     assert open_location(elsewhere).exists(open_location(elsewhere).path("_metadata"))
 
 
+def test_a_savepoint_named_like_a_checkpoint_is_refused(tmp_path, store_url, source):
+    """restore_from reads a URL ending in chk-<N> (or _metadata) as a retained checkpoint and resolves
+    its files against the parent: a savepoint there could never be restored, so none is written."""
+    src, meta = source
+    for last in ("chk-0", "chk-17", "_metadata"):
+        url = store_url.rstrip("/") + f"-savepoints/{last}"
+        with pytest.raises(CheckpointError, match=rf"ends in '{last}', which restore_from reads as a checkpoint"):
+            write_savepoint(src, meta, url)
+        assert not open_location(url).exists(open_location(url).root)
+    url = store_url.rstrip("/") + "-savepoints/chk-0-copy"   # only the exact names
+    dst = CheckpointStorage.open(store_url, "from-chk-0-copy")
+    restored = restore_from(write_savepoint(src, meta, url), dst, max_parallelism=M)
+    assert stored_counts(dst, restored, tmp_path, "named") == expected_counts(BATCHES[:2])
+
+
 def test_a_failed_savepoint_deletes_only_the_files_it_created(store_url, source):
     src, meta = source
     url = store_url.rstrip("/") + "-savepoints/sp-mixed"

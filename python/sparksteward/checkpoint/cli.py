@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -66,7 +65,6 @@ from sparksteward.tables import table
 __all__ = ["add_subcommands", "find_orphans"]
 
 MB = 1 << 20
-_NOT_A_SAVEPOINT_NAME = re.compile(r"^(chk-\d+|_metadata)$")   # open_checkpoint's names of a checkpoint
 
 
 def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
@@ -267,11 +265,6 @@ def _rm(args: argparse.Namespace) -> int:
 
 def _savepoint(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    last = args.url.rstrip("/").rsplit("/", 1)[-1]
-    if _NOT_A_SAVEPOINT_NAME.match(last):
-        raise CheckpointError(f"savepoint {args.url!r} ends in {last!r}, which restore_from reads as a checkpoint "
-                              f"directory or its record, not as a savepoint; nothing was written. Give it another "
-                              f"last name, such as {args.state}-sp-1")
     default = default_checkpoint_dir(cfg)
     top = open_location(args.dir or default)
     storage = CheckpointStorage(top.child(cfg.cluster_id, validate_id(args.state, "state name")), args.state)

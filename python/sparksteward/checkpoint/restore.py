@@ -50,6 +50,7 @@ import enum
 import logging
 import os
 import posixpath
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -358,10 +359,21 @@ def _metadata_url(url: str) -> str:
     return shown if "://" in shown else "file://" + os.path.abspath(shown)
 
 
+#: the last names ``open_checkpoint`` reads as a retained checkpoint, never a savepoint's
+_NOT_A_SAVEPOINT_NAME = re.compile(r"^(chk-\d+|_metadata)$")
+
+
 def check_savepoint_target(url: str, src: CheckpointStorage, checkpoint_dirs: Iterable[str] = ()) -> None:
     """Refuse a savepoint ``url`` that is, contains or lies under the state root of ``src``, its
     checkpoint dir (``src`` is ``<checkpoint-dir>/<cluster-id>/<state>``) or any of
-    ``checkpoint_dirs``, naming the overlap and the fix. No remote calls."""
+    ``checkpoint_dirs``, naming the overlap and the fix; and one whose last name is ``chk-<N>`` or
+    ``_metadata``, which ``restore_from`` would read as a retained checkpoint of a state (resolving the
+    savepoint's files against its parent). No remote calls."""
+    last = url.rstrip("/").rsplit("/", 1)[-1]
+    if _NOT_A_SAVEPOINT_NAME.match(last):
+        raise CheckpointError(f"savepoint {url!r} ends in {last!r}, which restore_from reads as a checkpoint "
+                              f"directory or its record, not as a savepoint; nothing was written. Give it another "
+                              f"last name, such as {src.state}-sp-1")
     target = place(url)
     root = place(src.url)
     checkpoint_dir = posixpath.dirname(posixpath.dirname(root))
