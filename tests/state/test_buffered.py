@@ -52,6 +52,32 @@ def test_the_current_key_reads_its_own_writes_and_the_batch_lands_at_the_end(tmp
     b.close()
 
 
+def test_a_key_reads_its_stored_entries_merged_with_its_buffered_writes_in_order(tmp_path):
+    """Stored list elements then buffered appends (they follow each other), and map entries whose
+    buffered puts and removes fall before, between and after the stored ones (a merge)."""
+    b = _backend(tmp_path / "s")
+    typed = TypedStates(b, resolve(None, SPECS), 0, 1)
+    access = KeyedStateAccess(b, states=typed)
+    with b.buffered() as store:
+        store.next_key()
+        first = KeyState(access, "a")
+        first.list("l").extend([1, 2])
+        first.map("m").put_all({"b": 1, "d": 2, "f": 3})
+    with b.buffered() as store:
+        store.next_key()
+        again = KeyState(access, "a")
+        again.list("l").extend([3, 4])
+        assert again.list("l").get() == [1, 2, 3, 4]
+        again.map("m").put_all({"a": 0, "c": 5, "g": 6})
+        again.map("m").remove("d")
+        assert again.map("m").items() == [("a", 0), ("b", 1), ("c", 5), ("f", 3), ("g", 6)]
+        again.list("l").clear()
+        again.list("l").append(9)
+        assert again.list("l").get() == [9]
+    assert KeyState(access, "a").list("l").get() == [9]
+    b.close()
+
+
 def test_nothing_is_written_when_the_function_fails(tmp_path):
     b = _backend(tmp_path / "s")
     access = KeyedStateAccess(b, states=TypedStates(b, resolve(None, SPECS), 0, 1))

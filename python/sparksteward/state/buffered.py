@@ -15,6 +15,7 @@ read back): :meth:`BufferedStore.write` replays it into the buffer and the overl
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,10 +79,19 @@ class BufferedStore:
         """``stored`` (the DB's ``(key, value)`` in ``[lower, upper)``, whole keys) with the overlay applied."""
         mine = sorted((k, v) for k, v in self.overlay.items() if lower <= k < upper)
         ranges = [(lo, hi) for lo, hi in self.ranges if lo < upper and hi > lower]
-        base = ((k, v) for k, v in stored if k not in self.overlay and not (ranges and self._covered(k)))
-        for k, v in heapq.merge(base, mine, key=lambda kv: kv[0]):
-            if v is not None:
+        if not mine and not ranges:   # nothing of this range is buffered: the DB's own entries
+            for k, v in stored:
                 yield k[strip:], v
+            return
+        base: list[tuple[bytes, bytes | None]] = [
+            (k, v) for k, v in stored if k not in self.overlay and not (ranges and self._covered(k))]
+        # a list's appends sort after its stored elements: then the two follow each other
+        follow = not base or not mine or mine[0][0] > base[-1][0]
+        merged: Iterator[tuple[bytes, bytes | None]] = (
+            itertools.chain(base, mine) if follow else heapq.merge(base, mine, key=lambda kv: kv[0]))
+        for key, value in merged:
+            if value is not None:
+                yield key[strip:], value
 
     # --- writes -----------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes) -> None:

@@ -362,10 +362,11 @@ class RowCodec:
                                      f"it is corrupt")
         return (dict(zip(lay.names, out)) if lay.is_struct else out[0]), expiry
 
-    def decode_many_py(self, rows: list[bytes]) -> list[Any] | None:
+    def decode_many_py(self, rows: list[bytes], now_ms: int | None = None) -> list[Any] | None:
         """:meth:`decode_py`'s values of many rows of a number type (not a struct), unpacked in one
         pass; None when this fast path does not apply (another type, a row of another length, tag or
-        version), and the caller decodes them one by one."""
+        version), and the caller decodes them one by one. With ``now_ms``, the rows of a TTL codec
+        that expired by then are left out (as :func:`expired` would)."""
         lay = self._py
         if lay.is_struct or lay.kinds[0] not in ("int", "float") or not rows:
             return None
@@ -375,9 +376,12 @@ class RowCodec:
         at = 3 if self.ttl else 2
         out = []
         tag, version = self.tag, self.version
+        drop = self.ttl and now_ms is not None
         for parts in lay.fixed.iter_unpack(b"".join(rows)):
             if parts[0] != tag or parts[1] != version:
                 return None
+            if drop and parts[2] <= now_ms:
+                continue
             out.append(parts[at + 1] if parts[at][0] & 1 else None)
         return out
 

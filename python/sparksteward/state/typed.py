@@ -369,7 +369,15 @@ class TypedList(_Typed):
     def get(self, key: object) -> list[Any]:
         prefix = self._prefix(key)
         out: list[Any] = []
-        entries = self._alive_entries(prefix)
+        if not self.on_read:   # numbers of the current version: decoded and checked for expiry in one pass
+            found = list(self._scan(prefix))
+            if found and all(s for s, _ in found):
+                fast = self.codec.decode_many_py([v for _, v in found], self.states.now_ms)
+                if fast is not None:
+                    return fast
+            entries = [(s, v) for s, v in found if not expired(v, self.states.now_ms)]
+        else:
+            entries = self._alive_entries(prefix)
         fast = self.codec.decode_many_py([v for s, v in entries]) if all(s for s, _ in entries) else None
         if fast is not None:   # every element a typed number of the current version
             out = fast
