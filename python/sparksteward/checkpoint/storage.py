@@ -434,9 +434,7 @@ class CheckpointStorage:
                 try:
                     data = loc.fs.cat_file(path, start=start, end=end)
                 except FileNotFoundError as exc:
-                    raise CheckpointNotFoundError(
-                        f"{self._what(meta, handle, segments[0])} is missing: the checkpoint is incomplete (deleted "
-                        f"by hand, or by a gc that did not know it); {_fix(meta)}") from exc
+                    raise _missing(self._what(meta, handle, segments[0]), meta) from exc
                 except Exception as exc:
                     raise StorageError(f"cannot read {self._what(meta, handle, segments[0])}: {exc}") from exc
                 view = memoryview(data)
@@ -465,9 +463,7 @@ class CheckpointStorage:
             try:
                 src = loc.fs.open(path, "rb")
             except FileNotFoundError as exc:
-                raise CheckpointNotFoundError(
-                    f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc that did "
-                    f"not know it); {_fix(meta)}") from exc
+                raise _missing(what, meta) from exc
             except Exception as exc:
                 raise StorageError(f"cannot read {what}: {exc}") from exc
             if f.offset:
@@ -497,6 +493,11 @@ def _changed_at(info: dict[str, Any]) -> float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             times.append(float(value))
     return max(times, default=float("inf"))   # unknown: never old enough to sweep
+
+
+def _missing(what: str, meta: CheckpointMetadata) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc "
+                                   f"that did not know it); {_fix(meta)}")
 
 
 def _fix(meta: CheckpointMetadata) -> str:
