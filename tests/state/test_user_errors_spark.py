@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from sparksteward import Steward
+from sparksteward.errors import StorageError
 
 pytestmark = pytest.mark.slow
 
@@ -77,3 +78,26 @@ def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_q
                             "checkpoint 0, subtask "), shown[0]
     assert "the state function raised ValueError: bad row 42" in first.splitlines()[0]
     assert 'raise ValueError("bad row 42")' in shown[0] and "state.release" not in shown[0]
+
+
+def test_a_checkpoint_dir_that_cannot_be_created_fails_by_name_before_any_task(spark, tmp_path):
+    """The dir lies under a regular file, so it can never be made: keyed_state() (its check lists the
+    state's dir) or else the first apply (which takes the writer lease) fails naming the state, the dir and
+    the fix, and no task ran."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the checkpoint dir's parent should be")
+    chk = blocker / "chk"
+    marker = tmp_path / "ran"
+
+    def count(key, rows, state):
+        marker.write_text("a task ran")
+        return pd.DataFrame({"k": [key], "n": [len(rows)]})
+
+    df = spark.createDataFrame(pd.DataFrame({"k": ["a", "b"], "v": [1, 2]}))
+    with pytest.raises(StorageError) as info:
+        ks = Steward.get(spark).keyed_state("bad-dir", key="k", parallelism=2, max_parallelism=8,
+                                            checkpoint_dir=str(chk))
+        ks.apply(df, count, "k string, n long", checkpoint_id=0).collect()
+    assert head(info.value, 1).startswith(f"keyed state 'bad-dir' cannot use its checkpoint dir {chk}: "), info.value
+    assert "Not a directory" in str(info.value) and "pass a checkpoint_dir" in str(info.value)
+    assert not marker.exists()

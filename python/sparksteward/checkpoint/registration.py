@@ -31,12 +31,19 @@ from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
 from sparksteward.checkpoint.stats import SubtaskStats, summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
-from sparksteward.errors import InvalidRequestError, ParallelismError, StateNotRegisteredError, StewardError
+from sparksteward.errors import (
+    InvalidRequestError,
+    ParallelismError,
+    StateNotRegisteredError,
+    StewardError,
+    StorageError,
+)
 from sparksteward.ids import validate_id
 from sparksteward.state.declared import resolve
 from sparksteward.wire import Fields
 
-__all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register"]
+__all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register",
+           "unusable_dir"]
 
 log = logging.getLogger("sparksteward.checkpoint.registration")
 
@@ -190,7 +197,10 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
     """``state.check`` of a state not open in this application (see the module docstring)."""
     reg.merging_of(merging, storage)
     reg.alignment_of(alignment)
-    own = storage.checkpoint_ids()
+    try:
+        own = storage.checkpoint_ids()
+    except StorageError as exc:
+        raise unusable_dir(reg, exc) from exc
     if own:
         latest = storage.read_metadata(own[-1])
         check_max_parallelism(latest, reg.max_parallelism)
@@ -205,6 +215,14 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
                 "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value,
                 "states": reg.states_of(meta.properties.get("states"))}
     return {"registered": False, "last_completed": None, "restore_from": None, "states": reg.states_of(None)}
+
+
+def unusable_dir(reg: Registration, exc: StorageError) -> StorageError:
+    """The error of a checkpoint dir that cannot be listed or written (a path under a regular file, no
+    permission, a bucket that does not exist), naming the state, the dir and the fix; raised by
+    ``state.check`` (at ``keyed_state()``) or by the lease at the first apply, before any task runs."""
+    return StorageError(f"keyed state {reg.name!r} cannot use its checkpoint dir {reg.checkpoint_dir}: {exc}; pass "
+                        "a checkpoint_dir (or spark.steward.checkpoint.dir) this application can create and write")
 
 
 class StateTable:

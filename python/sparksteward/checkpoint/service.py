@@ -63,6 +63,7 @@ from sparksteward.checkpoint.registration import (
     RegisteredState,
     Registration,
     check_unregistered,
+    unusable_dir,
     restore_on_register,
 )
 from sparksteward.checkpoint.report import CheckpointReport, checkpoint_report
@@ -76,6 +77,7 @@ from sparksteward.errors import (
     ParallelismError,
     StateLeaseError,
     StewardError,
+    StorageError,
 )
 from sparksteward.ids import validate_id
 from sparksteward.wire import AgentServer, Connection, Fields
@@ -263,7 +265,10 @@ class StateService:
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
         merging = reg.merging_of(self.merging, storage)
         alignment = reg.alignment_of(self.alignment)
-        lease = self._acquire(storage)
+        try:
+            lease = self._acquire(storage)
+        except StorageError as exc:
+            raise unusable_dir(reg, exc) from exc
         try:
             restore = restore_on_register(storage, reg) if reg.source else None
             coord = CheckpointCoordinator(storage, reg.parallelism, reg.max_parallelism, key_type=reg.key_type,
