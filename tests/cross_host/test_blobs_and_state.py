@@ -147,7 +147,8 @@ def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
 def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s3):
     """The executor agent on a host that sees neither the driver's files nor its boot id compacts a
     snapshot whose SSTs carry the TTL sweep's deletions (decision 0019) before it uploads it to S3: the
-    first batch's SSTs leave the checkpoint, which shrinks, and a restore reads only the live keys."""
+    first batch's SSTs leave the checkpoint, which shrinks, and a restore reads only the live keys. The
+    checkpoint's report carries what that agent and its tasks measured."""
     import pandas as pd
 
     from sparksteward import value_state
@@ -180,6 +181,9 @@ def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s
     for i in (1, 2):   # the sweep deletes them; the agent compacts the tombstones and what they cover
         batch(i, range(5000 + 10 * i, 5010 + 10 * i))
     last = ssts()
+    report = ks.report(checkpoint_id=2)   # the figures the executor agent on the other host measured
+    assert report["rows_in"] == report["keys_touched"] == 10 and report["state_bytes_local"] > 0, report
+    assert report["bytes_uploaded"] > 0 and report["async_ms"] > 0 and report["restore_ms"] >= 0, report
     assert all(not (last[s] & first[s]) for s in first), (first, last)
     assert size() < first_size / 3, (first_size, size())
     assert {r.key for r in ks.read("n", distributed=True).collect()} <= {f"key-{k:05d}" for k in range(5010, 5030)}
