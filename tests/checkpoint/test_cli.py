@@ -127,28 +127,6 @@ def test_rm_refuses_a_live_writer_then_deletes_the_state(tmp_path, store_url, ca
     assert "state name '../clicks' is not valid" in capsys.readouterr().err
 
 
-def test_progress_line_only_on_a_terminal():
-    import io
-
-    from sparksteward.checkpoint.cli import _Progress
-
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty, pipe = Tty(), io.StringIO()
-    for stream in (tty, pipe):
-        p = _Progress("deleting", stream, interval=0)
-        for i in range(1, 4):
-            p(i, 3)
-    assert tty.getvalue() == "\rdeleting: 1/3\rdeleting: 2/3\rdeleting: 3/3\n" and pipe.getvalue() == ""
-    slow = Tty()
-    p = _Progress("deleting", slow, interval=60)
-    for i in range(1, 1001):
-        p(i, 1000)
-    assert slow.getvalue() == "\rdeleting: 1/1000\rdeleting: 1000/1000\n"   # throttled, the last one always
-
-
 def test_the_installed_command(tmp_path):
     import os
     import subprocess

@@ -42,8 +42,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TextIO
 
 import orjson
 
@@ -58,6 +56,7 @@ from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError, StateLeaseError
 from sparksteward.ids import validate_id
+from sparksteward.progress import TerminalProgress
 from sparksteward.state.declared import variables_of
 from sparksteward.storage import Location, open_location
 from sparksteward.tables import table
@@ -202,28 +201,6 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Progress:
-    """``<what>: <done>/<total>`` rewritten in place on ``stream`` (default stderr), only when it is a
-    terminal, at most every ``interval`` seconds; a newline once done."""
-
-    def __init__(self, what: str, stream: TextIO | None = None, interval: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.what = what
-        self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(isatty and isatty())
-        self.interval = interval
-        self._clock = clock
-        self._shown = float("-inf")
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or (done < total and self._clock() - self._shown < self.interval):
-            return
-        self._shown = self._clock()
-        self.stream.write(f"\r{self.what}: {done}/{total}" + ("\n" if done >= total else ""))
-        self.stream.flush()
-
-
 def _print_removal(out: Removal, state: str, dry_run: bool) -> None:
     verb = "would delete" if dry_run else "deleted"
     count = len(out.files) if dry_run else out.deleted
@@ -255,8 +232,8 @@ def _rm(args: argparse.Namespace) -> int:
     lease_log.setLevel(logging.ERROR)   # taking the lease over is said by notice(), once
     try:
         out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
-                           dry_run=args.dry_run, progress=_Progress(f"deleting the data files of {args.state}"),
-                           notice=notice)
+                           dry_run=args.dry_run,
+                           progress=TerminalProgress(f"deleting the data files of {args.state}"), notice=notice)
     finally:
         lease_log.setLevel(level)
     _print_removal(out, args.state, args.dry_run)
@@ -291,7 +268,7 @@ def _savepoint(args: argparse.Namespace) -> int:
     dup = Duplicator()
     what = "restored starting point" if cid == RESTORED else f"checkpoint {cid}"
     path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
-                           checkpoint_dirs=[default], progress=_Progress(f"copying {args.state} {what}"))
+                           checkpoint_dirs=[default], progress=TerminalProgress(f"copying {args.state} {what}"))
     print(path if "://" in path else "file://" + os.path.abspath(path))
     print(f"saved state {args.state!r} {what} ({len({f.path for f in meta.files()})} files, {meta.size / MB:.1f} "
           f"MB: {dup.stats.server_side} copied on the server, {dup.stats.linked} linked, "
