@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import orjson
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
@@ -9,6 +11,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
+from tests.helpers.terminal import FakeTerminal
 
 
 def _state(tmp_path, store_url):
@@ -72,6 +75,20 @@ def test_show_lists_the_declared_variables_and_read_decodes_one(tmp_path, store_
     assert {r["key"]: r["value"] for r in rows} == expected
     assert main(["checkpoints", "read", store_url, "typed", "nope"]) == 2
     assert "no declared variable 'nope'; declared: count (value)" in capsys.readouterr().err
+
+
+def test_read_shows_the_restored_subtasks_on_a_terminal(tmp_path, store_url, capsys, monkeypatch):
+    _state(tmp_path, store_url)
+    assert main(["checkpoints", "read", store_url, "clicks", "--limit", "1"]) == 0
+    assert capsys.readouterr().err == ""   # no progress line off a terminal
+    tty = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["checkpoints", "read", store_url, "clicks", "--limit", "1", "--id", "0"]) == 0
+    # one report a subtask; the clock may skip the first but never the last, which ends the line
+    shown = tty.getvalue()
+    assert shown.endswith(f"\rrestoring clicks checkpoint 0: {P}/{P} subtasks\n") and shown.count("\n") == 1
+    assert set(shown[1:-1].split("\r")) <= {f"restoring clicks checkpoint 0: {i}/{P} subtasks" for i in range(1, P + 1)}
+    assert "KEY" in capsys.readouterr().out
 
 
 def test_ls_defaults_to_the_embedded_checkpoint_dir(tmp_path, monkeypatch, capsys):

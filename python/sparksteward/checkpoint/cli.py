@@ -8,7 +8,8 @@
   with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
   checkpoints hold, and their space amplification;
 - ``read <state> [variable]``: the entries of one state variable (default: the default value state)
-  of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines);
+  of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines).
+  Each subtask is restored into a scratch dir first; on a terminal, a progress line on stderr counts them;
 - ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
   crash, if they entered the state's directory more than ``--min-age`` ago (default 1h, so uploads of a
   running query are never touched). A file's age counts from its latest timestamp: on a local store
@@ -174,7 +175,9 @@ def _read(args: argparse.Namespace) -> int:
     from sparksteward.checkpoint.reader import read_variable
 
     storage, meta = _checkpoint(args)
-    rows = read_variable(storage, meta, args.variable).slice(0, args.limit).to_pylist()
+    what = "restored starting point" if meta.checkpoint_id == RESTORED else f"checkpoint {meta.checkpoint_id}"
+    progress = TerminalProgress(f"restoring {args.state} {what}", unit="subtasks")
+    rows = read_variable(storage, meta, args.variable, progress=progress).slice(0, args.limit).to_pylist()
     if args.json:
         for r in rows:
             print(orjson.dumps(r, default=str).decode())
