@@ -42,3 +42,19 @@ def test_byte_counts_show_as_megabytes():
     p(256 << 20, 256 << 20)
     assert tty.getvalue() == ("\ruploading a.jar: 0.0/256.0 MB\ruploading a.jar: 12.3/256.0 MB"
                               "\ruploading a.jar: 256.0/256.0 MB\n")
+
+
+def test_a_line_left_unfinished_ends_on_exit():
+    tty = FakeTerminal()
+    try:
+        with TerminalProgress("copying", tty, interval=0) as p:
+            p(1, 3)
+            raise OSError("gone")
+    except OSError:
+        pass
+    p.close()   # idempotent
+    assert tty.getvalue() == "\rcopying: 1/3\n"
+    done = FakeTerminal()
+    with TerminalProgress("copying", done, interval=0) as p:
+        p(3, 3)
+    assert done.getvalue() == "\rcopying: 3/3\n"   # a finished line gets no second newline

@@ -23,8 +23,10 @@ class TerminalProgress:
     it is made), only when it is a terminal, at most every ``interval`` seconds; a newline once done.
 
     With ``as_bytes``, counts are bytes and show as megabytes (``12.3/256.0 MB``); otherwise ``unit``
-    (say ``"subtasks"``) follows the counts. The report that reaches ``total`` is always shown. The
-    ``clock`` (monotonic seconds) is injected for tests. Not thread-safe: call it from one thread.
+    (say ``"subtasks"``) follows the counts. The report that reaches ``total`` is always shown. As a
+    context manager, it ends a line left unfinished (the work failed or was interrupted) on exit, so
+    an error message starts on a line of its own. The ``clock`` (monotonic seconds) is injected for
+    tests. Not thread-safe: call it from one thread.
     """
 
     def __init__(self, what: str, stream: TextIO | None = None, interval: float = 0.1,
@@ -38,6 +40,7 @@ class TerminalProgress:
         self.as_bytes = as_bytes
         self._clock = clock
         self._shown = float("-inf")
+        self._unfinished = False
 
     def _counts(self, done: int, total: int) -> str:
         counts = f"{done / MB:.1f}/{total / MB:.1f}" if self.as_bytes else f"{done}/{total}"
@@ -47,5 +50,19 @@ class TerminalProgress:
         if not self.enabled or (done < total and self._clock() - self._shown < self.interval):
             return
         self._shown = self._clock()
-        self.stream.write(f"\r{self.what}: {self._counts(done, total)}" + ("\n" if done >= total else ""))
+        self._unfinished = done < total
+        self.stream.write(f"\r{self.what}: {self._counts(done, total)}" + ("" if self._unfinished else "\n"))
         self.stream.flush()
+
+    def close(self) -> None:
+        """End a line that was shown but did not reach its total. Idempotent."""
+        if self._unfinished:
+            self._unfinished = False
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def __enter__(self) -> TerminalProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

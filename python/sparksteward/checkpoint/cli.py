@@ -176,8 +176,8 @@ def _read(args: argparse.Namespace) -> int:
 
     storage, meta = _checkpoint(args)
     what = "restored starting point" if meta.checkpoint_id == RESTORED else f"checkpoint {meta.checkpoint_id}"
-    progress = TerminalProgress(f"restoring {args.state} {what}", unit="subtasks")
-    rows = read_variable(storage, meta, args.variable, progress=progress).slice(0, args.limit).to_pylist()
+    with TerminalProgress(f"restoring {args.state} {what}", unit="subtasks") as progress:
+        rows = read_variable(storage, meta, args.variable, progress=progress).slice(0, args.limit).to_pylist()
     if args.json:
         for r in rows:
             print(orjson.dumps(r, default=str).decode())
@@ -234,9 +234,9 @@ def _rm(args: argparse.Namespace) -> int:
     level = lease_log.level
     lease_log.setLevel(logging.ERROR)   # taking the lease over is said by notice(), once
     try:
-        out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
-                           dry_run=args.dry_run,
-                           progress=TerminalProgress(f"deleting the data files of {args.state}"), notice=notice)
+        with TerminalProgress(f"deleting the data files of {args.state}") as progress:
+            out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
+                               dry_run=args.dry_run, progress=progress, notice=notice)
     finally:
         lease_log.setLevel(level)
     _print_removal(out, args.state, args.dry_run)
@@ -270,8 +270,9 @@ def _savepoint(args: argparse.Namespace) -> int:
     meta = storage.read_metadata(cid)
     dup = Duplicator()
     what = "restored starting point" if cid == RESTORED else f"checkpoint {cid}"
-    path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
-                           checkpoint_dirs=[default], progress=TerminalProgress(f"copying {args.state} {what}"))
+    with TerminalProgress(f"copying {args.state} {what}") as progress:
+        path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
+                               checkpoint_dirs=[default], progress=progress)
     print(path if "://" in path else "file://" + os.path.abspath(path))
     print(f"saved state {args.state!r} {what} ({len({f.path for f in meta.files()})} files, {meta.size / MB:.1f} "
           f"MB: {dup.stats.server_side} copied on the server, {dup.stats.linked} linked, "
