@@ -40,7 +40,7 @@ def test_nothing_imports_the_agents():
 # --- the layer table (docs/architecture.md) -----------------------------------------------------------
 #: Every module's layer; a module may import its own layer's package or any lower layer, never a higher
 #: one, and never sideways between blob/, jobs/ and checkpoint/ (lazy and type-only imports count).
-CORE = {"errors", "config", "ids", "clock", "owner", "storage", "wire", "protocol", "hashing", "tables",
+CORE = {"errors", "config", "ids", "clock", "owner", "storage", "wire", "protocol", "hashing", "tables", "progress",
         "rendezvous", "worker", "libraries"}
 API = {"client", "session", "jobscope", "keyed_state", "keyed_tasks", "routing", "jar", "daemon", "cli", "__init__",
        "__main__"}

@@ -1,6 +1,10 @@
-"""`steward blobs ls|gc` on a real HA storage path and JobResultStore."""
+"""`steward blobs ls|gc` on a real HA storage path and JobResultStore, and `blobs put`'s progress line on
+file:// and moto S3."""
 
 from __future__ import annotations
+
+import os
+import sys
 
 from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.hashing import hash_file
@@ -8,6 +12,8 @@ from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.cli import main
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.service import JobService
+
+from tests.helpers.terminal import FakeTerminal
 
 
 def test_ls_and_gc(tmp_path, capsys):
@@ -34,3 +40,24 @@ def test_ls_and_gc(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "deleted finished-job" in out and "kept 2" in out
     assert sorted(ha.jobs(), key=str) == sorted([None, "running-job"], key=str)
+
+
+def test_put_shows_the_bytes_uploaded_on_a_terminal(tmp_path, ha, capsys, monkeypatch):
+    jar = tmp_path / "big.jar"
+    jar.write_bytes(os.urandom(10 << 20))
+    args = ["--ha", ha.url, "--cluster-id", "c1"]
+    assert main(["blobs", "put", str(jar), *args, "--job", "piped"]) == 0
+    assert "uploading" not in capsys.readouterr().err   # no progress line off a terminal
+    tty = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["blobs", "put", str(jar), *args]) == 0
+    line, said, rest = tty.getvalue().split("\n")
+    # S3: the size once known, then what the PUT sent (a multipart upload reports per part);
+    # a local store: the stored blob only
+    assert line == ("\ruploading big.jar: 0.0/10.0 MB" if not ha.base.is_local else "") + \
+        "\ruploading big.jar: 10.0/10.0 MB", line
+    assert said.startswith("uploaded big.jar (10.0 MiB)") and rest == ""
+    before = len(tty.getvalue())
+    assert main(["blobs", "put", str(jar), *args]) == 0   # already stored: nothing goes, no line
+    again = tty.getvalue()[before:]
+    assert "is already stored" in again and "uploading" not in again

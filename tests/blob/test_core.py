@@ -213,6 +213,25 @@ def test_ha_store_detects_corruption(ha, tmp_path):
     assert ha.jobs() == ["j"]
 
 
+
+def test_verified_copy_reports_the_bytes_copied_on_both_paths(tmp_path):
+    from sparksteward.blob.cache import _KernelCopier
+    from sparksteward.blob.store import _CHUNK, verified_copy
+    from sparksteward.hashing import hash_file
+
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(2 * _CHUNK + 5))
+    key = BlobKey(BlobType.PERMANENT, hash_file(src))
+    streamed: list[int] = []
+    kernel: list[int] = []
+    with open(src, "rb") as f:
+        assert verified_copy(f, tmp_path / "streamed", key, "test", progress=streamed.append) == 2 * _CHUNK + 5
+    with open(src, "rb") as f:
+        verified_copy(_KernelCopier(f), tmp_path / "kernel", key, "test", progress=kernel.append)
+    assert streamed == [_CHUNK, 2 * _CHUNK, 2 * _CHUNK + 5]   # after each chunk
+    assert kernel == [2 * _CHUNK + 5]   # after each copy_file_range call (up to 1 GiB each)
+    assert (tmp_path / "kernel").read_bytes() == (tmp_path / "streamed").read_bytes() == src.read_bytes()
+
 _CHILD = r"""
 import sys
 from sparksteward.blob.cache import BlobCache

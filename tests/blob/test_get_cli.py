@@ -2,11 +2,13 @@
 
 It reads a URL printed by `steward blobs put` from a real HA store (a file:// path), verified against
 its key, into a staged file; an unknown key, a corrupt HA copy or an application-scoped URL fail with
-the URL and the fix, and leave no file behind.
+the URL and the fix, and leave no file behind. On a terminal, a progress line counts the bytes read.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,8 @@ import pytest
 from sparksteward.blob.cli import put
 from sparksteward.blob.url import BlobUrl, app_scope
 from sparksteward.cli import main
+
+from tests.helpers.terminal import FakeTerminal
 
 
 @pytest.fixture()
@@ -89,3 +93,22 @@ def test_configure_hands_the_ha_path_to_the_file_system(tmp_path):
     assert options["spark.hadoop.fs.steward.ha.storage-path"] == "s3://other"
     builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", "none")
     assert "spark.hadoop.fs.steward.ha.storage-path" not in sparksteward.configure(builder, jar="x.jar")._options
+
+
+def test_get_shows_the_bytes_read_on_a_terminal(tmp_path, ha, capsys, monkeypatch):
+    big = tmp_path / "big.jar"
+    big.write_bytes(os.urandom(10 << 20))
+    url = put(big, ha.url, "c1")
+    capsys.readouterr()   # what put said
+    args = ["--ha", ha.url, "--out"]
+    assert main(["blobs", "get", url, *args, str(tmp_path / "piped.jar")]) == 0
+    assert capsys.readouterr().err == ""   # no progress line off a terminal
+    tty = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    out = tmp_path / "staged" / "big.jar"
+    assert main(["blobs", "get", url, *args, str(out)]) == 0
+    assert out.read_bytes() == big.read_bytes() and capsys.readouterr().out.strip() == str(out)
+    # 4 MB a chunk: the first is always shown, the last ends the line, the clock may skip the one between
+    shown = tty.getvalue()
+    assert shown.startswith("\rfetching big.jar: 4.0/10.0 MB\r") and shown.endswith("\rfetching big.jar: 10.0/10.0 MB\n")
+    assert shown.count("\n") == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import orjson
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
@@ -9,6 +11,7 @@ from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
+from tests.helpers.terminal import FakeTerminal
 
 
 def _state(tmp_path, store_url):
@@ -74,6 +77,20 @@ def test_show_lists_the_declared_variables_and_read_decodes_one(tmp_path, store_
     assert "no declared variable 'nope'; declared: count (value)" in capsys.readouterr().err
 
 
+def test_read_shows_the_restored_subtasks_on_a_terminal(tmp_path, store_url, capsys, monkeypatch):
+    _state(tmp_path, store_url)
+    assert main(["checkpoints", "read", store_url, "clicks", "--limit", "1"]) == 0
+    assert capsys.readouterr().err == ""   # no progress line off a terminal
+    tty = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    assert main(["checkpoints", "read", store_url, "clicks", "--limit", "1", "--id", "0"]) == 0
+    # one report a subtask; the clock may skip the first but never the last, which ends the line
+    shown = tty.getvalue()
+    assert shown.endswith(f"\rrestoring clicks checkpoint 0: {P}/{P} subtasks\n") and shown.count("\n") == 1
+    assert set(shown[1:-1].split("\r")) <= {f"restoring clicks checkpoint 0: {i}/{P} subtasks" for i in range(1, P + 1)}
+    assert "KEY" in capsys.readouterr().out
+
+
 def test_ls_defaults_to_the_embedded_checkpoint_dir(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     default = str(tmp_path / "xdg" / "spark-steward" / "checkpoints")
@@ -125,28 +142,6 @@ def test_rm_refuses_a_live_writer_then_deletes_the_state(tmp_path, store_url, ca
         assert main(["checkpoints", "ls", store_url]) == 2 and "holds nothing" in capsys.readouterr().err
     assert main(["checkpoints", "rm", store_url, "../clicks"]) == 2
     assert "state name '../clicks' is not valid" in capsys.readouterr().err
-
-
-def test_progress_line_only_on_a_terminal():
-    import io
-
-    from sparksteward.checkpoint.cli import _Progress
-
-    class Tty(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    tty, pipe = Tty(), io.StringIO()
-    for stream in (tty, pipe):
-        p = _Progress("deleting", stream, interval=0)
-        for i in range(1, 4):
-            p(i, 3)
-    assert tty.getvalue() == "\rdeleting: 1/3\rdeleting: 2/3\rdeleting: 3/3\n" and pipe.getvalue() == ""
-    slow = Tty()
-    p = _Progress("deleting", slow, interval=60)
-    for i in range(1, 1001):
-        p(i, 1000)
-    assert slow.getvalue() == "\rdeleting: 1/1000\rdeleting: 1000/1000\n"   # throttled, the last one always
 
 
 def test_the_installed_command(tmp_path):

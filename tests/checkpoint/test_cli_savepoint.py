@@ -3,7 +3,6 @@ restores exactly, a progress line only on a terminal, and one-line errors for ba
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 
@@ -17,13 +16,9 @@ from sparksteward.cli import main
 from sparksteward.storage import open_location
 
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
+from tests.helpers.terminal import FakeTerminal
 
 pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
-
-
-class _Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
 
 
 def _state(tmp_path, store_url, name="clicks", complete=2):
@@ -63,7 +58,7 @@ def test_a_savepoint_restores_exactly(tmp_path, store_url, capsys):
 
 def test_the_progress_line_shows_on_a_terminal(tmp_path, store_url, capsys, monkeypatch):
     storage = _state(tmp_path, store_url)
-    tty = _Tty()
+    tty = FakeTerminal()
     monkeypatch.setattr(sys, "stderr", tty)
     assert main(["checkpoints", "savepoint", store_url, "clicks", store_url + "-savepoints/tty"]) == 0
     files = len({f.path for f in storage.read_metadata(1).files()})

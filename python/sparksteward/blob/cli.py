@@ -1,4 +1,17 @@
-"""``steward blobs ls|gc|put|get`` on an HA blob storage path."""
+"""``steward blobs ls|gc|put|get`` on an HA blob storage path.
+
+- ``ls``: the blobs per job, with their sizes;
+- ``gc``: delete the blobs of jobs that reached a final state (``--include-unowned``: also those of no job);
+- ``put <file> --ha <path>``: upload a jar or file ahead of time as a permanent blob (deduplicated by
+  content) and print its cluster-scoped ``steward://`` URL;
+- ``get <url> --ha <path> --out <file>``: read a ``put`` URL's blob into a local file, verified (what the
+  shim runs for ``spark-submit --jars steward://...`` in client mode).
+
+On a terminal, ``put`` and ``get`` show the bytes transferred in a progress line on stderr: ``get``
+after each chunk it reads, ``put`` to an object store as fsspec reports the upload (per part of a
+multipart upload) and to a local store once the blob is stored. Off a terminal they write no progress
+line (the shim reads ``get``'s output through a pipe).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +32,7 @@ from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMisma
 from sparksteward.ids import validate_job_id
 from sparksteward.config import StewardConfig
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
+from sparksteward.progress import TerminalProgress
 from sparksteward.tables import table
 
 __all__ = ["add_subcommands", "get", "put"]
@@ -74,10 +89,12 @@ def _gc(args: argparse.Namespace) -> int:
     return 0
 
 
-def put(file: str | os.PathLike[str], ha: str, cluster_id: str = "default", job: str | None = None) -> str:
+def put(file: str | os.PathLike[str], ha: str, cluster_id: str = "default", job: str | None = None, *,
+        progress: Callable[[int, int], None] | None = None) -> str:
     """Upload ``file`` ahead of time as a permanent blob to the HA store ``ha``; return its steward:// URL.
 
     What ``steward blobs put`` runs. Dedup is by content: a file already stored transfers nothing.
+    ``progress(sent, size)`` reports the upload's bytes (:meth:`FileSystemBlobStore.put`).
     """
     src = Path(file)
     name = validate_file_name(src.name)
@@ -93,7 +110,7 @@ def put(file: str | os.PathLike[str], ha: str, cluster_id: str = "default", job:
             print(f"{key} is already stored in {store.base.display(store.base.root)} (job {job_dir_name(job)}): "
                   "0 bytes transferred", file=sys.stderr)
         else:
-            store.put(job, key, copy)
+            store.put(job, key, copy, progress=progress)
             print(f"uploaded {name} ({_size(os.path.getsize(copy))}) as {key} to "
                   f"{store.base.display(store.base.root)} (job {job_dir_name(job)})", file=sys.stderr)
     return str(BlobUrl(cluster_scope(cfg.cluster_id), job, key, name))
@@ -101,16 +118,20 @@ def put(file: str | os.PathLike[str], ha: str, cluster_id: str = "default", job:
 
 def _put(args: argparse.Namespace) -> int:
     """Upload a file ahead of time as a permanent blob and print its cluster-scoped steward:// URL."""
-    print(put(args.file, args.path, args.cluster_id, args.job))
+    with TerminalProgress(f"uploading {Path(args.file).name}", as_bytes=True) as progress:
+        url = put(args.file, args.path, args.cluster_id, args.job, progress=progress)
+    print(url)
     return 0
 
 
-def get(url: str, ha: str, out: str | os.PathLike[str]) -> Path:
+def get(url: str, ha: str, out: str | os.PathLike[str], *,
+        progress: Callable[[int, int], None] | None = None) -> Path:
     """Read the blob of a ``steward blobs put`` URL from the HA store ``ha``, verified, into ``out``.
 
     What the shim's file system runs where no agent runs yet (``spark-submit --jars`` in client mode
     fetches the jars before the SparkContext starts). The copy is staged next to ``out`` and renamed
-    into place only once it matches the key; nothing is written otherwise.
+    into place only once it matches the key; nothing is written otherwise. ``progress(copied, size)``
+    reports the bytes read (:meth:`FileSystemBlobStore.get`).
     """
     blob = BlobUrl.parse(url)
     fix = f"upload the file again with `steward blobs put <file> --ha {ha}` and pass the URL it prints"
@@ -121,7 +142,7 @@ def get(url: str, ha: str, out: str | os.PathLike[str]) -> Path:
     where = f"the HA store {store.base.display(store.base.root)} (cluster {blob.cluster_id!r})"
     dest = Path(out)
     try:
-        store.get(blob.job_id, blob.key, dest)
+        store.get(blob.job_id, blob.key, dest, progress=progress)
     except ChecksumMismatchError as exc:
         raise ChecksumMismatchError(f"{url}: {exc}: {fix}") from exc
     except FileNotFoundError as exc:
@@ -132,7 +153,9 @@ def get(url: str, ha: str, out: str | os.PathLike[str]) -> Path:
 
 def _get(args: argparse.Namespace) -> int:
     """Fetch one steward:// URL from the HA store into a local file, verified; print the file's path."""
-    print(get(args.url, args.path, args.out))
+    with TerminalProgress(f"fetching {args.url.rsplit('/', 1)[-1]}", as_bytes=True) as progress:
+        dest = get(args.url, args.path, args.out, progress=progress)
+    print(dest)
     return 0
 
 

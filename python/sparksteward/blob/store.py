@@ -23,8 +23,11 @@ import os
 import posixpath
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from fsspec.callbacks import Callback
 
 from sparksteward.blob.key import BlobKey
 from sparksteward.hashing import Hasher
@@ -60,11 +63,14 @@ def makedirs_durable(directory: str | os.PathLike[str], mode: int = 0o777) -> No
     fsync_dir(parent)
 
 
-def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
+def verified_copy(src, dest: Path, key: BlobKey, source: str, *,
+                  progress: Callable[[int], None] | None = None) -> int:
     """Copy the readable ``src`` into ``dest`` through a temp file, verifying ``key``; return the size.
 
     ``dest`` is scratch storage (a local store or cache copy, re-verified after any restart), so it is
     not fsynced; durable copies go through :meth:`FileSystemBlobStore.put` (decision 0008).
+    ``progress(copied)`` is called with the bytes copied so far after each chunk (after each
+    ``copy_file_range`` call on the kernel path), before the content is verified.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp"
@@ -77,6 +83,8 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
                 infd, outfd = kernel_src.fileno(), out.fileno()
                 while n := os.copy_file_range(infd, outfd, 1 << 30):
                     size += n
+                    if progress is not None:
+                        progress(size)
                 out.flush()
                 with open(tmp, "rb") as back:
                     while len(chunk := back.read(_CHUNK)):
@@ -86,6 +94,8 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
                     h.update(chunk)
                     out.write(chunk)
                     size += len(chunk)
+                    if progress is not None:
+                        progress(size)
             if h.digest() != key.digest:
                 raise ChecksumMismatchError(f"{source} does not match its key {key} (corrupt copy discarded)")
         os.replace(tmp, dest)
@@ -93,6 +103,25 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str) -> int:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+class _UploadProgress(Callback):
+    """fsspec's transfer callback (``set_size``, ``relative_update``) as ``progress(sent, size)``."""
+
+    def __init__(self, progress: Callable[[int, int], None]) -> None:
+        super().__init__()
+        self._progress = progress
+        self._last: tuple[int, int] | None = None
+
+    def call(self, hook_name: str | None = None, **kwargs: Any) -> None:
+        if self.size is not None:
+            self._last = (self.value, self.size)
+            self._progress(self.value, self.size)
+
+    def finish(self, size: int) -> None:
+        """Report the whole file once, unless the backend already did (a local copy reports nothing)."""
+        if self._last != (size, size):
+            self._progress(size, size)
 
 
 class BlobView(Protocol):
@@ -122,11 +151,21 @@ class FileSystemBlobStore:
     def _path(self, job_id: str | None, key: BlobKey) -> str:
         return self.base.path(job_dir_name(job_id), str(key))
 
-    def get(self, job_id: str | None, key: BlobKey, dest: Path) -> int:
+    def get(self, job_id: str | None, key: BlobKey, dest: Path, *,
+            progress: Callable[[int, int], None] | None = None) -> int:
+        """Copy the blob into ``dest``, verified (:func:`verified_copy`); return its size.
+
+        ``progress(copied, size)`` is called after each chunk (``steward blobs get``'s progress line).
+        """
         path = self._path(job_id, key)
         try:
             with self.base.fs.open(path, "rb") as src:
-                return verified_copy(src, dest, key, self.base.display(path))
+                if progress is None:
+                    return verified_copy(src, dest, key, self.base.display(path))
+                report = progress
+                total = src.size if isinstance(getattr(src, "size", None), int) else self.base.fs.size(path)
+                return verified_copy(src, dest, key, self.base.display(path),
+                                     progress=lambda copied: report(copied, total))
         except (FileNotFoundError, ChecksumMismatchError):
             raise
         except Exception as exc:  # backend errors become ours at this boundary
@@ -135,8 +174,16 @@ class FileSystemBlobStore:
     def exists(self, job_id: str | None, key: BlobKey) -> bool:
         return self.base.exists(self._path(job_id, key))
 
-    def put(self, job_id: str | None, key: BlobKey, local: Path) -> None:
+    def put(self, job_id: str | None, key: BlobKey, local: Path, *,
+            progress: Callable[[int, int], None] | None = None) -> None:
+        """Store the file ``local`` under ``key``, durably (see the module docstring).
+
+        ``progress(sent, size)`` is called as an object store's upload goes (fsspec's ``callback``:
+        per part of a multipart upload) and once the blob is stored, on any store (``steward blobs
+        put``'s progress line). The BlobServer passes none.
+        """
         path = self._path(job_id, key)
+        reporter = None if progress is None else _UploadProgress(progress)
         try:
             if self.base.is_local:
                 # durable before the put returns (the server acknowledges after it): staged file,
@@ -151,10 +198,14 @@ class FileSystemBlobStore:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp)
                 fsync_dir(posixpath.dirname(path))
-            else:
+            elif reporter is None:
                 self.base.fs.put_file(str(local), path)  # one PUT or multipart upload: all or nothing
+            else:
+                self.base.fs.put_file(str(local), path, callback=reporter)
         except Exception as exc:
             raise StorageError(f"cannot upload {key} to {self.base.display(path)}: {exc}") from exc
+        if reporter is not None:
+            reporter.finish(os.path.getsize(local))
 
     def delete(self, job_id: str | None, key: BlobKey) -> None:
         """Delete one blob (a missing one is fine); on a local store, also its job dir once empty."""

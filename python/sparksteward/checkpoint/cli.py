@@ -8,7 +8,8 @@
   with the physical and logical files and bytes of the merged files (FLIP-306) that the retained
   checkpoints hold, and their space amplification;
 - ``read <state> [variable]``: the entries of one state variable (default: the default value state)
-  of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines);
+  of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines).
+  Each subtask is restored into a scratch dir first; on a terminal, a progress line on stderr counts them;
 - ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
   crash, if they entered the state's directory more than ``--min-age`` ago (default 1h, so uploads of a
   running query are never touched). A file's age counts from its latest timestamp: on a local store
@@ -42,8 +43,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
-from typing import TextIO
 
 import orjson
 
@@ -58,6 +57,7 @@ from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError, StateLeaseError
 from sparksteward.ids import validate_id
+from sparksteward.progress import TerminalProgress
 from sparksteward.state.declared import variables_of
 from sparksteward.storage import Location, open_location
 from sparksteward.tables import table
@@ -175,7 +175,9 @@ def _read(args: argparse.Namespace) -> int:
     from sparksteward.checkpoint.reader import read_variable
 
     storage, meta = _checkpoint(args)
-    rows = read_variable(storage, meta, args.variable).slice(0, args.limit).to_pylist()
+    what = "restored starting point" if meta.checkpoint_id == RESTORED else f"checkpoint {meta.checkpoint_id}"
+    with TerminalProgress(f"restoring {args.state} {what}", unit="subtasks") as progress:
+        rows = read_variable(storage, meta, args.variable, progress=progress).slice(0, args.limit).to_pylist()
     if args.json:
         for r in rows:
             print(orjson.dumps(r, default=str).decode())
@@ -200,28 +202,6 @@ def _gc(args: argparse.Namespace) -> int:
     deleted = storage.delete_files(orphans)
     print(f"deleted {deleted} orphaned file(s) in {storage.url}")
     return 0
-
-
-class _Progress:
-    """``<what>: <done>/<total>`` rewritten in place on ``stream`` (default stderr), only when it is a
-    terminal, at most every ``interval`` seconds; a newline once done."""
-
-    def __init__(self, what: str, stream: TextIO | None = None, interval: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.what = what
-        self.stream = stream if stream is not None else sys.stderr
-        isatty = getattr(self.stream, "isatty", None)
-        self.enabled = bool(isatty and isatty())
-        self.interval = interval
-        self._clock = clock
-        self._shown = float("-inf")
-
-    def __call__(self, done: int, total: int) -> None:
-        if not self.enabled or (done < total and self._clock() - self._shown < self.interval):
-            return
-        self._shown = self._clock()
-        self.stream.write(f"\r{self.what}: {done}/{total}" + ("\n" if done >= total else ""))
-        self.stream.flush()
 
 
 def _print_removal(out: Removal, state: str, dry_run: bool) -> None:
@@ -254,9 +234,9 @@ def _rm(args: argparse.Namespace) -> int:
     level = lease_log.level
     lease_log.setLevel(logging.ERROR)   # taking the lease over is said by notice(), once
     try:
-        out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
-                           dry_run=args.dry_run, progress=_Progress(f"deleting the data files of {args.state}"),
-                           notice=notice)
+        with TerminalProgress(f"deleting the data files of {args.state}") as progress:
+            out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
+                               dry_run=args.dry_run, progress=progress, notice=notice)
     finally:
         lease_log.setLevel(level)
     _print_removal(out, args.state, args.dry_run)
@@ -290,8 +270,9 @@ def _savepoint(args: argparse.Namespace) -> int:
     meta = storage.read_metadata(cid)
     dup = Duplicator()
     what = "restored starting point" if cid == RESTORED else f"checkpoint {cid}"
-    path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
-                           checkpoint_dirs=[default], progress=_Progress(f"copying {args.state} {what}"))
+    with TerminalProgress(f"copying {args.state} {what}") as progress:
+        path = write_savepoint(storage, meta, args.url, dup, source=loc.display(storage.metadata_path(cid)),
+                               checkpoint_dirs=[default], progress=progress)
     print(path if "://" in path else "file://" + os.path.abspath(path))
     print(f"saved state {args.state!r} {what} ({len({f.path for f in meta.files()})} files, {meta.size / MB:.1f} "
           f"MB: {dup.stats.server_side} copied on the server, {dup.stats.linked} linked, "

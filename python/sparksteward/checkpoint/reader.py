@@ -21,7 +21,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -69,24 +69,28 @@ def _variable(meta: CheckpointMetadata, variable: str) -> Any:
 
 
 def read_variable(storage: CheckpointStorage, meta: CheckpointMetadata, variable: str | None = None, *,
-                  subtasks: Iterable[int] | None = None, now_ms: int | None = None) -> pa.Table:
+                  subtasks: Iterable[int] | None = None, now_ms: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> pa.Table:
     """Every entry of ``variable`` (None: the default value state) in the given ``subtasks`` (default
-    all) of ``meta``, alive at ``now_ms``, as a table of :func:`variable_schema`."""
+    all) of ``meta``, alive at ``now_ms``, as a table of :func:`variable_schema`.
+
+    ``progress(done, total)`` is called after each subtask is restored and read."""
     schema = variable_schema(meta, variable)
     wanted = None if subtasks is None else set(subtasks)
+    handles = [h for h in meta.subtasks if wanted is None or h.subtask in wanted]
     now = int(time.time() * 1000) if now_ms is None else now_ms
     tmp = tempfile.mkdtemp(prefix="steward-read-")
     tables: list[pa.Table] = []
     try:
         cache = LocalFileCache(f"{tmp}/cache")
-        for handle in meta.subtasks:
-            if wanted is not None and handle.subtask not in wanted:
-                continue
+        for done, handle in enumerate(handles, 1):
             backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
             try:
                 tables.append(_read_subtask(backend, meta, variable, schema, now))
             finally:
                 backend.close()
+            if progress is not None:
+                progress(done, len(handles))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return pa.concat_tables(tables) if tables else schema.empty_table()
