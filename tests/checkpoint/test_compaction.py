@@ -165,6 +165,31 @@ def test_a_growing_state_without_deletions_is_left_alone(tmp_path):
     assert compact_snapshot(snap.path, SMALL) is None
 
 
+def test_a_snapshot_with_more_than_max_files_ssts_above_its_last_run_is_compacted_whatever_its_size(tmp_path):
+    """Decision 0021: files per subtask stay bounded. A small growing state (no garbage, under min-size)
+    whose folds piled up L0 SSTs is compacted into one run once more than max-files lie above it, and
+    left alone at max-files."""
+    def l0_snapshot(name, ssts):
+        b = RocksDBStateBackend(tmp_path / f"w-{name}", ALL, M)
+        b.db.set_options({"disable_auto_compactions": "true"})
+        s = b.value("s")
+        for f in range(ssts):   # one L0 SST per flush, as each WAL fold adds one
+            s.put_many([f"k{f}-{i}" for i in range(200)], [os.urandom(8).hex() for _ in range(200)])
+            b.db.flush(True)
+        return b.snapshot(tmp_path / name)
+
+    policy = CompactionPolicy(1.25, 64 << 20, max_files=3)   # min-size far above these DBs
+    at_max = l0_snapshot("at-max", 4)                         # 3 above the largest
+    assert len([f for f in os.listdir(at_max.path) if f.endswith(".sst")]) == 4
+    assert compact_snapshot(at_max.path, policy) is None
+    over = l0_snapshot("over", 5)                             # 4 above the largest
+    before = entries(over.path)
+    done = compact_snapshot(over.path, policy)
+    assert done is not None
+    assert len([f for f in os.listdir(done.path) if f.endswith(".sst")]) == 1
+    assert entries(done.path) == before
+
+
 def _upload(tmp_path, snap, policy, fold_wal_above=256 << 10, **submit):
     """Upload ``snap`` as the executor agent does; return the storage, the checkpoint (None if the
     upload failed) and the upload's results."""
