@@ -7,6 +7,7 @@ relay thread that passes one real handshake through and then injects, replays or
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import threading
@@ -462,3 +463,77 @@ def test_bytes_read_ahead_are_verified_when_used_and_unasked_ones_make_the_conne
     finally:
         client.close()
         server.close()
+
+
+class _ShortWrites(io.FileIO):
+    """A file whose ``write`` takes only part of what it is given, as write(2) may (a disk that fills
+    up mid-write, RLIMIT_FSIZE): the count it returns is all that landed."""
+
+    def write(self, b):
+        view = memoryview(b)
+        return super().write(view[:max(1, len(view) // 2)])
+
+
+@pytest.mark.parametrize("size", [4096, 3 << 20])
+def test_an_upload_whose_staged_file_takes_short_writes_stores_every_byte_or_nothing(tmp_path, monkeypatch, size):
+    """A short write into the staged file must not be ignored: the blob stored under its key (and
+    marked verified) would then be shorter than the bytes the key was computed from."""
+    from sparksteward.blob import server as blob_server
+    from sparksteward.hashing import hash_file
+
+    monkeypatch.setattr(blob_server, "open", lambda path, mode="r", **kw: _ShortWrites(path, mode), raising=False)
+    secret, blobs, server = _blob_rig(tmp_path)
+    try:
+        data = os.urandom(size)
+        with Connection.connect(server.endpoint, secret) as conn:
+            try:
+                key = BlobClient(lambda: conn).put_bytes(data, "job-w")
+            except StewardError:
+                key = None
+        if key is not None:
+            stored = blobs.local_path("job-w", key)
+            assert stored.stat().st_size == size, "a staged file that missed bytes was renamed into place"
+            assert hash_file(stored) == key.digest
+    finally:
+        server.close()
+        blobs.close()
+
+
+def test_a_raw_reader_returns_at_most_the_bytes_asked_for():
+    client, server = _session_pair()
+    try:
+        server.send_body(bytes(range(100)))
+        reader = wire.RawReader(client, 100)
+        got = []
+        while len(chunk := reader.read(10)):
+            assert len(chunk) <= 10
+            got.append(bytes(chunk))
+        assert b"".join(got) == bytes(range(100))
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("size", [4096, 3 << 20])
+def test_a_download_whose_temp_file_takes_short_writes_lands_whole_or_not_at_all(tmp_path, monkeypatch, size):
+    """verified_copy hashes the chunks it was given: a short write it ignored would rename a file
+    shorter than its key into place."""
+    from sparksteward.blob import store
+
+    secret, blobs, server = _blob_rig(tmp_path)
+    try:
+        data = os.urandom(size)
+        with Connection.connect(server.endpoint, secret) as conn:
+            key = BlobClient(lambda: conn).put_bytes(data, "job-w")
+        monkeypatch.setattr(store, "open", lambda path, mode="r", **kw: _ShortWrites(path, mode) if "w" in mode
+                            else io.open(path, mode, **kw), raising=False)
+        dest = tmp_path / "out" / "blob"
+        with Connection.connect(server.endpoint, secret) as conn:
+            try:
+                BlobClient(lambda: conn).get_to_file(key, dest, "job-w")
+            except (StewardError, OSError):
+                pass
+        assert not dest.exists() or dest.read_bytes() == data, "a short copy was renamed into place"
+    finally:
+        server.close()
+        blobs.close()

@@ -92,7 +92,12 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str, *,
             else:
                 while len(chunk := src.read(_CHUNK)):
                     h.update(chunk)
-                    out.write(chunk)
+                    view = memoryview(chunk)
+                    while len(view):  # write(2) may take part of a chunk (a full disk) and say so only by its count
+                        k = out.write(view)
+                        if not k:
+                            raise OSError(f"writing to {tmp} made no progress")
+                        view = view[k:]
                     size += len(chunk)
                     if progress is not None:
                         progress(size)

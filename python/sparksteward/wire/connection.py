@@ -374,7 +374,7 @@ class Connection:
         body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
         reader = RawReader(self, n)
         while len(chunk := reader.read(_CHUNK)):
-            f.write(chunk)
+            _write_all(f, chunk)
             if on_chunk is not None:
                 on_chunk(chunk)
 
@@ -535,8 +535,8 @@ class RawReader:
             self.conn._verify_body(self._mac, self.size, data[self.size:])
             return data[:self.size]
         if not self._bufs:
-            n = min(_CHUNK, max(self.size, 1))
-            self._bufs = [bytearray(n)] + ([bytearray(n)] if self.size > n else [])
+            cap = min(_CHUNK, max(self.size, 1))
+            self._bufs = [bytearray(cap)] + ([bytearray(cap)] if self.size > cap else [])
         buf = self._bufs[self._turn]
         self._turn = (self._turn + 1) % len(self._bufs)
         view = memoryview(buf)[: min(n, self.left, len(buf))]
@@ -556,6 +556,17 @@ class RawReader:
         if self.left == 0:
             self._finish()
         return chunk
+
+
+def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
+    """Write all of ``data``: an unbuffered file's ``write`` may take part of it (write(2) on a disk
+    that fills up, or past RLIMIT_FSIZE, returns a short count without an error)."""
+    view = memoryview(data)
+    while len(view):
+        k = f.write(view)
+        if not k:  # None: a non-blocking file took nothing
+            raise OSError(f"writing {len(view)} bytes to {getattr(f, 'name', 'a file')!r} made no progress")
+        view = view[k:]
 
 
 def shutdown_socket(sock: socket.socket) -> None:
