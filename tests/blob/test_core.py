@@ -46,6 +46,11 @@ def test_same_host_put_path_moves_the_file_without_a_socket_copy(rig):
     assert not os.path.exists(path) and rig.server.local_path("job-b", key).read_bytes() == b"x" * 1000
     with pytest.raises(InvalidIdError, match="incoming"):
         rig.client.put_path("/etc/hostname", "job-b")
+    own = rig.server.incoming / ".stage-0123456789ab-0.tmp"   # named as the server stages an upload it receives
+    own.write_bytes(b"half of an upload")
+    with pytest.raises(InvalidIdError, match="incoming"):
+        rig.client.put_path(str(own), "job-b")
+    assert own.exists()
 
 
 def test_cache_falls_back_from_corrupt_copies_to_a_verified_one(rig):

@@ -430,9 +430,10 @@ class BlobServer:
         f = Fields(req)
         path, job_id, btype, move = f.text("path"), f.job_id(nullable=True), _btype(f), f.flag("move", default=False)
         src = Path(os.path.realpath(path))
-        if src.parent != self.incoming.resolve() or not src.is_file():
-            raise InvalidIdError(f"blob.put_path takes a file directly in {self.incoming} (ask blob.info), "
-                                 f"not {path!r}")
+        if src.parent != self.incoming.resolve() or not src.is_file() or src.name.startswith(".stage-"):
+            # .stage-*: the server's own staged uploads, which it may still be writing into
+            raise InvalidIdError(f"blob.put_path takes a file directly in {self.incoming} (ask blob.info) that a "
+                                 f"client staged there, not {path!r}")
         key, size = self.put_file(src, job_id, btype, move=move)
         return {"key": str(key), "size": size, "ha": self.in_ha(key)}
 

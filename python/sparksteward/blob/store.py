@@ -34,6 +34,7 @@ from sparksteward.hashing import Hasher
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StorageError
 from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
 from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
+from sparksteward.wire.connection import write_all
 
 __all__ = ["BlobStore", "BlobView", "FileSystemBlobStore", "NO_JOB", "VoidBlobStore", "job_dir_name",
            "makedirs_durable", "verified_copy"]
@@ -92,12 +93,7 @@ def verified_copy(src, dest: Path, key: BlobKey, source: str, *,
             else:
                 while len(chunk := src.read(_CHUNK)):
                     h.update(chunk)
-                    view = memoryview(chunk)
-                    while len(view):  # write(2) may take part of a chunk (a full disk) and say so only by its count
-                        k = out.write(view)
-                        if not k:
-                            raise OSError(f"writing to {tmp} made no progress")
-                        view = view[k:]
+                    write_all(out, chunk)   # write(2) may take part of a chunk (a full disk)
                     size += len(chunk)
                     if progress is not None:
                         progress(size)

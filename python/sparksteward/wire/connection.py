@@ -76,7 +76,7 @@ try:  # a declared dependency; if it cannot be imported, bodies fall back to HMA
 except ImportError:  # pragma: no cover - depends on the environment
     _Poly1305 = None
 
-__all__ = ["BODY_MACS", "Connection", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE", "new_secret", "parse_endpoint",
+__all__ = ["BODY_MACS", "Connection", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE", "new_secret", "parse_endpoint", "write_all",
            "shutdown_socket"]
 
 log = logging.getLogger("sparksteward.wire")
@@ -374,7 +374,7 @@ class Connection:
         body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
         reader = RawReader(self, n)
         while len(chunk := reader.read(_CHUNK)):
-            _write_all(f, chunk)
+            write_all(f, chunk)
             if on_chunk is not None:
                 on_chunk(chunk)
 
@@ -558,7 +558,7 @@ class RawReader:
         return chunk
 
 
-def _write_all(f: BinaryIO, data: bytes | memoryview) -> None:
+def write_all(f: BinaryIO, data: bytes | memoryview) -> None:
     """Write all of ``data``: an unbuffered file's ``write`` may take part of it (write(2) on a disk
     that fills up, or past RLIMIT_FSIZE, returns a short count without an error)."""
     view = memoryview(data)
