@@ -59,7 +59,7 @@ def test_cache_falls_back_from_corrupt_copies_to_a_verified_one(rig):
     cache = rig.cache()
     path = cache.open("job-c", key)
     assert path.read_bytes() == data and cache.stats["ha_fetches"] == 1
-    path.write_bytes(b"corrupt" + data[7:])  # corrupt the cached copy
+    path.write_bytes(bytes(b ^ 0xFF for b in data[:7]) + data[7:])  # corrupt the cached copy
     cache2 = rig.cache()  # a new cache verifies at first use
     assert cache2.open("job-c", key).read_bytes() == data
     # now corrupt the HA copy too: the server's verified copy still serves a good value

@@ -114,11 +114,11 @@ def test_corrupt_ha_copy_falls_back_to_the_server_and_both_corrupt_names_every_s
     key = cluster.client.put_bytes(data, "job-1", permanent=True)
     url = str(BlobUrl(app_scope(cluster.secret), "job-1", key, "udf.jar"))
     ha_file = next((tmp_path / "ha").rglob(str(key)))
-    ha_file.write_bytes(b"x" + data[1:])
+    ha_file.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])   # never the same byte
     assert Path(_open(cluster.executor.endpoint, cluster.secret, url)["path"]).read_bytes() == data
     assert cluster.cache.stats["ha_fetches"] == 0 and cluster.cache.stats["transfers"] == 1
     # both corrupt: a fresh cache, and the server's local copy damaged too (it re-verifies after a refill)
-    cluster.server.local_path("job-1", key).write_bytes(b"y" + data[1:])
+    cluster.server.local_path("job-1", key).write_bytes(bytes([data[0] ^ 0x55]) + data[1:])
     cluster.server._verified.clear()
     cluster.cache.drop_job("job-1")
     with pytest.raises(BlobNotFoundError) as err:
