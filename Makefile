@@ -41,7 +41,7 @@ lint: $(VENV)/.installed
 	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest -q -ra -m "not soak" --durations=15
+	$(PY) -m pytest -q -ra -m "not soak" --durations=40
 
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m soak -s
