@@ -24,7 +24,9 @@ import sparksteward
 from sparksteward import list_state, map_state, value_state
 from sparksteward.errors import StateSchemaError
 
-TTL = 8.0
+#: seconds of processing time; batch 1 must come within it of batch 0, whose first Python workers and agents
+#: take several seconds to start on a busy laptop (8 s was too short beside two other Spark applications)
+TTL = 20.0
 
 
 def visit(user, rows: pd.DataFrame, state) -> pd.DataFrame:

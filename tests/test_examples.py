@@ -21,27 +21,50 @@ _OUR_LINE = re.compile(r"^\S+ \S+ (DEBUG|INFO) sparksteward[.\w]*: ", re.MULTILI
 _WARNINGS = ("does not yet fully support pandas", "Package would be ignored", "UserWarning")
 
 
-def run_example(name: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``examples/<name>`` with its default state dir (``~/.local/state``) in a tmp dir; check it exits 0
-    and that stderr has none of our INFO lines and none of the warnings above."""
-    env = {**os.environ, "HOME": str(tmp_path)}
-    env.pop("SPARK_STEWARD_LOG_LEVEL", None)
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert not _OUR_LINE.findall(done.stderr), done.stderr[-4000:]
-    assert not [w for w in _WARNINGS if w in done.stderr], done.stderr[-4000:]
-    return done
+#: the examples this module runs: started together (each its own Spark application, HOME and state dir),
+#: so the three JVMs start side by side instead of one after the other
+EXAMPLES = ("quickstart.py", "keyed_state_stream.py", "declared_states.py")
 
 
-def test_quickstart_example(tmp_path):
-    out = run_example("quickstart.py", tmp_path).stdout
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Each example's process, started at once with its default state dir (``~/.local/state``) in a tmp dir."""
+    procs = {}
+    for name in EXAMPLES:
+        env = {**os.environ, "HOME": str(tmp_path_factory.mktemp(name.removesuffix(".py")))}
+        env.pop("SPARK_STEWARD_LOG_LEVEL", None)
+        procs[name] = subprocess.Popen([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def run_example(name: str, started: dict[str, subprocess.Popen[str]]) -> str:
+    """Wait for ``examples/<name>``; check it exits 0 and that stderr has none of our INFO lines and none of
+    the warnings above; return its stdout."""
+    try:
+        out, err = started[name].communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        started[name].kill()
+        out, err = started[name].communicate()
+        pytest.fail(f"{name} did not finish in 300 s:\n{err[-4000:]}")
+    assert started[name].returncode == 0, err[-4000:]
+    assert not _OUR_LINE.findall(err), err[-4000:]
+    assert not [w for w in _WARNINGS if w in err], err[-4000:]
+    return out
+
+
+def test_quickstart_example(started):
+    out = run_example("quickstart.py", started)
     assert re.search(r"driver agent \d+ is running for ", out), out
     assert "payload {'rows': 1000}, scratch gone: True" in out and "quickstart finished" in out
 
 
-def test_keyed_state_stream_example(tmp_path):
-    out = run_example("keyed_state_stream.py", tmp_path).stdout
+def test_keyed_state_stream_example(started):
+    out = run_example("keyed_state_stream.py", started)
     assert "after 2 batches, parallelism 4: [('ann', '2'), ('bob', '3'), ('cid', '1'), ('dee', '1')]" in out
     assert "after 3 batches, parallelism 2: [('ann', '3'), ('bob', '3'), ('cid', '1'), ('dee', '1'), ('eve', '2')]" \
         in out
@@ -49,8 +72,8 @@ def test_keyed_state_stream_example(tmp_path):
     assert "keyed state example finished" in out
 
 
-def test_declared_states_example(tmp_path):
-    out = run_example("declared_states.py", tmp_path).stdout
+def test_declared_states_example(started):
+    out = run_example("declared_states.py", started)
     assert "batch 0: [('ann', 2, 2, 2), ('bob', 1, 1, 1)]" in out
     assert "batch 1: [('ann', 3, 3, 2), ('cid', 1, 1, 1)]" in out
     assert "batch 2: [('ann', 1, 1, 1)]" in out          # ann's state expired before she came back

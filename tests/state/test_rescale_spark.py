@@ -94,7 +94,6 @@ def assert_read_only_overlaps(stats: dict, old_json: dict, new_parallelism: int)
     return rows
 
 
-@pytest.mark.compat
 def test_rescale_8_to_3_to_16_over_a_continuing_stream(spark):
     from pyspark.sql import functions as F
 
