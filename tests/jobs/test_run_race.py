@@ -37,7 +37,8 @@ CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")
 #: STEWARD_RACE_RUNS=50 for a longer hunt
 RUNS = int(os.environ.get("STEWARD_RACE_RUNS", "12"))
 
-pytestmark = pytest.mark.slow
+# seeded interleavings of real processes: with the keyed-state soak in `make soak` (CI runs it after the suite)
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 
 @pytest.fixture(scope="module", params=["file", "s3"])
