@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--body-mac", default="", help="force one body MAC (poly1305 or hmac-sha256)")
+    ap.add_argument("--body-mac", default="", help="force one body MAC (poly1305-large, poly1305 or hmac-sha256)")
     args = ap.parse_args()
     if args.body_mac:
         wire.BODY_MACS = (args.body_mac,)

@@ -172,6 +172,18 @@ def test_recovery_serves_permanent_blobs_lazily_from_ha(rig, tmp_path):
         again.close()
 
 
+def _staged_bytes(server) -> int:
+    """Bytes in the server's staged files: uploads in progress, in incoming/ or a spare file."""
+    total = 0
+    for d in (server.incoming, server.spare_dir):
+        for f in d.iterdir():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
 def test_wrong_secret_malformed_and_truncated_requests(rig):
     with pytest.raises(AuthenticationError):
         Connection.connect(rig.sock.endpoint, "0" * 64)
@@ -184,13 +196,18 @@ def test_wrong_secret_malformed_and_truncated_requests(rig):
     c.send({"op": "blob.put", "size": 1_000_000, "type": "t", "job_id": "trunc"})
     c.sock.sendall(b"x" * 1000)
     deadline = time.monotonic() + 5
-    while not list(rig.server.incoming.iterdir()):  # the server is receiving
+    while not rig.sock.request_counts().get("blob.put"):  # the server is receiving
         assert time.monotonic() < deadline
         time.sleep(0.01)
     c.close()  # truncated upload
-    while list(rig.server.incoming.iterdir()) and time.monotonic() < deadline:
+    staged = lambda: list(rig.server.incoming.iterdir()) + list(rig.server.spare_dir.iterdir())  # noqa: E731
+    while (_staged_bytes(rig.server) or len(staged()) != len(rig.server._spare)) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not list(rig.server.incoming.iterdir()) and not (rig.server.dir / "trunc").exists()
+    # nothing half-written is left: the upload's staged file is gone (the files left are the empty
+    # spares the server still holds) and the job has no blob
+    assert not _staged_bytes(rig.server) and len(staged()) == len(rig.server._spare)
+    assert not list(rig.server.incoming.iterdir())
+    assert not (rig.server.dir / "trunc").exists()
     assert rig.client.get_bytes(rig.client.put_bytes(b"still serving")) == b"still serving"
 
 

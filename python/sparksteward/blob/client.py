@@ -92,7 +92,7 @@ class BlobClient:
         return self._put(len(data), job_id, permanent, lambda conn, head: conn.send_body(data, head))
 
     def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, RawReader]:
-        key = BlobKey.parse(str(key))
+        key = key if isinstance(key, BlobKey) else BlobKey.parse(key)
         conn = self._conn()
         try:
             conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})

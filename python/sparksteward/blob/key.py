@@ -41,6 +41,10 @@ class BlobKey:
     def __str__(self) -> str:
         return f"{self.type.value}-{self.digest.hex()}"
 
+    def __hash__(self) -> int:
+        # the digest alone: bytes cache their hash (a generated __hash__ also hashes the enum, in Python)
+        return hash(self.digest)
+
     @classmethod
     def parse(cls, text: object) -> BlobKey:
         """Parse ``p-<32 hex>`` / ``t-<32 hex>``; anything else raises InvalidIdError naming it."""

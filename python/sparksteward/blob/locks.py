@@ -43,19 +43,8 @@ class KeyedLocks:
             if entry[1] == 0:
                 del self._entries[key]
 
-    @contextlib.contextmanager
-    def hold(self, key: Hashable) -> Iterator[None]:
-        lock = self._enter(key)
-        try:
-            lock.acquire()
-        except BaseException:
-            self._leave(key)
-            raise
-        try:
-            yield
-        finally:
-            lock.release()
-            self._leave(key)
+    def hold(self, key: Hashable) -> _Held:
+        return _Held(self, key)
 
     __getitem__ = hold
 
@@ -70,3 +59,24 @@ class KeyedLocks:
             if got:
                 lock.release()
             self._leave(key)
+
+
+class _Held:
+    """``with locks[key]:`` (a class, not a generator: it is on every blob request's path)."""
+
+    __slots__ = ("_locks", "_key", "_lock")
+
+    def __init__(self, locks: KeyedLocks, key: Hashable) -> None:
+        self._locks, self._key = locks, key
+
+    def __enter__(self) -> None:
+        self._lock = self._locks._enter(self._key)
+        try:
+            self._lock.acquire()
+        except BaseException:
+            self._locks._leave(self._key)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._locks._leave(self._key)

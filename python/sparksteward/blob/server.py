@@ -63,6 +63,9 @@ log = logging.getLogger("sparksteward.blob.server")
 #: Identifies this machine's running kernel: equal boot ids mean the same host.
 BOOT_ID = boot_id()
 
+#: How many empty staged files the server keeps ready for uploads (refilled below half).
+_SPARES = 32
+
 #: How many deleted job ids ``blob.deleted_jobs`` remembers (oldest forgotten first).
 _DELETED_JOBS_KEPT = 4096
 
@@ -114,6 +117,10 @@ class BlobServer:
         self.incoming.mkdir(parents=True, exist_ok=True)
         self._incoming_str, self._dir_str = str(self.incoming), str(self.dir)
         self._stage_prefix = f"{self._incoming_str}/.stage-{uuid.uuid4().hex[:12]}-"
+        # spare staged files (see _make_spares) wait outside incoming/: no client can name one
+        self.spare_dir = self.dir / "@spare"
+        self.spare_dir.mkdir(exist_ok=True)
+        self._spare_prefix = f"{self.spare_dir}/{uuid.uuid4().hex[:12]}-"
         self._stage_seq = itertools.count()
         os.chmod(self.dir, 0o700)
         self.ha = ha
@@ -137,6 +144,13 @@ class BlobServer:
         self._timer = threading.Thread(target=self._run_timer, name="steward-blob-cleanup", daemon=True)
         if timer:
             self._timer.start()
+        # Empty staged files, open, made ahead of streamed uploads by a thread of their own: making a
+        # file (an inode) is the largest cost of a small put, and on some file systems (ext4 without
+        # a journal scans recently deleted inodes) it is most of it.
+        self._spare: collections.deque[tuple[str, int]] = collections.deque()
+        self._spare_low = threading.Event()
+        self._spare_thread = threading.Thread(target=self._make_spares, name="steward-blob-stage", daemon=True)
+        self._spare_thread.start()
 
     # --- storage -----------------------------------------------------------------------------
     def local_path(self, job_id: str | None, key: BlobKey) -> Path:
@@ -176,6 +190,41 @@ class BlobServer:
 
     def _stage_path(self) -> str:
         return f"{self._stage_prefix}{next(self._stage_seq)}.tmp"
+
+    def _make_spares(self) -> None:
+        while not self._closed:
+            while len(self._spare) < _SPARES and not self._closed:
+                path = f"{self._spare_prefix}{next(self._stage_seq)}.tmp"
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                except OSError as exc:  # a full disk: uploads make their own file and say so
+                    log.debug("cannot make a spare staged file: %s", exc)
+                    break
+                self._spare.append((path, fd))
+            self._spare_low.wait()
+            self._spare_low.clear()
+        self._drop_spares()
+
+    def _drop_spares(self) -> None:
+        while True:
+            try:
+                _, fd = self._spare.popleft()
+            except IndexError:
+                return
+            os.close(fd)
+
+    def _staged_file(self) -> tuple[str, Any]:
+        """A new, empty staged file: ``(path, unbuffered binary file)``, a spare one if there is."""
+        try:
+            path, fd = self._spare.popleft()
+        except IndexError:
+            path = self._stage_path()
+            f = open(path, "xb", buffering=0)
+        else:
+            f = os.fdopen(fd, "wb", buffering=0)
+        if len(self._spare) < _SPARES // 2:
+            self._spare_low.set()
+        return path, f
 
     def _place(self, staged: str, job_id: str | None, btype: BlobType, digest: bytes, size: int) -> tuple[BlobKey, int]:
         """Make the staged file, whose content hashes to ``digest``, the blob's local copy (or drop it
@@ -235,10 +284,10 @@ class BlobServer:
         if not isinstance(size, int) or size < 0 or size > self.max_size:
             raise MessageTooLargeError(f"announced blob size {size!r} is not between 0 and "
                                        f"spark.steward.blob.max-size ({self.max_size})")
-        staged = self._stage_path()
+        staged, f = self._staged_file()
         h = Hasher()
         try:
-            with open(staged, "xb", buffering=0) as f:
+            with f:
                 conn.recv_into_file(f, size, h.update)
             return self._place(staged, _job(job_id), btype, h.digest(), size)
         except BaseException:
@@ -440,8 +489,17 @@ class BlobServer:
     def _op_get(self, conn: Connection, req: dict[str, Any]) -> None:
         fields = Fields(req)
         key, job_id, boot_id = _key(fields), fields.job_id(nullable=True), fields.text("boot_id", default=None)
-        path = self._ensure_local(job_id, key)
-        with open(path, "rb") as f:
+        path = self._local(job_id, key)
+        f = None
+        if (job_id, key) in self._verified:  # the common case: no key lock, no stat before the open
+            try:
+                f = open(path, "rb")
+            except FileNotFoundError:  # deleted since it was verified: the slow path refills or refuses
+                pass
+        if f is None:
+            path = self._ensure_local(job_id, key)
+            f = open(path, "rb")
+        with f:
             size = os.fstat(f.fileno()).st_size
             if boot_id and boot_id == BOOT_ID:
                 # same kernel: the caller copies the file in-kernel (copy_file_range); no socket copy
@@ -468,7 +526,7 @@ class BlobServer:
 
     def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         out = []
-        for job_dir in sorted(p for p in self.dir.iterdir() if p.is_dir() and p != self.incoming):
+        for job_dir in sorted(p for p in self.dir.iterdir() if p.is_dir() and p not in (self.incoming, self.spare_dir)):
             for f in sorted(job_dir.iterdir()):
                 if not f.name.startswith("."):
                     out.append({"job_dir": job_dir.name, "key": f.name, "size": f.stat().st_size})
@@ -517,6 +575,9 @@ class BlobServer:
         self._stop.set()  # a running pass stops between blobs
         if self._timer.is_alive():
             self._timer.join()
+        self._spare_low.set()
+        self._spare_thread.join()
+        self._drop_spares()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> BlobServer:
