@@ -139,7 +139,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     try:
         p, m = opened["parallelism"], opened["max_parallelism"]
         kg = key_group_range(m, p, subtask)
-        backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False)
+        backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False,
+                                      flush_wal_above=opened.get("flush_wal_above"))
         try:
             now_ms = int(declared.get("now_ms") or 0)
             typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)

@@ -75,7 +75,13 @@ from sparksteward.errors import (
     ParallelismError,
 )
 from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
-from sparksteward.state.snapshot import WAL_FLUSH_BYTES, WAL_FLUSH_FILES, CompactionPolicy, LocalSnapshot
+from sparksteward.state.snapshot import (
+    TASK_FLUSH_BYTES,
+    WAL_FLUSH_BYTES,
+    WAL_FLUSH_FILES,
+    CompactionPolicy,
+    LocalSnapshot,
+)
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Fields
 from sparksteward.wire.link import AgentLink
@@ -127,7 +133,8 @@ class SubtaskService:
 
     def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
                  cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES,
-                 wal_flush_files: int = WAL_FLUSH_FILES, open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None,
+                 wal_flush_files: int = WAL_FLUSH_FILES, task_flush_bytes: int = TASK_FLUSH_BYTES,
+                 open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None,
                  compaction: CompactionPolicy | None = None) -> None:
         parent = private_dir(Path(parent))
         sweep_dead(parent, STATE_DIR_PREFIX)
@@ -137,6 +144,7 @@ class SubtaskService:
         self.uploader = SnapshotUploader(upload_threads, cache=self.cache)
         self.wal_flush_bytes = wal_flush_bytes  # a snapshot with more WAL is folded before its upload
         self.wal_flush_files = wal_flush_files  # and one with more WAL files
+        self.task_flush_bytes = task_flush_bytes  # a task whose DB holds more WAL flushes it (decision 0022)
         self.compaction = compaction or CompactionPolicy()  # a snapshot with much garbage is compacted first
         self._driver_endpoint = driver_endpoint
         self._link = AgentLink(driver_endpoint or "", secret)   # one reused connection per sending thread
@@ -219,7 +227,8 @@ class SubtaskService:
                 "max_parallelism": m, "key_type": base.key_type, "rerun": base.rerun, "restore": restore,
                 "alignment": base.alignment, "deadline_in": base.deadline_in,
                 "channel": str(opened.channel), "replay": replay, "cut": base.cut, "attempt": opened.attempt,
-                "replay_filter": meta is not None and meta.parallelism != p}
+                "replay_filter": meta is not None and meta.parallelism != p,
+                "flush_wal_above": self.task_flush_bytes or None}
 
     def _base(self, name: str, cid: int, subtask: int, routed: int | None) -> BaseReply:
         """``state.base`` for one subtask; the base record of an attempt crosses the wire once per agent

@@ -32,7 +32,7 @@ from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.rocksdb_options import db_options
 from sparksteward.storage import NotRegularFileError, regular_files
 
-__all__ = ["COMPACTION_MAX_FILES", "COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "WAL_FLUSH_BYTES",
+__all__ = ["COMPACTION_MAX_FILES", "COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "TASK_FLUSH_BYTES", "WAL_FLUSH_BYTES",
            "WAL_FLUSH_FILES", "CompactionPolicy", "LocalSnapshot", "SnapshotCompaction", "SortedRuns",
            "compact_snapshot", "fold_wal", "snapshot_files", "ssts_above_last_run", "wal_bytes"]
 
@@ -42,6 +42,8 @@ log = logging.getLogger("sparksteward.state.snapshot")
 WAL_FLUSH_BYTES = 256 << 10
 #: default of ``spark.steward.state.wal-flush-files``: a snapshot with more WAL files than this is folded
 WAL_FLUSH_FILES = 16
+#: A task whose DB holds more WAL than this at its sync phase flushes the memtable itself (decision 0022)
+TASK_FLUSH_BYTES = 64 << 10
 #: default of ``spark.steward.state.compaction.max-files``: more SSTs above the last run are compacted
 COMPACTION_MAX_FILES = 8
 #: defaults of ``spark.steward.state.compaction.max-space-amplification`` and ``.min-size``
