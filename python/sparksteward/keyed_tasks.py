@@ -155,11 +155,12 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             source, writer, counters = unaligned_input(
                 opened, cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-            if form == "arrow":
-                options: dict[str, Any] = {}
-            else:
-                from pyspark import TaskContext
+            from pyspark import TaskContext
 
+            if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
+                options: dict[str, Any] = {
+                    "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
+            else:
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
             for out in runner(_keys_touched(source, key, counters), key, fn, backend, schema, states=typed, **options):
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
@@ -189,18 +190,24 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 pass
 
 
+def _spill_threshold(ctx: Any) -> int:
+    """``spark.steward.state.spill-threshold`` from the task's local properties."""
+    from sparksteward.config import StewardConfig
+
+    spill_key = "spark.steward.state.spill-threshold"
+    raw = ctx.getLocalProperty(spill_key) if ctx is not None else None
+    return StewardConfig.from_conf({spill_key: raw} if raw else {}).state_spill_threshold
+
+
 def _pandas_options(ctx: Any, key_group_ordered: bool) -> dict[str, Any]:
     """Options of :func:`~sparksteward.state.runner.run_pandas` from the task's local properties, which
     carry the session's conf (Spark SQL propagates every ``spark.*`` setting to its tasks): the spill
     threshold (``spark.steward.state.spill-threshold``) and the output batch size (Spark's
     ``spark.sql.execution.arrow.maxRecordsPerBatch``; 0 or less means unlimited to Spark, the default
     here). With ``key_group_ordered`` (an unaligned subtask) keys are called per key group."""
-    from sparksteward.config import StewardConfig
     from sparksteward.state.runner import DEFAULT_OUTPUT_ROWS
 
-    spill_key = "spark.steward.state.spill-threshold"
-    raw = ctx.getLocalProperty(spill_key)
-    threshold = StewardConfig.from_conf({spill_key: raw} if raw else {}).state_spill_threshold
+    threshold = _spill_threshold(ctx)
     try:
         rows = int(ctx.getLocalProperty("spark.sql.execution.arrow.maxRecordsPerBatch") or 0)
     except ValueError:

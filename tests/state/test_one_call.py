@@ -1,7 +1,8 @@
 """The per-key (pandas) form calls its function once per key per batch, with all of the key's rows,
 however many Arrow buffers (``spark.sql.execution.arrow.maxRecordsPerBatch``) they arrive in, and with
-the input spilled to disk (``spark.steward.state.spill-threshold``). Shared local[2]; run under the
-Spark lock."""
+the input spilled to disk (``spark.steward.state.spill-threshold``). The Arrow form calls its function
+once per subtask per batch with all of its rows, up to the spill threshold of input a call. Shared
+local[2]; run under the Spark lock."""
 
 from __future__ import annotations
 
@@ -45,3 +46,31 @@ def test_one_call_per_key_per_batch_over_many_small_buffers(spark, small_buffers
         ks.commit(batch, wait=60)
         assert sorted((r.k, r.rows, r.n) for r in out) == \
             sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
+
+
+def test_the_arrow_form_gets_a_subtasks_rows_in_one_call_however_many_buffers(spark, tmp_path):
+    import pyarrow as pa
+
+    def vectorized(keys, rows, state):
+        got = rows.group_by("k").aggregate([("k", "count")])
+        old = state.get_many(got["k"])
+        new = [(o or 0) + c for o, c in zip(old, got["k_count"].to_pylist())]
+        state.put_many(got["k"], new)
+        return pa.table({"k": got["k"], "rows": got["k_count"], "n": pa.array(new, pa.int64()),
+                         "calls": pa.array([1] * len(new), pa.int64())})
+
+    ks = Steward.get(spark).keyed_state("one-call-arrow", key="k", parallelism=2, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    pdf = pd.DataFrame({"k": ["hot"] * 100 + [f"c{i}" for i in range(30)], "v": range(130)})
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "7")   # about 10 buffers a subtask
+    try:
+        for batch in range(2):
+            out = ks.apply_arrow(spark.createDataFrame(pdf.sample(frac=1, random_state=batch)), vectorized,
+                                 "k string, rows long, n long, calls long", checkpoint_id=batch).collect()
+            ks.commit(batch, wait=60)
+            # one output row per key: the key's rows all reached one call, which read and wrote its state once
+            assert sorted((r.k, r.rows, r.n) for r in out) == \
+                sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+

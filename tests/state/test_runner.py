@@ -136,6 +136,29 @@ def test_pandas_form_calls_each_key_once_with_all_its_rows_of_every_buffer(backe
     assert backend.value("value").get("hot") == 200
 
 
+def test_the_arrow_form_takes_the_buffers_in_calls_of_at_most_max_input_bytes(backend):
+    users = ["hot" if i % 3 else f"u{i % 7}" for i in range(300)]   # 75 buffers of 4 rows
+    calls: list[int] = []
+
+    def counting(keys, rows, state):
+        calls.append(rows.num_rows)
+        return count_arrow(keys, rows, state)
+
+    out = pa.Table.from_batches(list(run_arrow(_batches(users), "user", counting, backend, OUT,
+                                               max_input_bytes=1 << 20)), schema=OUT)
+    assert calls == [300]   # all of it in one call: one output row per key
+    assert sorted(out.to_pylist(), key=lambda r: r["user"]) == \
+        sorted(({"user": u, "clicks": users.count(u)} for u in set(users)), key=lambda r: r["user"])
+    per_buffer = _batches(users)[0].nbytes
+    calls.clear()
+    list(run_arrow(_batches(users), "user", counting, backend, OUT, max_input_bytes=10 * per_buffer))
+    assert calls == [40] * 7 + [20]   # cut once the held buffers reach the bound
+    calls.clear()
+    list(run_arrow(_batches(users), "user", counting, backend, OUT))
+    assert calls == [4] * 75   # without a bound (an unaligned subtask): per buffer
+    assert backend.value("value").get("hot") == 3 * 200
+
+
 def test_a_null_key_in_a_later_buffer_fails_before_any_call(backend):
     t = pa.table({"user": ["a"] * 8 + [None], "seq": list(range(9))})
     calls = []

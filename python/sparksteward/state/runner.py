@@ -155,17 +155,37 @@ def _key_column(table: pa.Table, key: str) -> pa.ChunkedArray:
 
 
 def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
-              schema: pa.Schema, states: TypedStates | None = None) -> Iterator[pa.RecordBatch]:
-    """Call ``fn(keys, rows, state)`` for every non-empty input batch; yield the results."""
+              schema: pa.Schema, states: TypedStates | None = None, *,
+              max_input_bytes: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Call ``fn(keys, rows, state)`` over the input; yield the results.
+
+    With ``max_input_bytes``, ``rows`` holds all of the input, one call per subtask and batch, unless
+    the input is larger: then each call takes the buffers that arrived until they reach that many
+    bytes. So a key's rows normally reach one call, which reads and writes its state once. Without
+    it (an unaligned subtask, whose cut must stop it between buffers), one call per Arrow buffer.
+    """
     access = KeyedStateAccess(backend, states=states)
+    held: list[pa.RecordBatch] = []
+    size = 0
     for batch in batches:
         if batch.num_rows == 0:
             continue
-        table = pa.Table.from_batches([batch])
-        keys = pc.unique(_key_column(table, key).combine_chunks())
-        out = _conform(fn(keys, table, access), schema)
-        if out is not None:
-            yield out
+        held.append(batch)
+        size += batch.nbytes
+        if max_input_bytes is None or size >= max_input_bytes:
+            yield from _call_arrow(held, key, fn, access, schema)
+            held, size = [], 0
+    if held:
+        yield from _call_arrow(held, key, fn, access, schema)
+
+
+def _call_arrow(held: list[pa.RecordBatch], key: str, fn: Callable[..., Any], access: KeyedStateAccess,
+                schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    table = pa.Table.from_batches(held)
+    keys = pc.unique(_key_column(table, key).combine_chunks())
+    out = _conform(fn(keys, table, access), schema)
+    if out is not None:
+        yield out
 
 
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,

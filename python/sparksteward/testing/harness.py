@@ -47,7 +47,7 @@ from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import StateSpec, parse_ddl, resolve
 from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.state.runner import run_arrow, run_pandas
+from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, run_arrow, run_pandas
 from sparksteward.state.typed import SweepStats, TypedList, TypedMap, TypedStates, TypedValue, sweep_expired
 
 __all__ = ["KeyedStateHarness"]
@@ -112,8 +112,11 @@ class KeyedStateHarness:
         table = _table(rows)
         self.batch += 1
         states = self._states()
-        runner = run_pandas if self.form == "pandas" else run_arrow
-        out = list(runner(table.to_batches(), self.key, self.fn, self._backend, self.schema, states=states))
+        if self.form == "pandas":
+            out = list(run_pandas(table.to_batches(), self.key, self.fn, self._backend, self.schema, states=states))
+        else:   # as a Spark task calls it: once with all of the batch's rows (up to the spill threshold)
+            out = list(run_arrow(table.to_batches(), self.key, self.fn, self._backend, self.schema, states=states,
+                                 max_input_bytes=DEFAULT_SPILL_THRESHOLD))
         if any(v.spec.ttl_ms is not None for v in states.variables.values()):
             self.last_sweep = sweep_expired(self._backend, self.now_ms, start=self.batch)
         result = pa.Table.from_batches(out, schema=self.schema)
