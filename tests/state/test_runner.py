@@ -159,6 +159,23 @@ def test_the_arrow_form_takes_the_buffers_in_calls_of_at_most_max_input_bytes(ba
     assert backend.value("value").get("hot") == 3 * 200
 
 
+def test_buffers_of_another_schema_start_a_call_of_their_own(backend):
+    users = ["a", "b", "a", "c"]
+    first = _batches(users)[0]
+    other = pa.table({"user": ["a", "d"], "page": ["/x", "/y"]},
+                     schema=pa.schema([("user", pa.string()), ("page", pa.string())],
+                                      metadata={b"from": b"an older query"})).to_batches()[0]
+    calls: list[int] = []
+
+    def counting(keys, rows, state):
+        calls.append(rows.num_rows)
+        return count_arrow(keys, rows, state)
+
+    list(run_arrow([first, first, other, first], "user", counting, backend, OUT, max_input_bytes=1 << 20))
+    assert calls == [8, 2, 4]
+    assert backend.value("value").get("a") == 2 + 2 + 1 + 2
+
+
 def test_a_null_key_in_a_later_buffer_fails_before_any_call(backend):
     t = pa.table({"user": ["a"] * 8 + [None], "seq": list(range(9))})
     calls = []

@@ -181,11 +181,18 @@ def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any
 
 def _call_arrow(held: list[pa.RecordBatch], key: str, fn: Callable[..., Any], access: KeyedStateAccess,
                 schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    table = pa.Table.from_batches(held)
-    keys = pc.unique(_key_column(table, key).combine_chunks())
-    out = _conform(fn(keys, table, access), schema)
-    if out is not None:
-        yield out
+    """``fn`` over ``held`` as one table; buffers of another schema than the one before them (replayed
+    channel state written by an earlier version of the query) start a call of their own."""
+    start = 0
+    for i in range(1, len(held) + 1):
+        if i < len(held) and held[i].schema.equals(held[start].schema, check_metadata=True):
+            continue
+        table = pa.Table.from_batches(held[start:i])
+        keys = pc.unique(_key_column(table, key).combine_chunks())
+        out = _conform(fn(keys, table, access), schema)
+        if out is not None:
+            yield out
+        start = i
 
 
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
