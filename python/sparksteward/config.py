@@ -521,8 +521,8 @@ class StewardConfig:
     state_max_parallelism: int = 128
     state_local_dir: str = ""
     state_wal_flush_size: int = 256 << 10
-    state_wal_flush_files: int = 16
     state_task_flush_size: int = 64 << 10
+    state_wal_flush_files: int = 16
     state_compaction_max_space_amplification: float = 1.25
     state_compaction_min_size: int = 1 << 20
     state_compaction_max_files: int = 8

@@ -144,13 +144,13 @@ class BlobServer:
         self._timer = threading.Thread(target=self._run_timer, name="steward-blob-cleanup", daemon=True)
         if timer:
             self._timer.start()
-        # Empty staged files, open, made ahead of streamed uploads by a thread of their own: making a
-        # file (an inode) is the largest cost of a small put, and on some file systems (ext4 without
-        # a journal scans recently deleted inodes) it is most of it.
+        # Empty staged files, open, made ahead of streamed uploads by a thread of their own (started by
+        # the first one): making a file (an inode) is the largest cost of a small put, and on some file
+        # systems (ext4 without a journal scans recently deleted inodes) it is most of it.
         self._spare: collections.deque[tuple[str, int]] = collections.deque()
         self._spare_low = threading.Event()
         self._spare_thread = threading.Thread(target=self._make_spares, name="steward-blob-stage", daemon=True)
-        self._spare_thread.start()
+        self._spare_started = False
 
     # --- storage -----------------------------------------------------------------------------
     def local_path(self, job_id: str | None, key: BlobKey) -> Path:
@@ -223,6 +223,11 @@ class BlobServer:
         else:
             f = os.fdopen(fd, "wb", buffering=0)
         if len(self._spare) < _SPARES // 2:
+            if not self._spare_started:
+                with self._lock:
+                    if not self._spare_started and not self._closed:
+                        self._spare_thread.start()
+                        self._spare_started = True
             self._spare_low.set()
         return path, f
 
@@ -576,7 +581,10 @@ class BlobServer:
         if self._timer.is_alive():
             self._timer.join()
         self._spare_low.set()
-        self._spare_thread.join()
+        with self._lock:
+            started = self._spare_started
+        if started:
+            self._spare_thread.join()
         self._drop_spares()
         shutil.rmtree(self.dir, ignore_errors=True)
 
