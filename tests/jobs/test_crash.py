@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 import time
 
+import pytest
 
 from sparksteward.testing.agent import AgentProcess
 from tests.helpers import wait_until
@@ -20,6 +21,7 @@ def _begin(conn, job_id):
     return conn.request("jobs.begin", job_id=job_id, force=False)
 
 
+@pytest.mark.soak   # 31 s of real kills: it runs in make soak, after the suite (which must stay under 20 minutes)
 def test_sigkill_during_cleanup_then_restart_finishes_everything(s3, tmp_path):
     rng = random.Random(20261122)
     fs = s3.filesystem()

@@ -159,6 +159,7 @@ def test_executor_jvm_sigkilled_during_a_batch(spark, dirs, clean):
     wait_until(lambda: not leftovers(ks, dirs), timeout=30, what="the killed attempt's files to go")
 
 
+@pytest.mark.soak   # 42 s of real kills: it runs in make soak, after the suite (which must stay under 20 minutes)
 def test_driver_sigkilled_after_commit_before_spark_records_the_batch(spark, dirs, clean, tmp_path):
     name = "driver"
     spark_chk = dirs / f"spark-chk-{name}"
