@@ -16,6 +16,7 @@ from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, BlobNotFoundError, ChecksumMismatchError, InvalidIdError
 from sparksteward.wire import Connection
+from tests.helpers import wait_until
 from tests.helpers.blob import BlobRig
 
 
@@ -51,6 +52,15 @@ def test_same_host_put_path_moves_the_file_without_a_socket_copy(rig):
     with pytest.raises(InvalidIdError, match="incoming"):
         rig.client.put_path(str(own), "job-b")
     assert own.exists()
+    # the spare staged files the server keeps for uploads (made after the first streamed one)
+    rig.client.put_bytes(b"the first streamed upload", "job-b")
+    spare = wait_until(lambda: next(iter(rig.server.spare_dir.iterdir()), None), what="a spare staged file")
+    link = rig.server.incoming / "looks-staged"   # a link in incoming to a spare: realpath leaves incoming
+    link.symlink_to(spare)
+    for name in (str(spare), str(link), str(rig.server.incoming / ".." / "@spare" / spare.name)):
+        with pytest.raises(InvalidIdError, match="incoming"):
+            rig.client.put_path(name, "job-b")
+    assert spare.exists() and spare.stat().st_size == 0
 
 
 def test_cache_falls_back_from_corrupt_copies_to_a_verified_one(rig):

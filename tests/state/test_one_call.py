@@ -16,11 +16,10 @@ pytestmark = pytest.mark.slow
 SMALL = {"spark.sql.execution.arrow.maxRecordsPerBatch": "7", "spark.steward.state.spill-threshold": "1k"}
 
 
-@pytest.fixture
-def small_buffers(spark):
-    """7-row Arrow buffers and a 1 KiB spill threshold for one test; the session's values come back after."""
-    before = {k: spark.conf.get(k, None) for k in SMALL}
-    for k, v in SMALL.items():
+def _with_conf(spark, settings):
+    """Set ``settings`` for one test; the session's values come back after."""
+    before = {k: spark.conf.get(k, None) for k in settings}
+    for k, v in settings.items():
         spark.conf.set(k, v)
     yield
     for k, v in before.items():
@@ -28,6 +27,18 @@ def small_buffers(spark):
             spark.conf.unset(k)
         else:
             spark.conf.set(k, v)
+
+
+@pytest.fixture
+def small_buffers(spark):
+    """7-row Arrow buffers and a 1 KiB spill threshold."""
+    yield from _with_conf(spark, SMALL)
+
+
+@pytest.fixture
+def seven_row_buffers(spark):
+    """7-row Arrow buffers, the spill threshold left at its default (the Arrow form's call bound)."""
+    yield from _with_conf(spark, {"spark.sql.execution.arrow.maxRecordsPerBatch": "7"})
 
 
 def count(key, rows, state):
@@ -48,7 +59,7 @@ def test_one_call_per_key_per_batch_over_many_small_buffers(spark, small_buffers
             sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
 
 
-def test_the_arrow_form_gets_a_subtasks_rows_in_one_call_however_many_buffers(spark, tmp_path):
+def test_the_arrow_form_gets_a_subtasks_rows_in_one_call_however_many_buffers(spark, seven_row_buffers, tmp_path):
     import pyarrow as pa
 
     def vectorized(keys, rows, state):
@@ -56,21 +67,16 @@ def test_the_arrow_form_gets_a_subtasks_rows_in_one_call_however_many_buffers(sp
         old = state.get_many(got["k"])
         new = [(o or 0) + c for o, c in zip(old, got["k_count"].to_pylist())]
         state.put_many(got["k"], new)
-        return pa.table({"k": got["k"], "rows": got["k_count"], "n": pa.array(new, pa.int64()),
-                         "calls": pa.array([1] * len(new), pa.int64())})
+        return pa.table({"k": got["k"], "rows": got["k_count"], "n": pa.array(new, pa.int64())})
 
     ks = Steward.get(spark).keyed_state("one-call-arrow", key="k", parallelism=2, max_parallelism=8,
                                         checkpoint_dir=str(tmp_path / "chk"))
     pdf = pd.DataFrame({"k": ["hot"] * 100 + [f"c{i}" for i in range(30)], "v": range(130)})
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "7")   # about 10 buffers a subtask
-    try:
-        for batch in range(2):
-            out = ks.apply_arrow(spark.createDataFrame(pdf.sample(frac=1, random_state=batch)), vectorized,
-                                 "k string, rows long, n long, calls long", checkpoint_id=batch).collect()
-            ks.commit(batch, wait=60)
-            # one output row per key: the key's rows all reached one call, which read and wrote its state once
-            assert sorted((r.k, r.rows, r.n) for r in out) == \
-                sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
-    finally:
-        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    for batch in range(2):   # about 10 buffers a subtask
+        out = ks.apply_arrow(spark.createDataFrame(pdf.sample(frac=1, random_state=batch)), vectorized,
+                             "k string, rows long, n long", checkpoint_id=batch).collect()
+        ks.commit(batch, wait=60)
+        # one output row per key: the key's rows all reached one call, which read and wrote its state once
+        assert sorted((r.k, r.rows, r.n) for r in out) == \
+            sorted([("hot", 100, 100 * (batch + 1))] + [(f"c{i}", 1, batch + 1) for i in range(30)])
 
