@@ -12,9 +12,12 @@ other, the same count-and-sum per key three ways, each writing its per-key outpu
   ``get_many``/``put_many`` on Arrow arrays, checkpointed every batch;
 - ``ours-json``: the same with the untyped default value state (JSON values, Python lists);
 
-The three run ``CEIL_ROUNDS`` times (default 2) in turn, each round on its own input dir and state:
-the JVM warms up over the first queries (the ceiling itself ran 118k records/s first, 229k last), so
-the report is of the last round, with the first for reference.
+The three run ``CEIL_ROUNDS`` times (default 4) in turn, each round on its own input dir and state.
+Round 0 warms the JVM up (the ceiling itself ran 118k records/s first, 229k later) and is reported
+apart. The rounds after it alternate the engines' order (the ceiling first, then last), and each gives
+a fraction of the ceiling measured minutes apart at most; the report is their median, with every
+round's fraction, since the VM's speed drifts by 25% between runs and a single round cannot tell 0.70
+from 0.75.
 
 Records/s are over batches 1.. (batch 0 pays the Python workers' start); the report gives each as a
 fraction of ``stateless``, and the CPU each kind of process spent per batch (Python workers, agents,
@@ -48,7 +51,7 @@ FILES = int(os.environ.get("CEIL_FILES", "5"))
 P, M = bench_state.P, bench_state.M
 SCHEMA = "k string, n long, s long"
 ENGINES = ("stateless", "ours-typed", "ours-json")
-ROUNDS = int(os.environ.get("CEIL_ROUNDS", "2"))   # the JVM warms up over the first queries: the last round counts
+ROUNDS = int(os.environ.get("CEIL_ROUNDS", "4"))   # round 0 warms the JVM up; the median of the rest counts
 
 
 def stateless_fn(batches):
@@ -245,40 +248,47 @@ def run(root: Path) -> int:
     cloudpickle.register_pickle_by_value(bench_state)   # the workers cannot import it by name
     spark = bench_state.start_session(root, "ceiling")
     rounds: list[dict[str, tuple[float, float]]] = []
-    cpu: dict[str, dict[str, float]] = {}
-    for r in range(ROUNDS):
+    cpu: dict[str, list[dict[str, float]]] = {}
+    splits: dict[str, list[tuple[float, ...]]] = {}
+    for r in range(max(ROUNDS, 2)):
         indir = root / f"in-{r}"
         indir.mkdir()
         base = time.time() - 3600
         for i, f in enumerate(files):
             bench_state.add_input(f, indir, base + i)
         got = {}
-        for engine in ENGINES:
+        for engine in (ENGINES if r % 2 else ENGINES[::-1]) if r else ENGINES:
             SPLITS.pop(engine, None)
             before = cpu_by_process()
             ms = run_engine(spark, engine, root / f"round-{r}", indir)
             after = cpu_by_process()
-            cpu[engine] = {k: (after[k] - before.get(k, 0.0)) / len(ms) * 1000 for k in after}
             steady = [ms[i] for i in sorted(ms)[1:]]
             got[engine] = (ROWS * len(steady) / (sum(steady) / 1000), statistics.median(steady))
+            if r:
+                cpu.setdefault(engine, []).append({k: (after[k] - before.get(k, 0.0)) / len(ms) * 1000 for k in after})
+                splits.setdefault(engine, []).extend(SPLITS.get(engine, [])[1:])
             print(f"  round {r}, {engine}: batches {[ms[i] for i in sorted(ms)]} ms", flush=True)
         rounds.append(got)
     spark.stop()
+    measured = rounds[1:]
     print()
-    print(f"{'engine':12} {'records/s':>10} {'batch p50':>10} {'of stateless':>13} {'(round 1)':>10}")
-    last, first = rounds[-1], rounds[0]
+    print(f"{'engine':12} {'records/s':>10} {'batch p50':>10} {'of stateless':>13}   each round after the first (round 0)")
     for e in ENGINES:
-        print(f"{e:12} {last[e][0]:10,.0f} {last[e][1]:8.0f}ms {last[e][0] / last['stateless'][0]:12.2f} "
-              f"{first[e][0] / first['stateless'][0]:10.2f}")
-    print("a batch of ours, medians of the last round's batches 1.. (ms): state stage and sink | commit wait "
-          "(the acks: the async phases still running when the stage ended) | report: slowest sync, slowest async, "
-          "completion")
-    for e, rows in SPLITS.items():
-        med = [statistics.median(col) for col in zip(*rows[1:])] if len(rows) > 1 else []
-        print(f"  {e:12} " + " | ".join(f"{m:7.1f}" for m in med))
-    print("CPU ms per batch by process (last round):")
+        fractions = [g[e][0] / g["stateless"][0] for g in measured]
+        print(f"{e:12} {statistics.median(g[e][0] for g in measured):10,.0f} "
+              f"{statistics.median(g[e][1] for g in measured):8.0f}ms {statistics.median(fractions):12.2f}   "
+              + " ".join(f"{f:.2f}" for f in fractions) + f" ({rounds[0][e][0] / rounds[0]['stateless'][0]:.2f})")
+    print("a batch of ours, medians over the rounds after the first, batches 1.. (ms): state stage and sink | "
+          "commit wait (the acks: the async phases still running when the stage ended) | report: slowest sync, "
+          "slowest async, completion")
+    for e, rows in splits.items():
+        if not rows:
+            continue
+        print(f"  {e:12} " + " | ".join(f"{statistics.median(col):7.1f}" for col in zip(*rows)))
+    print("CPU ms per batch by process (medians over the rounds after the first):")
     for e in ENGINES:
-        print(f"  {e:12} " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(cpu[e].items())))
+        kinds = sorted({k for c in cpu[e] for k in c})
+        print(f"  {e:12} " + ", ".join(f"{k} {statistics.median(c.get(k, 0.0) for c in cpu[e]):,.0f}" for k in kinds))
     if os.environ.get("CEIL_PROFILE") == "1":
         print()
         print(time_state_work())

@@ -162,7 +162,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
             else:
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
-            for out in runner(_keys_touched(source, key, counters), key, fn, backend, schema, states=typed, **options):
+            for out in runner(source, key, fn, backend, schema, states=typed, counters=counters, **options):
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
                 yield out
             if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
@@ -301,19 +301,6 @@ def _count_rows(source: Iterator[Any], counters: dict[str, int]) -> Iterator[Any
     for batch in source:
         counters["rows_processed"] += batch.num_rows
         yield batch
-
-
-def _keys_touched(source: Iterator[Any], key: str, counters: dict[str, int]) -> Iterator[Any]:
-    """``source`` as it is; once it is exhausted, ``counters["keys_touched"]`` holds its distinct keys."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    seen: list[Any] = []
-    for batch in source:
-        if batch.num_rows:
-            seen.append(pc.unique(batch.column(key)))
-        yield batch
-    counters["keys_touched"] = len(pc.unique(pa.concat_arrays(seen))) if seen else 0
 
 
 def read_fn(checkpoint_dir: str, name: str, cluster_id: str, meta_json: dict[str, Any], variable: str | None,

@@ -126,9 +126,11 @@ def _spill_files(backend):
 def test_pandas_form_calls_each_key_once_with_all_its_rows_of_every_buffer(backend):
     users = ["hot" if i % 3 else f"u{i % 7}" for i in range(300)]   # "hot" in every one of 75 buffers
     calls = []
-    out = pa.Table.from_batches(list(run_pandas(_seq_batches(users), "user", _recording(calls), backend, OUT)),
-                                schema=OUT)
+    counters: dict[str, int] = {}
+    out = pa.Table.from_batches(list(run_pandas(_seq_batches(users), "user", _recording(calls), backend, OUT,
+                                                counters=counters)), schema=OUT)
     assert sorted(k for k, _ in calls) == sorted(set(users))   # one call per key
+    assert counters == {"keys_touched": len(set(users))}
     for k, seq in calls:
         assert seq == [i for i, u in enumerate(users) if u == k]   # every row, in arrival order
     assert sorted(out.to_pylist(), key=lambda r: r["user"]) == \
@@ -144,18 +146,23 @@ def test_the_arrow_form_takes_the_buffers_in_calls_of_at_most_max_input_bytes(ba
         calls.append(rows.num_rows)
         return count_arrow(keys, rows, state)
 
+    counters: dict[str, int] = {}
     out = pa.Table.from_batches(list(run_arrow(_batches(users), "user", counting, backend, OUT,
-                                               max_input_bytes=1 << 20)), schema=OUT)
+                                               max_input_bytes=1 << 20, counters=counters)), schema=OUT)
     assert calls == [300]   # all of it in one call: one output row per key
+    assert counters == {"keys_touched": len(set(users))}
     assert sorted(out.to_pylist(), key=lambda r: r["user"]) == \
         sorted(({"user": u, "clicks": users.count(u)} for u in set(users)), key=lambda r: r["user"])
     per_buffer = _batches(users)[0].nbytes
     calls.clear()
-    list(run_arrow(_batches(users), "user", counting, backend, OUT, max_input_bytes=10 * per_buffer))
+    list(run_arrow(_batches(users), "user", counting, backend, OUT, max_input_bytes=10 * per_buffer,
+                   counters=counters))
     assert calls == [40] * 7 + [20]   # cut once the held buffers reach the bound
+    assert counters == {"keys_touched": len(set(users))}   # a key of several calls counts once
     calls.clear()
-    list(run_arrow(_batches(users), "user", counting, backend, OUT))
+    list(run_arrow(_batches(users), "user", counting, backend, OUT, counters=counters))
     assert calls == [4] * 75   # without a bound (an unaligned subtask): per buffer
+    assert counters == {"keys_touched": len(set(users))}
     assert backend.value("value").get("hot") == 3 * 200
 
 
@@ -171,8 +178,11 @@ def test_buffers_of_another_schema_start_a_call_of_their_own(backend):
         calls.append(rows.num_rows)
         return count_arrow(keys, rows, state)
 
-    list(run_arrow([first, first, other, first], "user", counting, backend, OUT, max_input_bytes=1 << 20))
+    counters: dict[str, int] = {}
+    list(run_arrow([first, first, other, first], "user", counting, backend, OUT, max_input_bytes=1 << 20,
+                   counters=counters))
     assert calls == [8, 2, 4]
+    assert counters == {"keys_touched": 4}   # a, b, c and d of the other schema's call
     assert backend.value("value").get("a") == 2 + 2 + 1 + 2
 
 

@@ -156,16 +156,18 @@ def _key_column(table: pa.Table, key: str) -> pa.ChunkedArray:
 
 def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
               schema: pa.Schema, states: TypedStates | None = None, *,
-              max_input_bytes: int | None = None) -> Iterator[pa.RecordBatch]:
+              max_input_bytes: int | None = None, counters: dict[str, int] | None = None) -> Iterator[pa.RecordBatch]:
     """Call ``fn(keys, rows, state)`` over the input; yield the results.
 
     With ``max_input_bytes``, ``rows`` holds all of the input, one call per subtask and batch, unless
     the input is larger: then each call takes the buffers that arrived until they reach that many
     bytes. So a key's rows normally reach one call, which reads and writes its state once. Without
     it (an unaligned subtask, whose cut must stop it between buffers), one call per Arrow buffer.
+    ``counters["keys_touched"]``: the distinct keys of the input, once it is all read.
     """
     access = KeyedStateAccess(backend, states=states)
     held: list[pa.RecordBatch] = []
+    seen: list[pa.Array] = []   # each call's distinct keys
     size = 0
     for batch in batches:
         if batch.num_rows == 0:
@@ -173,22 +175,35 @@ def run_arrow(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any
         held.append(batch)
         size += batch.nbytes
         if max_input_bytes is None or size >= max_input_bytes:
-            yield from _call_arrow(held, key, fn, access, schema)
+            yield from _call_arrow(held, key, fn, access, schema, seen)
             held, size = [], 0
     if held:
-        yield from _call_arrow(held, key, fn, access, schema)
+        yield from _call_arrow(held, key, fn, access, schema, seen)
+    if counters is not None:
+        counters["keys_touched"] = _distinct(seen)
+
+
+def _distinct(seen: list[pa.Array]) -> int:
+    """How many distinct keys the calls' key arrays hold together (one call: its own)."""
+    if len(seen) <= 1:
+        return len(seen[0]) if seen else 0
+    if all(a.type == seen[0].type for a in seen):
+        return len(pc.unique(pa.concat_arrays(seen)))
+    return len({k for a in seen for k in a.to_pylist()})   # calls of other schemas (replayed channel state)
 
 
 def _call_arrow(held: list[pa.RecordBatch], key: str, fn: Callable[..., Any], access: KeyedStateAccess,
-                schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+                schema: pa.Schema, seen: list[pa.Array]) -> Iterator[pa.RecordBatch]:
     """``fn`` over ``held`` as one table; buffers of another schema than the one before them (replayed
-    channel state written by an earlier version of the query) start a call of their own."""
+    channel state written by an earlier version of the query) start a call of their own. Each call's
+    distinct keys are appended to ``seen``."""
     start = 0
     for i in range(1, len(held) + 1):
         if i < len(held) and held[i].schema.equals(held[start].schema, check_metadata=True):
             continue
         table = pa.Table.from_batches(held[start:i])
         keys = pc.unique(_key_column(table, key).combine_chunks())
+        seen.append(keys)
         out = _conform(fn(keys, table, access), schema)
         if out is not None:
             yield out
@@ -197,30 +212,35 @@ def _call_arrow(held: list[pa.RecordBatch], key: str, fn: Callable[..., Any], ac
 
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
                schema: pa.Schema, states: TypedStates | None = None, *, spill_threshold: int = DEFAULT_SPILL_THRESHOLD,
-               max_output_rows: int = DEFAULT_OUTPUT_ROWS, key_group_ordered: bool = False) -> Iterator[pa.RecordBatch]:
+               max_output_rows: int = DEFAULT_OUTPUT_ROWS, key_group_ordered: bool = False,
+               counters: dict[str, int] | None = None) -> Iterator[pa.RecordBatch]:
     """Call ``fn(key, rows, state)`` once per distinct key of ``batches``, with all of that key's rows.
 
     ``spill_threshold``: bytes of input held in memory before the rest spills to sorted runs under
     ``backend.directory`` (:class:`~sparksteward.state.spill.KeyedRowBuffer`); deleted at the end, on
     errors too. ``max_output_rows``: the most rows of one output batch. ``key_group_ordered``: the input
     comes in key-group order (an unaligned subtask's), so the keys of a key group are called as soon as
-    a later key group begins instead of after the whole input.
+    a later key group begins instead of after the whole input. ``counters["keys_touched"]``: the distinct
+    keys, that is the calls, once the input is all read.
     """
     access = KeyedStateAccess(backend, states=states)
     output = _Output(schema, max_output_rows)
+    calls = [0]
     # one write batch for the subtask's writes (the current key reads its own): see state/buffered.py
     with KeyedRowBuffer(key, spill_threshold, backend.directory) as held, backend.buffered() as store:
         if key_group_ordered:
             for _ in _complete_key_groups(batches, key, held, backend):
                 for table in held.drain():
-                    yield from _call_per_key(table, key, fn, access, output, store)
+                    yield from _call_per_key(table, key, fn, access, output, store, calls)
         else:
             for batch in batches:
                 if batch.num_rows:
                     _key_column(pa.Table.from_batches([batch]), key)
                     held.add(batch)
         for table in held.drain():
-            yield from _call_per_key(table, key, fn, access, output, store)
+            yield from _call_per_key(table, key, fn, access, output, store, calls)
+    if counters is not None:
+        counters["keys_touched"] = calls[0]
     yield from output.flush()
 
 
@@ -260,8 +280,9 @@ def _complete_key_groups(batches: Iterable[pa.RecordBatch], key: str, held: Keye
 
 
 def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
-                  output: _Output, store: BufferedStore) -> Iterator[pa.RecordBatch]:
-    """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame."""
+                  output: _Output, store: BufferedStore, calls: list[int]) -> Iterator[pa.RecordBatch]:
+    """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame;
+    ``calls[0]`` counts the calls."""
     import pandas as pd
 
     n = table.num_rows
@@ -273,6 +294,7 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
     starts.append(n)
     frame = table.to_pandas()
     values = frame[key]
+    calls[0] += len(starts) - 1
     for start, end in zip(starts, starts[1:]):
         k = values.iat[start]
         store.next_key()
