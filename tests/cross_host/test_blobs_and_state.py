@@ -144,6 +144,46 @@ def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
     assert seen == {kv: n for kv, n in allrows.groupby(["k", "v"]).size().items()}
 
 
+def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(spark, s3):
+    """On an executor that sees neither the driver's files nor its boot id, a subtask whose rows arrive
+    in many Arrow buffers (maxRecordsPerBatch 2,000) gets one call of the Arrow form with all of them,
+    so one output row per key, and its batch, past ``task-flush-size`` of WAL, flushes in its task
+    (decision 0022) before the agent there uploads it to S3."""
+    import pandas as pd
+    import pyarrow as pa
+
+    from sparksteward import value_state
+
+    def fn(keys, rows, state):
+        import pyarrow.compute as pc
+
+        g = rows.group_by("k").aggregate([("v", "count")]).combine_chunks()
+        n = state.value("n")
+        old = n.get_many(g["k"])
+        new = pc.add(pc.if_else(pc.is_valid(old), old, 0), g["v_count"]).combine_chunks()
+        n.put_many(g["k"], new)
+        return pa.table({"k": g["k"], "n": new, "rows": pa.array([rows.num_rows] * len(g), pa.int64())})
+
+    ks = Steward.get(spark).keyed_state("xonecall", key="k", parallelism=2, max_parallelism=16,
+                                        checkpoint_dir=s3.url("xonecall-chk"), states=[value_state("n", "bigint")])
+    rng = np.random.default_rng(11)
+    batches = [pd.DataFrame({"k": [f"key-{k}" for k in rng.integers(0, 80_000, 80_000)], "v": 1}) for _ in range(2)]
+    before = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "2000")
+    try:
+        for i, b in enumerate(batches):
+            out = ks.apply_arrow(spark.createDataFrame(b), fn, "k string, n long, rows long", checkpoint_id=i).collect()
+            ks.commit(i, wait=120)
+            assert len(out) == b["k"].nunique() == len({r.k for r in out})   # one row per key: one call
+            assert len({r.rows for r in out}) <= 2 and min(r.rows for r in out) > 10 * 2000   # many buffers a call
+            stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == i)
+            assert len(stats["flush_ms"]) == 2 and all(ms > 0 for ms in stats["flush_ms"]), stats
+    finally:
+        spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", before)
+    want = pd.concat(batches)["k"].value_counts().to_dict()
+    assert {r.key: r.value for r in ks.read("n", distributed=True).collect()} == want
+
+
 def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s3):
     """The executor agent on a host that sees neither the driver's files nor its boot id compacts a
     snapshot whose SSTs carry the TTL sweep's deletions (decision 0019) before it uploads it to S3: the

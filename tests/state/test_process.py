@@ -106,6 +106,69 @@ def test_retried_tasks_second_actions_and_reruns_give_one_clean_run(spark, tmp_p
     wait_until(lambda: not leftovers(ks, chk), timeout=30, what="files of replaced attempts to go")
 
 
+def flushing_sum(log: str):
+    """An Arrow-form count and sum per key into a declared value, whose first attempt of the subtask
+    holding user-3 raises after writing every key of its batch (so after its WAL passed task-flush-size)."""
+
+    def fn(keys, rows, state):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+        from pyspark import TaskContext
+
+        g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")]).combine_chunks()
+        agg = state.value("agg")
+        old = agg.get_many(g["k"])
+        had = pc.is_valid(old)
+        n = pc.add(pc.if_else(had, pc.struct_field(old, "n"), 0), g["v_count"]).combine_chunks()
+        s = pc.add(pc.if_else(had, pc.struct_field(old, "s"), 0), g["v_sum"]).combine_chunks()
+        agg.put_many(g["k"], pa.StructArray.from_arrays([n, s], names=["n", "s"]))
+        attempt = TaskContext.get().attemptNumber()
+        with open(log, "a") as f:
+            f.write(f"{TaskContext.get().partitionId()} {attempt}\n")
+        if attempt == 0 and pc.any(pc.equal(g["k"], "user-3")).as_py():
+            raise RuntimeError(f"the first attempt fails after {len(g)} puts")
+        return pa.table({"k": g["k"], "n": n, "s": s})
+
+    return fn
+
+
+def test_retries_and_second_actions_over_batches_that_flush_in_their_tasks(spark, tmp_path):
+    """Batches whose subtasks write past ``task-flush-size`` (64 KB of WAL) flush their memtable into an
+    SST at the sync phase (decision 0022). The first attempt of one task fails after all its puts and is
+    retried from the base; without persist, the sink's second action runs the stage again, whose
+    snapshots race the first's for the ack. State and output stay exactly once."""
+    import numpy as np
+
+    from sparksteward import value_state
+
+    st = Steward.get(spark)
+    ks = st.keyed_state("flushed", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(tmp_path / "chk"),
+                        states=[value_state("agg", "n bigint, s bigint")])
+    rng = np.random.default_rng(5)
+    batches = [pd.DataFrame({"k": [f"user-{k}" for k in rng.integers(0, 30_000, 40_000)],
+                             "v": rng.integers(0, 1000, 40_000)}) for _ in range(2)]
+    outputs: dict[int, set[tuple]] = {}
+
+    def sink(out, batch_id):
+        rows = {tuple(r) for r in out.collect()}
+        assert {tuple(r) for r in out.collect()} == rows   # the second action gets the same rows
+        outputs[batch_id] = rows
+
+    log = tmp_path / "calls.log"
+    run = ks.process(flushing_sum(str(log)), "k string, n long, s long", sink=sink, form="arrow", persist=False)
+    for i, b in enumerate(batches):
+        run(spark.createDataFrame(b), i)
+        stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == i)
+        assert len(stats["flush_ms"]) == 2 and all(ms > 0 for ms in stats["flush_ms"]), stats   # both flushed
+    attempts = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
+    assert any(a == 1 for _, a in attempts) and any(a == 0 for _, a in attempts), attempts   # failed, retried
+    seen = pd.concat(batches).groupby("k")["v"].agg(["count", "sum"])
+    got = {r.key: (r.value.n, r.value.s) for r in ks.read("agg").collect()}
+    assert got == {k: (int(r["count"]), int(r["sum"])) for k, r in seen.iterrows()}
+    upto = pd.concat(batches[:2]).groupby("k")["v"].agg(["count", "sum"])
+    assert outputs[1] == {(k, int(upto.loc[k, "count"]), int(upto.loc[k, "sum"])) for k in set(batches[1]["k"])}
+
+
 def test_without_persist_a_second_action_runs_the_stage_again_from_the_same_base(spark, tmp_path):
     st = Steward.get(spark)
     ks = st.keyed_state("twice", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(tmp_path / "chk"))
