@@ -45,8 +45,10 @@ lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache .
 	$(PY) -m mypy
 
+# the suite in two processes (pytest-xdist), each taking whole modules: a module's tests share its fixtures
+# and Spark session, and the machine's 2 cores idle while one process waits on Spark, S3 or a kill
 test: lint
-	$(PY) -m pytest -q -ra -m "not soak" --durations=40
+	$(PY) -m pytest -q -ra -m "not soak" -n 2 --dist loadfile --durations=40
 
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m soak -s

@@ -5,6 +5,12 @@ Spark: a process holds one SparkContext at a time. Modules that need nothing but
 session, ``spark`` (local[2]) or ``cluster_spark`` (local-cluster[2,1,1024]), and run one after another
 (:func:`pytest_collection_modifyitems`); a module that needs other settings defines its own ``spark``
 with :func:`tests.helpers.spark_session`, which stops the shared session first.
+
+``make test`` runs the suite in two processes (pytest-xdist, ``-n 2 --dist loadfile``): each takes whole
+modules, has its own shared sessions, state dir (``XDG_STATE_HOME``), S3 server and ``SESSION`` marker,
+so the leak check at the end counts only its own agents. A test starts Spark only through these helpers,
+which launch the process's JVM with the shim jar on its class path (a plain ``getOrCreate`` first would
+leave every later session of that process without the plugin).
 """
 
 from __future__ import annotations

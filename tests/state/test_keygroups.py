@@ -14,6 +14,7 @@ from sparksteward.state.keygroups import (
     subtask_for_key_group,
     validate_parallelism,
 )
+from tests.helpers import spark_session
 
 # computed with pyspark 4.3.0: F.xxhash64(col) and pmod(xxhash64(col), 128) in a local[1] session
 PINNED = {
@@ -91,11 +92,9 @@ def test_range_overlap():
 @pytest.mark.slow
 def test_pinned_values_against_live_spark():
     """Run once (under the Spark lock) to re-derive PINNED from pyspark."""
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false").getOrCreate()
-    try:
+    with spark_session("local[1]") as spark:   # a JVM with the shim jar: later sessions of this process need it
         for key_type, rows in PINNED.items():
             df = spark.createDataFrame([(k,) for k, _, _ in rows], f"k {key_type}")
             got = [(r.h, r.g) for r in df.select(F.xxhash64("k").alias("h"),
@@ -103,5 +102,3 @@ def test_pinned_values_against_live_spark():
             assert got == [(h, g) for _, h, g in rows], key_type
             # and the Python side agrees with the live values, not only with the pinned ones
             assert [key_group(k, 128, key_type) for k, _, _ in rows] == [g for _, g in got]
-    finally:
-        spark.stop()

@@ -8,7 +8,7 @@ import pytest
 from sparksteward.errors import ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.routing import key_group_sql, route_sql, routing_values, spark_hash_int, subtask_sql
-
+from tests.helpers import spark_session
 
 
 def test_sql_strings():
@@ -36,11 +36,9 @@ def test_murmur3_matches_known_spark_values():
 
 @pytest.mark.slow
 def test_rows_reach_their_subtask_in_spark():
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
-    spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
-    try:
+    with spark_session("local[2]") as spark:   # a JVM with the shim jar: later sessions of this process need it
         p, m = 5, 64
         df = spark.range(2000).select(F.concat(F.lit("user-"), F.col("id").cast("string")).alias("user"))
         df = df.withColumn("subtask", F.expr(subtask_sql("user", p, m)))
@@ -56,5 +54,3 @@ def test_rows_reach_their_subtask_in_spark():
             placed = df.repartitionById(p, "subtask").select(
                 "subtask", F.spark_partition_id().alias("part")).distinct().collect()
             assert all(r.subtask == r.part for r in placed)
-    finally:
-        spark.stop()
