@@ -42,6 +42,25 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
+def _own_spark_home(under: Path) -> None:
+    """Under pytest-xdist, a SPARK_HOME of this worker's own: links to pyspark's files, and a ``work/``
+    of its own. A local-cluster application's executors run in ``$SPARK_HOME/work/<app id>/<n>``, and
+    app ids are ``app-<second>-0000`` per cluster: two workers' clusters started in the same second
+    shared those dirs, so one executor agent's rendezvous file replaced the other's, and went with it."""
+    import pyspark
+
+    home = under / "spark-home"
+    home.mkdir()
+    for entry in Path(pyspark.__file__).resolve().parent.iterdir():
+        if entry.name != "work":
+            (home / entry.name).symlink_to(entry)
+    os.environ["SPARK_HOME"] = str(home)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _own_spark_home(Path(_STATE))
+
+
 @pytest.fixture()
 def guarded_rmtree(tmp_path, monkeypatch):
     """Use in a module (``pytestmark = pytest.mark.usefixtures("guarded_rmtree")``) to make every
