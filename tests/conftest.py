@@ -42,23 +42,23 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
-def _own_spark_home(under: Path) -> None:
-    """Under pytest-xdist, a SPARK_HOME of this worker's own: links to pyspark's files, and a ``work/``
-    of its own. A local-cluster application's executors run in ``$SPARK_HOME/work/<app id>/<n>``, and
-    app ids are ``app-<second>-0000`` per cluster: two workers' clusters started in the same second
-    shared those dirs, so one executor agent's rendezvous file replaced the other's, and went with it."""
+def _own_spark_home() -> str:
+    """Under pytest-xdist, a SPARK_HOME of this worker's own (a dir of its own under /tmp, not under the
+    state dir, which the cross-host worker must not see): links to pyspark's files, and a ``work/`` of
+    its own. A local-cluster application's executors run in ``$SPARK_HOME/work/<app id>/<n>``, and app
+    ids are ``app-<second>-0000`` per cluster: two workers' clusters started in the same second shared
+    those dirs, so one executor agent's rendezvous file replaced the other's, and went with it."""
     import pyspark
 
-    home = under / "spark-home"
-    home.mkdir()
+    home = tempfile.mkdtemp(prefix="steward-test-spark-home-")
     for entry in Path(pyspark.__file__).resolve().parent.iterdir():
         if entry.name != "work":
-            (home / entry.name).symlink_to(entry)
-    os.environ["SPARK_HOME"] = str(home)
+            (Path(home) / entry.name).symlink_to(entry)
+    os.environ["SPARK_HOME"] = home
+    return home
 
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    _own_spark_home(Path(_STATE))
+_SPARK_HOME = _own_spark_home() if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 @pytest.fixture()
@@ -102,7 +102,9 @@ def store_url(request, tmp_path):
     """A fresh checkpoint-dir URL on each store: the storage suites run on file:// and on moto's S3."""
     if request.param == "file":
         return str(tmp_path / "checkpoints")
-    return request.getfixturevalue("s3").url(f"chk-{uuid.uuid4().hex[:8]}")
+    # not chk-<digits>, which restore_from reads as a checkpoint's own dir (8 hex digits are all decimal
+    # one time in 43)
+    return request.getfixturevalue("s3").url(f"checkpoints-{uuid.uuid4().hex[:8]}")
 
 
 @pytest.fixture(scope="session")
@@ -178,3 +180,5 @@ def pytest_sessionfinish(session, exitstatus):
         print(f"\nLEAK: {len(left)} spark-steward agent process(es) outlived the test session: "
               f"{[p.pid for p in left]}", file=sys.stderr)
     shutil.rmtree(_STATE, ignore_errors=True)  # this session's XDG_STATE_HOME (embedded defaults)
+    if _SPARK_HOME is not None:
+        shutil.rmtree(_SPARK_HOME, ignore_errors=True)   # its links (never followed) and its work/
