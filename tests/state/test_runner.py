@@ -178,12 +178,13 @@ def test_buffers_of_another_schema_start_a_call_of_their_own(backend):
         calls.append(rows.num_rows)
         return count_arrow(keys, rows, state)
 
+    wide = pa.table({"user": pa.array(["a", "e"], pa.large_string())}).to_batches()[0]   # another key type
     counters: dict[str, int] = {}
-    list(run_arrow([first, first, other, first], "user", counting, backend, OUT, max_input_bytes=1 << 20,
+    list(run_arrow([first, first, other, first, wide], "user", counting, backend, OUT, max_input_bytes=1 << 20,
                    counters=counters))
-    assert calls == [8, 2, 4]
-    assert counters == {"keys_touched": 4}   # a, b, c and d of the other schema's call
-    assert backend.value("value").get("a") == 2 + 2 + 1 + 2
+    assert calls == [8, 2, 4, 2]
+    assert counters == {"keys_touched": 5}   # a to d, and e of the large_string call: each key once
+    assert backend.value("value").get("a") == 2 + 2 + 1 + 2 + 1
 
 
 def test_a_null_key_in_a_later_buffer_fails_before_any_call(backend):
