@@ -298,6 +298,23 @@ def test_a_rerun_of_the_last_batch_works_after_a_coordinator_restart(tmp_path, s
     assert stored_counts(storage, restarted.complete(2), tmp_path, "2") == expected_counts(BATCHES[:3])
 
 
+def test_a_restart_with_background_deletes_subsumes_what_it_no_longer_retains(tmp_path, store_url):
+    """A driver agent that restarts over more completed checkpoints than it retains (one died after a
+    completion, before its subsume) queues their deletion at start; with background deletes that used to
+    notify the deleter's thread without the lock (RuntimeError, seen in the soak)."""
+    storage = CheckpointStorage.open(store_url, "restart", "c1")
+    coord = CheckpointCoordinator(storage, P, M, num_retained=3)
+    for cid in range(3):
+        run_batch(coord, storage, tmp_path, cid, BATCHES[cid % len(BATCHES)])
+        coord.complete(cid)
+    coord.close()
+    again = CheckpointCoordinator(storage, P, M, num_retained=1, background_deletes=True)
+    assert again.retained() == [1, 2]   # 1 stays as the base of 2, which Spark may re-run
+    assert again.deleter.flush(30)
+    assert storage.checkpoint_ids() == [1, 2]
+    again.close()
+
+
 def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_a_checkpoint(tmp_path, s3):
     """Item 10's deleter thread and a content-addressed re-upload: attempt a of checkpoint 0 is
     aborted (its files queued for deletion, every delete request 2 s late on S3); attempt b uploads

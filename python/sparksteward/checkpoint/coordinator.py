@@ -130,7 +130,8 @@ class CheckpointCoordinator:
                                    held=self._in_flight, background=background_deletes)
         self._done = CompletedCheckpoints(storage, self.deleter, self.lease, num_retained=num_retained,
                                           merging=self.merging)
-        self._recover()
+        with self._lock:   # its subsume queues deletes, which notify the deleter's thread under the lock
+            self._recover()
 
     # --- start -------------------------------------------------------------------------------
     def _recover(self) -> None:
