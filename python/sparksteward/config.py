@@ -378,8 +378,10 @@ OPTIONS = OPTIONS + (
            "A task whose subtask DB holds more WAL than this at its sync phase flushes the memtable into an "
            "SST itself instead of leaving the WAL for the executor agent to fold: the memtable holds those "
            "writes already, so the flush costs a fraction of the agent's replay and flush, and the next open "
-           "replays nothing. It adds a flush to that sync phase (about 8 ms for 16k entries here). 0 turns "
-           "it off (decision 0022).", check=_nonneg),
+           "replays nothing. It adds a flush to that sync phase (about 8 ms for 16k entries here). A bulk "
+           "put without a TTL of four times this many raw bytes skips the memtable and the WAL: the task "
+           "writes it as an SST and ingests it (decision 0023). 0 turns both off (decision 0022).",
+           check=_nonneg),
     Option("spark.steward.state.wal-flush-files", "int", "16",
            "The executor agent also folds a snapshot's WAL into an SST once it spans more than this many "
            "WAL files, however small (each open of a subtask adds one or two, so this bounds the WAL's age "

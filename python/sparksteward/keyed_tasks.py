@@ -177,6 +177,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             backend.close()
         counters["channel_bytes"] = channel.bytes if channel is not None else 0
         counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
+        counters["entries_ingested"] = backend.entries_ingested
         conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,
                      counters=counters)  # the async phase
         uploaded = True

@@ -147,8 +147,9 @@ def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
 def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(spark, s3):
     """On an executor that sees neither the driver's files nor its boot id, a subtask whose rows arrive
     in many Arrow buffers (maxRecordsPerBatch 2,000) gets one call of the Arrow form with all of them,
-    so one output row per key, and its batch, past ``task-flush-size`` of WAL, flushes in its task
-    (decision 0022) before the agent there uploads it to S3."""
+    so one output row per key; its puts without a TTL go in as an SST of their own (decision 0023), and
+    its writes with one, past ``task-flush-size`` of WAL, flush in its task (decision 0022), before the
+    agent there uploads both to S3."""
     import pandas as pd
     import pyarrow as pa
 
@@ -162,10 +163,12 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
         old = n.get_many(g["k"])
         new = pc.add(pc.if_else(pc.is_valid(old), old, 0), g["v_count"]).combine_chunks()
         n.put_many(g["k"], new)
+        state.value("seen").put_many(g["k"], g["v_count"])
         return pa.table({"k": g["k"], "n": new, "rows": pa.array([rows.num_rows] * len(g), pa.int64())})
 
     ks = Steward.get(spark).keyed_state("xonecall", key="k", parallelism=2, max_parallelism=16,
-                                        checkpoint_dir=s3.url("xonecall-chk"), states=[value_state("n", "bigint")])
+                                        checkpoint_dir=s3.url("xonecall-chk"),
+                                        states=[value_state("n", "bigint"), value_state("seen", "bigint", ttl=3600)])
     rng = np.random.default_rng(11)
     batches = [pd.DataFrame({"k": [f"key-{k}" for k in rng.integers(0, 80_000, 80_000)], "v": 1}) for _ in range(2)]
     before = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
@@ -178,10 +181,13 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
             assert len({r.rows for r in out}) <= 2 and min(r.rows for r in out) > 10 * 2000   # many buffers a call
             stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == i)
             assert len(stats["flush_ms"]) == 2 and all(ms > 0 for ms in stats["flush_ms"]), stats
+            assert all(n > 10_000 for n in stats["entries_ingested"]), stats
     finally:
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", before)
     want = pd.concat(batches)["k"].value_counts().to_dict()
     assert {r.key: r.value for r in ks.read("n", distributed=True).collect()} == want
+    assert {r.key: r.value for r in ks.read("seen", distributed=True).collect()} == \
+        {**batches[0]["k"].value_counts().to_dict(), **batches[1]["k"].value_counts().to_dict()}
 
 
 def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s3):

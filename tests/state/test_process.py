@@ -107,8 +107,10 @@ def test_retried_tasks_second_actions_and_reruns_give_one_clean_run(spark, tmp_p
 
 
 def flushing_sum(log: str):
-    """An Arrow-form count and sum per key into a declared value, whose first attempt of the subtask
-    holding user-3 raises after writing every key of its batch (so after its WAL passed task-flush-size)."""
+    """An Arrow-form count and sum per key into a declared value (puts without a TTL: an ingested SST,
+    decision 0023) and the batch's sum per key into a value with a TTL (through the WAL, past
+    task-flush-size: a flush, decision 0022), whose first attempt of the subtask holding user-3 raises
+    after writing every key of its batch."""
 
     def fn(keys, rows, state):
         import pyarrow as pa
@@ -122,6 +124,7 @@ def flushing_sum(log: str):
         n = pc.add(pc.if_else(had, pc.struct_field(old, "n"), 0), g["v_count"]).combine_chunks()
         s = pc.add(pc.if_else(had, pc.struct_field(old, "s"), 0), g["v_sum"]).combine_chunks()
         agg.put_many(g["k"], pa.StructArray.from_arrays([n, s], names=["n", "s"]))
+        state.value("last").put_many(g["k"], g["v_sum"])
         attempt = TaskContext.get().attemptNumber()
         with open(log, "a") as f:
             f.write(f"{TaskContext.get().partitionId()} {attempt}\n")
@@ -134,7 +137,8 @@ def flushing_sum(log: str):
 
 def test_retries_and_second_actions_over_batches_that_flush_in_their_tasks(spark, tmp_path):
     """Batches whose subtasks write past ``task-flush-size`` (64 KB of WAL) flush their memtable into an
-    SST at the sync phase (decision 0022). The first attempt of one task fails after all its puts and is
+    SST at the sync phase (decision 0022), and put their large bulk writes in as SSTs of their own
+    (decision 0023). The first attempt of one task fails after all its puts and is
     retried from the base; without persist, the sink's second action runs the stage again, whose
     snapshots race the first's for the ack. State and output stay exactly once."""
     import numpy as np
@@ -143,7 +147,7 @@ def test_retries_and_second_actions_over_batches_that_flush_in_their_tasks(spark
 
     st = Steward.get(spark)
     ks = st.keyed_state("flushed", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(tmp_path / "chk"),
-                        states=[value_state("agg", "n bigint, s bigint")])
+                        states=[value_state("agg", "n bigint, s bigint"), value_state("last", "bigint", ttl=3600)])
     rng = np.random.default_rng(5)
     batches = [pd.DataFrame({"k": [f"user-{k}" for k in rng.integers(0, 30_000, 40_000)],
                              "v": rng.integers(0, 1000, 40_000)}) for _ in range(2)]
@@ -160,11 +164,14 @@ def test_retries_and_second_actions_over_batches_that_flush_in_their_tasks(spark
         run(spark.createDataFrame(b), i)
         stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == i)
         assert len(stats["flush_ms"]) == 2 and all(ms > 0 for ms in stats["flush_ms"]), stats   # both flushed
+        assert all(n > 10_000 for n in stats["entries_ingested"]), stats   # and ingested their puts of agg
     attempts = [tuple(map(int, line.split())) for line in log.read_text().splitlines()]
     assert any(a == 1 for _, a in attempts) and any(a == 0 for _, a in attempts), attempts   # failed, retried
     seen = pd.concat(batches).groupby("k")["v"].agg(["count", "sum"])
     got = {r.key: (r.value.n, r.value.s) for r in ks.read("agg").collect()}
     assert got == {k: (int(r["count"]), int(r["sum"])) for k, r in seen.iterrows()}
+    last = {**batches[0].groupby("k")["v"].sum().to_dict(), **batches[1].groupby("k")["v"].sum().to_dict()}
+    assert {r.key: r.value for r in ks.read("last").collect()} == last
     upto = pd.concat(batches[:2]).groupby("k")["v"].agg(["count", "sum"])
     assert outputs[1] == {(k, int(upto.loc[k, "count"]), int(upto.loc[k, "sum"])) for k in set(batches[1]["k"])}
 

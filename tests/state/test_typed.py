@@ -15,6 +15,7 @@ from sparksteward.errors import StateEncodingError, StateError, StateSchemaError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import list_state, map_state, parse_ddl, resolve, value_state, variables_of
 from sparksteward.state.keygroups import KeyGroupRange
+from sparksteward.state.snapshot import wal_bytes
 from sparksteward.state.typed import KIND_EXPIRY, TypedStates, drop_variables, sweep_expired
 
 M = 128
@@ -74,6 +75,85 @@ def test_bulk_reads_and_writes_in_key_order_keep_the_callers_order(backend):
     later.value("t").put_many(pa.array(names[50:150]), pa.array(range(50, 150), pa.int64()))
     expired = _states(backend, [value_state("n", "bigint"), value_state("t", "bigint", ttl=1)], now=T0 + 1200, batch=3)
     assert expired.value("t").get_many(pa.array(names[:150])).to_pylist() == [None] * 50 + list(range(50, 150))
+
+
+def test_keys_joined_by_numpy_are_the_keys_one_key_at_a_time(backend):
+    """The Arrow form's string keys are joined into RocksDB keys by numpy (typed._string_raw_keys):
+    byte for byte what the per-key path builds, for keys of one length and of many, multi-byte and
+    empty keys, a sliced array and a large_string one, and in the same key order."""
+    from sparksteward.state.typed import _key_order, _raw_keys
+
+    st = _states(backend, [value_state("n", "bigint")])
+    n = st.value("n")
+    cases = [
+        pa.array([f"user-{i:07d}" for i in range(300)]),                     # one length
+        pa.array([f"u{i}" for i in range(0, 3000, 7)]),                      # many lengths
+        pa.array(["", "é", "日本語", "a" * 300, "", "z"] * 20),               # empty, multi-byte, long
+        pa.array([f"k{i:05d}" for i in range(1000)]).slice(123, 400),       # a slice: offsets not from 0
+        pa.array([f"wide-{i}" for i in range(200)], pa.large_string()),
+    ]
+    for keys in cases:
+        want = [n._prefix(k) for k in keys.to_pylist()]
+        raw = _raw_keys(n, keys)
+        assert raw == want
+        assert [raw[i] for i in _key_order(n, raw).tolist()] == sorted(want)
+    n.put_many(cases[3], pa.array(range(400), pa.int64()))
+    assert n.get_many(cases[3]).to_pylist() == list(range(400))
+
+
+def test_a_large_bulk_put_goes_in_as_an_sst_and_reads_as_a_write_batch_would(tmp_path):
+    """Decision 0023: in a task that flushes past task-flush-size, puts without a TTL of four times
+    that many raw bytes go in as one ingested SST while the memtable is empty. They read as a write
+    batch would: over older values in SSTs, the last of equal keys winning, under later writes, and
+    after a snapshot and a restore. Smaller puts, and puts over a memtable that holds writes, go
+    through the WAL; a backend without the threshold (the harness, reads) never ingests."""
+    import shutil
+
+    from tests.state.test_backend import _restore_copy
+
+    b = RocksDBStateBackend(tmp_path / "s", KeyGroupRange(0, M), M, "string", flush_wal_above=1024)
+    n = _states(b, [value_state("n", "bigint")]).value("n")
+    keys = [f"k{i:05d}" for i in range(3000)]
+    n.put_many(pa.array(keys[:50]), pa.array([-1] * 50, pa.int64()))   # 50 small puts: the WAL
+    assert b.entries_ingested == 0
+    b.db.flush(True)   # older values in an SST below, the memtable empty
+    wal = wal_bytes(b.db_path)
+    ssts = len(b.db.live_files())
+    # 3,000 keys, the first 40 given again at the end: the last of equal keys wins
+    n.put_many(pa.array(keys + keys[:40]), pa.array([*range(3000), *range(-40, 0)], pa.int64()))
+    assert b.entries_ingested == 3000 and len(b.db.live_files()) == ssts + 1 and wal_bytes(b.db_path) == wal
+    want = {k: i for i, k in enumerate(keys)} | {k: i - 40 for i, k in enumerate(keys[:40])}
+    assert n.get_many(pa.array(keys)).to_pylist() == [want[k] for k in keys]
+    n.update(keys[0], 77)   # a later write (the memtable) reads over the ingested SST
+    want[keys[0]] = 77
+    assert n.get(keys[0]) == 77
+    n.put_many(pa.array(keys[100:]), pa.array(range(2900), pa.int64()))   # the memtable holds a write: the WAL
+    assert b.entries_ingested == 3000 and wal_bytes(b.db_path) > wal
+    want |= {k: i for i, k in enumerate(keys[100:])}
+    snap = b.snapshot(tmp_path / "snap")
+    _restore_copy(snap.path, tmp_path / "r")
+    r = RocksDBStateBackend(tmp_path / "r", KeyGroupRange(0, M), M, "string", create=False)
+    try:
+        got = _states(r, [value_state("n", "bigint")]).value("n").get_many(pa.array(keys)).to_pylist()
+        assert got == [want[k] for k in keys]
+    finally:
+        r.close()
+    assert not list((tmp_path / "s").glob(".ingest-*")), "the SST it wrote was moved in, not left beside"
+    m = RocksDBStateBackend(tmp_path / "m", KeyGroupRange(0, M), M, "string", flush_wal_above=1024)
+    try:   # a map state's bulk puts take the same way
+        attrs = _states(m, [map_state("attrs", "string", "bigint")]).map("attrs")
+        attrs.put_many(pa.array(keys[:1500] * 2), pa.array(["a"] * 1500 + ["b"] * 1500), pa.array(range(3000), pa.int64()))
+        assert m.entries_ingested == 3000
+        assert attrs.items("k00007") == [("a", 7), ("b", 1507)]
+    finally:
+        m.close()
+    plain = RocksDBStateBackend(tmp_path / "plain", KeyGroupRange(0, M), M, "string")
+    try:
+        _states(plain, [value_state("n", "bigint")]).value("n").put_many(pa.array(keys), pa.array(range(3000), pa.int64()))
+        assert plain.entries_ingested == 0
+    finally:
+        plain.close()
+    shutil.rmtree(tmp_path / "s", ignore_errors=True)
 
 
 def test_bad_declarations_are_refused_by_name():

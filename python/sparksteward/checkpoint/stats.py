@@ -38,6 +38,7 @@ class SubtaskStats:
     rows_out: int = 0                         # rows the state function returned
     keys_touched: int = 0                     # distinct keys of the rows processed
     entries_estimate: int = 0                 # RocksDB's estimate-num-keys at the sync phase
+    entries_ingested: int = 0                 # entries the task put in as ingested SSTs (decision 0023)
     local_bytes: int = 0                      # the local snapshot (the DB's live files) on the executor
     async_ms: float = 0.0                     # the async phase: upload (and merge) until the ack
 
@@ -56,7 +57,7 @@ class SubtaskStats:
 
 _COUNTS = ("files_uploaded", "bytes_uploaded", "segments_written", "files_reused", "files", "bytes",
            "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes", "ttl_expired_removed", "rows_out",
-           "keys_touched", "entries_estimate", "local_bytes")
+           "keys_touched", "entries_estimate", "entries_ingested", "local_bytes")
 
 
 def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
@@ -84,6 +85,7 @@ def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
             "async_ms_max": max((a.async_ms for a in acks), default=0.0),
             "sync_ms": [a.sync_ms for a in acks],  # per subtask, in subtask order
             "flush_ms": [a.flush_ms for a in acks],
+            "entries_ingested": [a.entries_ingested for a in acks],   # per subtask, as flush_ms
             "restores": [a.restore for a in acks if a.restore],
             # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
             "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),

@@ -342,6 +342,7 @@ class SubtaskService:
                     "rows_out": c.integer("rows_out", default=0, lo=0),
                     "keys_touched": c.integer("keys_touched", default=0, lo=0),
                     "entries_estimate": c.integer("entries_estimate", default=0, lo=0),
+                    "entries_ingested": c.integer("entries_ingested", default=0, lo=0),
                     "unaligned": bool(c.integer("unaligned", default=0, lo=0, hi=1))}  # 0/1 from the task
         opened = self._take(f)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
@@ -376,6 +377,7 @@ class SubtaskService:
                          "ttl_expired_removed": counters["ttl_expired_removed"],
                          "rows_out": counters["rows_out"], "keys_touched": counters["keys_touched"],
                          "entries_estimate": counters["entries_estimate"], "local_bytes": local_bytes,
+                         "entries_ingested": counters["entries_ingested"],
                          "async_ms": round((time.monotonic() - started) * 1000, 3)}
                 self._driver("state.ack", name=opened.name, checkpoint_id=cid, handle=result.handle.to_json(),
                              uploaded=list(result.uploaded), merged=list(result.merged), agent=self.agent_id,

@@ -39,7 +39,7 @@ import pyarrow as pa
 
 from sparksteward.errors import StateEncodingError
 
-__all__ = ["TAG_EXPIRING", "TAG_TYPED", "RowCodec", "evolve", "expired", "expiry_of", "project_py", "tag_of"]
+__all__ = ["TAG_EXPIRING", "TAG_TYPED", "RowCodec", "evolve", "expired", "expiry_of", "project_py", "split_rows", "tag_of", "var_buffers"]
 
 TAG_TYPED = 0x03
 TAG_EXPIRING = 0x04
@@ -164,14 +164,13 @@ class RowCodec:
                     raw = raw.cast(pa.int32())
                 rec[f"f{i}"] = raw.to_numpy(zero_copy_only=False)
             else:
-                offsets, data = _var_buffers(col)
+                offsets, data = var_buffers(col)
                 rec[f"f{i}"] = np.diff(offsets)
                 var.append((offsets, data))
         rec["nulls"] = np.packbits(valid, axis=1, bitorder="little")
         width = rec.dtype.itemsize
         if not var:
-            buf = rec.tobytes()
-            return [buf[j * width:(j + 1) * width] for j in range(n)]
+            return split_rows(rec.view(np.uint8).reshape(-1), np.arange(n + 1, dtype=np.int64) * width)
         # one buffer of every row (fixed part, then each variable-width field), filled by numpy
         lengths = [np.diff(o) for o, _ in var]
         starts = np.zeros(n + 1, dtype=np.int64)
@@ -182,8 +181,7 @@ class RowCodec:
         for (offsets, data), ln in zip(var, lengths, strict=True):
             out[np.arange(len(data)) + np.repeat(at - offsets[:-1], ln)] = data
             at = at + ln
-        buf = out.tobytes()
-        return [buf[starts[j]:starts[j + 1]] for j in range(n)]
+        return split_rows(out, starts)
 
     def encode_one(self, value: Any, expiry: int | None = None) -> bytes:
         """Encode one Python value (a dict or Row for a struct) of the declared type."""
@@ -405,7 +403,18 @@ class RowCodec:
         return pa.StructArray.from_arrays(out, fields=dst) if dst_struct else out[0]
 
 
-def _var_buffers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+def split_rows(buf: np.ndarray, starts: np.ndarray) -> list[bytes]:
+    """``buf[starts[i]:starts[i + 1]]`` for each row ``i``, as bytes: Arrow makes the objects in one C
+    loop (16k rows: 0.3 ms, against 1.9 for slicing the bytes in Python)."""
+    n = len(starts) - 1
+    large = int(starts[-1]) >= 2**31
+    offsets = starts if large else starts.astype(np.int32)
+    arr = pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), n,
+                                [None, pa.py_buffer(offsets), pa.py_buffer(buf)])
+    return arr.to_pylist()
+
+
+def var_buffers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     """The offsets (int64, from 0, n + 1) and bytes of a string or binary column (nulls empty)."""
     large = col.fill_null(b"" if pa.types.is_binary(col.type) else "").cast(
         pa.large_string() if pa.types.is_string(col.type) else pa.large_binary())

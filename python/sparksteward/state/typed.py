@@ -23,6 +23,7 @@ list's first elements.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -46,6 +47,8 @@ from sparksteward.state.rows import (
     expired,
     expiry_of,
     project_py,
+    split_rows,
+    var_buffers,
     with_expiry,
 )
 from sparksteward.state.views import StateDB, _heads, _prefix_upper, raw_keys, state_middle
@@ -57,6 +60,7 @@ KIND_EXPIRY = b"x"
 _EXPIRY_LEN = 8
 #: bulk reads and writes of at least this many keys go to RocksDB in key order (:func:`_key_order`)
 _SORT_FROM = 64
+_LEN_BYTES = 4   # the key's length in a RocksDB key (encoding.key_prefix)
 
 
 def index_key(entry: bytes, expiry: int) -> bytes:
@@ -129,6 +133,7 @@ class _Typed:
         self._middle = state_middle(self.kind, self.name)
         self._last_keys: tuple[pa.Array, list[bytes]] | None = None
         self._last_order: tuple[list[bytes], np.ndarray] | None = None
+        self._last_raw: tuple[list[bytes], pa.Array | None] | None = None   # _string_raw_keys' own array
         self._last_prefix: tuple[object, bytes] | None = None
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
@@ -296,6 +301,10 @@ class _Typed:
         order = _key_order(self, entry_keys)
         wb = self.backend.new_batch()
         if valid is None and exp is None:   # the common case: puts only
+            if order is not None and self.backend.wants_sst(len(entry_keys) * (len(entry_keys[0]) + len(encoded[0]))):
+                keep = _last_of_equal(self, entry_keys, order)   # an SST's keys are strictly increasing
+                self.backend.ingest_sorted([entry_keys[i] for i in keep], [encoded[i] for i in keep])
+                return
             put = wb.put
             if order is None:
                 for k, stored in zip(entry_keys, encoded):
@@ -812,38 +821,73 @@ def _key_order(view: _Typed, raw: list[bytes]) -> np.ndarray | None:
     last = view._last_order
     if last is not None and last[0] is raw:
         return last[1]
-    order = pc.sort_indices(pa.array(raw, pa.binary())).to_numpy()
+    built = view._last_raw
+    arr = built[1] if built is not None and built[0] is raw and built[1] is not None else pa.array(raw, pa.binary())
+    order = pc.sort_indices(arr).to_numpy()
     view._last_order = (raw, order)
     return order
 
 
+def _last_of_equal(view: _Typed, raw: list[bytes], order: np.ndarray) -> list[int]:
+    """The positions of :func:`_key_order`'s ``order`` without all but the last of equal keys (the
+    sort is stable, so equal keys sit together in the callers' order)."""
+    built = view._last_raw
+    arr = built[1] if built is not None and built[0] is raw and built[1] is not None else pa.array(raw, pa.binary())
+    in_order = arr.take(pa.array(order))
+    if len(in_order) < 2:
+        return cast("list[int]", order.tolist())
+    repeated = np.asarray(pc.equal(in_order.slice(0, len(in_order) - 1), in_order.slice(1)))
+    return cast("list[int]", order[np.append(~repeated, True)].tolist())
+
+
 def _string_raw_keys(view: _Typed, keys: pa.Array) -> list[bytes] | None:
     """:func:`~sparksteward.state.views.raw_keys` of an Arrow string array of a string-keyed state,
-    with the key groups computed by numpy over the hashes (None for any other key or array type)."""
+    with the key groups computed by numpy over the hashes and the keys joined by numpy into one buffer
+    (None for any other key or array type). Leaves the keys as an Arrow array in ``view._last_raw``
+    for :func:`_key_order`."""
     b = view.backend
     if b.key_type is not KeyType.STRING or not (pa.types.is_string(keys.type) or pa.types.is_large_string(keys.type)):
         return None
     if keys.null_count:
         return None   # the per-key path names the null key
-    raws = keys.cast(pa.large_binary() if pa.types.is_large_string(keys.type) else pa.binary()).to_pylist()
-    hashes = np.fromiter(map(xxhash.xxh64_intdigest, raws, itertools.repeat(SPARK_HASH_SEED)), dtype=np.uint64,
-                         count=len(raws))
+    binary = keys.cast(pa.large_binary() if pa.types.is_large_string(keys.type) else pa.binary())
+    hashes = np.fromiter(map(xxhash.xxh64_intdigest, binary.to_pylist(), itertools.repeat(SPARK_HASH_SEED)),
+                         dtype=np.uint64, count=len(binary))
     groups = hashes.view(np.int64) % b.max_parallelism   # pmod of the signed hash, as Spark SQL
     lo, hi = b.key_groups.start, b.key_groups.stop
     outside = np.flatnonzero((groups < lo) | (groups >= hi))
     if len(outside):
         b._key(keys[int(outside[0])].as_py())   # raises the error naming the key
-    heads = _heads(b.max_parallelism, view._middle)
-    lengths: dict[int, bytes] = {}
-    out: list[bytes] = []
-    append = out.append
-    for g, raw in zip(groups.tolist(), raws):
-        n = len(raw)
-        ln = lengths.get(n)
-        if ln is None:
-            ln = lengths[n] = n.to_bytes(4, "big")
-        append(heads[g] + ln + raw)
-    return out
+    heads = _head_matrix(b.max_parallelism, view._middle)
+    offsets, data = var_buffers(binary)
+    n, h = len(binary), heads.shape[1] + _LEN_BYTES
+    lengths = np.diff(offsets)
+    if n and int(lengths.min()) == int(lengths.max()):   # keys of one length: a matrix, a row each
+        row = np.empty((n, h + int(lengths[0])), dtype=np.uint8)
+        row[:, :h - _LEN_BYTES] = heads[groups]
+        row[:, h - _LEN_BYTES:h] = np.array([lengths[0]], dtype=">u4").view(np.uint8)
+        row[:, h:] = data.reshape(n, int(lengths[0]))
+        flat, starts = row.reshape(-1), np.arange(n + 1, dtype=np.int64) * row.shape[1]
+    else:
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(h + lengths, out=starts[1:])
+        flat = np.empty(int(starts[-1]), dtype=np.uint8)
+        prefix = np.empty((n, h), dtype=np.uint8)
+        prefix[:, :h - _LEN_BYTES] = heads[groups]
+        prefix[:, h - _LEN_BYTES:] = lengths.astype(">u4").view(np.uint8).reshape(n, _LEN_BYTES)
+        flat[starts[:-1, None] + np.arange(h)] = prefix
+        flat[np.arange(len(data)) + np.repeat(starts[:-1] + h - offsets[:-1], lengths)] = data
+    raw = split_rows(flat, starts)
+    view._last_raw = (raw, pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(starts.astype(np.int32)),
+                                                                  pa.py_buffer(flat)])
+                      if int(starts[-1]) < 2**31 else None)
+    return raw
+
+
+@functools.cache
+def _head_matrix(max_parallelism: int, middle: bytes) -> np.ndarray:
+    """:func:`~sparksteward.state.views._heads` as a matrix, a row per key group."""
+    return np.frombuffer(b"".join(_heads(max_parallelism, middle)), dtype=np.uint8).reshape(max_parallelism, -1)
 
 
 def _as_pylist(values: Any) -> list[Any]:

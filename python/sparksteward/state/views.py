@@ -6,7 +6,7 @@ and the others) for the per-key user API. Keys and values are encoded by
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 import rocksdict
@@ -42,6 +42,10 @@ class StateDB(Protocol):
     def store(self) -> Any: ...
 
     def new_batch(self) -> Any: ...
+
+    def wants_sst(self, raw_bytes: int) -> bool: ...
+
+    def ingest_sorted(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None: ...
 
     def _key(self, key: object) -> tuple[int, bytes]: ...
 
