@@ -275,3 +275,31 @@ def test_snapshot_files_never_name_anything_outside_the_db_dir(tmp_path):
         storage.upload_snapshot(snap.path, 0, ALL)
     assert (tmp_path / "secret").read_text() == "not ours"
     assert not [p for p in (tmp_path / "chk").rglob("*") if p.is_file()]  # nothing uploaded
+
+
+def test_column_family_options_reach_a_db_that_exists(tmp_path):
+    """rocksdict applies column-family options set on a DB's Options only when it creates the DB;
+    ``open_db`` passes them apart, so a fold or a compaction copy really opens without RocksDB's own
+    compactions (RocksDB records what it applied in the OPTIONS file it writes at each open)."""
+    import rocksdict
+
+    from sparksteward.state.rocksdb_options import db_options, open_db
+
+    def applied(path):
+        newest = max(path.glob("OPTIONS-*"), key=lambda p: int(p.name.split("-", 1)[1]))
+        return [line.strip() for line in newest.read_text().splitlines()
+                if line.strip().startswith("disable_auto_compactions=")]
+
+    b = RocksDBStateBackend(tmp_path / "w", ALL, M)
+    b.close()
+    db_path = tmp_path / "w" / "db"
+    opts = db_options(create=False)
+    opts.set_disable_auto_compactions(True)
+    db = rocksdict.Rdict(str(db_path), opts)   # the way that did nothing
+    db.close()
+    del db
+    assert applied(db_path) == ["disable_auto_compactions=false"]
+    db = open_db(db_path, db_options(create=False), auto_compactions=False)
+    db.close()
+    del db
+    assert applied(db_path) == ["disable_auto_compactions=true"]

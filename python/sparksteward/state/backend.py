@@ -45,7 +45,7 @@ from sparksteward.errors import StateBackendError, StateEncodingError
 from sparksteward.state.buffered import BufferedStore, Ops
 from sparksteward.state.encoding import group_bounds
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_bytes, key_group_of_bytes
-from sparksteward.state.rocksdb_options import db_options, reopen_options, write_options
+from sparksteward.state.rocksdb_options import db_options, open_db, reopen_options, write_options
 from sparksteward.state.snapshot import LocalSnapshot, snapshot_files, wal_bytes
 from sparksteward.state.views import ListState, MapState, ValueState
 
@@ -115,14 +115,13 @@ class RocksDBStateBackend:
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
             if read_only:
-                self._db = rocksdict.Rdict(str(self.db_path), db_options(create=False),
-                                           access_type=rocksdict.AccessType.read_only())
+                self._db = open_db(self.db_path, db_options(create=False), read_only=True)
             else:
                 if create:  # created with the raw options rocksdict records, then written with reopen_options
-                    db = rocksdict.Rdict(str(self.db_path), db_options(create=True))
+                    db = open_db(self.db_path, db_options(create=True))
                     db.cancel_all_background(True)
                     del db
-                self._db = rocksdict.Rdict(str(self.db_path), reopen_options())
+                self._db = open_db(self.db_path, reopen_options())
                 self._db.set_write_options(write_options())
         except Exception as exc:  # rocksdict raises a bare Exception
             raise StateBackendError(f"cannot open the state DB in {self.db_path}: {exc}") from exc

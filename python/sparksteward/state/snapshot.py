@@ -29,7 +29,7 @@ import rocksdict
 
 from sparksteward.errors import ConfigError, StateBackendError
 from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.state.rocksdb_options import db_options
+from sparksteward.state.rocksdb_options import db_options, open_db
 from sparksteward.storage import NotRegularFileError, regular_files
 
 __all__ = ["COMPACTION_MAX_FILES", "COMPACTION_MIN_BYTES", "COMPACTION_SPACE_AMPLIFICATION", "TASK_FLUSH_BYTES", "WAL_FLUSH_BYTES",
@@ -110,10 +110,8 @@ def fold_wal(directory: str | os.PathLike[str], limit: int = WAL_FLUSH_BYTES, ma
     wal = sum(p.stat().st_size for p in logs)
     if wal <= limit and (max_files is None or len(logs) <= max_files):
         return 0
-    opts = db_options(create=False)
-    opts.set_disable_auto_compactions(True)
     try:
-        db = rocksdict.Rdict(str(directory), opts)
+        db = open_db(directory, db_options(create=False), auto_compactions=False)
         db.close()
         del db
     except Exception as exc:  # rocksdict raises a bare Exception
@@ -257,7 +255,7 @@ def compact_snapshot(directory: str | os.PathLike[str], policy: CompactionPolicy
         if ssts <= policy.max_files + 1:
             return None
     try:
-        db = rocksdict.Rdict(str(directory), db_options(create=False), access_type=rocksdict.AccessType.read_only())
+        db = open_db(directory, db_options(create=False), read_only=True)
         try:
             live = db.live_files()
         finally:
@@ -303,12 +301,10 @@ def _compact_copy(directory: Path, into: Path) -> None:
             os.link(directory / name, into / name)
         else:  # a WAL, MANIFEST or config that the open may append to or rewrite: never a shared inode
             shutil.copyfile(directory / name, into / name)
-    opts = db_options(create=False)
-    opts.set_disable_auto_compactions(True)
     compact = rocksdict.CompactOptions()
     compact.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
     try:
-        db = rocksdict.Rdict(str(into), opts)
+        db = open_db(into, db_options(create=False), auto_compactions=False)
     except Exception as exc:  # rocksdict raises a bare Exception
         raise StateBackendError(f"cannot open the copy of snapshot {directory} in {into}: {exc}") from exc
     try:
