@@ -117,6 +117,42 @@ def test_run_once_returns_the_stored_payload_without_spark_work(spark):
     assert len(calls) == 1 and len(st.events("job_start")) == jobs_before
 
 
+class _SlowOnJobEnd:
+    """A py4j SparkListener that holds Spark's shared listener queue for ``seconds`` on each job end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def onJobEnd(self, event):  # noqa: N802 - Spark's name
+        time.sleep(self.seconds)
+
+    def __getattr__(self, name):   # every other callback of SparkListenerInterface: nothing
+        return lambda *args: None
+
+    class Java:
+        implements = ["org.apache.spark.scheduler.SparkListenerInterface"]
+
+
+def test_an_app_end_the_listener_bus_delivers_late_still_ends_the_app_job_clean(state):
+    """SparkContext.stop posts app_end to the asynchronous listener bus and shuts the plugins down
+    before it stops the bus. A listener still busy with an earlier event (here 4 s on the last job's
+    end) delivered app_end after the driver agent had been told to shut down: the application's job
+    never ended, no result was stored (a CI run showed it). The driver plugin now waits for app_end."""
+    from pyspark.java_gateway import ensure_callback_server_started
+
+    from sparksteward.jobs.fs_store import FileSystemJobResultStore
+
+    with spark_session("local[1]", **{"spark.steward.state-dir": str(state)}) as spark:
+        sc = spark.sparkContext
+        ensure_callback_server_started(sc._gateway)
+        sc._jsc.sc().addSparkListener(_SlowOnJobEnd(4.0))
+        sc.parallelize(range(10), 2).count()   # its job end holds the queue while the session stops
+        app_id = sc.applicationId
+    store = FileSystemJobResultStore(str(state / "job-results"))
+    entry = wait_until(lambda: (e := store.get(app_id)) and e.clean and e, timeout=20, what="clean app job result")
+    assert entry.status is JobStatus.SUCCEEDED
+
+
 def test_checkpoint_dir_and_app_job_are_cleaned_at_application_end(state, tmp_path):
     ckpt = tmp_path / "ckpt"
     with spark_session("local[1]", **{"spark.steward.state-dir": str(state)}) as spark:

@@ -10,6 +10,7 @@ import org.slf4j.LoggerFactory
  *  Each callback only encodes one line and enqueues it: it never blocks and never throws. */
 class StewardListener(agent: AgentProcess, sc: SparkContext) extends SparkListener {
   private val log = LoggerFactory.getLogger("sparksteward.shim")
+  val appEnded = new java.util.concurrent.CountDownLatch(1) // the plugin's shutdown waits for app_end
 
   private def forward(event: String)(line: => String): Unit =
     try agent.send(line, sticky = event == "app_start")
@@ -20,9 +21,9 @@ class StewardListener(agent: AgentProcess, sc: SparkContext) extends SparkListen
       e.sparkUser)
   }
 
-  override def onApplicationEnd(e: SparkListenerApplicationEnd): Unit = forward("app_end") {
+  override def onApplicationEnd(e: SparkListenerApplicationEnd): Unit = try forward("app_end") {
     Messages.appEnd(e.time, e.exitCode, sc.getCheckpointDir)
-  }
+  } finally appEnded.countDown()
 
   override def onJobStart(e: SparkListenerJobStart): Unit = forward("job_start") {
     val props = Option(e.properties)

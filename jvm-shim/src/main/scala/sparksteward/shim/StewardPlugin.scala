@@ -49,6 +49,7 @@ object StewardPlugin {
 
 class StewardDriverPlugin extends DriverPlugin {
   private var agent: AgentProcess = _
+  @volatile private var listener: StewardListener = _
   private var conf: SparkConf = _
   private var sc: SparkContext = _
 
@@ -71,7 +72,8 @@ class StewardDriverPlugin extends DriverPlugin {
     agent = StewardPlugin.agent(conf, "driver", hello)
     agent.start()
     StewardFileSystem.register("driver", agent)
-    sc.addSparkListener(new StewardListener(agent, sc))
+    listener = new StewardListener(agent, sc)
+    sc.addSparkListener(listener)
     Map("endpoint" -> s"$host:$port", "secret" -> secret).asJava
   }
 
@@ -107,7 +109,12 @@ class StewardDriverPlugin extends DriverPlugin {
         "pass the URL it prints", e) }
     }
 
-  override def shutdown(): Unit = if (agent != null) { StewardFileSystem.unregister("driver"); agent.stop() }
+  /** SparkContext.stop posts app_end to the asynchronous listener bus, then shuts plugins down before
+   *  it stops the bus: wait (bounded) until the listener has forwarded it, or the agent never sees it. */
+  override def shutdown(): Unit = if (agent != null) {
+    if (listener != null) listener.appEnded.await(10, java.util.concurrent.TimeUnit.SECONDS)
+    StewardFileSystem.unregister("driver"); agent.stop()
+  }
 }
 
 class StewardExecutorPlugin extends ExecutorPlugin {
