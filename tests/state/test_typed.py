@@ -11,7 +11,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from sparksteward.errors import StateEncodingError, StateError, StateSchemaError
+from sparksteward.errors import StateBackendError, StateEncodingError, StateError, StateSchemaError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import list_state, map_state, parse_ddl, resolve, value_state, variables_of
 from sparksteward.state.keygroups import KeyGroupRange
@@ -138,7 +138,7 @@ def test_a_large_bulk_put_goes_in_as_an_sst_and_reads_as_a_write_batch_would(tmp
         assert got == [want[k] for k in keys]
     finally:
         r.close()
-    assert not list((tmp_path / "s").glob(".ingest-*")), "the SST it wrote was moved in, not left beside"
+    assert not list((tmp_path / "s").glob(".ingest-*")), "the SST it wrote is not left beside the DB"
     m = RocksDBStateBackend(tmp_path / "m", KeyGroupRange(0, M), M, "string", flush_wal_above=1024)
     try:   # a map state's bulk puts take the same way
         attrs = _states(m, [map_state("attrs", "string", "bigint")]).map("attrs")
@@ -154,6 +154,25 @@ def test_a_large_bulk_put_goes_in_as_an_sst_and_reads_as_a_write_batch_would(tmp
     finally:
         plain.close()
     shutil.rmtree(tmp_path / "s", ignore_errors=True)
+
+
+def test_an_sst_that_cannot_be_written_leaves_the_db_as_it_was(tmp_path):
+    """A caller that lies about the order (keys not strictly increasing) gets a StateBackendError that
+    names the DB; nothing was ingested, nothing is left beside the DB, and the DB still takes writes."""
+    b = RocksDBStateBackend(tmp_path / "s", KeyGroupRange(0, M), M, "string", flush_wal_above=1024)
+    try:
+        n = _states(b, [value_state("n", "bigint")]).value("n")
+        keys = [n._prefix(f"k{i:03d}") for i in range(10)]
+        with pytest.raises(StateBackendError, match=r"cannot write 10 entries into the state DB in .*/s/db as an SST"):
+            b.ingest_sorted(keys[::-1], [b"x"] * 10)
+        with pytest.raises(StateBackendError, match="as an SST"):
+            b.ingest_sorted([keys[0], keys[0]], [b"x", b"y"])   # equal keys: not strictly increasing
+        assert b.entries_ingested == 0 and list(b.iter_raw()) == []
+        assert not list((tmp_path / "s").glob(".ingest-*"))
+        n.update("k001", 5)
+        assert n.get("k001") == 5
+    finally:
+        b.close()
 
 
 def test_bad_declarations_are_refused_by_name():

@@ -209,10 +209,13 @@ class RocksDBStateBackend:
             opts.set_bottommost_level_compaction(rocksdict.BottommostLevelCompaction.force())
             self.db.compact_range(None, None, opts)
 
-    def ingest(self, paths: Sequence[str | os.PathLike[str]]) -> None:
-        """Ingest ``SstFileWriter`` files (written with ``db_options``)."""
+    def ingest(self, paths: Sequence[str | os.PathLike[str]], *, move: bool = False) -> None:
+        """Ingest ``SstFileWriter`` files (written with ``db_options``); ``move`` hard-links them in
+        instead of copying them."""
         if paths:
-            self.db.ingest_external_file([str(p) for p in paths])
+            opts = rocksdict.IngestExternalFileOptions()
+            opts.set_move_files(move)
+            self.db.ingest_external_file([str(p) for p in paths], opts)
 
     def wants_sst(self, raw_bytes: int) -> bool:
         """Whether sorted puts of ``raw_bytes`` (keys and values) go in faster as an ingested SST
@@ -242,15 +245,13 @@ class RocksDBStateBackend:
             for k, v in zip(keys, values, strict=True):
                 writer[k] = v
             writer.finish()
-            opts = rocksdict.IngestExternalFileOptions()
-            opts.set_move_files(True)
-            self.db.ingest_external_file([str(path)], opts)
+            self.ingest([path], move=True)
             self.entries_ingested += len(keys)
         except Exception as exc:  # rocksdict raises a bare Exception
             raise StateBackendError(f"cannot write {len(keys)} entries into the state DB in {self.db_path} "
                                     f"as an SST: {exc}") from exc
         finally:
-            path.unlink(missing_ok=True)   # moved in: RocksDB hard-links it and leaves this name
+            path.unlink(missing_ok=True)   # moved in or not, nothing stays beside the DB
 
     # --- checkpoints -------------------------------------------------------------------------
     def snapshot(self, target: str | os.PathLike[str], *, keep_open: bool = False) -> LocalSnapshot:

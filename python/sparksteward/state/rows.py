@@ -39,7 +39,8 @@ import pyarrow as pa
 
 from sparksteward.errors import StateEncodingError
 
-__all__ = ["TAG_EXPIRING", "TAG_TYPED", "RowCodec", "evolve", "expired", "expiry_of", "project_py", "split_rows", "tag_of", "var_buffers"]
+__all__ = ["TAG_EXPIRING", "TAG_TYPED", "RowCodec", "evolve", "expired", "expiry_of", "project_py", "rows_array", "split_rows", "tag_of",
+           "var_buffers"]
 
 TAG_TYPED = 0x03
 TAG_EXPIRING = 0x04
@@ -403,15 +404,18 @@ class RowCodec:
         return pa.StructArray.from_arrays(out, fields=dst) if dst_struct else out[0]
 
 
-def split_rows(buf: np.ndarray, starts: np.ndarray) -> list[bytes]:
-    """``buf[starts[i]:starts[i + 1]]`` for each row ``i``, as bytes: Arrow makes the objects in one C
-    loop (16k rows: 0.3 ms, against 1.9 for slicing the bytes in Python)."""
-    n = len(starts) - 1
+def rows_array(buf: np.ndarray, starts: np.ndarray) -> pa.Array:
+    """The rows ``buf[starts[i]:starts[i + 1]]`` as an Arrow binary array over ``buf`` (no copy)."""
     large = int(starts[-1]) >= 2**31
     offsets = starts if large else starts.astype(np.int32)
-    arr = pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), n,
-                                [None, pa.py_buffer(offsets), pa.py_buffer(buf)])
-    return arr.to_pylist()
+    return pa.Array.from_buffers(pa.large_binary() if large else pa.binary(), len(starts) - 1,
+                                 [None, pa.py_buffer(offsets), pa.py_buffer(buf)])
+
+
+def split_rows(buf: np.ndarray, starts: np.ndarray) -> list[bytes]:
+    """:func:`rows_array` as bytes: Arrow makes the objects in one C loop (16k rows: 0.3 ms, against
+    1.9 for slicing the bytes in Python)."""
+    return rows_array(buf, starts).to_pylist()
 
 
 def var_buffers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:

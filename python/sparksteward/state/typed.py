@@ -47,7 +47,7 @@ from sparksteward.state.rows import (
     expired,
     expiry_of,
     project_py,
-    split_rows,
+    rows_array,
     var_buffers,
     with_expiry,
 )
@@ -133,7 +133,7 @@ class _Typed:
         self._middle = state_middle(self.kind, self.name)
         self._last_keys: tuple[pa.Array, list[bytes]] | None = None
         self._last_order: tuple[list[bytes], np.ndarray] | None = None
-        self._last_raw: tuple[list[bytes], pa.Array | None] | None = None   # _string_raw_keys' own array
+        self._last_raw: tuple[list[bytes], pa.Array] | None = None   # _string_raw_keys' keys as Arrow
         self._last_prefix: tuple[object, bytes] | None = None
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
@@ -821,19 +821,21 @@ def _key_order(view: _Typed, raw: list[bytes]) -> np.ndarray | None:
     last = view._last_order
     if last is not None and last[0] is raw:
         return last[1]
-    built = view._last_raw
-    arr = built[1] if built is not None and built[0] is raw and built[1] is not None else pa.array(raw, pa.binary())
-    order = pc.sort_indices(arr).to_numpy()
+    order = pc.sort_indices(_raw_array(view, raw)).to_numpy()
     view._last_order = (raw, order)
     return order
+
+
+def _raw_array(view: _Typed, raw: list[bytes]) -> pa.Array:
+    """``raw`` as an Arrow binary array: the one :func:`_string_raw_keys` built them from, if it did."""
+    built = view._last_raw
+    return built[1] if built is not None and built[0] is raw else pa.array(raw, pa.binary())
 
 
 def _last_of_equal(view: _Typed, raw: list[bytes], order: np.ndarray) -> list[int]:
     """The positions of :func:`_key_order`'s ``order`` without all but the last of equal keys (the
     sort is stable, so equal keys sit together in the callers' order)."""
-    built = view._last_raw
-    arr = built[1] if built is not None and built[0] is raw and built[1] is not None else pa.array(raw, pa.binary())
-    in_order = arr.take(pa.array(order))
+    in_order = _raw_array(view, raw).take(pa.array(order))
     if len(in_order) < 2:
         return cast("list[int]", order.tolist())
     repeated = np.asarray(pc.equal(in_order.slice(0, len(in_order) - 1), in_order.slice(1)))
@@ -877,10 +879,9 @@ def _string_raw_keys(view: _Typed, keys: pa.Array) -> list[bytes] | None:
         prefix[:, h - _LEN_BYTES:] = lengths.astype(">u4").view(np.uint8).reshape(n, _LEN_BYTES)
         flat[starts[:-1, None] + np.arange(h)] = prefix
         flat[np.arange(len(data)) + np.repeat(starts[:-1] + h - offsets[:-1], lengths)] = data
-    raw = split_rows(flat, starts)
-    view._last_raw = (raw, pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(starts.astype(np.int32)),
-                                                                  pa.py_buffer(flat)])
-                      if int(starts[-1]) < 2**31 else None)
+    arr = rows_array(flat, starts)
+    raw: list[bytes] = arr.to_pylist()
+    view._last_raw = (raw, arr)
     return raw
 
 
