@@ -141,3 +141,54 @@ def test_a_speculative_copy_and_a_new_drivers_rerun_emit_the_rows_of_the_first_c
         rest = [(k, v) for k, v, _ in drained.collect()]
         ks.commit(1, wait=120)
     assert sorted(emitted + rest) == every, "every input row emitted exactly once across the batch and the drain"
+
+
+def _count_into_value(keys, rows, state):
+    """Count per key into a declared value with one bulk put, large enough to go in as an ingested SST
+    (decision 0023); one output row per key with the new count."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    g = rows.group_by("k").aggregate([("v", "count")]).combine_chunks()
+    n = state.value("n")
+    old = n.get_many(g["k"])
+    new = pc.add(pc.if_else(pc.is_valid(old), old, 0), g["v_count"]).combine_chunks()
+    n.put_many(g["k"], new)
+    return pa.table({"k": g["k"], "n": new})
+
+
+def test_a_speculative_copy_of_a_batch_that_ingests_its_puts_counts_once(cluster, s3):
+    """Both attempts of a speculated subtask write their batch as an ingested SST in their own work dir
+    on their own host and ack; the checkpoint takes one of them. The state counts every row once, a
+    second batch builds on it, and the output has one row per key."""
+    import numpy as np
+    import pandas as pd
+
+    from sparksteward import value_state
+
+    rng = np.random.default_rng(23)
+    rows = pd.DataFrame({"k": [f"key-{k}" for k in rng.integers(0, 40_000, 40_000)], "v": 1})
+    want = rows["k"].value_counts().to_dict()
+    ui = _free_port()
+    with _session(cluster, s3, ui, **{"spark.speculation": "true", "spark.speculation.interval": "100ms",
+                                      "spark.speculation.quantile": "0.5", "spark.speculation.multiplier": "1.0",
+                                      "spark.speculation.minTaskRuntime": "8s",
+                                      "spark.speculation.efficiency.enabled": "false",
+                                      "spark.sql.execution.arrow.maxRecordsPerBatch": "10000"}) as spark:
+        ks = Steward.get(spark).keyed_state("spec-ingest", key="k", parallelism=2, max_parallelism=16,
+                                            checkpoint_dir=s3.url("spec-ingest-chk"), states=[value_state("n", "bigint")])
+        out = ks.apply_arrow(spark.createDataFrame(rows), _count_into_value, "k string, n long",
+                             checkpoint_id=0).mapInArrow(_dawdle, "k string, n long")
+        first = {r.k: r.n for r in out.collect()}
+        ks.commit(0, wait=120)
+        tasks = _tasks(spark, ui)
+        copies = [t for t in tasks if t.get("speculative")]
+        assert copies, f"Spark launched no speculative copy, so this test proves nothing: {tasks}"
+        stats = next(c for c in ks.info()["checkpoints"] if c["checkpoint_id"] == 0)
+        assert all(n > 10_000 for n in stats["entries_ingested"]), stats
+        assert first == want
+        again = {r.k: r.n for r in ks.apply_arrow(spark.createDataFrame(rows), _count_into_value,
+                                                   "k string, n long", checkpoint_id=1).collect()}
+        ks.commit(1, wait=120)
+        assert again == {k: 2 * n for k, n in want.items()}
+        assert {r.key: r.value for r in ks.read("n", distributed=True).collect()} == again
