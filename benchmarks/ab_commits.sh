@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Same-run A/B of a benchmark between an older commit and the working tree ("no slowdown" checks).
 #
-#   benchmarks/ab_commits.sh <old-commit> [rounds] [bench script, default benchmarks/bench_state.py]
+#   [AB_ARGS="--flag ..."] benchmarks/ab_commits.sh <old-commit> [rounds] [bench script, default benchmarks/bench_state.py]
 #
 # Checks the old commit out into a temporary git worktree and runs the *current* bench script against
 # each tree's library (PYTHONPATH), alternating old, new, old, new ... so drift of a shared machine
@@ -26,7 +26,8 @@ for r in $(seq 1 "$rounds"); do
     PYTHONPATH=$tree/python "$py" -c "import sparksteward, sys; sys.exit(not sparksteward.__file__.startswith('$tree/'))" \
       || { echo "PYTHONPATH=$tree/python does not win over the installed sparksteward" >&2; exit 2; }
     # a bench exits non-zero when one of its targets fails: keep going, the runs are what counts
-    (cd "$here" && PYTHONPATH=$tree/python flock /tmp/steward-spark.lock "$py" "$bench") >"$log" 2>&1 \
+    # shellcheck disable=SC2086  # AB_ARGS: the bench's own arguments, split on spaces
+    (cd "$here" && PYTHONPATH=$tree/python flock /tmp/steward-spark.lock "$py" "$bench" ${AB_ARGS:-}) >"$log" 2>&1 \
       || echo "round $r: $side exited $? (a failed target or an error; see $log)"
   done
 done

@@ -52,15 +52,44 @@ def test_same_host_put_path_moves_the_file_without_a_socket_copy(rig):
     with pytest.raises(InvalidIdError, match="incoming"):
         rig.client.put_path(str(own), "job-b")
     assert own.exists()
-    # the spare staged files the server keeps for uploads (made after the first streamed one)
-    rig.client.put_bytes(b"the first streamed upload", "job-b")
-    spare = wait_until(lambda: next(iter(rig.server.spare_dir.iterdir()), None), what="a spare staged file")
-    link = rig.server.incoming / "looks-staged"   # a link in incoming to a spare: realpath leaves incoming
-    link.symlink_to(spare)
-    for name in (str(spare), str(link), str(rig.server.incoming / ".." / "@spare" / spare.name)):
-        with pytest.raises(InvalidIdError, match="incoming"):
-            rig.client.put_path(name, "job-b")
-    assert spare.exists() and spare.stat().st_size == 0
+
+
+@pytest.mark.parametrize("ha", ["file"], indirect=True)
+@pytest.mark.parametrize("unnamed", [True, False], ids=["unnamed-staging", "named-staging"])
+def test_streamed_uploads_are_staged_placed_deduplicated_and_replaced_alike_named_or_not(tmp_path, ha, unnamed):
+    """Streamed uploads land in staged files the server makes ahead: unnamed (O_TMPFILE, linked into
+    place) where the kernel allows, else named files in @spare. Both place a job's first blob,
+    deduplicate, replace a corrupt copy, and leave no file behind; neither can be named by a client."""
+    rig = BlobRig(tmp_path, ha, unnamed_staging=unnamed)
+    try:
+        server = rig.server
+        assert server._unnamed is unnamed  # Linux with /proc: the probe succeeds here
+        data = os.urandom(5000)
+        key = rig.client.put_bytes(data, "job-s", permanent=True)  # the job's first blob: its dir is made
+        assert rig.client.put_bytes(data, "job-s", permanent=True) == key
+        assert server.stats["uploads"] == 1 and server.stats["dedup"] == 1
+        local = server.local_path("job-s", key)
+        local.write_bytes(b"bit rot")
+        rig.ha.delete("job-s", key)  # so the next put re-verifies the local copy, finds it corrupt, replaces it
+        assert rig.client.put_bytes(data, "job-s", permanent=True) == key
+        assert server.stats["corrupt_replaced"] == 1 and local.read_bytes() == data
+        assert rig.client.get_bytes(key, "job-s") == data and rig.ha.exists("job-s", key)
+        wait_until(lambda: len(server._spare) > 0, what="spare staged files")
+        assert sorted(os.listdir(server.incoming)) == [], "no staged file is left in incoming"
+        spares = sorted(server.spare_dir.iterdir())
+        if unnamed:
+            assert spares == [], "unnamed spares have no name to leak or to be given by a client"
+            return
+        assert spares and all(p.stat().st_size == 0 for p in spares)
+        spare = spares[0]
+        link = server.incoming / "looks-staged"   # a link in incoming to a spare: realpath leaves incoming
+        link.symlink_to(spare)
+        for name in (str(spare), str(link), str(server.incoming / ".." / "@spare" / spare.name)):
+            with pytest.raises(InvalidIdError, match="incoming"):
+                rig.client.put_path(name, "job-b")
+        assert spare.exists() and spare.stat().st_size == 0
+    finally:
+        rig.close()
 
 
 def test_cache_falls_back_from_corrupt_copies_to_a_verified_one(rig):

@@ -14,10 +14,11 @@ from sparksteward.wire import AgentServer, Connection, new_secret
 class BlobRig:
     """A BlobServer behind a real authenticated socket, and caches that talk to it."""
 
-    def __init__(self, tmp_path: Path, ha, retention: float = 60.0) -> None:
+    def __init__(self, tmp_path: Path, ha, retention: float = 60.0, **server_kw) -> None:
         self.secret = new_secret()
         self.clock = FakeClock()
-        self.server = BlobServer(tmp_path / "server", ha, retention=retention, clock=self.clock, timer=False)
+        self.server = BlobServer(tmp_path / "server", ha, retention=retention, clock=self.clock, timer=False,
+                                 **server_kw)
         self.sock = AgentServer("127.0.0.1", 0, self.secret, {})
         self.server.register_handlers(self.sock)
         self.ha, self.tmp = ha, tmp_path

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from sparksteward.errors import InvalidIdError
 
-__all__ = ["BlobKey", "BlobType"]
+__all__ = ["BlobKey", "BlobType", "TYPES_BY_VALUE"]
 
 _TEXT = re.compile(r"^([pt])-([0-9a-f]{32})$")
 
@@ -23,6 +23,10 @@ class BlobType(str, enum.Enum):
 
     PERMANENT = "p"
     TRANSIENT = "t"
+
+
+#: Each type by its value: a dict lookup, where calling the enum costs a microsecond or two.
+TYPES_BY_VALUE = {t.value: t for t in BlobType}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ class BlobKey:
         m = _TEXT.match(text) if isinstance(text, str) else None
         if not m:
             raise InvalidIdError(f"blob key {text!r} is not valid: expected 'p-' or 't-' and 32 lowercase hex digits")
-        return cls(BlobType(m.group(1)), bytes.fromhex(m.group(2)))
+        return cls(TYPES_BY_VALUE[m.group(1)], bytes.fromhex(m.group(2)))
 
     def to_bytes(self) -> bytes:
         return self.type.value.encode() + self.digest
@@ -60,7 +64,7 @@ class BlobKey:
     def from_bytes(cls, data: bytes) -> BlobKey:
         if len(data) != 17 or data[:1] not in (b"p", b"t"):
             raise InvalidIdError(f"blob key bytes {data!r} are not valid")
-        return cls(BlobType(data[:1].decode()), data[1:])
+        return cls(TYPES_BY_VALUE[data[:1].decode()], data[1:])
 
     @property
     def permanent(self) -> bool:

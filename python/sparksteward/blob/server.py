@@ -43,7 +43,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import BlobKey, BlobType
+from sparksteward.blob.key import TYPES_BY_VALUE, BlobKey, BlobType
 from sparksteward.hashing import Hasher, hash_file
 from sparksteward.blob.locks import KeyedLocks
 from sparksteward.blob.store import job_dir_name
@@ -77,7 +77,11 @@ def _key(f: Fields) -> BlobKey:
 
 
 def _btype(f: Fields) -> BlobType:
-    return BlobType(f.text("type", default="t", choices=("p", "t")))
+    value = f.req.get("type")
+    if value is None:
+        return BlobType.TRANSIENT
+    btype = TYPES_BY_VALUE.get(value) if isinstance(value, str) else None
+    return btype if btype is not None else BlobType(f.text("type", choices=tuple(TYPES_BY_VALUE)))  # refused by name
 
 
 def _job(value: object) -> str | None:
@@ -98,6 +102,48 @@ def copy_file(src: Path, dest: Path) -> None:
             shutil.copyfileobj(fin, fout, 4 << 20)
 
 
+_proc_fd: int | None = None  # this process's /proc/self/fd, opened once (see _proc_fd_dir)
+
+
+def _forget_proc_fd() -> None:
+    global _proc_fd
+    _proc_fd = None  # a forked child's /proc/self is not its parent's
+
+
+os.register_at_fork(after_in_child=_forget_proc_fd)
+
+
+def _proc_fd_dir() -> int:
+    """An fd of this process's ``/proc/self/fd``: an open file is linked by its number in there."""
+    global _proc_fd
+    if _proc_fd is None:
+        _proc_fd = os.open(f"/proc/{os.getpid()}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return _proc_fd
+
+
+def _link_open_file(fd: int, dest: str) -> None:
+    """Give the open, unnamed file ``fd`` the name ``dest`` (FileExistsError if ``dest`` exists)."""
+    os.link(str(fd), dest, src_dir_fd=_proc_fd_dir(), follow_symlinks=True)
+
+
+def _unnamed_files(directory: Path) -> bool:
+    """Whether unnamed files (``O_TMPFILE``) made in ``directory`` can be linked into it through
+    ``/proc/self/fd`` (Linux 3.11+, on most local file systems). Tried once, by doing it."""
+    probe = None
+    try:
+        probe = os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        name = str(directory / f".probe-{uuid.uuid4().hex}")
+        _link_open_file(probe, name)
+        os.unlink(name)
+        return True
+    except (OSError, AttributeError) as exc:  # not Linux, no /proc, or a file system without O_TMPFILE
+        log.debug("staged uploads are named files: unnamed ones cannot be linked in %s (%s)", directory, exc)
+        return False
+    finally:
+        if probe is not None:
+            os.close(probe)
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -109,7 +155,8 @@ class BlobServer:
     """See the module docstring. A context manager; ``close`` is idempotent."""
 
     def __init__(self, local_dir: str | Path, ha: Any, *, retention: float = 1800.0, max_size: int = 16 << 30,
-                 clock: Any = None, timer: bool = True, secret: str | None = None) -> None:
+                 clock: Any = None, timer: bool = True, secret: str | None = None,
+                 unnamed_staging: bool = True) -> None:
         self.dir = Path(local_dir)
         #: the application secret, only to recognize this application's steward:// URLs (blob.open_file)
         self.secret = secret
@@ -146,8 +193,13 @@ class BlobServer:
             self._timer.start()
         # Empty staged files, open, made ahead of streamed uploads by a thread of their own (started by
         # the first one): making a file (an inode) is the largest cost of a small put, and on some file
-        # systems (ext4 without a journal scans recently deleted inodes) it is most of it.
-        self._spare: collections.deque[tuple[str, int]] = collections.deque()
+        # systems (ext4 without a journal scans recently deleted inodes) it is most of it. Where the
+        # kernel allows, they are unnamed (O_TMPFILE): nothing to leak or for a client to name, and
+        # placing one links it into its job's directory without touching the directory the spare
+        # thread is creating in (a rename locks both directories) and without a stat first (the link
+        # fails if the blob is there). See _unnamed_files.
+        self._unnamed = unnamed_staging and _unnamed_files(self.spare_dir)
+        self._spare: collections.deque[tuple[str | None, int]] = collections.deque()
         self._spare_low = threading.Event()
         self._spare_thread = threading.Thread(target=self._make_spares, name="steward-blob-stage", daemon=True)
         self._spare_started = False
@@ -191,12 +243,19 @@ class BlobServer:
     def _stage_path(self) -> str:
         return f"{self._stage_prefix}{next(self._stage_seq)}.tmp"
 
+    def _new_staged(self, spare: bool) -> tuple[str | None, int]:
+        """A new, empty staged file, open for writing: ``(None, fd)`` if it is unnamed, else
+        ``(path, fd)``, in ``@spare`` for a spare one and in ``incoming`` otherwise."""
+        if self._unnamed:
+            return None, os.open(self.spare_dir, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        path = f"{self._spare_prefix}{next(self._stage_seq)}.tmp" if spare else self._stage_path()
+        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
     def _make_spares(self) -> None:
         while not self._closed:
             while len(self._spare) < _SPARES and not self._closed:
-                path = f"{self._spare_prefix}{next(self._stage_seq)}.tmp"
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                    path, fd = self._new_staged(spare=True)
                 except OSError as exc:  # a full disk: uploads make their own file and say so
                     log.debug("cannot make a spare staged file: %s", exc)
                     break
@@ -213,15 +272,12 @@ class BlobServer:
                 return
             os.close(fd)
 
-    def _staged_file(self) -> tuple[str, Any]:
-        """A new, empty staged file: ``(path, unbuffered binary file)``, a spare one if there is."""
+    def _staged_file(self) -> tuple[str | None, int]:
+        """A new, empty staged file (see :meth:`_new_staged`), a spare one if there is."""
         try:
             path, fd = self._spare.popleft()
         except IndexError:
-            path = self._stage_path()
-            f = open(path, "xb", buffering=0)
-        else:
-            f = os.fdopen(fd, "wb", buffering=0)
+            path, fd = self._new_staged(spare=False)
         if len(self._spare) < _SPARES // 2:
             if not self._spare_started:
                 with self._lock:
@@ -229,35 +285,50 @@ class BlobServer:
                         self._spare_thread.start()
                         self._spare_started = True
             self._spare_low.set()
-        return path, f
+        return path, fd
 
-    def _place(self, staged: str, job_id: str | None, btype: BlobType, digest: bytes, size: int) -> tuple[BlobKey, int]:
+    def _place(self, staged: str | int, job_id: str | None, btype: BlobType, digest: bytes,
+               size: int) -> tuple[BlobKey, int]:
         """Make the staged file, whose content hashes to ``digest``, the blob's local copy (or drop it
-        if an intact copy is there) and, for a permanent blob, put it to HA. On success ``staged`` is
-        gone; after an error the caller removes it."""
-        with self._lock:
-            self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
+        if an intact copy is there) and, for a permanent blob, put it to HA. ``staged`` is a path, or
+        the fd of an unnamed file (which the caller closes). On success a named ``staged`` is gone;
+        after an error the caller removes it."""
         key = BlobKey(btype, digest)
         ref = (job_id, key)
         dest = self._local(job_id, key)
         with self._key_locks[ref]:
-            with self._lock:  # a put revives a blob that staged cleanup was about to take
-                for pending in (self._marked, self._released, self._orphans):
-                    pending.discard(ref)
+            with self._lock:
+                self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
+                # a put revives a blob that staged cleanup was about to take
+                self._marked.discard(ref)
+                self._released.discard(ref)
+                self._orphans.discard(ref)
                 self._put_in_pass.add(ref)
             needs_ha = key.permanent and not self.ha.exists(job_id, key)
-            exists = os.path.exists(dest)
-            if exists and (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
+            if isinstance(staged, int):
+                placed = self._link(staged, dest)
+            elif placed := not os.path.exists(dest):
+                self._commit(staged, dest)
+            if placed:
+                self.stats["uploads"] += 1
+            elif (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
                 log.warning("local copy %s does not match its key; replacing it with the uploaded bytes", dest)
                 self.stats["corrupt_replaced"] += 1
                 self._verified.discard(ref)
-                self._commit(staged, dest)
-            elif exists:
-                os.unlink(staged)
-                self.stats["dedup"] += 1
+                if isinstance(staged, int):  # a rename replaces, a link does not: name it first
+                    named = self._stage_path()
+                    _link_open_file(staged, named)
+                    try:
+                        self._commit(named, dest)
+                    except BaseException:
+                        _unlink_quietly(named)
+                        raise
+                else:
+                    self._commit(staged, dest)
             else:
-                self._commit(staged, dest)
-                self.stats["uploads"] += 1
+                if isinstance(staged, str):
+                    os.unlink(staged)
+                self.stats["dedup"] += 1
             self._verified.add(ref)
             if needs_ha:
                 try:
@@ -279,6 +350,20 @@ class BlobServer:
             os.makedirs(os.path.dirname(dest), exist_ok=True)  # the job's first blob
             os.replace(staged, dest)
 
+    def _link(self, fd: int, dest: str) -> bool:
+        """Link the unnamed file ``fd`` into place as ``dest``; False if ``dest`` is there already."""
+        for attempt in (1, 2):
+            try:
+                _link_open_file(fd, dest)
+                return True
+            except FileExistsError:
+                return False
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+                os.makedirs(os.path.dirname(dest), exist_ok=True)  # the job's first blob
+        raise AssertionError("unreachable")
+
     def in_ha(self, key: BlobKey) -> bool:
         """Whether an acknowledged put of ``key`` is stored in an HA store."""
         return key.permanent and getattr(self.ha, "url", "none") != "none"
@@ -289,15 +374,17 @@ class BlobServer:
         if not isinstance(size, int) or size < 0 or size > self.max_size:
             raise MessageTooLargeError(f"announced blob size {size!r} is not between 0 and "
                                        f"spark.steward.blob.max-size ({self.max_size})")
-        staged, f = self._staged_file()
+        path, fd = self._staged_file()
         h = Hasher()
         try:
-            with f:
-                conn.recv_into_file(f, size, h.update)
-            return self._place(staged, _job(job_id), btype, h.digest(), size)
+            conn.recv_into_file(fd, size, h.update)
+            return self._place(fd if path is None else path, _job(job_id), btype, h.digest(), size)
         except BaseException:
-            _unlink_quietly(staged)
+            if path is not None:
+                _unlink_quietly(path)
             raise
+        finally:
+            os.close(fd)  # an unnamed file that was not linked goes with it
 
     def ensure_local(self, job_id: str | None, key: BlobKey) -> Path:
         """The verified local copy of a blob, refilled from HA if missing or corrupt."""
@@ -495,24 +582,26 @@ class BlobServer:
         fields = Fields(req)
         key, job_id, boot_id = _key(fields), fields.job_id(nullable=True), fields.text("boot_id", default=None)
         path = self._local(job_id, key)
-        f = None
+        fd = -1
         if (job_id, key) in self._verified:  # the common case: no key lock, no stat before the open
             try:
-                f = open(path, "rb")
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except FileNotFoundError:  # deleted since it was verified: the slow path refills or refuses
                 pass
-        if f is None:
+        if fd < 0:
             path = self._ensure_local(job_id, key)
-            f = open(path, "rb")
-        with f:
-            size = os.fstat(f.fileno()).st_size
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
             if boot_id and boot_id == BOOT_ID:
                 # same kernel: the caller copies the file in-kernel (copy_file_range); no socket copy
                 conn.send({"ok": True, "size": size, "path": path})
                 self.stats["served"] += 1
                 self.stats["served_local"] += 1
                 return None
-            conn.send_file(f, size, head={"ok": True, "size": size})
+            conn.send_file(fd, size, head={"ok": True, "size": size})
+        finally:
+            os.close(fd)
         self.stats["served"] += 1
         self.stats["bytes_served"] += size
         return None

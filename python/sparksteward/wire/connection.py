@@ -167,6 +167,7 @@ class Connection:
         self._timeout = sock.gettimeout()
         self._ahead = bytearray()  # bytes received beyond what was asked for (authenticated only)
         self._scratch: bytearray | None = None
+        self._poller: Any = None  # is_stale's, made on its first call
 
     # --- session ---------------------------------------------------------------------------------
     def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes, body_mac: str) -> None:
@@ -327,26 +328,26 @@ class Connection:
             self._sendall(data)
             self._sendall(h.digest())
 
-    def send_file(self, f: BinaryIO, n: int, head: dict[str, Any] | None = None) -> None:
-        """Send exactly ``n`` bytes of ``f`` from its current offset as a body: ``sendfile`` for the
-        bytes, a tag computed over a read-only memory map of the same range (no copies) on a helper
-        thread meanwhile. Bodies under 1 MiB go out as one read and one write instead. ``head``: a
-        frame to send just before the body (small bodies go out in the same write)."""
-        framed = b"" if head is None else self._encode(head)
-        h = self._body_mac(self._out, n)
+    def send_file(self, f: BinaryIO | int, n: int, head: dict[str, Any] | None = None) -> None:
+        """Send exactly ``n`` bytes of ``f`` as a body: from a file's current offset, or from the start
+        of a file descriptor (whose offset is left alone). ``sendfile`` for the bytes, a tag computed
+        over a read-only memory map of the same range (no copies) on a helper thread meanwhile. Bodies
+        under 1 MiB go out as one read and one write instead. ``head``: a frame to send just before
+        the body (small bodies go out in the same write)."""
+        if isinstance(f, int):
+            if n < _PARALLEL_MAC:
+                self._send_range(f, 0, n, head)
+            else:
+                with open(f, "rb", buffering=0, closefd=False) as wrapped:
+                    self.send_file(wrapped, n, head)
+            return
         start = f.tell()
-        if n < _PARALLEL_MAC:  # small: one read and one write beat a memory map and sendfile
-            try:
-                data = os.pread(f.fileno(), n, start)
-            except OSError as exc:
-                raise self._fail(exc) from None
-            if len(data) != n:
-                raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of "
-                                               f"{getattr(f, 'name', 'a file')!r}: it is shorter"))
-            h.update(data)
-            self._sendall(b"".join((framed, data, h.digest())))
+        if n < _PARALLEL_MAC:
+            self._send_range(f.fileno(), start, n, head, getattr(f, "name", None))
             f.seek(start + n)
             return
+        framed = b"" if head is None else self._encode(head)
+        h = self._body_mac(self._out, n)
         if framed:
             self._sendall(framed)
         try:
@@ -379,8 +380,23 @@ class Connection:
             raise self._fail(exc) from None
         self._sendall(h.digest())
 
-    def recv_into_file(self, f: BinaryIO, n: int, on_chunk: Callable[[bytes | memoryview], None] | None = None) -> None:
-        """Copy exactly ``n`` body bytes from the socket into ``f`` (``on_chunk`` sees each chunk); the
+    def _send_range(self, fd: int, start: int, n: int, head: dict[str, Any] | None, name: object = None) -> None:
+        """A small body: one read, and one write with its head frame and tag."""
+        framed = b"" if head is None else self._encode(head)
+        h = self._body_mac(self._out, n)
+        try:
+            data = os.pread(fd, n, start)
+        except OSError as exc:
+            raise self._fail(exc) from None
+        if len(data) != n:
+            raise self._fail(ProtocolError(f"cannot send {n} bytes from offset {start} of "
+                                           f"{name or 'a file'!r}: it is shorter"))
+        h.update(data)
+        self._sendall(b"".join((framed, data, h.digest())))
+
+    def recv_into_file(self, f: BinaryIO | int, n: int, on_chunk: Callable[[bytes | memoryview], None] | None = None) -> None:
+        """Copy exactly ``n`` body bytes from the socket into ``f``, a file or a file descriptor
+        (``on_chunk`` sees each chunk); the
         body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
         reader = RawReader(self, n)
         while len(chunk := reader.read(_CHUNK)):
@@ -479,9 +495,10 @@ class Connection:
         something unasked. Never blocks; call it before reusing a cached connection."""
         if self.broken or self.sock.fileno() < 0 or self._ahead:
             return True
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(0))
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(self._poller.poll(0))
 
     @staticmethod
     def _check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -568,12 +585,13 @@ class RawReader:
         return chunk
 
 
-def write_all(f: BinaryIO, data: bytes | memoryview) -> None:
-    """Write all of ``data``: an unbuffered file's ``write`` may take part of it (write(2) on a disk
-    that fills up, or past RLIMIT_FSIZE, returns a short count without an error)."""
+def write_all(f: BinaryIO | int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` to ``f``, an unbuffered file or a file descriptor: one write may take part
+    of it (write(2) on a disk that fills up, or past RLIMIT_FSIZE, returns a short count without an
+    error)."""
     view = memoryview(data)
     while len(view):
-        k = f.write(view)
+        k = os.write(f, view) if isinstance(f, int) else f.write(view)
         if not k:  # None: a non-blocking file took nothing
             raise OSError(f"writing {len(view)} bytes to {getattr(f, 'name', 'a file')!r} made no progress")
         view = view[k:]

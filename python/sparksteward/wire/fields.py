@@ -7,6 +7,7 @@ import math
 from typing import Any
 
 from sparksteward.errors import InvalidRequestError
+from sparksteward.ids import validate_job_id
 
 __all__ = ["Fields"]
 
@@ -87,8 +88,6 @@ class Fields:
 
     def job_id(self, name: str = "job_id", *, nullable: bool = False) -> Any:
         """A job id, validated; the field must be present, and may be null only if ``nullable``."""
-        from sparksteward.ids import validate_job_id
-
         if name not in self.req:
             self._bad(name, None, "a job id" + (" or null" if nullable else ""))
         value = self.req[name]
