@@ -212,7 +212,8 @@ def test_recovery_serves_permanent_blobs_lazily_from_ha(rig, tmp_path):
 
 
 def _staged_bytes(server) -> int:
-    """Bytes in the server's staged files: uploads in progress, in incoming/ or a spare file."""
+    """Bytes in the server's staged files, named (in incoming/ or @spare) or unnamed (open files of
+    this process made in @spare): uploads in progress and spare files."""
     total = 0
     for d in (server.incoming, server.spare_dir):
         for f in d.iterdir():
@@ -220,7 +221,20 @@ def _staged_bytes(server) -> int:
                 total += f.stat().st_size
             except FileNotFoundError:
                 pass
-    return total
+    return total + sum(size for _, size in _staged_fds(server))
+
+
+def _staged_fds(server) -> list[tuple[int, int]]:
+    """``(fd, size)`` of this process's open files in the server's incoming/ or @spare."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith((f"{server.incoming}/", f"{server.spare_dir}/")):
+                out.append((int(name), os.fstat(int(name)).st_size))
+        except OSError:  # closed meanwhile (the listing's own fd, too)
+            pass
+    return out
 
 
 def test_wrong_secret_malformed_and_truncated_requests(rig):
@@ -239,12 +253,16 @@ def test_wrong_secret_malformed_and_truncated_requests(rig):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     c.close()  # truncated upload
-    staged = lambda: list(rig.server.incoming.iterdir()) + list(rig.server.spare_dir.iterdir())  # noqa: E731
-    while (_staged_bytes(rig.server) or len(staged()) != len(rig.server._spare)) and time.monotonic() < deadline:
+    def settled() -> bool:  # every staged file open here is a spare the server holds
+        return not _staged_bytes(rig.server) and len(_staged_fds(rig.server)) == len(rig.server._spare)
+
+    while not settled() and time.monotonic() < deadline:
         time.sleep(0.02)
     # nothing half-written is left: the upload's staged file is gone (the files left are the empty
     # spares the server still holds) and the job has no blob
-    assert not _staged_bytes(rig.server) and len(staged()) == len(rig.server._spare)
+    assert settled()
+    named = [path for path, _ in rig.server._spare if path is not None]
+    assert sorted(map(str, rig.server.spare_dir.iterdir())) == sorted(named)
     assert not list(rig.server.incoming.iterdir())
     assert not (rig.server.dir / "trunc").exists()
     assert rig.client.get_bytes(rig.client.put_bytes(b"still serving")) == b"still serving"
