@@ -17,7 +17,7 @@ from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, BlobNotFoundError, ChecksumMismatchError, InvalidIdError
 from sparksteward.wire import Connection
 from tests.helpers import wait_until
-from tests.helpers.blob import BlobRig
+from tests.helpers.blob import BlobRig, staged_bytes, staged_fds
 
 
 def test_keys_are_content_addressed_and_validated():
@@ -211,32 +211,6 @@ def test_recovery_serves_permanent_blobs_lazily_from_ha(rig, tmp_path):
         again.close()
 
 
-def _staged_bytes(server) -> int:
-    """Bytes in the server's staged files, named (in incoming/ or @spare) or unnamed (open files of
-    this process made in @spare): uploads in progress and spare files."""
-    total = 0
-    for d in (server.incoming, server.spare_dir):
-        for f in d.iterdir():
-            try:
-                total += f.stat().st_size
-            except FileNotFoundError:
-                pass
-    return total + sum(size for _, size in _staged_fds(server))
-
-
-def _staged_fds(server) -> list[tuple[int, int]]:
-    """``(fd, size)`` of this process's open files in the server's incoming/ or @spare."""
-    out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith((f"{server.incoming}/", f"{server.spare_dir}/")):
-                out.append((int(name), os.fstat(int(name)).st_size))
-        except OSError:  # closed meanwhile (the listing's own fd, too)
-            pass
-    return out
-
-
 def test_wrong_secret_malformed_and_truncated_requests(rig):
     with pytest.raises(AuthenticationError):
         Connection.connect(rig.sock.endpoint, "0" * 64)
@@ -254,7 +228,7 @@ def test_wrong_secret_malformed_and_truncated_requests(rig):
         time.sleep(0.01)
     c.close()  # truncated upload
     def settled() -> bool:  # every staged file open here is a spare the server holds
-        return not _staged_bytes(rig.server) and len(_staged_fds(rig.server)) == len(rig.server._spare)
+        return not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server._spare)
 
     while not settled() and time.monotonic() < deadline:
         time.sleep(0.02)

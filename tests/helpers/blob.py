@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sparksteward.blob.cache import BlobCache
@@ -32,3 +33,29 @@ class BlobRig:
         self._conn.close()
         self.sock.close()
         self.server.close()
+
+
+def staged_bytes(server) -> int:
+    """Bytes in the server's staged files, named (in incoming/ or @spare) or unnamed (open files of
+    this process made in @spare): uploads in progress and spare files."""
+    total = 0
+    for d in (server.incoming, server.spare_dir):
+        for f in d.iterdir():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+    return total + sum(size for _, size in staged_fds(server))
+
+
+def staged_fds(server) -> list[tuple[int, int]]:
+    """``(fd, size)`` of this process's open files in the server's incoming/ or @spare."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+            if target.startswith((f"{server.incoming}/", f"{server.spare_dir}/")):
+                out.append((int(name), os.fstat(int(name)).st_size))
+        except OSError:  # closed meanwhile (the listing's own fd, too)
+            pass
+    return out

@@ -24,6 +24,7 @@ from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.helpers import wait_until
+from tests.helpers.blob import staged_bytes, staged_fds
 
 
 # --- slowloris (item 4, must-show 5) ------------------------------------------------------------
@@ -377,7 +378,8 @@ def test_an_upload_tampered_anywhere_is_refused_with_the_reason_and_stores_nothi
         with pytest.raises(AuthenticationError, match="does not match its tag"):
             BlobClient(lambda: conn).put_bytes(os.urandom(size), "job-u")
         assert not (blobs.dir / "job-u").exists()
-        wait_until(lambda: not list(blobs.incoming.iterdir()), what="the upload's staged file is removed")
+        wait_until(lambda: not list(blobs.incoming.iterdir()) and not staged_bytes(blobs)
+                   and len(staged_fds(blobs)) == len(blobs._spare), what="the upload's staged file is removed")
     finally:
         relay.close()
         server.close()

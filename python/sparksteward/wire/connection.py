@@ -396,8 +396,18 @@ class Connection:
 
     def recv_into_file(self, f: BinaryIO | int, n: int, on_chunk: Callable[[bytes | memoryview], None] | None = None) -> None:
         """Copy exactly ``n`` body bytes from the socket into ``f``, a file or a file descriptor
-        (``on_chunk`` sees each chunk); the
-        body's tag is verified before the last chunk is written (AuthenticationError if it fails)."""
+        (``on_chunk`` sees each chunk); the body's tag is verified before the last chunk is written
+        (AuthenticationError if it fails). A small body and its tag are taken in one receive."""
+        if n + TAG_SIZE < _READ_AHEAD:
+            h = self._body_mac(self._in, n)
+            data = memoryview(self.recv_exact(n + TAG_SIZE))
+            body = data[:n]
+            h.update(body)
+            self._verify_body(h, n, data[n:])
+            write_all(f, body)
+            if on_chunk is not None:
+                on_chunk(body)
+            return
         reader = RawReader(self, n)
         while len(chunk := reader.read(_CHUNK)):
             write_all(f, chunk)
