@@ -14,9 +14,10 @@ cleanup deletes too. A failed HA delete is logged and retried on the next pass; 
 pass. ``delete_job`` removes a job's directory from local and HA storage whatever the counts say;
 executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs.
 
-Every upload is staged in ``incoming/`` as the server's own file (moved there, or copied, never
-hard-linked, so the caller cannot change it afterwards), hashed and renamed into place (the local store is scratch and is not fsynced:
-[decision 0008]); a permanent blob is then put to HA (durably, see
+Every upload is staged as the server's own file (moved into ``incoming/``, or copied, never
+hard-linked, so the caller cannot change it afterwards; a streamed one into an unnamed ``O_TMPFILE``
+file where the kernel allows, else a named one), hashed and renamed or linked into place (the local
+store is scratch and is not fsynced: [decision 0008]); a permanent blob is then put to HA (durably, see
 :class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a
 dedup hit the existing local file is re-hashed before it is trusted (always before it is uploaded to
 HA); a corrupt one is replaced by the incoming, verified bytes.
