@@ -330,7 +330,7 @@ class Connection:
 
     def send_file(self, f: BinaryIO | int, n: int, head: dict[str, Any] | None = None) -> None:
         """Send exactly ``n`` bytes of ``f`` as a body: from a file's current offset, or from the start
-        of a file descriptor (whose offset is left alone). ``sendfile`` for the bytes, a tag computed
+        of a file descriptor. ``sendfile`` for the bytes, a tag computed
         over a read-only memory map of the same range (no copies) on a helper thread meanwhile. Bodies
         under 1 MiB go out as one read and one write instead. ``head``: a frame to send just before
         the body (small bodies go out in the same write)."""
@@ -339,6 +339,7 @@ class Connection:
                 self._send_range(f, 0, n, head)
             else:
                 with open(f, "rb", buffering=0, closefd=False) as wrapped:
+                    wrapped.seek(0)
                     self.send_file(wrapped, n, head)
             return
         start = f.tell()
