@@ -6,7 +6,7 @@ from pathlib import Path
 
 import xxhash
 
-__all__ = ["Hasher", "hash_file"]
+__all__ = ["Hasher", "hash_bytes", "hash_file"]
 
 _CHUNK = 4 << 20
 
@@ -22,6 +22,11 @@ class Hasher:
 
     def digest(self) -> bytes:
         return self._h.digest()
+
+
+def hash_bytes(data: bytes | memoryview) -> bytes:
+    """The xxh3-128 digest of ``data``."""
+    return xxhash.xxh3_128_digest(data)
 
 
 def hash_file(path: str | Path) -> bytes:

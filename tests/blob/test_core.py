@@ -266,6 +266,27 @@ def test_ha_store_detects_corruption(ha, tmp_path):
     assert ha.jobs() == ["j"]
 
 
+@pytest.mark.parametrize("ha", ["file"], indirect=True)
+@pytest.mark.parametrize("size", [5, 4096, 300_000, 3 << 20])  # small, one chunk, several chunks
+def test_a_client_refuses_bytes_that_do_not_match_the_key_it_asked_for(rig, size):
+    """The server serves a copy it verified once without hashing it again; a copy corrupted on its disk
+    since then reaches the client, which checks every byte against the key: get_bytes and
+    get_to_file raise ChecksumMismatchError naming the key, and nothing lands."""
+    data = os.urandom(size)
+    key = rig.client.put_bytes(data, "job-x")
+    assert rig.client.get_bytes(key, "job-x") == data
+    local = rig.server.local_path("job-x", key)
+    with open(local, "r+b") as f:  # bit rot, same size
+        f.seek(size // 2)
+        f.write(bytes([data[size // 2] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match=str(key)):
+        rig.client.get_bytes(key, "job-x")
+    with pytest.raises(ChecksumMismatchError, match=str(key)):
+        rig.client.get_to_file(key, rig.tmp / "got", "job-x")
+    assert not (rig.tmp / "got").exists()
+    local.write_bytes(data)
+    assert rig.client.get_bytes(key, "job-x") == data, "the connection is still usable"
+
 
 def test_verified_copy_reports_the_bytes_copied_on_both_paths(tmp_path):
     from sparksteward.blob.cache import _KernelCopier

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import Hasher
+from sparksteward.hashing import hash_bytes
 from sparksteward.blob.store import verified_copy
 from sparksteward.errors import ChecksumMismatchError, ProtocolError, StewardError
 from sparksteward.wire import Connection, RawReader
@@ -113,17 +113,21 @@ class BlobClient:
     def get_bytes(self, key: BlobKey | str, job_id: str | None = None) -> bytes:
         """Download a blob into memory, verified."""
         key, reader = self._open_stream(key, job_id)
-        parts, h = [], Hasher()
         try:
-            while len(chunk := reader.read(1 << 22)):
-                h.update(chunk)
-                parts.append(bytes(chunk))
+            data = bytes(reader.read(1 << 22))
+            if reader.left:  # more than one chunk
+                parts = [data]
+                while len(chunk := reader.read(1 << 22)):
+                    parts.append(bytes(chunk))
+                data = b"".join(parts)
+            else:
+                reader.read(1)  # the end: the tag is verified (a small body's already is)
         except BaseException:
             reader.conn.broken = True
             raise
-        if h.digest() != key.digest:
+        if hash_bytes(data) != key.digest:
             raise ChecksumMismatchError(f"blob {key} from the BlobServer does not match its key")
-        return b"".join(parts)
+        return data
 
     def acquire(self, key: BlobKey | str, job_id: str | None = None) -> int:
         return self._request("blob.acquire", key=str(key), job_id=job_id)["refs"]
