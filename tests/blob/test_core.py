@@ -12,6 +12,7 @@ import time
 import pytest
 
 from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, BlobNotFoundError, ChecksumMismatchError, InvalidIdError
@@ -134,6 +135,38 @@ def test_32_concurrent_requests_cause_one_transfer(rig):
     for t in threads:
         t.join()
     assert results == [True] * 32 and cache.stats["transfers"] == 1 and rig.server.stats["served"] == 1
+
+
+@pytest.mark.parametrize("ha", ["file"], indirect=True)
+@pytest.mark.parametrize("size", [4096, 3 << 20])
+def test_concurrent_uploads_of_one_blob_place_it_once_and_all_get_its_key(rig, size):
+    """Eight clients, each on its own connection, stream the same bytes at once: one staged file is
+    linked into place, the others find it there (dedup), every client gets the key, and no staged
+    file is left."""
+    data = os.urandom(size)
+    conns = [Connection.connect(rig.sock.endpoint, rig.secret) for _ in range(8)]
+    barrier = threading.Barrier(8)
+    keys: list[BlobKey] = []
+
+    def upload(conn):
+        barrier.wait()
+        keys.append(BlobClient(lambda: conn).put_bytes(data, "job-c2", permanent=True))
+
+    try:
+        threads = [threading.Thread(target=upload, args=(c,)) for c in conns]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        for c in conns:
+            c.close()
+    assert len(keys) == 8 and len(set(keys)) == 1
+    assert rig.server.stats["uploads"] == 1 and rig.server.stats["dedup"] == 7
+    assert rig.server.local_path("job-c2", keys[0]).read_bytes() == data and rig.ha.exists("job-c2", keys[0])
+    wait_until(lambda: not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server._spare),
+               what="no staged file left")
+    assert rig.client.get_bytes(keys[0], "job-c2") == data
 
 
 @pytest.mark.parametrize("same_host", [True, False], ids=["kernel-copy", "socket-stream"])
@@ -309,6 +342,7 @@ def test_verified_copy_reports_the_bytes_copied_on_both_paths(tmp_path):
 _CHILD = r"""
 import sys
 from sparksteward.blob.cache import BlobCache
+from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
 from sparksteward.blob.store import VoidBlobStore
 BlobCache(sys.argv[1], VoidBlobStore(), sys.argv[2], sys.argv[3]).open("job-k", BlobKey.parse(sys.argv[4]))

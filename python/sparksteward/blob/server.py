@@ -78,11 +78,7 @@ def _key(f: Fields) -> BlobKey:
 
 
 def _btype(f: Fields) -> BlobType:
-    value = f.req.get("type")
-    if value is None:
-        return BlobType.TRANSIENT
-    btype = TYPES_BY_VALUE.get(value) if isinstance(value, str) else None
-    return btype if btype is not None else BlobType(f.text("type", choices=tuple(TYPES_BY_VALUE)))  # refused by name
+    return TYPES_BY_VALUE[f.text("type", default="t", choices=("p", "t"))]
 
 
 def _job(value: object) -> str | None:

@@ -400,11 +400,7 @@ class Connection:
         (``on_chunk`` sees each chunk); the body's tag is verified before the last chunk is written
         (AuthenticationError if it fails). A small body and its tag are taken in one receive."""
         if n + TAG_SIZE < _READ_AHEAD:
-            h = self._body_mac(self._in, n)
-            data = memoryview(self.recv_exact(n + TAG_SIZE))
-            body = data[:n]
-            h.update(body)
-            self._verify_body(h, n, data[n:])
+            body = self._recv_whole_body(self._body_mac(self._in, n), n)
             write_all(f, body)
             if on_chunk is not None:
                 on_chunk(body)
@@ -414,6 +410,13 @@ class Connection:
             write_all(f, chunk)
             if on_chunk is not None:
                 on_chunk(chunk)
+
+    def _recv_whole_body(self, h: Any, n: int) -> memoryview:
+        """A small body and its tag in one receive, ``h`` (its MAC) verified: the body's bytes."""
+        data = memoryview(self.recv_exact(n + TAG_SIZE))
+        h.update(data[:n])
+        self._verify_body(h, n, data[n:])
+        return data[:n]
 
     # --- client side -----------------------------------------------------------------------------
     @classmethod
@@ -567,11 +570,8 @@ class RawReader:
             self._finish()
             return b""
         if self.left == self.size < min(n, _PARALLEL_MAC):  # small: body and tag in one receive
-            data = memoryview(self.conn.recv_exact(self.size + TAG_SIZE))
-            self._mac.update(data[:self.size])
             self.left, self._verified = 0, True
-            self.conn._verify_body(self._mac, self.size, data[self.size:])
-            return data[:self.size]
+            return self.conn._recv_whole_body(self._mac, self.size)
         if not self._bufs:
             cap = min(_CHUNK, max(self.size, 1))
             self._bufs = [bytearray(cap)] + ([bytearray(cap)] if self.size > cap else [])
