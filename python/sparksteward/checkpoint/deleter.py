@@ -11,8 +11,12 @@ The coordinator decides *what* goes (reference counts, retention, leases); the d
   never points at deleted files; recovery subsumes it again).
 - **Checked again just before the delete.** A file that a record references again (``needed``), that
   a pending ack or an open ``across`` file holds (``held``), or that an ack referenced since the job
-  was queued (:meth:`note_acked`) is skipped. Under the writer lease only: another writer may hold the
-  state now.
+  was queued (:meth:`note_acked`) is skipped.
+- **Fenced before every delete request** (decision 0013): the writer lease is checked before each
+  record (and the claimed source record) and before each data file, not once per job. A writer whose
+  renewals failed, or whose lease another application took over, stops at its next delete, in the
+  middle of a long job too; the rest of that job and every later job stay (a record that was not
+  deleted keeps its files, as a failed one does).
 - **A record never completes on a deleted file.** Every path handed to a delete is remembered
   (:meth:`deleted_among`, at most ``_MAX_DELETED``); :meth:`wait_idle_for` lets ``complete()`` wait for
   a delete in progress of a file it references, then look whether the file exists.
@@ -174,37 +178,52 @@ class FileDeleter:
                     self._changed.notify_all()
 
     def _run(self, job: _Job) -> None:
-        """One job: the record, then the files still unneeded (under the lease, and only if the record
-        they wait for is gone). The storage I/O runs outside the lock unless the caller holds it."""
-        files: list[str] = []
+        """One job: the record, then the files still unneeded (only if the record they wait for is gone,
+        each after a lease check). The storage I/O runs outside the lock unless the caller holds it."""
+        if job.checkpoint_id is not None:
+            self._run_record(job)
+        if not job.files:
+            return
         with self._lock:
             if job.after in self._failed_records:
                 log.warning("not deleting %d files of %s: the record they belonged to could not be "
                             "deleted (the orphan sweep retries once it is)", len(job.files), self.storage.state)
-            elif job.files:
-                try:
-                    self.lease.check()
-                    files = job.files
-                except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
-                    log.warning("not deleting %d files of %s: %s", len(job.files), self.storage.state, exc)
-        if job.checkpoint_id is not None:
-            self._run_record(job)
-        if files:
-            with self._lock:
-                held = self._held()
-                self._acked_since = set()
-            for path in files:
-                self._delete_one(path, held)
+                return
+            held = self._held()
+            self._acked_since = set()
+        for i, path in enumerate(job.files):
+            if not self._fenced(f"{len(job.files) - i} of {len(job.files)} files"):
+                return
+            self._delete_one(path, held)
+
+    def _fenced(self, what: str) -> bool:
+        """Whether this process may still delete in the state root (the lease, checked before every
+        delete request); if not, log that ``what`` stays."""
+        try:
+            self.lease.check()
+            return True
+        except CheckpointError as exc:   # another writer may hold the state now: not ours to delete
+            log.warning("not deleting %s of %s: %s", what, self.storage.state, exc)
+            return False
 
     def _run_record(self, job: _Job) -> None:
+        """The record, then the source record it claimed, each after a lease check. A record that stays
+        (fenced, or its delete failed) keeps the files queued after it; recovery subsumes it again."""
         assert job.checkpoint_id is not None  # the caller's guard
+        cid = job.checkpoint_id
         try:
-            self.storage.delete_checkpoint_dir(job.checkpoint_id)
-            if job.record is not None:
-                self._delete_claimed_record(job.record)
+            deleted = self._fenced(f"checkpoint {cid} (its record and its files)")
+            if deleted:
+                self.storage.delete_checkpoint_dir(cid)
+            if deleted and job.record is not None:
+                deleted = self._fenced(f"the source record checkpoint {cid} claimed (and its files)")
+                if deleted:
+                    self._delete_claimed_record(job.record)
         except Exception as exc:  # noqa: BLE001 - the record stays (recovery subsumes it again), its files too
-            log.warning("deleting checkpoint %s of %s failed (recovery subsumes it again): %s", job.checkpoint_id,
+            log.warning("deleting checkpoint %s of %s failed (recovery subsumes it again): %s", cid,
                         self.storage.state, exc)
+            deleted = False
+        if not deleted:
             with self._lock:
                 self._failed_records.add(job.seq)
 
