@@ -12,7 +12,11 @@ after the release marks it, the next pass deletes its local copy, so it lives be
 orphans (``retain_jobs``: blobs of jobs that are gone) and job-less blobs, whose HA copies staged
 cleanup deletes too. A failed HA delete is logged and retried on the next pass; it never stops the
 pass. ``delete_job`` removes a job's directory from local and HA storage whatever the counts say;
-executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs.
+executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs. A put of the job is
+ordered against it (a forced re-run may put while the old run's cleanup deletes): a put waits while
+the job's delete runs, and a put that was storing when the delete began stores its copies again after
+it, so an acknowledged permanent put always has its HA copy unless it finished before the delete
+began.
 
 Every upload is staged as the server's own file (moved into ``incoming/``, or copied, never
 hard-linked, so the caller cannot change it afterwards; a streamed one into an unnamed ``O_TMPFILE``
@@ -29,7 +33,9 @@ copy it in-kernel into their own, independently verified file; if that path is n
 (another mount namespace) they ask again for a stream.
 
 Thread-safety: one lock guards the bookkeeping; a lock per key (:class:`KeyedLocks`, which forgets
-free keys) serializes placing, refilling and deleting a blob. ``close`` joins the cleanup thread.
+free keys) serializes placing, refilling and deleting a blob. A gate per job (:class:`JobGate`) lets
+the puts and refills of a job run side by side and ``delete_job`` of it run alone; it is taken before
+the key lock. ``close`` joins the cleanup thread.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from typing import Any
 
 from sparksteward.blob.key import TYPES_BY_VALUE, BlobKey, BlobType
 from sparksteward.hashing import Hasher, hash_file
-from sparksteward.blob.locks import KeyedLocks
+from sparksteward.blob.locks import JobGate, KeyedLocks
 from sparksteward.blob.store import job_dir_name
 from sparksteward.blob.url import BlobUrl
 from sparksteward.errors import BlobNotFoundError, ConfigError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
@@ -174,6 +180,8 @@ class BlobServer:
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._key_locks = KeyedLocks()
+        # puts and refills of a job against delete_job of it (see _place and delete_job)
+        self._job_gate = JobGate(on_wait=self._count_gate_wait)
         self._refs: collections.Counter[Ref] = collections.Counter()
         self._verified: set[Ref] = set()
         self._marked: set[Ref] = set()     # released, deleted at the next pass
@@ -200,6 +208,11 @@ class BlobServer:
         self._spare_low = threading.Event()
         self._spare_thread = threading.Thread(target=self._make_spares, name="steward-blob-stage", daemon=True)
         self._spare_started = False
+
+    def _count_gate_wait(self, what: str) -> None:
+        # job_gate_waits: puts and refills that wait for their job's delete; job_delete_waits: deletes
+        # that wait for the puts and refills of their job inside
+        self.stats["job_gate_waits" if what == "enter" else "job_delete_waits"] += 1
 
     # --- storage -----------------------------------------------------------------------------
     def local_path(self, job_id: str | None, key: BlobKey) -> Path:
@@ -289,10 +302,41 @@ class BlobServer:
         """Make the staged file, whose content hashes to ``digest``, the blob's local copy (or drop it
         if an intact copy is there) and, for a permanent blob, put it to HA. ``staged`` is a path, or
         the fd of an unnamed file (which the caller closes). On success a named ``staged`` is gone;
-        after an error the caller removes it."""
+        after an error the caller removes it.
+
+        Ordered against :meth:`delete_job` of the job (its :class:`JobGate`): a put waits while the job
+        is being deleted, and one that was storing when the delete began stores its copies again after
+        it, so the put is acknowledged only with copies the delete does not remove."""
         key = BlobKey(btype, digest)
         ref = (job_id, key)
         dest = self._local(job_id, key)
+        gate = self._job_gate
+        gate.enter(job_id)
+        try:
+            self._store(staged, job_id, key, ref, dest)
+        except BaseException:
+            gate.leave(job_id)
+            raise
+        if gate.try_leave(job_id):
+            return key, size
+        # delete_job(job_id) began while this put was storing, and deletes its copies as soon as it
+        # leaves: keep the bytes (a second name of the local copy, the server's own file, in incoming/)
+        # and store them again once the delete is done: the put is ordered after the delete
+        try:
+            again = self._stage_path()
+            os.link(dest, again)
+        finally:
+            gate.leave(job_id)
+        self.stats["puts_after_delete"] += 1
+        log.info("a put of %s for job %s overlapped the job's delete; storing it again after the delete", key, job_id)
+        try:
+            return self._place(again, job_id, btype, digest, size)
+        except BaseException:
+            _unlink_quietly(again)
+            raise
+
+    def _store(self, staged: str | int, job_id: str | None, key: BlobKey, ref: Ref, dest: str) -> None:
+        """:meth:`_place`'s work, inside the job's gate."""
         with self._key_locks[ref]:
             with self._lock:
                 self._deleted_jobs.pop(job_id, None)  # a forced re-run stores blobs under the job again
@@ -335,7 +379,6 @@ class BlobServer:
                     self._verified.discard(ref)
                     _unlink_quietly(dest)  # acknowledged only when the HA copy is durable
                     raise
-        return key, size
 
     def _commit(self, staged: str, dest: str) -> None:
         """Rename a staged, verified file into place (scratch storage: no fsync, see decision 0008)."""
@@ -389,6 +432,14 @@ class BlobServer:
 
     def _ensure_local(self, job_id: str | None, key: BlobKey) -> str:
         job_id = _job(job_id)
+        # inside the job's gate: a refill from HA never lands after delete_job removed the local copies
+        self._job_gate.enter(job_id)
+        try:
+            return self._ensure_local_in_gate(job_id, key)
+        finally:
+            self._job_gate.leave(job_id)
+
+    def _ensure_local_in_gate(self, job_id: str | None, key: BlobKey) -> str:
         path = self._local(job_id, key)
         with self._key_locks[(job_id, key)]:
             exists = os.path.exists(path)
@@ -495,22 +546,30 @@ class BlobServer:
                 log.exception("staged blob cleanup failed")
 
     def delete_job(self, job_id: str | None) -> None:
-        """Delete a job's blobs from local and HA storage, whatever their counts (idempotent)."""
+        """Delete a job's blobs from local and HA storage, whatever their counts (idempotent).
+
+        Runs alone in the job's :class:`JobGate`: it waits for the puts and refills of the job that are
+        inside, and new ones wait for it, so nothing of the job is stored between its local and its HA
+        delete. A put that was storing when it began stores its copies again after it (see
+        :meth:`_place`). A put that finished before it began is deleted with the job.
+        """
         job_id = _job(job_id)
-        with self._lock:
-            for ref in [r for r in list(self._refs) + list(self._marked) + list(self._released) if r[0] == job_id]:
-                self._refs.pop(ref, None)
-                self._marked.discard(ref)
-                self._released.discard(ref)
-            self._verified = {r for r in self._verified if r[0] != job_id}
-            self._orphans = {r for r in self._orphans if r[0] != job_id}
-            self._libraries = [lib for lib in self._libraries if lib["job_id"] != job_id]
-            self._deleted_jobs[job_id] = None
-            self._deleted_jobs.move_to_end(job_id)
-            while len(self._deleted_jobs) > _DELETED_JOBS_KEPT:
-                self._deleted_jobs.popitem(last=False)
-        shutil.rmtree(self.dir / job_dir_name(job_id), ignore_errors=True)
-        self.ha.delete_job(job_id)
+        with self._job_gate.alone(job_id):
+            with self._lock:
+                for ref in [r for r in list(self._refs) + list(self._marked) + list(self._released)
+                            if r[0] == job_id]:
+                    self._refs.pop(ref, None)
+                    self._marked.discard(ref)
+                    self._released.discard(ref)
+                self._verified = {r for r in self._verified if r[0] != job_id}
+                self._orphans = {r for r in self._orphans if r[0] != job_id}
+                self._libraries = [lib for lib in self._libraries if lib["job_id"] != job_id]
+                self._deleted_jobs[job_id] = None
+                self._deleted_jobs.move_to_end(job_id)
+                while len(self._deleted_jobs) > _DELETED_JOBS_KEPT:
+                    self._deleted_jobs.popitem(last=False)
+            shutil.rmtree(self.dir / job_dir_name(job_id), ignore_errors=True)
+            self.ha.delete_job(job_id)
         log.info("deleted the blobs of job %s (local and HA)", job_id)
 
     def deleted_jobs(self, job_ids: list[str | None]) -> list[str | None]:
