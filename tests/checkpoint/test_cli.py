@@ -5,12 +5,13 @@ from __future__ import annotations
 import sys
 
 import orjson
+import pytest
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 
-from tests.helpers.checkpoint import BATCHES, M, P, run_batch
+from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 from tests.helpers.terminal import FakeTerminal
 
 
@@ -51,6 +52,61 @@ def test_gc_deletes_only_old_unreferenced_files(tmp_path, store_url, capsys):
     storage.location.write_atomic(storage.metadata_path(5), b'{"version": 2}')
     assert main(["checkpoints", "gc", store_url, "clicks", "--min-age", "0s"]) == 2
     assert "not collecting garbage" in capsys.readouterr().err and storage.shared_files() == before
+
+
+def test_gc_refuses_a_live_writer_and_its_in_flight_uploads_stay(tmp_path, store_url, capsys):
+    """A writer's uploads that no record references yet (acked, not completed) are not orphans: gc refuses
+    while the writer's lease may be live, naming it, even with --min-age 0s, and the checkpoint that
+    completes on those uploads restores exactly."""
+    from sparksteward.checkpoint.lease import StateLease
+
+    storage = CheckpointStorage.open(store_url, "clicks")
+    lease = StateLease(storage.location, "clicks", application="app-stream", ttl=60)
+    lease.acquire()
+    coord = CheckpointCoordinator(storage, P, M, lease=lease)
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0])
+    coord.complete(0)
+    run_batch(coord, storage, tmp_path, 1, BATCHES[1])   # uploaded and acked: in flight
+    in_flight = storage.stored_files() - storage.read_metadata(0).physical_paths()
+    assert in_flight
+    for dry in ([], ["--dry-run"]):
+        assert main(["checkpoints", "gc", store_url, "clicks", "--min-age", "0s", *dry]) == 2
+        err = capsys.readouterr().err
+        assert "not collecting garbage in state 'clicks'" in err and "application app-stream" in err, err
+        assert len(err.splitlines()) == 1
+    assert in_flight <= storage.stored_files()
+    meta = coord.complete(1)
+    assert stored_counts(storage, meta, tmp_path, "gc") == expected_counts(BATCHES[:2])
+    lease.release()
+    assert main(["checkpoints", "gc", store_url, "clicks", "--min-age", "0s"]) == 0
+    assert "deleted" in capsys.readouterr().out
+    assert stored_counts(storage, meta, tmp_path, "gc2") == expected_counts(BATCHES[:2])
+
+
+def test_gc_holds_the_lease_while_it_deletes(tmp_path, store_url, capsys, monkeypatch):
+    """A writer starting while gc deletes is refused, naming gc: gc lists and deletes under the state's lease."""
+    from sparksteward.checkpoint.lease import StateLease, read_lease
+    from sparksteward.errors import StateLeaseError
+
+    storage = _state(tmp_path, store_url)
+    orphans = {f"shared/{i:032x}" for i in range(3)}
+    for p in orphans:
+        storage.location.fs.pipe_file(storage.location.path(*p.split("/")), b"orphan")
+    refused: list[str] = []
+    real = CheckpointStorage.delete_files
+
+    def delete(self, paths):
+        if not refused:
+            with pytest.raises(StateLeaseError) as exc:
+                StateLease(storage.location, "clicks", application="late", ttl=60).acquire()
+            refused.append(str(exc.value))
+        return real(self, paths)
+
+    monkeypatch.setattr(CheckpointStorage, "delete_files", delete)
+    assert main(["checkpoints", "gc", store_url, "clicks", "--min-age", "0s"]) == 0
+    assert "deleted 3 orphaned file(s)" in capsys.readouterr().out
+    assert "steward checkpoints gc" in refused[0]
+    assert not orphans & storage.stored_files() and read_lease(storage.location).released
 
 
 def test_show_lists_the_declared_variables_and_read_decodes_one(tmp_path, store_url, capsys):

@@ -10,12 +10,13 @@ import pytest
 
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import LEASE_FILE, StateLease, read_lease
-from sparksteward.checkpoint.removal import remove_state
+from sparksteward.checkpoint.removal import collect_garbage, remove_state
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, InvalidIdError, StateLeaseError, StorageError
 from sparksteward.owner import OwnerRecord
 from sparksteward.storage import open_location
+from sparksteward.testing.clock import FakeClock
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 
 pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
@@ -169,3 +170,33 @@ def test_the_lease_is_held_while_the_files_go(store_url, source, monkeypatch):
     monkeypatch.setattr(CheckpointStorage, "delete_files", delete)
     assert remove_state(store_url, "a").removed
     assert "steward checkpoints rm" in seen[0]
+
+
+def test_gc_stops_deleting_when_its_lease_is_taken_over(store_url, source, monkeypatch):
+    """gc renews and checks its lease before every delete: once its renewals fail for a ttl and another
+    application takes the state over, it deletes nothing more and says so."""
+    src, meta = source
+    loc = src.location
+    orphans = [f"shared/{i:032x}" for i in range(10)]
+    for p in orphans:
+        loc.write_atomic(loc.path(*p.split("/")), b"orphan")
+    ttl, clock = 30.0, FakeClock()
+    deletes: list[list[str]] = []
+    real = CheckpointStorage.delete_files
+
+    def delete(self, paths):
+        deletes.append(paths)
+        if len(deletes) == 3:   # no renewal of gc's got through for a ttl: another application takes over
+            clock.advance(ttl)
+            other = FakeClock()
+            StateLease(loc, "a", application="app-new", ttl=ttl, owner=ELSEWHERE, wall=lambda: time.time() + 2 * ttl,
+                       monotonic=other.now, sleep=other.sleep).acquire()
+        return real(self, paths)
+
+    monkeypatch.setattr(CheckpointStorage, "delete_files", delete)
+    with pytest.raises(StateLeaseError, match=r"stopped collecting garbage in state 'a' after 3 of 10 orphaned "
+                                              r"files: .*application app-new"):
+        collect_garbage(store_url, "a", min_age=0, lease_ttl=ttl, monotonic=clock.now)
+    assert len(deletes) == 3 and set(orphans[3:]) <= src.stored_files()
+    assert read_lease(loc).application == "app-new"
+    assert {f.path for f in meta.files()} <= src.stored_files()

@@ -11,8 +11,11 @@
   of a checkpoint, decoded with the declarations it recorded (``--limit`` rows, ``--json`` for JSON lines).
   Each subtask is restored into a scratch dir first; on a terminal, a progress line on stderr counts them;
 - ``gc <state>``: delete shared and merged files no retained checkpoint references and staged uploads left by a
-  crash, if they entered the state's directory more than ``--min-age`` ago (default 1h, so uploads of a
-  running query are never touched). A file's age counts from its latest timestamp: on a local store
+  crash, if they entered the state's directory more than ``--min-age`` ago (default 1h), under the state's
+  writer lease (:func:`~sparksteward.checkpoint.removal.collect_garbage`): refused while a writer may hold
+  it, naming the writer, since its uploads are unreferenced until its checkpoint completes, however old
+  they are; a writer starting during gc is refused, and one that takes the lease over stops it (``--dry-run``
+  takes no lease, but refuses a live writer too). A file's age counts from its latest timestamp: on a local store
   the later of mtime and ctime, since a hard link (a NO_CLAIM restore) keeps the source's old mtime
   but sets the ctime; on S3 its LastModified, which a CopyObject sets. A file without a timestamp is
   kept unless ``--min-age`` is 0. Nothing is deleted while any ``_metadata`` of the state is
@@ -39,10 +42,12 @@ Every ``<dir>`` but ``ls``'s and ``savepoint``'s is required; a state name must 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import orjson
 
@@ -50,7 +55,7 @@ from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.merging import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.removal import Removal, read_records, remove_state, subdirs
+from sparksteward.checkpoint.removal import Removal, collect_garbage, find_orphans, read_records, remove_state, subdirs
 from sparksteward.checkpoint.restore import write_savepoint
 from sparksteward.checkpoint.service import default_checkpoint_dir
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
@@ -65,20 +70,6 @@ from sparksteward.tables import table
 __all__ = ["add_subcommands", "find_orphans"]
 
 MB = 1 << 20
-
-
-def find_orphans(storage: CheckpointStorage, min_age: float, now: float) -> list[str]:
-    """Relative paths under ``shared/`` and ``merged/`` that no retained checkpoint references and that
-    entered the directory at least ``min_age`` seconds before ``now``."""
-    records, unreadable = read_records(storage)
-    if unreadable:
-        raise CheckpointError(f"not collecting garbage in {storage.url}: unreadable records "
-                              f"({'; '.join(unreadable)}). Fix or move them first")
-    referenced = set().union(*(m.physical_paths() for m in records.values())) if records else set()
-    # when each file entered the directory (CheckpointStorage.file_times: a hard link's ctime counts;
-    # a file without a timestamp never looks old)
-    return sorted(rel for rel, entered in storage.file_times().items()
-                  if rel not in referenced and (min_age <= 0 or now - entered >= min_age))
 
 
 def _config(args: argparse.Namespace) -> StewardConfig:
@@ -188,20 +179,37 @@ def _read(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    storage = _storage(args)
+    cfg = _config(args)
     try:
         min_age = parse_duration(args.min_age)
     except ValueError:
         raise ConfigError(f"--min-age {args.min_age!r} is not a duration such as 30s, 10min or 1h") from None
-    orphans = find_orphans(storage, min_age, time.time())
+    with _lease_said_once():
+        out = collect_garbage(args.dir, validate_id(args.state, "state name"), cfg.cluster_id, min_age=min_age,
+                              lease_ttl=cfg.checkpoint_lease_timeout, dry_run=args.dry_run, notice=_notice)
     if args.dry_run:
-        print(f"{len(orphans)} orphaned file(s) in {storage.url} (dry run)")
-        for p in orphans:
+        print(f"{len(out.files)} orphaned file(s) in {out.url} (dry run)")
+        for p in out.files:
             print(p)
         return 0
-    deleted = storage.delete_files(orphans)
-    print(f"deleted {deleted} orphaned file(s) in {storage.url}")
+    print(f"deleted {out.deleted} orphaned file(s) in {out.url}")
     return 0
+
+
+def _notice(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _lease_said_once() -> Iterator[None]:
+    """Taking a lease over is said by the command's notice, once: the lease's own log stays quiet."""
+    lease_log = logging.getLogger("sparksteward.checkpoint.lease")
+    level = lease_log.level
+    lease_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        lease_log.setLevel(level)
 
 
 def _print_removal(out: Removal, state: str, dry_run: bool) -> None:
@@ -226,19 +234,9 @@ def _print_removal(out: Removal, state: str, dry_run: bool) -> None:
 
 def _rm(args: argparse.Namespace) -> int:
     cfg = _config(args)
-
-    def notice(msg: str) -> None:
-        print(msg, file=sys.stderr)
-
-    lease_log = logging.getLogger("sparksteward.checkpoint.lease")
-    level = lease_log.level
-    lease_log.setLevel(logging.ERROR)   # taking the lease over is said by notice(), once
-    try:
-        with TerminalProgress(f"deleting the data files of {args.state}") as progress:
-            out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
-                               dry_run=args.dry_run, progress=progress, notice=notice)
-    finally:
-        lease_log.setLevel(level)
+    with _lease_said_once(), TerminalProgress(f"deleting the data files of {args.state}") as progress:
+        out = remove_state(args.dir, args.state, cfg.cluster_id, lease_ttl=cfg.checkpoint_lease_timeout,
+                           dry_run=args.dry_run, progress=progress, notice=_notice)
     _print_removal(out, args.state, args.dry_run)
     return 0
 
