@@ -83,6 +83,7 @@ def test_evolution_accepts_add_drop_and_widen():
     old = RowCodec("e", pa.struct([("a", pa.int32()), ("b", pa.string()), ("c", pa.float32())]), version=1)
     new = RowCodec("e", pa.struct([("a", pa.int64()), ("c", pa.float64()), ("d", pa.string())]), version=2)
     assert evolve(old.dtype, new.dtype) is None
+    assert evolve(pa.struct([pa.field("a", pa.int32(), nullable=False)]), pa.struct([("a", pa.int64())])) is None
     values, _ = old.decode(old.encode(pa.array([{"a": 1, "b": "x", "c": 0.5}], type=old.dtype)))
     assert old.project(values, new).to_pylist() == [{"a": 1, "c": 0.5, "d": None}]
 
@@ -93,6 +94,11 @@ def test_evolution_accepts_add_drop_and_widen():
     (pa.struct([("a", pa.int64())]), pa.int64(), "a struct and a single value"),
     (pa.struct([("a", pa.int64())]), pa.struct([("a", pa.int64()), pa.field("b", pa.int64(), nullable=False)]),
      "added as NOT NULL"),
+    (pa.struct([("a", pa.int64()), ("b", pa.string())]),
+     pa.struct([("a", pa.int64()), pa.field("b", pa.string(), nullable=False)]),
+     "field 'b' was nullable and is now declared NOT NULL"),
+    (pa.struct([("a", pa.int32())]), pa.struct([pa.field("a", pa.int64(), nullable=False)]),
+     "field 'a' was nullable and is now declared NOT NULL"),
 ])
 def test_evolution_refuses_the_rest_by_name(old, new, message):
     assert message in evolve(old, new)

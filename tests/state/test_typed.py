@@ -407,3 +407,17 @@ def test_hostile_declarations_from_a_peer_are_refused_by_name():
             StateSpec.from_json(bad)
     with pytest.raises(StateSchemaError, match="format"):
         variables_of({"format": 99, "variables": {}})
+
+
+def test_a_nullable_field_turned_not_null_is_refused_naming_the_variable_field_and_fix(backend):
+    """Issue 35 item 14: old values may hold nulls in a nullable field, which a NOT NULL type would
+    hand downstream as if it could not; the other way (NOT NULL to nullable) is accepted."""
+    rec = resolve(None, [value_state("last", "v int, note string")])
+    TypedStates(backend, rec, T0, 1).value("last").update("k", {"v": 1, "note": None})
+    with pytest.raises(StateSchemaError, match=r"keyed state 'counts': state variable 'last' cannot be read as "
+                                               r"declared: .*field 'note' was nullable and is now declared NOT NULL"
+                                               r".*declare 'note' without NOT NULL"):
+        resolve(rec, [value_state("last", "v int, note string NOT NULL")], state="counts")
+    strict = resolve(None, [value_state("last", "v int NOT NULL")])
+    loose = resolve(strict, [value_state("last", "v bigint")])
+    assert loose["variables"]["last"]["current"] == 2

@@ -431,7 +431,8 @@ def var_buffers(col: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 def evolve(old: pa.DataType, new: pa.DataType) -> str | None:
     """None when a value declared ``old`` can be read as ``new``; else what is wrong (a field whose
-    type changed other than by widening, or a struct turned into a scalar or back)."""
+    type changed other than by widening, a field added or turned NOT NULL, or a struct turned into a
+    scalar or back). A NOT NULL field may become nullable."""
     old_fields, old_struct = _fields_of(old)
     new_fields, new_struct = _fields_of(new)
     if old_struct != new_struct:
@@ -443,6 +444,10 @@ def evolve(old: pa.DataType, new: pa.DataType) -> str | None:
             if not f.nullable:
                 return f"field {f.name!r} was added as NOT NULL: an added field must be nullable (old values read null)"
             continue
+        if was.nullable and not f.nullable:
+            return (f"field {f.name!r} was nullable and is now declared NOT NULL: values stored before may hold "
+                    f"nulls there, which a NOT NULL type would hand on as if they could not; declare {f.name!r} "
+                    f"without NOT NULL")
         a, b = _storable(was.type), _storable(f.type)
         if a != b and b not in _WIDER.get(a, ()):
             what = f"field {f.name!r} changed" if new_struct else "its type changed"
