@@ -409,6 +409,36 @@ def test_hostile_declarations_from_a_peer_are_refused_by_name():
         variables_of({"format": 99, "variables": {}})
 
 
+def _names_in(backend):
+    """The state names of every key in the DB, expiry-index keys included (by the entry they index)."""
+    from sparksteward.state.encoding import split_key
+
+    return [split_key(k[:2] + k[11:] if k[2:3] == KIND_EXPIRY else k)[2] for k, _ in backend.iter_raw()]
+
+
+def test_a_drop_removes_the_variables_expiry_index_keys_too(backend):
+    """Issue 35 item 15: dropping variables with a TTL (up to 100 years) deletes their expiry-index keys
+    with their entries; another variable's index keys stay."""
+    keys = [f"k{i:03d}" for i in range(80)]
+    specs = [value_state("v", "bigint", ttl=dt.timedelta(days=100 * 365)), list_state("l", "bigint", ttl=3600),
+             map_state("m", "string", "bigint", ttl=3600), value_state("kept", "bigint", ttl=3600)]
+    rec = resolve(None, specs)
+    st = TypedStates(backend, rec, T0, 1)
+    st.value("v").put_many(keys, list(range(80)))
+    st.value("v").update("one", 1)
+    st.list("l").append_many(keys, list(range(80)))
+    st.list("l").append("one", 1)
+    st.map("m").put_many(keys, keys, list(range(80)))
+    st.map("m").put("one", "a", 1)
+    st.value("kept").put_many(keys, list(range(80)))
+    assert len(_index_keys(backend)) == 4 * 81 - 1
+    dropped = resolve(rec, [], delete=["v", "l", "m"])["dropped"]
+    drop_variables(backend, dropped)
+    assert sorted(set(_names_in(backend))) == ["kept"]
+    assert len(_index_keys(backend)) == 80
+    assert sweep_expired(backend, T0 + 10 * 3600_000).deleted == 80   # the kept variable still expires
+
+
 def test_a_nullable_field_turned_not_null_is_refused_naming_the_variable_field_and_fix(backend):
     """Issue 35 item 14: old values may hold nulls in a nullable field, which a NOT NULL type would
     hand downstream as if it could not; the other way (NOT NULL to nullable) is accepted."""

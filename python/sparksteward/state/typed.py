@@ -778,18 +778,39 @@ def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries:
 
 
 def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
-    """Delete every entry of the variables ``names`` (``delete_states``) in the backend's key groups;
-    returns the range deletions written."""
+    """Delete every entry of the variables ``names`` (``delete_states``) in the backend's key groups,
+    with their expiry-index keys; returns the range deletions written plus the index keys deleted.
+
+    The index is ordered by expiry, not by variable, so finding a variable's index keys reads the
+    whole index of each key group once (one pass for all ``names``); a drop runs once per variable.
+    Running it again deletes nothing more."""
+    middles = tuple(state_middle(kind, name) for name in names for kind in (KIND_VALUE, KIND_LIST, KIND_MAP))
+    if not middles:
+        return 0
     wb = rocksdict.WriteBatch(raw_mode=True)
     n = 0
-    for name in names:
-        for kind in (KIND_VALUE, KIND_LIST, KIND_MAP):
-            for g in range(backend.key_groups.start, backend.key_groups.stop):
-                prefix = key_prefix(g, kind, name, b"")[:-4]
-                wb.delete_range(prefix, _prefix_upper(prefix))
-                n += 1
-    if n:
-        backend.db.write(wb)
+    db = backend.db
+    start = 3 + _EXPIRY_LEN   # an index key: group, 'x', expiry, then the entry's key from its kind on
+    for g in range(backend.key_groups.start, backend.key_groups.stop):
+        gb = g.to_bytes(2, "big")
+        for middle in middles:
+            wb.delete_range(gb + middle, _prefix_upper(gb + middle))
+            n += 1
+        lower = gb + KIND_EXPIRY
+        ro = rocksdict.ReadOptions()
+        ro.set_iterate_upper_bound(_prefix_upper(lower))
+        it = db.iter(ro)
+        try:
+            it.seek(lower)
+            while it.valid():
+                ik = it.key()
+                if ik.startswith(middles, start):
+                    wb.delete(ik)
+                    n += 1
+                it.next()
+        finally:
+            del it
+    db.write(wb)
     return n
 
 
