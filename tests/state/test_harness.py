@@ -87,3 +87,29 @@ def test_a_restart_evolves_or_refuses_a_declaration_by_name():
         before = h.entries()
         h.restart(delete_states=["last"])
         assert "last" not in h.record["variables"] and h.entries() == before - 1
+
+
+def test_a_restart_with_the_same_arrow_declarations_keeps_their_versions():
+    """Issue 35 item 13: map keys declared pa.timestamp("ms") and values declared pa.large_string()
+    reopen with the same declarations (they were refused, or got a new version at every restart)."""
+    import datetime as dt
+
+    specs = [map_state("by_ts", pa.timestamp("ms"), pa.large_string()), value_state("s", pa.large_string()),
+             list_state("l", pa.struct([("t", pa.timestamp("ms", tz="UTC")), ("b", pa.large_binary())]))]
+    when = dt.datetime(2026, 11, 25, 12, 0, 1)
+
+    def fn(key, rows, state):
+        state.map("by_ts").put(when, "v")
+        state.value("s").update("w")
+        state.list("l").append({"t": when.replace(tzinfo=dt.timezone.utc), "b": b"x"})
+        return None
+
+    with KeyedStateHarness(fn, key="k", schema="k string", states=specs) as h:
+        h.process([{"k": "a"}])
+        before = h.record
+        h.restart(states=specs)
+        h.restart(states=specs)
+        assert h.record == before
+        assert {n: v["current"] for n, v in h.record["variables"].items()} == {"by_ts": 1, "l": 1, "s": 1}
+        assert h.map("by_ts").items("a") == [(when, "v")] and h.value("s").get("a") == "w"
+        assert h.list("l").get("a") == [{"t": when.replace(tzinfo=dt.timezone.utc), "b": b"x"}]

@@ -439,6 +439,71 @@ def test_a_drop_removes_the_variables_expiry_index_keys_too(backend):
     assert sweep_expired(backend, T0 + 10 * 3600_000).deleted == 80   # the kept variable still expires
 
 
+#: every type a declaration accepts: each DDL name, the Arrow types typed values store, structs of them
+_UNITS = ("s", "ms", "us", "ns")
+_ACCEPTED = [
+    *(parse_ddl(n) for n in ("boolean", "tinyint", "smallint", "int", "bigint", "float", "double", "string",
+                             "binary", "date", "timestamp", "timestamp_ntz", "a int, b string NOT NULL")),
+    pa.bool_(), pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.float32(), pa.float64(), pa.date32(),
+    pa.string(), pa.large_string(), pa.binary(), pa.large_binary(),
+    *(pa.timestamp(u, tz=tz) for u in _UNITS for tz in (None, "UTC", "Europe/Paris", "+01:00")),
+    pa.struct([("t", pa.timestamp("ms")), ("s", pa.large_string()), pa.field("b", pa.large_binary(), nullable=False),
+               ("z", pa.timestamp("ns", tz="Asia/Tokyo")), ("d", pa.date32()), ("f", pa.float32())]),
+]
+
+
+def _sample(t):
+    """One value of type ``t`` that every unit holds exactly."""
+    if pa.types.is_struct(t):
+        return {f.name: _sample(f.type) for f in t}
+    if pa.types.is_timestamp(t):
+        return dt.datetime(2026, 11, 25, 12, 30, 1, tzinfo=dt.timezone.utc if t.tz else None)
+    if pa.types.is_date(t):
+        return dt.date(2026, 11, 25)
+    if pa.types.is_boolean(t):
+        return True
+    if pa.types.is_integer(t):
+        return 7
+    if pa.types.is_floating(t):
+        return 1.5
+    return b"ab" if pa.types.is_binary(t) or pa.types.is_large_binary(t) else "ab"
+
+
+def _accepted_with_pyspark():
+    try:
+        from pyspark.sql import types as T
+    except ImportError:   # pragma: no cover - pyspark is a test dependency
+        return []
+    return [T.BooleanType(), T.ByteType(), T.ShortType(), T.IntegerType(), T.LongType(), T.FloatType(),
+            T.DoubleType(), T.StringType(), T.BinaryType(), T.DateType(), T.TimestampType(), T.TimestampNTZType(),
+            T.StructType([T.StructField("a", T.LongType()), T.StructField("t", T.TimestampType(), False)])]
+
+
+def test_every_accepted_type_reopens_with_the_same_declaration_at_the_same_version(backend):
+    """Issue 35 item 13: the record normalises a type (timestamps to microseconds, large strings to
+    strings); opening again with the very same declaration, as objects or as the JSON a client sends,
+    keeps every variable at its version for every type a declaration accepts (map keys included), and
+    reads back what was written."""
+    declared = [*_ACCEPTED, *_accepted_with_pyspark()]
+    for i, t in enumerate(declared):
+        specs = [value_state("v", t), list_state("l", t), map_state("m", t, t), map_state("mv", "string", t)]
+        rec = resolve(None, specs)
+        assert resolve(rec, specs) == rec, t
+        assert resolve(rec, [s.to_json() for s in specs]) == rec, t
+        assert resolve(resolve(rec, [value_state("other", "bigint")]), specs)["variables"] == {
+            **rec["variables"], "other": resolve(None, [value_state("other", "bigint")])["variables"]["other"]}, t
+        arrow = specs[0].type
+        sample = pa.array([_sample(arrow)], arrow)
+        key = f"t{i}"
+        st = TypedStates(backend, rec, T0, i + 1)
+        st.value("v").put_many([key], sample)
+        st.map("m").put_many([key], sample, sample)
+        reopened = TypedStates(backend, resolve(rec, specs), T0, i + 1)
+        got = reopened.value("v").get_many([key])
+        assert got.equals(sample.cast(got.type)), t
+        assert reopened.map("m").get_many([key], sample).equals(got), t
+
+
 def test_a_nullable_field_turned_not_null_is_refused_naming_the_variable_field_and_fix(backend):
     """Issue 35 item 14: old values may hold nulls in a nullable field, which a NOT NULL type would
     hand downstream as if it could not; the other way (NOT NULL to nullable) is accepted."""

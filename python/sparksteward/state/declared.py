@@ -24,7 +24,9 @@ moves when the entry is created or written, Flink's ``OnCreateAndWrite``) or ``"
      "dropped": ["old"]}
 
 ``types`` holds every schema version a stored value may have been written with: a value is decoded
-with its own version's type, then projected to the current one (:mod:`sparksteward.state.rows`). A
+with its own version's type, then projected to the current one (:mod:`sparksteward.state.rows`).
+Declarations are compared in their recorded form (a timestamp of any unit in microseconds, a large
+string as a string), so the same declaration always keeps its version. A
 declaration whose type differs from the current one becomes a new version when every recorded version
 can be read as it (add a nullable field, drop a field, widen a number); anything else is refused by
 name. A variable the state no longer declares is kept, as Flink keeps undeclared state; one named in
@@ -160,7 +162,10 @@ def arrow_type(t: Any, what: str) -> pa.DataType:
         try:
             from pyspark.sql.pandas.types import to_arrow_type
 
-            return to_arrow_type(t)
+            try:   # pyspark 4 asks for the zone of a timestamp: its instants are kept in UTC, as the DDL's
+                return to_arrow_type(t, timezone="UTC")
+            except TypeError:   # pyspark 3 has no such argument and takes UTC
+                return to_arrow_type(t)
         except Exception as exc:  # noqa: BLE001 - pyspark raises its own error types here
             raise StateSchemaError(f"{what}: the type {t.simpleString()} has no Arrow equivalent: {exc}") from None
     raise StateSchemaError(f"{what}: the type {t!r} must be a Spark DDL string like 'bigint' or 'ts timestamp, v "
@@ -351,7 +356,9 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
     (see the module docstring); raises :class:`StateSchemaError` naming what cannot be opened."""
     where = f"keyed state {state!r}: " if state else ""
     old = variables_of(recorded)
-    declared = [s if isinstance(s, StateSpec) else StateSpec.from_json(s) for s in specs]
+    # compared in their recorded form: the record keeps a timestamp in microseconds, a large string as a
+    # string (type_to_json), and the tasks read the record's types
+    declared = [StateSpec.from_json(s.to_json() if isinstance(s, StateSpec) else s) for s in specs]
     seen: set[str] = set()
     for s in declared:
         if s.name in seen:
