@@ -113,3 +113,19 @@ def test_a_restart_with_the_same_arrow_declarations_keeps_their_versions():
         assert {n: v["current"] for n, v in h.record["variables"].items()} == {"by_ts": 1, "l": 1, "s": 1}
         assert h.map("by_ts").items("a") == [(when, "v")] and h.value("s").get("a") == "w"
         assert h.list("l").get("a") == [{"t": when.replace(tzinfo=dt.timezone.utc), "b": b"x"}]
+
+
+def test_a_name_dropped_then_declared_anew_takes_a_new_version_and_starts_empty():
+    """Issue 35 item 11 in the harness: a drop asked twice stays a drop, and the name declared again
+    with another type never reuses the version its old bytes were written with."""
+    def fn(key, rows, state):
+        state.value("x").update("abcd")
+        return None
+
+    with KeyedStateHarness(fn, key="k", schema="k string", states=[value_state("x", "string")]) as h:
+        h.process([{"k": "a"}])
+        h.restart(delete_states=["x"])
+        h.restart(delete_states=["x"])
+        assert h.entries() == 0 and h.record["dropped"] == []
+        h.restart(states=[value_state("x", "bigint")])
+        assert h.record["variables"]["x"]["current"] == 2 and h.value("x").get("a") is None

@@ -227,3 +227,135 @@ def test_declarations_survive_a_restart_evolve_and_are_read_before_the_first_bat
         assert sorted(table.to_pylist(), key=lambda r: r["key"])[0] == {"key": "a", "value": {"v": 1, "w": None}}
     finally:
         app.close()
+
+
+T0 = 1_800_000_000_000
+
+
+def register_declared(app: App, **fields) -> dict:
+    reply = app.d.request("state.register", name="s", checkpoint_dir=None, parallelism=2, max_parallelism=M,
+                          key_type="string", num_retained=2, **fields)
+    app.record = reply["states"]   # type: ignore[attr-defined]
+    return reply
+
+
+def declared_batch(app: App, cid: int, keys: list[str], work) -> tuple[dict, dict]:
+    """One batch as a KeyedState and its tasks run it: ``state.begin``, then in every subtask the drop
+    of the variables the begun record lists (keyed_tasks) before ``work(states, keys, backend)`` over
+    the typed views of that record, then ``state.commit``. Returns the begin and commit replies."""
+    from sparksteward.state.typed import TypedStates, drop_variables
+
+    begun = app.d.request("state.begin", name="s", checkpoint_id=cid, parallelism=2)
+    record = begun.get("states", app.record)   # what KeyedState hands its tasks: the record as of this begin
+    for i, part in enumerate(split_by_subtask(dict.fromkeys(keys, 0), 2, M)):
+        opened = app.e.request("state.open", name="s", checkpoint_id=cid, subtask=i)
+
+        def extra(backend, part=part):
+            if record.get("dropped"):
+                drop_variables(backend, record["dropped"])
+            work(TypedStates(backend, record, T0, cid), sorted(part), backend)
+
+        write_subtask(app.e, opened, i, 2, M, {}, extra)
+    return begun, app.d.request("state.commit", name="s", checkpoint_id=cid, wait=30)
+
+
+def names_in(backend) -> set[str]:
+    from sparksteward.state.encoding import split_key
+    from sparksteward.state.typed import KIND_EXPIRY
+
+    return {split_key(k[:2] + k[11:] if k[2:3] == KIND_EXPIRY else k)[2] for k, _ in backend.iter_raw()}
+
+
+KEYS = ["a", "b", "c", "d"]
+
+
+def write_x(states, keys, backend):
+    if keys:
+        states.value("x").put_many(keys, ["abcd"] * len(keys))
+
+
+def test_a_second_open_keeps_delete_states_and_a_name_declared_anew_never_reads_old_bytes(tmp_path):
+    """Issue 35 item 11, with real agents: application b opens the state with delete_states=["x"] twice
+    (a notebook cell run again): the second open still drops x, the tasks of its next batch delete x's
+    entries, and the checkpoint records the drop and x's last version. Application c declares x anew as
+    a bigint: it gets version 2, and the old string 'abcd' never reads as the bigint
+    7233733595238498308."""
+    from sparksteward.keyed_tasks import read_table
+    from sparksteward.state.declared import value_state
+
+    app = App(tmp_path, "a")
+    try:
+        register_declared(app, states=[value_state("x", "string").to_json(), value_state("n", "bigint").to_json()])
+        declared_batch(app, 0, KEYS, write_x)
+    finally:
+        app.close()
+    app = App(tmp_path, "b")
+    try:
+        first = register_declared(app, delete_states=["x"])
+        second = register_declared(app, delete_states=["x"])
+        assert first["states"]["dropped"] == second["states"]["dropped"] == ["x"]
+        seen: list[set[str]] = []
+
+        def check_dropped(states, keys, backend):
+            seen.append(names_in(backend))
+
+        begun, done = declared_batch(app, 1, KEYS, check_dropped)
+        assert begun["states"]["dropped"] == ["x"] and len(seen) == 2 and all("x" not in s for s in seen)
+        recorded = done["metadata"]["properties"]["states"]
+        assert "x" not in recorded["variables"] and recorded["deleted"]["x"] == {"kind": "value", "current": 1}
+        begun, _ = declared_batch(app, 2, KEYS, lambda *a: None)
+        assert begun["states"]["dropped"] == []     # ran and completed: not run again
+    finally:
+        app.close()
+    app = App(tmp_path, "c")
+    try:
+        reply = register_declared(app, states=[value_state("x", "bigint").to_json()])
+        assert reply["states"]["variables"]["x"]["current"] == 2
+        got: list = []
+
+        def read_then_write(states, keys, backend):
+            got.extend(states.value("x").get_many(keys).to_pylist())
+            states.value("x").put_many(keys, [5] * len(keys))
+
+        _, done = declared_batch(app, 3, KEYS, read_then_write)
+        assert got == [None] * len(KEYS)
+        table = read_table(str(tmp_path / "chk"), "s", "c1", done["metadata"], "x")
+        assert sorted(table.to_pylist(), key=lambda r: r["key"]) == [{"key": k, "value": 5} for k in KEYS]
+    finally:
+        app.close()
+
+
+def test_a_redelivered_batch_with_delete_states_newly_added_keeps_the_drop_until_it_ran(tmp_path):
+    """Issue 35 item 11: the driver died after committing batch 1; the restarted application opens the
+    state with delete_states=["x"] newly added and Spark delivers batch 1 again. Its re-run keeps the
+    first result (with x's entries), so the drop stays pending: batch 2's tasks run it, and only the
+    checkpoint of those tasks records it as done."""
+    from sparksteward.state.declared import value_state
+
+    app = App(tmp_path, "a")
+    try:
+        register_declared(app, states=[value_state("x", "string").to_json()])
+        declared_batch(app, 0, KEYS, write_x)
+        declared_batch(app, 1, KEYS, write_x)
+    finally:
+        app.close()
+    app = App(tmp_path, "b")
+    try:
+        assert register_declared(app, delete_states=["x"])["states"]["dropped"] == ["x"]
+        begun, done = declared_batch(app, 1, KEYS, lambda *a: None)   # the re-delivered batch
+        assert begun["rerun"] and "x" in done["metadata"]["properties"]["states"]["variables"]
+        before: list[set[str]] = []
+
+        def check(states, keys, backend):
+            before.append(names_in(backend))
+
+        begun, done = declared_batch(app, 2, KEYS, check)
+        assert len(before) == 2 and all("x" not in s for s in before)
+        recorded = done["metadata"]["properties"].get("states")
+        assert recorded is not None and recorded["variables"] == {}
+        assert recorded["deleted"] == {"x": {"kind": "value", "current": 1}}
+        assert begun["states"]["dropped"] == ["x"]
+        assert register_declared(app, states=[value_state("x", "bigint").to_json()])["states"]["variables"]["x"][
+            "current"] == 2
+    finally:
+        app.close()

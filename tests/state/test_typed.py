@@ -416,6 +416,57 @@ def _names_in(backend):
     return [split_key(k[:2] + k[11:] if k[2:3] == KIND_EXPIRY else k)[2] for k, _ in backend.iter_raw()]
 
 
+def test_a_dropped_name_declared_anew_never_reads_its_old_bytes(backend):
+    """Issue 35 item 11: a drop stays pending in the record (through a second open with the same
+    delete_states, an open without them, and what a checkpoint records) until the tasks that ran it
+    completed a checkpoint; a name declared again after its drop takes the next schema version, and
+    stored bytes of its old versions (a drop that has not run yet) read as absent, never as the new
+    type: the string 'abcd' once came back as the bigint 7233733595238498308."""
+    old = [value_state("x", "string"), list_state("l", "string"), map_state("m", "string", "string"),
+           value_state("n", "bigint")]
+    rec1 = resolve(None, old)
+    st = TypedStates(backend, rec1, T0, 1)
+    st.value("x").update("k", "abcd")
+    st.list("l").append("k", "abcd")
+    st.map("m").put("k", "abcd", "abcd")
+    st.value("n").update("k", 1)
+    rec2 = resolve(rec1, [], delete=["x", "l", "m"])
+    assert rec2["dropped"] == ["l", "m", "x"] and list(rec2["variables"]) == ["n"]
+    assert resolve(rec2, [], delete=["x", "l", "m"])["dropped"] == ["l", "m", "x"]   # a second open keeps it
+    assert resolve(rec2, [value_state("n", "bigint")])["dropped"] == ["l", "m", "x"]   # so does an open without
+    from sparksteward.state.declared import drops_ran, recorded_form
+
+    kept = recorded_form(rec2)          # what a checkpoint records: the drops, still pending
+    assert kept is not None and "dropped" not in kept
+    assert resolve(kept, [])["dropped"] == ["l", "m", "x"]
+    assert recorded_form(resolve(None, [], delete=["x"])) is None   # nothing declared, nothing to drop
+    new = [value_state("x", "bigint"), list_state("l", "bigint"), map_state("m", "string", "bigint")]
+    rec3 = resolve(kept, new)           # declared anew before the drop ran: the bytes are still there
+    assert {n: v["current"] for n, v in rec3["variables"].items()} == {"l": 2, "m": 2, "n": 1, "x": 2}
+    st3 = TypedStates(backend, rec3, T0, 2)
+    x, lst, m = st3.value("x"), st3.list("l"), st3.map("m")
+    assert x.get("k") is None and x.get_many(["k"]).to_pylist() == [None] and not x.bind("k").exists()
+    assert lst.get("k") == [] and lst.get_many(["k"]).to_pylist() == [[]]
+    assert m.get("k", "abcd") is None and not m.contains("k", "abcd") and m.items("k") == []
+    assert m.get_many(["k"], ["abcd"]).to_pylist() == [None] and m.items_many(["k"]).to_pylist() == [[]]
+    x.update("k", 5)
+    lst.append("k", 7)
+    m.put("k", "abcd", 9)
+    assert x.get("k") == 5 and lst.get("k") == [7] and m.items("k") == [("abcd", 9)]
+    assert x.get_many(["k"]).to_pylist() == [5] and lst.get_many(["k"]).to_pylist() == [[7]]
+    # once the tasks that ran the drop completed a checkpoint: no longer pending, its versions stay taken
+    done = drops_ran(rec2, {"x", "l", "m"})
+    assert done["dropped"] == [] and resolve(recorded_form(done), [])["dropped"] == []
+    assert drops_ran(rec2, {"x"})["dropped"] == ["l", "m"]
+    again = resolve(recorded_form(done), [value_state("x", "double")])
+    assert again["variables"]["x"]["current"] == 2 and again["dropped"] == []
+    gone = resolve(again, [], delete=["x"])    # dropped twice: the versions of both lives stay taken
+    assert resolve(recorded_form(drops_ran(gone, {"x"})), [value_state("x", "string")])["variables"]["x"][
+        "current"] == 3
+    with pytest.raises(StateSchemaError, match="both declared and in delete_states"):
+        resolve(kept, [value_state("x", "bigint")], delete=["x"])
+
+
 def test_a_drop_removes_the_variables_expiry_index_keys_too(backend):
     """Issue 35 item 15: dropping variables with a TTL (up to 100 years) deletes their expiry-index keys
     with their entries; another variable's index keys stay."""

@@ -93,8 +93,10 @@ class Registration:
 
     def states_of(self, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
         """The state's declarations (``properties.states``) over those its latest checkpoint
-        ``recorded``; raises :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
-        if self.states is None and not self.delete_states:
+        ``recorded``, with the drops still pending (``dropped``: a second open with the same
+        ``delete_states``, or one without, keeps them); raises
+        :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
+        if self.states is None and not self.delete_states and not recorded:
             return recorded
         return resolve(recorded, self.states or (), self.delete_states, state=self.name)
 

@@ -21,17 +21,26 @@ moves when the entry is created or written, Flink's ``OnCreateAndWrite``) or ``"
     {"format": 1, "variables": {"count": {"kind": "value", "current": 2, "types": {"1": T1, "2": T2},
                                           "key_type": null, "ttl_ms": 3600000, "ttl_update": "on_write",
                                           "ttl_time": "processing"}, ...},
-     "dropped": ["old"]}
+     "deleted": {"old": {"kind": "list", "current": 3, "pending": true}}}
 
 ``types`` holds every schema version a stored value may have been written with: a value is decoded
 with its own version's type, then projected to the current one (:mod:`sparksteward.state.rows`).
 Declarations are compared in their recorded form (a timestamp of any unit in microseconds, a large
-string as a string), so the same declaration always keeps its version. A
-declaration whose type differs from the current one becomes a new version when every recorded version
-can be read as it (add a nullable field, drop a field, widen a number); anything else is refused by
-name. A variable the state no longer declares is kept, as Flink keeps undeclared state; one named in
-``delete_states`` is dropped from the record and listed in ``dropped``, and the tasks of the next
-batch delete its entries.
+string as a string), so the same declaration always keeps its version. A declaration whose type
+differs from the current one becomes a new version when every recorded version can be read as it
+(add a nullable field, drop a field, widen a number, make a NOT NULL field nullable); anything else
+is refused by name.
+
+**Drops.** A variable the state no longer declares is kept, as Flink keeps undeclared state. One named
+in ``delete_states`` leaves ``variables`` for a tombstone in ``deleted`` (:class:`Tombstone`): its
+kind, its last schema version and ``pending``. While the drop is pending, :func:`resolve` lists it in
+``dropped`` (never recorded: :func:`recorded_form`), and the tasks of every batch delete its entries
+and expiry-index keys before the function runs; an open again, with or without ``delete_states``,
+keeps it pending. The coordinator clears ``pending`` (:func:`drops_ran`) when a checkpoint whose
+tasks were given the drop completes; a re-run of a completed checkpoint keeps its first result, so
+it does not. A name declared again starts at the version after the tombstone's (``first``): no
+version a stored byte of the dropped variable may carry is reused, and a typed value of an older
+version is read as absent, never as the new type.
 """
 
 from __future__ import annotations
@@ -41,15 +50,16 @@ import re
 import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import pyarrow as pa
 
 from sparksteward.errors import StateSchemaError
 from sparksteward.state.rows import RowCodec, evolve
 
-__all__ = ["KINDS", "StateSpec", "VariableRecord", "arrow_type", "list_state", "map_state", "parse_ddl",
-           "resolve", "type_from_json", "type_to_json", "value_state", "variables_of"]
+__all__ = ["KINDS", "StateSpec", "Tombstone", "VariableRecord", "arrow_type", "drops_ran", "list_state", "map_state",
+           "parse_ddl", "pending_drops", "recorded_form", "resolve", "tombstones_of", "type_from_json",
+           "type_to_json", "value_state", "variables_of"]
 
 KINDS = ("value", "list", "map")
 TTL_UPDATES = ("on_write", "on_read_and_write")
@@ -304,20 +314,27 @@ def map_state(name: str, key_type: Any, value_type: Any, *, ttl: float | dt.time
 # --- the record every checkpoint keeps ---------------------------------------------------------------
 @dataclass(frozen=True)
 class VariableRecord:
-    """A declared variable as a checkpoint records it: every schema version's type, and the current one."""
+    """A declared variable as a checkpoint records it: every schema version's type, and the current one.
+
+    ``first`` is the first version of this declaration's life: a name declared again after a drop
+    starts past every version its dropped life used, and a stored value of an older version (left by
+    a drop that has not run yet) is not this variable's: the views read it as absent."""
 
     spec: StateSpec                      # the current declaration
     version: int                         # its schema version
     types: dict[int, pa.DataType]        # every recorded version -> its type (values may be of any)
+    first: int = 1                       # versions below belong to a dropped variable of the same name
 
     def codec(self, version: int | None = None, ttl: bool | None = None) -> RowCodec:
         v = self.version if version is None else version
         t = self.spec.type if v == self.version else self.types.get(v)
-        if t is None:
+        if t is None or v < self.first:
             from sparksteward.errors import StateEncodingError
 
-            raise StateEncodingError(f"a stored value of state {self.spec.name!r} has schema version {v}, which the "
-                                     f"checkpoint's record does not know: it is corrupt")
+            why = (f"which belongs to the variable of that name that was dropped (this one starts at version "
+                   f"{self.first}): it is not read" if v < self.first else
+                   "which the checkpoint's record does not know: it is corrupt")
+            raise StateEncodingError(f"a stored value of state {self.spec.name!r} has schema version {v}, {why}")
         return RowCodec(self.spec.name, t, v, self.spec.ttl_ms is not None if ttl is None else ttl)
 
     def to_json(self) -> dict[str, Any]:
@@ -325,6 +342,26 @@ class VariableRecord:
         del d["name"], d["type"]
         d["current"] = self.version
         d["types"] = {str(v): type_to_json(t) for v, t in sorted(self.types.items())}
+        if self.first != 1:
+            d["first"] = self.first
+        return d
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A variable dropped with ``delete_states``, as every later checkpoint records it: its kind, its
+    last schema version (the versions up to it stay taken: a name declared anew starts after it), and
+    whether the drop is still pending (its entries may still be stored: the tasks of every batch run
+    it until a checkpoint whose tasks ran it has completed)."""
+
+    kind: str
+    current: int
+    pending: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "current": self.current}
+        if self.pending:
+            d["pending"] = True
         return d
 
 
@@ -341,13 +378,75 @@ def variables_of(record: Mapping[str, Any] | None) -> dict[str, VariableRecord]:
         try:
             types = {int(v): type_from_json(t) for v, t in d["types"].items()}
             current = int(d["current"])
+            first = int(d.get("first", 1))
             spec = StateSpec.from_json({**d, "name": name, "type": d["types"][str(current)]})
+            if not 1 <= first <= current or min(types) < first:
+                raise ValueError(f"its first version {first} is not within its versions {sorted(types)}")
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             if isinstance(exc, StateSchemaError):
                 raise
             raise StateSchemaError(f"the recorded declaration of state variable {name!r} is malformed: {exc}") from None
-        out[name] = VariableRecord(spec, current, types)
+        out[name] = VariableRecord(spec, current, types, first)
     return out
+
+
+def tombstones_of(record: Mapping[str, Any] | None) -> dict[str, Tombstone]:
+    """The dropped variables of a ``properties.states`` record (see :class:`Tombstone`)."""
+    if not record:
+        return {}
+    variables_of(record)   # the format check
+    out: dict[str, Tombstone] = {}
+    for name, d in (record.get("deleted") or {}).items():
+        try:
+            t = Tombstone(str(d["kind"]), int(d["current"]), bool(d.get("pending", False)))
+            if t.kind not in KINDS or not 0 < t.current <= 0xFFFF or not _NAME.match(name):
+                raise ValueError(f"kind {t.kind!r}, version {t.current}")
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StateSchemaError(f"the recorded drop of state variable {reprlib.repr(name)} is malformed: "
+                                   f"{exc}") from None
+        out[name] = t
+    return out
+
+
+def pending_drops(record: Mapping[str, Any] | None) -> frozenset[str]:
+    """The variables whose drop has not been completed by a checkpoint whose tasks ran it: the tasks of
+    every batch delete their entries (:func:`~sparksteward.state.typed.drop_variables`) before the
+    function runs."""
+    return frozenset(n for n, t in tombstones_of(record).items() if t.pending)
+
+
+def _record(variables: Mapping[str, VariableRecord], tombstones: Mapping[str, Tombstone]) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": RECORD_FORMAT, "variables": {n: r.to_json() for n, r in sorted(variables.items())}}
+    if tombstones:
+        out["deleted"] = {n: t.to_json() for n, t in sorted(tombstones.items())}
+    out["dropped"] = sorted(n for n, t in tombstones.items() if t.pending)
+    return out
+
+
+@overload
+def drops_ran(record: None, names: Iterable[str]) -> None: ...
+@overload
+def drops_ran(record: Mapping[str, Any], names: Iterable[str]) -> dict[str, Any]: ...
+def drops_ran(record: Mapping[str, Any] | None, names: Iterable[str]) -> dict[str, Any] | None:
+    """``record`` once a checkpoint whose tasks ran the drops ``names`` has completed: those drops are
+    no longer pending (their versions stay taken); a drop of a name declared again since is forgotten,
+    the new declaration's first version keeps its versions taken."""
+    if record is None:
+        return None
+    ran = set(names)
+    variables = variables_of(record)
+    tombstones = {n: (Tombstone(t.kind, t.current, False) if n in ran else t)
+                  for n, t in tombstones_of(record).items() if not (n in ran and n in variables)}
+    return _record(variables, tombstones)
+
+
+def recorded_form(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """What a checkpoint records of ``record`` in ``properties.states``: the declarations and the drops
+    (those still pending included), without the tasks' list of drops to run; None when the state
+    declares nothing and dropped nothing."""
+    if not record or not (record.get("variables") or record.get("deleted")):
+        return None
+    return {k: v for k, v in record.items() if k != "dropped"}
 
 
 def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapping[str, Any]],
@@ -356,6 +455,7 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
     (see the module docstring); raises :class:`StateSchemaError` naming what cannot be opened."""
     where = f"keyed state {state!r}: " if state else ""
     old = variables_of(recorded)
+    tombstones = tombstones_of(recorded)
     # compared in their recorded form: the record keeps a timestamp in microseconds, a large string as a
     # string (type_to_json), and the tasks read the record's types
     declared = [StateSpec.from_json(s.to_json() if isinstance(s, StateSpec) else s) for s in specs]
@@ -369,10 +469,20 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
             raise StateSchemaError(f"{where}state variable {name!r} is both declared and in delete_states; delete it "
                                    f"in one application, then declare it anew in the next")
     variables = {n: r for n, r in old.items() if n not in delete}
+    for name in delete:   # dropped again (a second open) or never declared: nothing more to record
+        if name in old:
+            tombstones[name] = Tombstone(old[name].spec.kind, old[name].version)
     for s in declared:
         was = variables.get(s.name)
         if was is None:
-            variables[s.name] = VariableRecord(s, 1, {1: s.type})
+            gone = tombstones.get(s.name)
+            v = 1 if gone is None else gone.current + 1   # never a version the dropped one's bytes carry
+            if v > 0xFFFF:
+                raise StateSchemaError(f"{where}state variable {s.name!r} was dropped at the last schema version "
+                                       f"and cannot be declared again: declare it under a new name")
+            variables[s.name] = VariableRecord(s, v, {v: s.type}, v)
+            if gone is not None and not gone.pending:
+                del tombstones[s.name]   # its first version keeps the versions taken
             continue
         fix = (f"declare it under a new name, or pass delete_states=[{s.name!r}] once to drop its entries and "
                f"then declare it anew")
@@ -383,7 +493,7 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
             raise StateSchemaError(f"{where}the map keys of state variable {s.name!r} were {was.spec.key_type} and "
                                    f"are now declared {s.key_type}; map keys cannot change type: {fix}")
         if was.spec.type == s.type:
-            variables[s.name] = VariableRecord(s, was.version, was.types)
+            variables[s.name] = VariableRecord(s, was.version, was.types, was.first)
             continue
         for v, t in sorted(was.types.items()):
             problem = evolve(t, s.type)
@@ -394,6 +504,5 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
                                        f"{fix}")
         if was.version >= 0xFFFF:
             raise StateSchemaError(f"{where}state variable {s.name!r} has reached the last schema version: {fix}")
-        variables[s.name] = VariableRecord(s, was.version + 1, {**was.types, was.version + 1: s.type})
-    return {"format": RECORD_FORMAT, "variables": {n: r.to_json() for n, r in sorted(variables.items())},
-            "dropped": sorted(set(delete) & set(old))}
+        variables[s.name] = VariableRecord(s, was.version + 1, {**was.types, was.version + 1: s.type}, was.first)
+    return _record(variables, tombstones)

@@ -16,6 +16,11 @@ also puts an index key ``group | 'x' | expiry (8, big-endian) | the entry's key 
 with an empty value, so :func:`sweep_expired` finds what expired in key order, without a scan of the
 state. An index key whose entry was written again later is stale; the sweep deletes it alone.
 
+**Dropped values.** A typed value of a version below the variable's first
+(:class:`~sparksteward.state.declared.VariableRecord`) belongs to a dropped variable of the same name
+whose drop has not run yet: every read leaves it out. :func:`drop_variables` deletes a variable's
+entries and its expiry-index keys.
+
 **Old values.** JSON values an untyped view wrote under the same name (the named states before
 declarations) are read and converted to the declared type; a JSON list stored whole is read as the
 list's first elements.
@@ -137,6 +142,7 @@ class _Typed:
         self._last_prefix: tuple[object, bytes] | None = None
         self.codec = var.codec()
         self._codecs: dict[tuple[int, int], RowCodec] = {(self.codec.tag, var.version): self.codec}
+        self._first = var.first   # typed values of older versions are a dropped variable's (see _dropped)
 
     # --- keys and writes --------------------------------------------------------------------------
     def _prefix(self, key: object) -> bytes:
@@ -166,13 +172,21 @@ class _Typed:
         return c
 
     def _alive(self, stored: bytes | None) -> bool:
-        return stored is not None and not expired(stored, self.states.now_ms)
+        return stored is not None and not expired(stored, self.states.now_ms) and not self._dropped(stored)
+
+    def _dropped(self, stored: bytes) -> bool:
+        """Whether ``stored`` is a typed value of a version below this declaration's first: left by a
+        variable of the same name whose drop has not run yet, never read as this one's type."""
+        return (self._first > 1 and len(stored) > 2 and stored[0] in (TAG_TYPED, TAG_EXPIRING)
+                and stored[1] | stored[2] << 8 < self._first)
 
     def _decode(self, stored: bytes) -> Any:
         """One stored value (alive) as a Python value of the current declaration."""
         tag = stored[0]
         if tag == TAG_TYPED or tag == TAG_EXPIRING:
             version = stored[1] | stored[2] << 8
+            if version < self._first:
+                return None
             codec = self._codec_of(tag, version)
             value, _ = codec.decode_py(stored)
             return value if version == self.var.version else project_py(value, codec.dtype, self.var.spec.type)
@@ -206,6 +220,8 @@ class _Typed:
             rows = [stored[i] for i in idx]
             if version == 0:
                 arr = pa.array([self._legacy(decode_value(r)) for r in rows], type=self.var.spec.type)
+            elif version < self._first:   # a dropped variable's (the views leave them out before): null
+                arr = pa.nulls(len(rows), type=self.var.spec.type)
             else:
                 codec = self._codec_of(tag, version)
                 arr = codec.decode(rows)[0]
@@ -249,7 +265,7 @@ class _Typed:
             fast = self._read_uniform(stored, now)
             if fast is not None:
                 return fast
-        alive = [i for i, v in enumerate(stored) if v is not None and not expired(v, now)]
+        alive = [i for i, v in enumerate(stored) if self._alive(v)]
         if self.on_read and alive:
             wb = self.backend.new_batch()
             for i in alive:
@@ -394,8 +410,7 @@ class TypedList(_Typed):
 
     def _alive_entries(self, prefix: bytes) -> list[tuple[bytes, bytes]]:
         """The alive ``(suffix, stored)`` of one list (a whole old JSON list under suffix ``b""``)."""
-        now = self.states.now_ms
-        return [(s, v) for s, v in self._scan(prefix) if not expired(v, now)]
+        return [(s, v) for s, v in self._scan(prefix) if self._alive(v)]
 
     def get(self, key: object) -> list[Any]:
         prefix = self._prefix(key)
@@ -406,7 +421,7 @@ class TypedList(_Typed):
                 fast = self.codec.decode_many_py([v for _, v in found], self.states.now_ms)
                 if fast is not None:
                     return fast
-            entries = [(s, v) for s, v in found if not expired(v, self.states.now_ms)]
+            entries = [(s, v) for s, v in found if self._alive(v)]
         else:
             entries = self._alive_entries(prefix)
         fast = self.codec.decode_many_py([v for s, v in entries]) if all(s for s, _ in entries) else None
@@ -566,9 +581,8 @@ class TypedMap(_Typed):
 
     def _entries(self, key: object) -> list[tuple[bytes, bytes]]:
         prefix = self._prefix(key)
-        now = self.states.now_ms
         found = [(s, v) for s, v in self.backend._scan(prefix, _prefix_upper(prefix), len(prefix))
-                 if not expired(v, now)]
+                 if self._alive(v)]
         if self.on_read and found:
             wb = self.backend.new_batch()
             for s, v in found:

@@ -45,10 +45,18 @@ import pyarrow as pa
 
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.declared import StateSpec, parse_ddl, resolve
+from sparksteward.state.declared import StateSpec, drops_ran, parse_ddl, resolve
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, run_arrow, run_pandas
-from sparksteward.state.typed import SweepStats, TypedList, TypedMap, TypedStates, TypedValue, sweep_expired
+from sparksteward.state.typed import (
+    SweepStats,
+    TypedList,
+    TypedMap,
+    TypedStates,
+    TypedValue,
+    drop_variables,
+    sweep_expired,
+)
 
 __all__ = ["KeyedStateHarness"]
 
@@ -143,7 +151,8 @@ class KeyedStateHarness:
     def restart(self, states: Sequence[StateSpec] | None = None, delete_states: Sequence[str] = ()) -> None:
         """Snapshot the DB and open the snapshot again, as a restore does; with ``states``, the new
         declarations are resolved against the old ones (evolution, or StateSchemaError by name), and
-        ``delete_states`` are dropped with their entries."""
+        ``delete_states`` are dropped with their entries (and expiry-index keys); a name declared again
+        after its drop starts at a new schema version."""
         record = self.record if states is None and not delete_states else resolve(self.record, states or (),
                                                                                  delete_states)
         snap = self._backend.snapshot(self.directory / f"snap-{self._generation}")
@@ -152,11 +161,9 @@ class KeyedStateHarness:
         old = self._backend
         self._backend = RocksDBStateBackend(self._db_dir(), old.key_groups, old.max_parallelism, old.key_type,
                                             create=False)
-        self.record = {**record, "dropped": []}
-        if record.get("dropped"):
-            from sparksteward.state.typed import drop_variables
-
+        if record.get("dropped"):   # the next batch's task runs the drops, and its checkpoint completes
             drop_variables(self._backend, record["dropped"])
+        self.record = drops_ran(record, record.get("dropped") or ())
 
     def close(self) -> None:
         self._backend.close()
