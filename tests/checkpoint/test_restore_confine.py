@@ -1,6 +1,6 @@
 """Restores and savepoints touch only what they may: a savepoint target never overlaps a checkpoint
 dir, a failed copy deletes only what it created, a restored record names only its state's data files
-(or files its state claimed), every duplicated segment is verified, CLAIM takes over only files under
+(or files its state claimed, read only under roots the caller names), every duplicated segment is verified, CLAIM takes over only files under
 the source's root, and `gc --min-age` does not take a hard link's old mtime for its age. On file://
 and moto S3."""
 
@@ -18,7 +18,7 @@ import pytest
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.cli import find_orphans
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.records import FileHandle
+from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
 from sparksteward.checkpoint.service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
@@ -188,6 +188,44 @@ def test_a_record_naming_anything_but_its_data_files_is_refused_by_name(tmp_path
     assert src.read_metadata(0).to_bytes() == record
 
 
+@pytest.mark.parametrize("mode", ["no_claim", "claim"])
+def test_a_claim_of_another_states_files_is_honoured_only_under_a_root_the_caller_names(tmp_path, store_url, source,
+                                                                                       mode):
+    """A hand-made savepoint lists a file of another tenant's state as claimed: restore_from would copy it
+    into this state with the agent's credentials. It is refused by name unless the caller names that
+    state's root, and then restores exactly."""
+    src, meta = source
+    f0 = meta.subtasks[0].files[0]
+    tenant = CheckpointStorage.open(store_url.rstrip("/") + "-tenant-b", "secret")
+    tenant.location.write_atomic(tenant.location.path("shared", f0.checksum), _bytes(src, f0))
+    theirs = _url(tenant.location.display(tenant.location.path("shared", f0.checksum)))
+    sp = store_url.rstrip("/") + f"-savepoints/forged-{mode}"
+    write_savepoint(src, meta, sp)
+    sp_loc = open_location(sp)
+    record = CheckpointMetadata.from_bytes(sp_loc.read_bytes(sp_loc.path("_metadata")), sp)
+    s0 = record.subtasks[0]
+    forged = replace(record, subtasks=(replace(s0, files=(replace(s0.files[0], path=theirs), *s0.files[1:])),
+                                       *record.subtasks[1:]), properties={**record.properties, "claimed": [theirs]})
+    sp_loc.write_atomic(sp_loc.path("_metadata"), forged.to_bytes())
+    sp_loc.delete(sp_loc.path("shared", f0.checksum))   # the bytes are only in the other tenant's state
+
+    dst = CheckpointStorage.open(store_url, f"d-{mode}")
+    with pytest.raises(CheckpointError, match=rf"file {f0.name} of subtask 0 \({re.escape(theirs)}\) lies outside "
+                                              rf"the source's state root.*nothing was written.*"
+                                              rf"claimed_roots=\[{re.escape(repr(theirs.rsplit('/', 2)[0]))}\]"):
+        restore_from(sp, dst, max_parallelism=M, claim_mode=mode)
+    _assert_nothing_restored(dst)
+    assert tenant.location.read_bytes(tenant.location.path("shared", f0.checksum)) == _bytes(src, f0)
+    with pytest.raises(CheckpointError, match="lies outside the source's state root"):   # another root named
+        restore_from(sp, dst, max_parallelism=M, claim_mode=mode, claimed_roots=[src.url])
+    _assert_nothing_restored(dst)
+
+    restored = restore_from(sp, dst, max_parallelism=M, claim_mode=mode, claimed_roots=[tenant.url])
+    assert theirs not in {f.path for f in restored.files()}   # copied (CLAIM too), never taken over
+    assert stored_counts(dst, restored, tmp_path, f"t-{mode}") == expected_counts(BATCHES[:2])
+    assert tenant.location.read_bytes(tenant.location.path("shared", f0.checksum)) == _bytes(src, f0)
+
+
 def _xxh(data: bytes) -> str:
     from sparksteward.hashing import Hasher
 
@@ -263,12 +301,15 @@ def test_claim_takes_over_only_files_under_the_source_root(tmp_path, store_url, 
     expected = expected_counts(BATCHES[:3])
 
     c = CheckpointStorage.open(store_url, "c")   # NO_CLAIM: files a claimed by b are copied like the rest
-    restored = restore_from(b.url_of("chk-0"), c, max_parallelism=M)
+    with pytest.raises(CheckpointError, match=r"which the record says its state claimed.*pass claimed_roots="):
+        restore_from(b.url_of("chk-0"), c, max_parallelism=M)   # ... from a root the caller names
+    _assert_nothing_restored(c)
+    restored = restore_from(b.url_of("chk-0"), c, max_parallelism=M, claimed_roots=[src.url])
     assert all(f.is_relative for f in restored.files())
     assert stored_counts(c, restored, tmp_path, "c") == expected
 
     d = CheckpointStorage.open(store_url, "d")   # CLAIM: only b's own files are taken over
-    restored = restore_from(b.url_of("chk-0"), d, max_parallelism=M, claim_mode="claim")
+    restored = restore_from(b.url_of("chk-0"), d, max_parallelism=M, claim_mode="claim", claimed_roots=[src.url])
     absolute = {f.path for f in restored.files() if not f.is_relative}
     assert absolute and all(_under(p, b.url) for p in absolute)
     assert {f.checksum for f in restored.files() if f.is_relative} == {p.rsplit("/", 1)[1] for p in from_a}

@@ -23,6 +23,15 @@ and a path that is not a data file are refused by name before anything is writte
 only files under the source's root: files the source had claimed from a third state are duplicated
 like NO_CLAIM, so this state never deletes them.
 
+**A claim is not proof.** Whoever can write a record (a hand-made savepoint, a state root of one's
+own) can list any other state's (or tenant's) objects as claimed, and the copy would read them with
+this process's credentials. Nothing in the source can prove such a claim: its records are written by
+the same hand. So restore_from reads outside the source's root only under roots its caller names
+(``claimed_roots``); any other claimed URL is refused by name, with the root to name and the other
+way: a savepoint of the source (``steward checkpoints savepoint``) holds copies of what it claimed.
+A savepoint of the caller's own state (:func:`write_savepoint`) honours the claims of its records,
+which its coordinator wrote and owns.
+
 **One writer.** CLAIM is refused while the source state has a live writer: its ``_lease`` record
 (:mod:`sparksteward.checkpoint.lease`) is not released and was renewed within its ttl, or its
 holder runs on this host and is not provably dead. That writer would go on subsuming and deleting
@@ -129,10 +138,20 @@ def _data_path(f: FileHandle) -> str | None:
     return rel if rel == shared_path(f.checksum) and f.offset == 0 else None
 
 
-def _confine(src: CheckpointStorage, meta: CheckpointMetadata, label: str, claimed: set[str]) -> dict[str, bool]:
+def _under_any(url: str, roots: Iterable[str] | None) -> bool:
+    """``url`` lies under one of ``roots`` (None: anywhere), both compared in their :func:`place` form."""
+    if roots is None:
+        return True
+    where = place(url)
+    return any(where.startswith(place(r).rstrip("/") + "/") for r in roots)
+
+
+def _confine(src: CheckpointStorage, meta: CheckpointMetadata, label: str, claimed: set[str],
+             claimed_roots: Iterable[str] | None) -> dict[str, bool]:
     """Map every physical path of ``meta`` to True (under ``src``'s root) or False (claimed from another
-    state); refuse any other path, naming it. No I/O."""
+    state, under one of ``claimed_roots``); refuse any other path, naming it. No I/O."""
     root = place(src.url)
+    roots = None if claimed_roots is None else list(claimed_roots)
     inside: dict[str, bool] = {}
     for s in meta.subtasks:
         for f in (*s.files, *s.channel_state):   # every handle: two may name one path with two checksums
@@ -151,8 +170,17 @@ def _confine(src: CheckpointStorage, meta: CheckpointMetadata, label: str, claim
                                       f"was written. Pass an unaltered retained checkpoint or a savepoint")
             if posixpath.dirname(posixpath.dirname(place(f.path))) == root:
                 inside[f.path] = True
-            elif f.path in claimed:
+            elif f.path in claimed and _under_any(f.path, roots):
                 inside[f.path] = False
+            elif f.path in claimed:
+                theirs = f.path.rsplit("/", 2)[0]
+                raise CheckpointError(
+                    f"{label}: {what} lies outside the source's state root {src.url}, in {theirs}, which the record "
+                    f"says its state claimed; a record can list any URL as claimed, and restoring would read it with "
+                    f"this application's credentials, so files outside the source are read only under roots you "
+                    f"name; nothing was written. If you trust this record, pass claimed_roots=[{theirs!r}]; or "
+                    f"restore from a savepoint of the source (`steward checkpoints savepoint`), which holds copies "
+                    f"of the files it claimed")
             else:
                 raise CheckpointError(
                     f"{label}: {what} lies outside the source's state root {src.url}, and the record does not list "
@@ -162,14 +190,15 @@ def _confine(src: CheckpointStorage, meta: CheckpointMetadata, label: str, claim
 
 
 def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str, *, claimed: set[str] | None = None,
-                  label: str | None = None) -> dict[str, bool]:
+                  claimed_roots: Iterable[str] | None = (), label: str | None = None) -> dict[str, bool]:
     """Refuse a checkpoint that names a file outside its data files and ``claimed`` (default: the URLs
-    the record lists as claimed), or whose files are missing or have another length than its record
-    says (shorter, for segments of merged files), naming the first such file, ``url`` and the fix.
-    Returns every physical path mapped to whether it lies under ``src``'s root. One listing per
+    the record lists as claimed) under ``claimed_roots`` (the roots the caller names; None: anywhere, for
+    a record of the caller's own state), or whose files are missing or have another length than its
+    record says (shorter, for segments of merged files), naming the first such file, ``url`` and the
+    fix. Returns every physical path mapped to whether it lies under ``src``'s root. One listing per
     directory; no file is read."""
     label = label or f"restore_from={url!r}"
-    inside = _confine(src, meta, label, _claims(meta, own=False) if claimed is None else claimed)
+    inside = _confine(src, meta, label, _claims(meta, own=False) if claimed is None else claimed, claimed_roots)
     by_dir: dict[str, tuple[Location, str, list[tuple[FileHandle, str]]]] = {}
     for s in meta.subtasks:
         for f in (*s.files, *s.channel_state):
@@ -283,15 +312,16 @@ def _absolute(src: CheckpointStorage, f: FileHandle) -> str:
 
 def restore_from(url: str, dst: CheckpointStorage, *, max_parallelism: int,
                  claim_mode: ClaimMode | str = ClaimMode.NO_CLAIM, key_type: KeyType | str | None = None,
-                 duplicator: Duplicator | None = None) -> CheckpointMetadata:
+                 duplicator: Duplicator | None = None, claimed_roots: Iterable[str] = ()) -> CheckpointMetadata:
     """Make the checkpoint or savepoint at ``url`` the starting point of the state stored in ``dst``.
 
     Writes ``restored/_metadata`` in ``dst`` and returns that record. A ``url`` that is not a
     checkpoint, a record of a newer version, a changed max parallelism or key type, a ``url`` inside
-    ``dst``, a record naming files outside its state root that it does not list as claimed, missing
-    or truncated files, and a ``dst`` that has checkpoints of its own raise clear errors before
-    anything is written. An earlier restored starting point of ``dst`` (restored, never checkpointed
-    since) is replaced: its record is deleted before any file is copied.
+    ``dst``, a record naming files outside its state root that it does not list as claimed or that
+    lie under none of ``claimed_roots`` (the other states' roots the caller trusts it to read),
+    missing or truncated files, and a ``dst`` that has checkpoints of its own raise clear errors
+    before anything is written. An earlier restored starting point of ``dst`` (restored, never
+    checkpointed since) is replaced: its record is deleted before any file is copied.
     """
     mode = ClaimMode.parse(claim_mode)
     own = dst.checkpoint_ids()
@@ -312,7 +342,7 @@ def restore_from(url: str, dst: CheckpointStorage, *, max_parallelism: int,
             f"restore_from={url!r} holds {meta.key_type.value} keys, but state {dst.state!r} has "
             f"{KeyType.parse(key_type).value} keys: cast the key column to {meta.key_type.value}, or restore "
             f"another checkpoint")
-    inside = check_sources(src, meta, url)
+    inside = check_sources(src, meta, url, claimed_roots=claimed_roots)
     label = f"restore_from={url!r}"
     if mode is ClaimMode.CLAIM:
         _refuse_live_writer(src, label)
@@ -407,7 +437,7 @@ def write_savepoint(src: CheckpointStorage, meta: CheckpointMetadata, url: str,
         raise CheckpointError(f"savepoint {url!r} already exists ({loc.display(meta_path)}); pick a new path")
     of = source or src.url_of(posixpath.join(checkpoint_dir_name(meta.checkpoint_id), METADATA_FILE))
     label = f"savepoint {url!r} of {of}"
-    check_sources(src, meta, of, claimed=_claims(meta, own=True), label=label)
+    check_sources(src, meta, of, claimed=_claims(meta, own=True), claimed_roots=None, label=label)
     created = _duplicate_into(src, meta.files(), target, duplicator or Duplicator(), label, progress)
     saved = _map_files(meta, _dest)
     props = {k: v for k, v in meta.properties.items() if k not in ("claimed", "claimed_metadata")}
