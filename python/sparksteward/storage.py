@@ -5,6 +5,13 @@ directory plus ``os.replace`` (or ``os.link`` for create-if-absent). On an objec
 already all-or-nothing, so the object is written in place; "create if absent" uses a conditional PUT
 where the store supports it and an existence check otherwise.
 
+Conditional writes. Some stores ignore them: an fsspec backend without ``mode=`` (the create above
+falls back to check-then-put), or an S3-compatible store that answers a ``PUT`` with ``If-None-Match``
+or ``If-Match`` as if it were plain. Whoever relies on them for a compare-and-swap (the writer lease of
+a state) asks :func:`probe_conditional_writes` first: once per store (bucket) and process it tries both
+conditions on a probe object and reports (:class:`ConditionalWrites`) whether the store refused what it
+must.
+
 Local files that a store lists and reads back are read with :func:`read_regular`: opened with
 ``O_NOFOLLOW | O_NONBLOCK`` and checked with ``fstat`` before reading, so a symlink, a FIFO or a
 directory named like a record is reported (:class:`NotRegularFileError`) instead of followed or
@@ -30,8 +37,10 @@ import logging
 import os
 import posixpath
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +49,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from sparksteward.errors import StorageError
 
-__all__ = ["OPTIONS_KEY", "Location", "NotRegularFileError", "fsync_dir", "fsync_file", "open_location",
-           "options_scope", "read_regular", "regular_files", "set_default_options"]
+__all__ = ["OPTIONS_KEY", "PROBE_PREFIX", "ConditionalWrites", "Location", "NotRegularFileError", "fsync_dir",
+           "fsync_file", "open_location", "options_scope", "probe_conditional_writes", "read_regular",
+           "regular_files", "set_default_options"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -60,6 +70,14 @@ class Location:
     @property
     def is_local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
+
+    @property
+    def store(self) -> str:
+        """The store this location is on, as a URL: ``file://`` for a local file system, else the
+        protocol and the first part of the path (an object store's bucket or container)."""
+        if self.is_local:
+            return "file://"
+        return self.display(self.fs._strip_protocol(self.root).strip("/").split("/")[0])
 
     def path(self, *parts: str) -> str:
         """Join ``parts`` under the root. Parts must be single names (validated by the caller)."""
@@ -177,9 +195,20 @@ class Location:
             return True
         if version is None:
             return False
+        swapped = self._put_if_match(path, data, version)
+        if swapped is None:
+            raise StorageError(f"cannot write {self.display(path)} conditionally: its fsspec backend "
+                               f"{type(self.fs).__name__} takes no IfMatch=")
+        return swapped
+
+    def _put_if_match(self, path: str, data: bytes, version: str) -> bool | None:
+        """One conditional PUT (``If-Match: version``): True if it replaced ``path``, False if the store
+        refused (412), None if the fsspec backend takes no ``IfMatch=``."""
         try:
             self.fs.pipe_file(path, data, IfMatch=version)
             return True
+        except TypeError:  # an fsspec backend without IfMatch=
+            return None
         except OSError as exc:
             if exc.errno == errno.EINVAL and "condition" in str(exc):  # s3fs: 412 PreconditionFailed
                 return False
@@ -195,7 +224,8 @@ class Location:
 
         Local: staged temp file, fsynced, then ``os.link`` (atomic, fails if the target exists), then
         the directory fsynced. Object stores: a conditional PUT (``If-None-Match: *``) where supported,
-        else check-then-put.
+        else check-then-put. A store may ignore the condition: :func:`probe_conditional_writes` finds
+        out, and the writer lease of a state refuses such a store.
         """
         try:
             if self.is_local:
@@ -211,15 +241,33 @@ class Location:
                 return True
             if self.fs.exists(path):
                 return False
-            try:
-                self.fs.pipe_file(path, data, mode="create")
-            except TypeError:  # an fsspec backend without mode=
-                self.fs.pipe_file(path, data)
-            except FileExistsError:
-                return False
-            return True
         except Exception as exc:  # backends raise their own errors
             raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
+        created = self._put_if_absent(path, data)
+        if created is None:  # an fsspec backend without mode=
+            try:
+                self.fs.pipe_file(path, data)
+            except Exception as exc:  # backends raise their own errors
+                raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
+            return True
+        return created
+
+    def _put_if_absent(self, path: str, data: bytes) -> bool | None:
+        """One conditional PUT of an object (``If-None-Match: *``), with no existence check first: True
+        if it created ``path``, False if the store refused because it exists, None if the fsspec
+        backend takes no ``mode=``."""
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except TypeError:  # an fsspec backend without mode=
+            return None
+        except FileExistsError:
+            return False
+        except Exception as exc:  # backends raise their own errors
+            raise StorageError(f"cannot create {self.display(path)}: {exc}") from exc
+        finally:
+            with contextlib.suppress(Exception):
+                self.fs.invalidate_cache(path)
+        return True
 
     def link_or_create(self, src: str, dst: str, data: bytes) -> bool:
         """Make ``dst`` hold ``src``'s bytes (``data``) without ever replacing an existing ``dst``;
@@ -268,6 +316,122 @@ class Location:
         finally:
             with contextlib.suppress(Exception):
                 self.fs.invalidate_cache(path)
+
+
+PROBE_PREFIX = "_conditional-writes-probe."
+"""The name of the object :func:`probe_conditional_writes` writes and deletes under a root (plus 32 hex)."""
+
+_WRONG_VERSION = '"00000000000000000000000000000000"'   # an ETag no object has
+
+
+@dataclass(frozen=True, slots=True)
+class ConditionalWrites:
+    """What a store does with conditional writes, as :func:`probe_conditional_writes` found it.
+
+    ``create``: a second conditional create of one object failed, as it must. ``replace``: a
+    conditional replace with a wrong version failed, and one with the right version succeeded.
+    ``store`` is :attr:`Location.store` (an object store's bucket); ``detail`` says how that was found
+    (where the probe object was), or what the store did instead, for an error naming the store and a
+    state's info.
+    """
+
+    store: str
+    create: bool
+    replace: bool
+    detail: str
+
+    @property
+    def honoured(self) -> bool:
+        """Both kinds of condition hold: a compare-and-swap on this store is one."""
+        return self.create and self.replace
+
+    def to_json(self) -> dict[str, Any]:
+        return {"store": self.store, "honoured": self.honoured, "create": self.create, "replace": self.replace,
+                "detail": self.detail}
+
+
+_probes_lock = threading.Lock()
+_probed: dict[tuple[Any, str], ConditionalWrites] = {}   # (file system, store) -> its probe
+_probing: dict[tuple[Any, str], threading.Lock] = {}     # (file system, store) -> held while it is probed
+
+
+def probe_conditional_writes(loc: Location) -> ConditionalWrites:
+    """Find out whether ``loc``'s store honours conditional writes, once per store and process.
+
+    On an object store this writes ``<root>/_conditional-writes-probe.<hex>`` (under ``loc``, where
+    the caller may write) with a conditional create (``If-None-Match: *``), creates it once more (the
+    store must refuse), replaces it with a wrong version (``If-Match``: must be refused) and with the
+    right one (must succeed), then deletes it: four PUTs, a HEAD and a DELETE. A local file system
+    needs no probe: a create is an ``os.link`` and the callers swap under an ``flock``.
+
+    The result is cached in this process per file system (its endpoint and options) and store
+    (:attr:`Location.store`, the bucket), whether honoured or not: a bucket honours the conditions on
+    every prefix. A probe the store failed to answer raises :class:`StorageError` and is tried again
+    next time.
+
+    Thread-safe: concurrent callers on one store wait for one probe; other stores are probed meanwhile.
+    """
+    key = (loc.fs, loc.store)
+    with _probes_lock:
+        done = _probed.get(key)
+        if done is not None:
+            return done
+        probing = _probing.setdefault(key, threading.Lock())
+    with probing:
+        with _probes_lock:
+            done = _probed.get(key)
+        if done is None:
+            done = _probe(loc)
+            log.info("conditional writes on %s: %s", done.store, "honoured" if done.honoured else done.detail)
+            with _probes_lock:
+                _probed[key] = done
+                _probing.pop(key, None)
+        return done
+
+
+def _probe(loc: Location) -> ConditionalWrites:
+    if loc.is_local:
+        return ConditionalWrites(loc.store, True, True, "a local file system: a create is an os.link, which fails "
+                                 "if the target exists, and a replace compares the bytes under an flock")
+    backend = type(loc.fs).__name__
+    path = loc.path(f"{PROBE_PREFIX}{uuid.uuid4().hex}")
+    try:
+        first = loc._put_if_absent(path, b"probe 1")
+        if first is None:
+            return ConditionalWrites(loc.store, False, False, f"its fsspec backend {backend} takes no mode='create', "
+                                     f"so a create cannot be conditional")
+        if not first:
+            raise StorageError(f"cannot probe {loc.url}: a conditional create of the new object "
+                               f"{loc.display(path)} was refused as if it existed")
+        second = loc._put_if_absent(path, b"probe 2")
+        create = second is False
+        version = loc.version(path)
+        if version is None:
+            replace, why = False, "it reports no version (ETag) of an object to replace it against"
+        else:
+            wrong = loc._put_if_match(path, b"probe 3", _WRONG_VERSION)
+            if wrong is None:
+                replace, why = False, f"its fsspec backend {backend} takes no IfMatch="
+            elif wrong:
+                replace, why = False, "a PUT with If-Match of a wrong ETag replaced the object"
+            elif not loc._put_if_match(path, b"probe 4", version):
+                replace, why = False, "a PUT with If-Match of the object's own ETag was refused"
+            else:
+                replace, why = True, ""
+    finally:
+        try:
+            loc.delete(path)
+        except StorageError as exc:
+            log.warning("could not delete the probe object %s (delete it by hand): %s", loc.display(path), exc)
+    found = []
+    if not create:
+        found.append("a second PUT with If-None-Match: * of the same object succeeded")
+    if not replace:
+        found.append(why)
+    if found:
+        return ConditionalWrites(loc.store, create, replace, f"probed at {loc.url}: " + "; ".join(found))
+    return ConditionalWrites(loc.store, True, True, f"probed at {loc.url}: a second PUT with If-None-Match: * of "
+                             f"one object and a PUT with If-Match of a wrong ETag were refused")
 
 
 def _write_synced(path: str, data: bytes) -> None:
