@@ -183,3 +183,118 @@ def test_no_sweep_without_the_lease(tmp_path):
         coord.begin(0)
     mine = CheckpointCoordinator(storage, P, M, lease=holder)
     assert mine.swept == 1 and not os.path.exists(orphan)
+
+
+# --- a store that ignores conditional writes (issue 35 item 6) -------------------------------------
+from tests.helpers.s3 import new_bucket  # noqa: E402
+from tests.helpers.stores import ignoring_s3, no_mode_memory  # noqa: E402
+
+
+@pytest.mark.parametrize("store", ["ignoring-s3", "no-mode"])
+def test_a_store_that_ignores_conditional_writes_is_refused_by_name_before_any_lease_is_written(store, request):
+    loc = ignoring_s3(request.getfixturevalue("s3"), "chk", "clicks") if store == "ignoring-s3" \
+        else no_mode_memory("refused", "chk", "clicks")
+    lease = StateLease(loc, "clicks", application="app-1", ttl=30)
+    with pytest.raises(StateLeaseError) as err:
+        lease.acquire()
+    msg = str(err.value)
+    assert "'clicks'" in msg and loc.url in msg and "conditional writes" in msg
+    assert "AWS S3" in msg and "MinIO" in msg and "local" in msg   # the choices
+    assert not loc.fs.exists(lease.path) and read_lease(loc) is None   # no lease was written
+    assert lease.conditional_writes is not None and not lease.conditional_writes.honoured
+    assert lease.info()["conditional_writes"]["honoured"] is False
+
+
+def test_the_lease_records_the_probe_and_probes_once_per_store(store_url, request):
+    s3 = request.getfixturevalue("s3") if store_url.startswith("s3://") else None
+    s3 = new_bucket(s3) if s3 else None   # a store this process has not probed yet
+    url = s3.url("chk") if s3 else store_url
+    mark = s3.mark() if s3 else 0
+    storage = CheckpointStorage.open(url, "clicks", "c1")
+    first = StateLease(storage.location, "clicks", application="app-1", ttl=30)
+    first.acquire()
+    probed = first.conditional_writes
+    assert probed is not None and probed.honoured and probed.store == storage.location.store
+    info = first.info()
+    assert info["held"] and info["problem"] is None and info["conditional_writes"] == probed.to_json()
+    first.release()
+    again = StateLease(CheckpointStorage.open(url, "clicks", "c1").location, "clicks", application="app-2", ttl=30)
+    again.acquire()
+    views = StateLease(CheckpointStorage.open(url, "views", "c1").location, "views", application="app-2", ttl=30)
+    views.acquire()
+    assert again.conditional_writes is probed and views.conditional_writes is probed   # cached per store
+    if s3 is not None:
+        from sparksteward.storage import PROBE_PREFIX
+
+        puts = [r for r in s3.requests_since(mark) if r.op == "PutObject" and PROBE_PREFIX in r.key]
+        assert len(puts) == 4 and all("/clicks/" in r.key for r in puts)   # one probe: 2 creates, 2 replaces
+    again.release()
+    views.release()
+
+
+# --- one state's broken lease (issue 35 item 10) ---------------------------------------------------
+def test_a_deleted_state_root_fences_its_lease_and_says_why(tmp_path, caplog):
+    import shutil
+
+    storage = CheckpointStorage.open(f"file://{tmp_path}/chk", "clicks", "c1")
+    clock = Clock()
+    lease = _lease(storage, "app-1", clock)
+    lease.acquire()
+    shutil.rmtree(storage.location.root)   # an operator deletes the live state's checkpoint folder
+    with caplog.at_level("ERROR", logger="sparksteward.checkpoint.lease"):
+        assert lease.renew() is False      # it used to raise FileNotFoundError out of the renewal thread
+        assert lease.renew() is False
+    assert len([r for r in caplog.records if "clicks" in r.getMessage()]) == 1   # said once
+    assert not lease.held
+    with pytest.raises(StateLeaseError, match=r"'clicks'.*lease record .*_lease was deleted"):
+        lease.check()
+    assert "was deleted" in lease.info()["problem"]
+    assert not os.path.exists(storage.location.root)   # nothing was written back
+
+
+def test_a_deleted_lease_record_on_s3_fences_its_lease(s3):
+    storage = CheckpointStorage.open(s3.url("chk"), "clicks", "c1")
+    clock = Clock()
+    lease = _lease(storage, "app-1", clock)
+    lease.acquire()
+    storage.location.delete(lease.path)
+    assert lease.renew() is False
+    with pytest.raises(StateLeaseError, match="was deleted"):
+        lease.check()
+
+
+def test_a_failing_renewal_says_why_when_the_lease_runs_out(tmp_path, monkeypatch):
+    storage = CheckpointStorage.open(f"file://{tmp_path}/chk", "clicks", "c1")
+    clock = Clock()
+    lease = _lease(storage, "app-1", clock, ttl=10.0)
+    lease.acquire()
+
+    def broken(self, path, data):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(type(storage.location), "write_atomic", broken)   # the store refuses writes now
+    assert lease.renew() is True    # not lost: another writer did not take it
+    clock.t += 9
+    with pytest.raises(StateLeaseError, match=r"last renewed 9 s ago.*last renewal failed: .*Permission denied"):
+        lease.check()
+    assert "Permission denied" in lease.info()["problem"]
+
+
+def test_a_renewal_whose_answer_was_lost_still_counts(tmp_path, monkeypatch):
+    storage = CheckpointStorage.open(f"file://{tmp_path}/chk", "clicks", "c1")
+    clock = Clock()
+    lease = _lease(storage, "app-1", clock, ttl=10.0)
+    lease.acquire()
+    real = type(storage.location).write_atomic
+
+    def lost_answer(self, path, data):   # the write lands, then the store's answer is lost
+        real(self, path, data)
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(type(storage.location), "write_atomic", lost_answer)
+    clock.t += 5
+    assert lease.renew() is True and lease.info()["renewal_failed"] is None
+    clock.t += 5
+    lease.check()   # renewed 5 s ago, not 10
+    monkeypatch.undo()
+    assert lease.renew() is True and read_lease(storage.location).seq == 2

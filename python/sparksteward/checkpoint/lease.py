@@ -10,6 +10,12 @@ The record is versioned JSON::
      "start_time": ..., "pid_ns": ..., "since": <epoch s>, "renewed": <epoch s>, "ttl": <s>, "seq": <n>,
      "released": false}
 
+**The store.** Every write of the record is conditional, so a store that ignores the conditions
+would turn the lease into check-then-put. Before anything is written, :meth:`StateLease.acquire` has
+the store probed (:func:`sparksteward.storage.probe_conditional_writes`, once per store and process)
+and refuses one that does not honour them, naming it and the choices;
+:attr:`StateLease.conditional_writes` keeps what the probe found, for the state's info.
+
 **Acquire.** The record is created with a conditional write (``os.link`` of a staged file locally;
 ``PUT If-None-Match: *`` on S3). If one exists, its holder is another writer unless it is provably
 gone, and only then is it taken over:
@@ -26,17 +32,20 @@ stores; locally the bytes are compared under an ``flock`` of ``_lease.lock``), s
 only one wins.
 
 **Hold.** :meth:`StateLease.renew` rewrites the record with the same compare-and-swap every
-``ttl / 3`` (the driver agent's lease thread). A failed swap means another writer took the lease
-over: it is lost for good. :meth:`StateLease.check` raises :class:`StateLeaseError` once the lease
-is lost, or when the last successful renewal started more than ``0.8 * ttl`` ago, so a holder cut off
-from its store stops writing before anyone else may take over.
+``ttl / 3`` (the driver agent's lease thread, one for all the states of an application). It raises
+none of the store's errors, so one state's trouble never stops another's renewals. A failed swap
+after which the record names another holder, or is gone (the state's folder was deleted), means the
+lease is lost for good, logged once. Any other failure is a failed renewal: logged once until one
+succeeds again, and named by :meth:`StateLease.check`, which raises :class:`StateLeaseError` once the
+lease is lost, or when the last successful renewal started more than ``0.8 * ttl`` ago, so a holder
+cut off from its store stops writing before anyone else may take over. :meth:`StateLease.info`
+reports all of it.
 
 Thread-safe: one lock guards the record and the renewal state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import logging
 import os
@@ -47,14 +56,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 import xxhash
 
 from sparksteward.errors import CorruptRecordError, StateLeaseError, StorageError
 from sparksteward.owner import OwnerRecord
-from sparksteward.storage import Location
+from sparksteward.storage import ConditionalWrites, Location, probe_conditional_writes
 
 __all__ = ["LEASE_FILE", "LOCK_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "read_lease"]
 
@@ -204,12 +213,15 @@ class StateLease:
         self._version: str | None = None
         self._valid_from: float | None = None   # monotonic start of the last successful write
         self._lost: str | None = None
+        self._failure: str | None = None   # why the latest renewal failed; None once one succeeds
         self.took_over: LeaseRecord | None = None   # the expired holder this lease replaced
+        self.conditional_writes: ConditionalWrites | None = None   # the store's probe, set by acquire
 
     # --- acquire -----------------------------------------------------------------------------
     def acquire(self) -> None:
         """Hold the lease or raise :class:`StateLeaseError` naming the live holder."""
         with self._lock:
+            self._require_conditional_writes()
             me = self._owner or OwnerRecord.current()
             now = self._wall()
             mine = LeaseRecord(uuid.uuid4().hex, self.application, me, now, now, self.ttl)
@@ -237,6 +249,19 @@ class StateLease:
             log.warning("keyed state %s: took over the lease of %s from %s (%s)", self.state, self.loc.url,
                         theirs.describe(), "released" if theirs.released else "expired")
             self._hold(mine, started)
+
+    def _require_conditional_writes(self) -> None:
+        """Refuse a store that does not honour conditional writes (probed once per store and process),
+        before anything of the lease is written: on it a create or a swap would be a check-then-put."""
+        probed = self.conditional_writes = probe_conditional_writes(self.loc)
+        if not probed.honoured:
+            raise StateLeaseError(
+                f"keyed state {self.state!r} cannot be written at {self.loc.url}: that store does not honour "
+                f"conditional writes ({probed.detail}). One state has one writer, and the writer lease that "
+                f"makes sure of it needs a create-if-absent and a compare-and-swap that the store enforces; "
+                f"without them a second application could delete this one's files. Put the checkpoints "
+                f"(spark.steward.checkpoint.dir, or checkpoint_dir=) on a store that honours If-None-Match and "
+                f"If-Match on PUT, such as AWS S3 or a recent MinIO, or on a local or NFS-mounted path")
 
     def _expired_version(self, theirs: LeaseRecord, version: str) -> str:
         """The version to swap against when ``theirs`` provably no longer holds the lease; else raise."""
@@ -266,7 +291,7 @@ class StateLease:
         if got is None or got[0] != record.to_bytes():
             raise StateLeaseError(f"the lease {self.loc.display(self.path)} of keyed state {self.state!r} changed "
                                   f"right after it was written: another writer took it; stop that one first")
-        self._record, self._version, self._valid_from, self._lost = record, got[1], started, None
+        self._record, self._version, self._valid_from, self._lost, self._failure = record, got[1], started, None, None
         log.info("keyed state %s: holding the writer lease of %s (ttl %g s)", self.state, self.loc.url, self.ttl)
 
     # --- compare-and-swap --------------------------------------------------------------------
@@ -274,7 +299,10 @@ class StateLease:
         if not self.loc.is_local:
             return self.loc.replace_if(self.path, data, version)
         lock_path = self.loc.path(LOCK_FILE)
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        except FileNotFoundError:   # the state root was deleted, and the record with it
+            return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             got = _read(self.loc, self.path)
@@ -292,7 +320,14 @@ class StateLease:
             return self._record is not None and self._lost is None
 
     def renew(self) -> bool:
-        """Rewrite the record (a new ``seq`` and ``renewed`` time); False once the lease is lost."""
+        """Rewrite the record (a new ``seq`` and ``renewed`` time); False once the lease is lost.
+
+        Raises nothing the store raises (``OSError``, :class:`StorageError` among them), so that one
+        state's trouble never stops the renewal of another's. A renewal the store fails is remembered
+        and logged once until one succeeds again, and :meth:`check` names it when the lease runs out.
+        A record another writer replaced, or that was deleted (with the state's folder, say), loses
+        the lease for good, logged once.
+        """
         with self._lock:
             if self._record is None or self._lost is not None:
                 return False
@@ -300,42 +335,99 @@ class StateLease:
             started = self._monotonic()
             try:
                 swapped = self._swap(self._version, record.to_bytes())
-            except StorageError as exc:   # the store is unreachable: check() runs out on its own
-                log.warning("keyed state %s: renewing the lease of %s failed: %s", self.state, self.loc.url, exc)
-                return True
+            except OSError as exc:  # the store's trouble (StorageError is one), of any kind
+                return self._settle(record, started, f"{type(exc).__name__}: {exc}")
             if not swapped:
+                return self._settle(record, started, None)
+            try:
                 got = _read(self.loc, self.path)
-                who = "nobody (the record was deleted)"
-                if got is not None:
-                    with contextlib.suppress(CorruptRecordError):
-                        who = LeaseRecord.from_bytes(got[0], self.loc.display(self.path)).describe()
-                self._lost = f"another writer took the lease over: {who}"
-                log.error("keyed state %s: lost the writer lease of %s: %s; this application stops writing it",
-                          self.state, self.loc.url, self._lost)
-                return False
-            got = _read(self.loc, self.path)
+            except OSError as exc:
+                why = f"reading the lease record back failed: {type(exc).__name__}: {exc}"
+                return self._settle(record, started, why)
             if got is None or got[0] != record.to_bytes():
-                self._lost = "another writer replaced the lease record right after a renewal"
-                return False
-            self._record, self._version, self._valid_from = record, got[1], started
-            return True
+                return self._lose("another writer replaced the lease record right after a renewal")
+            return self._renewed(record, got[1], started)
+
+    def _renewed(self, record: LeaseRecord, version: str, started: float) -> bool:
+        self._record, self._version, self._valid_from = record, version, started
+        if self._failure is not None:
+            log.info("keyed state %s: renewed the lease of %s again", self.state, self.loc.url)
+            self._failure = None
+        return True
+
+    def _settle(self, record: LeaseRecord, started: float, error: str | None) -> bool:
+        """After the renewal to ``record`` did not swap (``error`` None) or failed with ``error``: read
+        the record to tell a lost lease from a failed renewal. Called under the lock; False if the
+        lease is lost."""
+        assert self._record is not None
+        try:
+            got = _read(self.loc, self.path)
+        except OSError as exc:  # the store cannot be read either: check() runs out on its own
+            return self._failed(error or f"{type(exc).__name__}: {exc}")
+        display = self.loc.display(self.path)
+        if got is None:
+            return self._lose(f"its lease record {display} was deleted (with the state's checkpoint folder, or by "
+                              f"hand), so another application may take the state over")
+        if got[0] == record.to_bytes():   # the renewal went through; only its answer was lost
+            return self._renewed(record, got[1], started)
+        try:
+            theirs = LeaseRecord.from_bytes(got[0], display)
+        except CorruptRecordError:
+            return self._lose(f"its lease record {display} was overwritten with something that is not a lease")
+        if theirs.holder != self._record.holder or theirs.released:
+            return self._lose(f"another writer took the lease over: {theirs.describe()}")
+        # still this lease's own record, at another version (an earlier write whose answer was lost)
+        self._record, self._version = theirs, got[1]
+        return self._failed(error or "the record was at another version of this application's own (a write whose "
+                                     "answer was lost); the next renewal swaps against it")
+
+    def _failed(self, why: str) -> bool:
+        if self._failure is None:
+            log.warning("keyed state %s: renewing the lease of %s failed: %s. Renewals go on; the state stops "
+                        "writing if none succeeds within %g s", self.state, self.loc.url, why,
+                        _VALID_FRACTION * self.ttl)
+        self._failure = why
+        return True
+
+    def _lose(self, why: str) -> bool:
+        self._lost = why
+        log.error("keyed state %s: lost the writer lease of %s: %s; this application stops writing it",
+                  self.state, self.loc.url, why)
+        return False
 
     def check(self) -> None:
         """Raise :class:`StateLeaseError` unless this process may write the state root now."""
         with self._lock:
-            if self._record is None:
-                raise StateLeaseError(f"keyed state {self.state!r}: this application does not hold the writer "
-                                      f"lease of {self.loc.url}")
-            if self._lost is not None:
-                raise StateLeaseError(f"keyed state {self.state!r} at {self.loc.url} can no longer be written by "
-                                      f"this application: {self._lost}. Stop this application")
-            assert self._valid_from is not None
-            silent = self._monotonic() - self._valid_from
-            if silent > _VALID_FRACTION * self.ttl:
-                raise StateLeaseError(
-                    f"keyed state {self.state!r}: the writer lease of {self.loc.url} was last renewed {silent:.0f} s "
-                    f"ago (ttl {self.ttl:g} s), so another application may take it over; this checkpoint is not "
-                    f"written. Check that the checkpoint store is reachable")
+            problem = self._problem()
+        if problem is not None:
+            raise StateLeaseError(problem)
+
+    def _problem(self) -> str | None:
+        """Why this process may not write the state root now; None if it may. Called under the lock."""
+        if self._record is None:
+            return f"keyed state {self.state!r}: this application does not hold the writer lease of {self.loc.url}"
+        if self._lost is not None:
+            return (f"keyed state {self.state!r} at {self.loc.url} can no longer be written by this application: "
+                    f"{self._lost}. Stop this application")
+        assert self._valid_from is not None
+        silent = self._monotonic() - self._valid_from
+        if silent > _VALID_FRACTION * self.ttl:
+            failed = f"; the last renewal failed: {self._failure}" if self._failure is not None else ""
+            return (f"keyed state {self.state!r}: the writer lease of {self.loc.url} was last renewed {silent:.0f} s "
+                    f"ago (ttl {self.ttl:g} s){failed}, so another application may take it over; this checkpoint is "
+                    f"not written. Check that the checkpoint store is reachable")
+        return None
+
+    def info(self) -> dict[str, Any]:
+        """This lease as a state's info reports it: whether it is held; ``problem``, why this process may
+        not write the state now (None while it may); ``renewal_failed``, why the latest renewal failed
+        (None once one succeeds); and ``conditional_writes``, the probe of the store."""
+        with self._lock:
+            probed = self.conditional_writes
+            return {"held": self._record is not None and self._lost is None, "problem": self._problem(),
+                    "renewal_failed": self._failure, "ttl": self.ttl,
+                    "renewed_s_ago": None if self._valid_from is None else self._monotonic() - self._valid_from,
+                    "conditional_writes": None if probed is None else probed.to_json()}
 
     def release(self) -> None:
         """Mark the record released (idempotent), so the next writer takes over at once."""
