@@ -317,8 +317,11 @@ class KeyedState:
         else:
             routed = routed.withColumn(ROUTE_COL, F.expr(route_sql(ROUTE_COL, p))).repartition(p, ROUTE_COL)
         self.last_checkpoint_id = cid
-        # the batch's processing time (TTL), one for every task and attempt of this apply
-        now_ms = int(time.time() * 1000)
+        # the checkpoint's processing time (TTL): chosen once by the coordinator, the same for every task,
+        # attempt and delivery of it (checkpoint/begun.py)
+        now_ms = int(begun["time"]["processing_ms"])
+        # the record as of this begin: the drops not yet run by a completed checkpoint's tasks included
+        self.states = begun.get("states", self.states)
         dropped = (self.states or {}).get("dropped") or []
         declared = {"states": self.states, "now_ms": now_ms, "dropped": dropped, "sweep": self._sweep_max_entries}
         return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
@@ -490,8 +493,6 @@ class KeyedState:
             self._reports[reply["checkpoint_id"]] = reply["report"]
             while len(self._reports) > _REPORTS:
                 del self._reports[min(self._reports)]
-        if self.states and self.states.get("dropped"):   # deleted in the checkpoint that completed
-            self.states = {**self.states, "dropped": []}
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
             scope.note_checkpoint(self.name, reply["checkpoint_id"], reply["path"])

@@ -339,7 +339,7 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
             result = storage.upload_snapshot(snap, i, key_group_range(M, P, i), known=begun.known)
             referenced |= {f.path for f in result.handle.all_files}
             coord.ack(0, result)
-        with pytest.raises(CheckpointError, match=r"which were deleted after their upload\. Apply the batch again"):
+        with pytest.raises(CheckpointError, match=r"deleted after their upload\)\. Apply the batch again"):
             coord.complete(0)
     coord.close()
     assert coord.last_completed is None

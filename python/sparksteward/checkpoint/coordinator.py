@@ -58,8 +58,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sparksteward.checkpoint.begun import BegunRecord, CheckpointTime, read_begun, time_of
 from sparksteward.checkpoint.completed import CompletedCheckpoints
-from sparksteward.checkpoint.cuts import UnalignedCuts
+from sparksteward.checkpoint.cuts import UnalignedCuts, translate_cuts
 from sparksteward.checkpoint.deleter import FileDeleter
 from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.pending import AckResult, PendingCheckpoint
@@ -75,6 +76,7 @@ from sparksteward.errors import (
     InvalidRecordError,
     StateEncodingError,
 )
+from sparksteward.state.declared import drops_ran, pending_drops, recorded_form
 from sparksteward.state.keygroups import KeyType, key_group_range, validate_parallelism
 
 __all__ = ["BeginResult", "CheckpointCoordinator"]
@@ -94,6 +96,8 @@ class BeginResult:
                                           # the next checkpoint may reuse (space control leaves some out)
     rerun: bool                           # True: checkpoint_id already completed (a re-run)
     attempt: str = ""                     # this attempt's token: acks and failures must carry it
+    time: CheckpointTime | None = None    # the checkpoint's time, the same in every attempt and delivery
+    unaligned: bool = False               # the alignment it runs with, the same in every delivery
 
 
 class CheckpointCoordinator:
@@ -108,6 +112,7 @@ class CheckpointCoordinator:
         #: the declared state variables (``properties.states`` of every checkpoint completed from now on,
         #: see :mod:`sparksteward.state.declared`); None when the state declares none
         self.states: dict[str, object] | None = None
+        self._drops_given: dict[int, frozenset[str]] = {}   # checkpoint -> the drops its attempt's tasks were given
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
         self.key_type = KeyType.parse(key_type)
@@ -125,6 +130,12 @@ class CheckpointCoordinator:
         self._begun_here: set[int] = set()   # ids the driver began in this coordinator's life (a task may
                                               # re-begin only those: never a pending checkpoint on a fresh one)
         self._cuts = UnalignedCuts(max_parallelism)   # FLIP-76, kept across the attempts of a checkpoint
+        # the newest begun checkpoint's time, alignment and cuts, durable in <root>/_begun (checkpoint/begun.py);
+        # _begun_io orders its writes (taken before _lock, never under it): many cuts go in one write
+        self._begun: BegunRecord | None = None
+        self._begun_io = threading.Lock()
+        self._cuts_made = 0      # cuts recorded in memory so far, and how many of them are durable
+        self._cuts_durable = 0
         # the storage I/O of a deletion runs on the deleter's thread, outside the lock
         self.deleter = FileDeleter(storage, self.lease, self._lock, needed=lambda p: self._done.refs[p] > 0,
                                    held=self._in_flight, background=background_deletes)
@@ -136,6 +147,7 @@ class CheckpointCoordinator:
     # --- start -------------------------------------------------------------------------------
     def _recover(self) -> None:
         unreadable = self._done.load(self._check_compatible)
+        self._begun = read_begun(self.storage.location)
         self._subsume()
         self._done.control_space()
         if unreadable:
@@ -237,7 +249,8 @@ class CheckpointCoordinator:
             self._subsume()
 
     # --- the protocol ------------------------------------------------------------------------
-    def begin(self, checkpoint_id: int, *, by_task: bool = False, query: str | None = None) -> BeginResult:
+    def begin(self, checkpoint_id: int, *, by_task: bool = False, query: str | None = None,
+              unaligned: bool = False) -> BeginResult:
         """Start (or restart) checkpoint ``checkpoint_id``; return the base its attempts restore.
 
         ``by_task``: a task asks (the checkpoint is not pending), not the driver; an aborted
@@ -245,10 +258,15 @@ class CheckpointCoordinator:
         ``query``: the streaming query (Spark's query id) whose batch this is. One state belongs to one
         query: a batch of another query than the one that wrote the latest checkpoint, or than the one
         with a pending checkpoint, is refused.
+        ``unaligned``: the alignment the caller would run a new checkpoint with (FLIP-76). The first
+        begin of a checkpoint records it, with the checkpoint's time, in the begun record
+        (:mod:`~sparksteward.checkpoint.begun`) before it returns, so every later attempt and delivery
+        (after a driver or agent restart too) gets the same time, alignment and cuts; the result says
+        which.
         """
         if isinstance(checkpoint_id, bool) or not isinstance(checkpoint_id, int) or checkpoint_id < 0:
             raise CheckpointOrderError(f"checkpoint id {checkpoint_id!r} must be an int >= 0")
-        with self._lock:
+        with self._begun_io, self._lock:   # _begun_io first: a cut's write of the begun record takes it so
             self.lease.check()
             last = self.last_completed
             if query is not None:
@@ -278,14 +296,21 @@ class CheckpointCoordinator:
                         f"be re-run: its base checkpoint {recorded} was subsumed when checkpoint "
                         f"{self._latest_begun} began")
                 base_id = recorded
+            if rerun:   # the completed record holds its time and cuts
+                when = time_of(self._done.records[checkpoint_id]) or CheckpointTime.choose(self.clock.now(), None)
+            else:
+                begun = self._begun_record(checkpoint_id, unaligned)
+                when, unaligned = begun.time, begun.unaligned
             self._aborted.discard(checkpoint_id)
             self._begun_here.add(checkpoint_id)
             self._abort_older(checkpoint_id)
             pending = self._pending.get(checkpoint_id)
             if pending is None:
-                self._pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, base_id, rerun, query=query)
+                self._pending[checkpoint_id] = PendingCheckpoint(checkpoint_id, base_id, rerun, query=query, time=when)
             else:  # a new attempt: earlier acks are replaced as the new ones arrive
                 pending.new_attempt(query)
+            if not by_task and not rerun:   # the record state.begin hands this attempt's tasks lists these drops
+                self._drops_given[checkpoint_id] = pending_drops(self.states)
             if rerun:
                 log.info("checkpoint %d of %s completed already: this re-run restores the same base and keeps the "
                          "first result", checkpoint_id, self.storage.state)
@@ -293,7 +318,32 @@ class CheckpointCoordinator:
                 self._latest_begun = checkpoint_id
             self._subsume()
             base = self._done.get(base_id)
-            return BeginResult(checkpoint_id, base, self._done.known(base), rerun, self._pending[checkpoint_id].attempt)
+            return BeginResult(checkpoint_id, base, self._done.known(base), rerun, self._pending[checkpoint_id].attempt,
+                               when, unaligned)
+
+    def _begun_record(self, checkpoint_id: int, unaligned: bool) -> BegunRecord:
+        """The begun record of ``checkpoint_id``: the one an earlier delivery made durable (its cuts
+        taken into this coordinator, translated to this parallelism), or a new one, written before
+        this returns. A new one's time is the clock's, but never below the time of the previous
+        checkpoint or of any checkpoint begun before. The caller holds ``_begun_io`` and the lock."""
+        rec = self._begun
+        if rec is not None and rec.checkpoint_id == checkpoint_id:
+            if rec.parallelism != self.parallelism or self._cuts.to_property(checkpoint_id) is None:
+                cuts = translate_cuts(rec.cuts, rec.parallelism, self.parallelism, self.max_parallelism,
+                                      f"checkpoint {checkpoint_id} of state {self.storage.state!r}")
+                self._cuts.load(checkpoint_id, cuts)
+                if rec.parallelism != self.parallelism:
+                    rec = rec.with_cuts(cuts, self.parallelism)
+                    rec.write(self.storage.location)
+                    self._begun = rec
+            return rec
+        floor = max((t for t in (time_of(self._done.get(self._done.last)), time_of(self.restored),
+                                 rec.time if rec is not None else None) if t is not None),
+                    key=lambda t: t.processing_ms, default=None)
+        rec = BegunRecord(checkpoint_id, self.parallelism, CheckpointTime.choose(self.clock.now(), floor), unaligned)
+        rec.write(self.storage.location)   # durable before any task of the checkpoint runs
+        self._begun = rec
+        return rec
 
     def _check_query(self, checkpoint_id: int, query: str) -> None:
         """Refuse a batch of ``query`` when the state belongs to another streaming query."""
@@ -315,13 +365,46 @@ class CheckpointCoordinator:
         """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (see :mod:`~sparksteward.checkpoint.cuts`):
         ``proposed`` is recorded if no attempt recorded one; None when neither."""
         with self._lock:
-            return self._cuts.cut(checkpoint_id, subtask, self.parallelism, proposed, self._done.get(checkpoint_id))
+            cut = self._cuts.cut(checkpoint_id, subtask, self.parallelism, proposed, self._done.get(checkpoint_id))
+            if self._cuts.recorded_new:
+                self._cuts_made += 1
+            # every answer waits until what is recorded is durable (an earlier write may have failed)
+            made = self._cuts_made if self._cuts_made > self._cuts_durable else 0
+        if made:
+            self._make_cuts_durable(checkpoint_id, made)
+        return cut
 
     def amend_cut(self, checkpoint_id: int, subtask: int, cut: int) -> int:
         """``subtask`` could not defer past ``cut`` (its channel state would pass the byte cap): from now
         on it processes everything. Returns the cut that stands."""
         with self._lock:
-            return self._cuts.amend(checkpoint_id, subtask, self.parallelism, cut, self._done.get(checkpoint_id))
+            stands = self._cuts.amend(checkpoint_id, subtask, self.parallelism, cut, self._done.get(checkpoint_id))
+            if self._cuts.recorded_new:
+                self._cuts_made += 1
+            made = self._cuts_made if self._cuts_made > self._cuts_durable else 0
+        if made:
+            self._make_cuts_durable(checkpoint_id, made)
+        return stands
+
+    def _make_cuts_durable(self, checkpoint_id: int, made: int) -> None:
+        """Return once the first ``made`` cuts recorded are in the begun record (one write takes every
+        cut recorded by then: the subtasks that wait meanwhile need no write of their own). A task
+        goes on only after this, so no output past a cut reaches a sink before the cut is durable."""
+        with self._begun_io:
+            if self._cuts_durable >= made:
+                return
+            with self._lock:
+                rec, upto = self._begun, self._cuts_made
+                if rec is None or rec.checkpoint_id != checkpoint_id:
+                    raise CheckpointOrderError(
+                        f"checkpoint {checkpoint_id} of state {self.storage.state!r} is no longer the newest begun "
+                        f"(checkpoint {rec.checkpoint_id if rec else None} is): its cut is not recorded")
+                self.lease.check()
+                rec = rec.with_cuts(self._cuts.of(checkpoint_id))
+            rec.write(self.storage.location)   # outside the lock: acks and heartbeats go on meanwhile
+            with self._lock:
+                self._begun = rec
+                self._cuts_durable = upto
 
     def base(self, checkpoint_id: int) -> BeginResult:
         """The base of pending checkpoint ``checkpoint_id``, without starting a new attempt.
@@ -529,10 +612,12 @@ class CheckpointCoordinator:
             return self._pending.get(checkpoint_id)
 
     def fail(self, checkpoint_id: int, attempt: str, who: str, message: str,
-             subtask: int | None = None) -> str | None:
+             subtask: int | None = None, agent: str = "", others: int = 0) -> str | None:
         """``who`` reports that an upload or a seal of ``checkpoint_id`` failed: commit aborts the
-        checkpoint. Returns why the report is ignored (its attempt is over, or another copy of the
-        subtask acked), else None."""
+        checkpoint, unless another copy of the subtask may still ack (see
+        :meth:`PendingCheckpoint.fatal_failures`; ``others``: copies of the subtask still open or
+        uploading on the reporting ``agent``). Returns why the report is ignored (its attempt is
+        over, or another copy of the subtask acked), else None."""
         with self._lock:
             pending = self._pending.get(checkpoint_id)
             if pending is None or attempt != pending.attempt:
@@ -540,7 +625,16 @@ class CheckpointCoordinator:
             if subtask is not None and subtask in pending.acks:
                 return "another copy of it acked"
             pending.failures[who] = f"{who}: {message}"
+            if subtask is not None:
+                pending.failed[subtask] = (agent, max(0, int(others)), time.monotonic())
+                pending.copies.get(subtask, {}).pop(agent, None)   # its word from before the failure
             return None
+
+    def fatal_failures(self, checkpoint_id: int, agent_timeout: float) -> dict[str, str]:
+        """The failures reported for pending ``checkpoint_id`` that doom its attempt (who -> what)."""
+        with self._lock:
+            pending = self._pending.get(checkpoint_id)
+            return {} if pending is None else pending.fatal_failures(time.monotonic(), agent_timeout)
 
     def working_on(self, checkpoint_id: int, subtask: int, agent: str) -> None:
         """``agent`` opened or uploads ``subtask`` of ``checkpoint_id`` (nothing if it is not pending)."""
@@ -548,6 +642,7 @@ class CheckpointCoordinator:
             pending = self._pending.get(checkpoint_id)
             if pending is not None:
                 pending.working[subtask] = agent
+                pending.copies.setdefault(subtask, {})[agent] = time.monotonic()
 
     def stage_started(self, checkpoint_id: int) -> float:
         """When the state stage of the current attempt of ``checkpoint_id`` started: the first call's
@@ -586,21 +681,25 @@ class CheckpointCoordinator:
                         f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: files it "
                         f"references are still being deleted after {_DELETE_WAIT:g} s (is the store answering?)")
                 return self.complete(checkpoint_id)   # the lock was released: look at everything again
-            # a file deleted here since some upload of it: an ack cannot tell whether its upload came
-            # before the deletion (a lost attempt's late ack) or after, so look
+            # every file no retained checkpoint holds yet must be in the store before a record names it:
+            # whoever deleted it (this state's deleter after a lost attempt's late ack, a tool, an
+            # operator), a checkpoint on a missing file cannot be restored. One check per new file;
+            # the files of retained checkpoints were checked when those completed
             once_deleted = self.deleter.deleted_among(referenced)
-            missing_files = [p for p in once_deleted if not self.storage.location.exists(
-                self.storage.location.path(*p.split("/")))]
+            new = {p for p in referenced if self._done.refs[p] <= 0 and "://" not in p} | set(once_deleted)
+            missing_files = self.storage.missing(new)
             for p in once_deleted:
                 if p not in missing_files:
                     self.deleter.seen(p)
             if missing_files:
                 raise CheckpointError(
                     f"checkpoint {checkpoint_id} of state {self.storage.state!r} cannot complete: it references "
-                    f"{missing_files[:5]} ({len(missing_files)} files), which were deleted after their upload. "
-                    f"Apply the batch again with the same checkpoint_id")
+                    f"{missing_files[:5]} ({len(missing_files)} files), which are not in the store (deleted after "
+                    f"their upload). Apply the batch again with the same checkpoint_id")
             self.lease.check()
             properties: dict[str, object] = {"base": pending.base_id}
+            if pending.time is not None:
+                properties["time"] = pending.time.to_json()
             if pending.query is not None:
                 properties["query"] = pending.query
             cuts = self._cuts.to_property(checkpoint_id)
@@ -613,13 +712,17 @@ class CheckpointCoordinator:
             merged = sorted(p for p in referenced if is_merged(p))
             if merged:
                 properties["merged"] = {p: self._done.sizes.get(p, 0) for p in merged}
-            if self.states and self.states.get("variables"):   # the declared variables, for every reader
-                properties["states"] = {k: v for k, v in self.states.items() if k != "dropped"}
+            # the declared variables and the drops not yet run by a completed checkpoint's tasks, for every reader
+            states = drops_ran(self.states, self._drops_given.pop(checkpoint_id, ()))
+            recorded = recorded_form(states)
+            if recorded:
+                properties["states"] = recorded
             meta = CheckpointMetadata(
                 state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,
                 max_parallelism=self.max_parallelism, key_type=self.key_type,
                 subtasks=subtasks, created_at=self.clock.now(), properties=properties)
             self.storage.write_metadata(meta)
+            self.states = states
             self._done.add(meta)
             del self._pending[checkpoint_id]
             self._delete_unreferenced(pending.uploaded)  # uploads of replaced attempts

@@ -15,7 +15,7 @@ Not thread-safe: the coordinator's lock guards it.
 from __future__ import annotations
 
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.errors import InvalidRecordError
+from sparksteward.errors import CheckpointOrderError, InvalidRecordError
 from sparksteward.state.keygroups import key_group_range
 
 __all__ = ["UnalignedCuts"]
@@ -27,12 +27,23 @@ class UnalignedCuts:
     def __init__(self, max_parallelism: int) -> None:
         self.max_parallelism = max_parallelism
         self._cuts: dict[int, dict[int, int]] = {}   # checkpoint -> subtask -> its cut
+        self.recorded_new = False   # whether the last cut() or amend() changed what is recorded
+
+    def of(self, checkpoint_id: int) -> dict[int, int]:
+        """The cuts recorded for ``checkpoint_id`` (subtask -> cut)."""
+        return dict(self._cuts.get(checkpoint_id, {}))
+
+    def load(self, checkpoint_id: int, cuts: dict[int, int]) -> None:
+        """Take the cuts an earlier delivery of ``checkpoint_id`` made durable (the begun record);
+        cuts recorded here since stay."""
+        self._cuts[checkpoint_id] = {**cuts, **self._cuts.get(checkpoint_id, {})}
 
     def cut(self, checkpoint_id: int, subtask: int, parallelism: int, proposed: int | None,
             completed: CheckpointMetadata | None) -> int | None:
         """The cut that stands for ``subtask``; ``proposed`` is recorded if none is. ``completed``: the
         checkpoint's record if it completed (a re-run keeps its cuts: none recorded means none made).
         None when nothing is recorded and nothing is proposed."""
+        self.recorded_new = False
         if completed is not None:
             stop = key_group_range(self.max_parallelism, completed.parallelism, subtask).stop
             return recorded_cuts(completed).get(subtask, stop)
@@ -42,6 +53,7 @@ class UnalignedCuts:
             if not expected.start <= proposed <= expected.stop:
                 raise InvalidRecordError(f"cut {proposed} of subtask {subtask} lies outside its key groups {expected}")
             cuts[subtask] = proposed
+            self.recorded_new = True
         return cuts.get(subtask)
 
     def amend(self, checkpoint_id: int, subtask: int, parallelism: int, cut: int,
@@ -51,8 +63,9 @@ class UnalignedCuts:
         that stands."""
         recorded = self.cut(checkpoint_id, subtask, parallelism, None, completed)
         stop = key_group_range(self.max_parallelism, parallelism, subtask).stop
-        if recorded == cut and completed is None:
+        if recorded == cut and completed is None and cut != stop:
             self._cuts[checkpoint_id][subtask] = stop
+            self.recorded_new = True
             return stop
         return recorded if recorded is not None else stop
 
@@ -76,3 +89,38 @@ def recorded_cuts(meta: CheckpointMetadata) -> dict[int, int]:
     if not isinstance(cuts, dict):
         return {}
     return {int(k): int(v) for k, v in cuts.items() if str(k).isdigit() and isinstance(v, int)}
+
+
+def translate_cuts(cuts: dict[int, int], old_parallelism: int, parallelism: int, max_parallelism: int,
+                   what: str) -> dict[int, int]:
+    """The cuts of ``parallelism`` subtasks that defer exactly the key groups ``cuts`` (of
+    ``old_parallelism`` subtasks) deferred: a checkpoint re-delivered after a rescale must process and
+    defer what its first delivery did. A subtask whose range no recorded cut constrains gets none (no
+    attempt of the old one finished, so no output of it reached a sink: its clock decides). Raises
+    :class:`~sparksteward.errors.CheckpointOrderError` when the deferred key groups of a new subtask's
+    range are not one suffix of it (a cut cannot express them)."""
+    if old_parallelism == parallelism:
+        return dict(cuts)
+    must_process: set[int] = set()
+    must_defer: set[int] = set()
+    for s, c in cuts.items():
+        r = key_group_range(max_parallelism, old_parallelism, s)
+        must_process.update(range(r.start, c))
+        must_defer.update(range(c, r.stop))
+    out: dict[int, int] = {}
+    for s in range(parallelism):
+        r = key_group_range(max_parallelism, parallelism, s)
+        defer = [g for g in range(r.start, r.stop) if g in must_defer]
+        process = [g for g in range(r.start, r.stop) if g in must_process]
+        if not defer and not process:
+            continue
+        cut = min(defer) if defer else r.stop
+        if process and max(process) >= cut:
+            raise CheckpointOrderError(
+                f"{what} was begun unaligned at parallelism {old_parallelism}, and its first delivery may have "
+                f"emitted the output of the rows its cuts kept while deferring the rest; at parallelism "
+                f"{parallelism} subtask {s} (key groups {r.start}-{r.stop - 1}) cannot defer the same key groups. "
+                f"Run this batch at parallelism {old_parallelism} (st.keyed_state(..., parallelism="
+                f"{old_parallelism})), then rescale from the next one")
+        out[s] = cut
+    return out

@@ -82,10 +82,11 @@ class CheckpointGateway:
         """Seconds until checkpoint ``cid``'s subtasks defer their input (unaligned), counted from the
         start of its state stage: the first task's open of the attempt. Late waves get less; the
         caller turns it into a deadline on its own clock (no cross-host clock comparison)."""
-        if not st.alignment.unaligned:
+        alignment = st.overrides.get(cid, st.alignment)
+        if not alignment.unaligned:
             return None
         started = st.coordinator.stage_started(cid)
-        return max(0.0, st.alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
+        return max(0.0, alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
 
     def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
@@ -156,9 +157,11 @@ class CheckpointGateway:
         subtask = f.integer("subtask", lo=0, default=None)
         message = f.text("message", default="")
         attempt = f.text("attempt", max_len=64)
-        who = f"subtask {subtask}" if subtask is not None else f"executor agent {f.text('agent', default='?')}"
+        agent = f.text("agent", default="", max_len=200)
+        others = f.integer("others", default=0, lo=0, hi=1 << 20)   # copies of the subtask still at work there
+        who = f"subtask {subtask}" if subtask is not None else f"executor agent {agent or '?'}"
         with st.lock:
-            ignored = st.coordinator.fail(cid, attempt, who, message, subtask)
+            ignored = st.coordinator.fail(cid, attempt, who, message, subtask, agent=agent, others=others)
         if ignored is not None:
             log.info("ignoring a failure report of %s for checkpoint %d of %s: %s (%s)",
                      who, cid, st.coordinator.storage.state, ignored, message)

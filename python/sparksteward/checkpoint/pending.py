@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from sparksteward.checkpoint.begun import CheckpointTime
 from sparksteward.checkpoint.merging import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.stats import SubtaskStats
@@ -54,13 +55,19 @@ class PendingCheckpoint:
     stats: dict[int, SubtaskStats] = field(default_factory=dict)      # subtask -> its ack's stats
     failures: dict[str, str] = field(default_factory=dict)   # who ("subtask i", "executor agent a") -> what failed
     working: dict[int, str] = field(default_factory=dict)    # subtask -> the agent that last opened or uploads it
+    copies: dict[int, dict[str, float]] = field(default_factory=dict)   # subtask -> agent -> when (monotonic) it
+                                                             # last said it opened or uploads it
+    failed: dict[int, tuple[str, int, float]] = field(default_factory=dict)   # subtask -> (agent, other copies
+                                                             # there, when) of its latest failed upload
     stage_started: float | None = None                       # monotonic time of the attempt's first open
+    time: CheckpointTime | None = None                       # the checkpoint's time (every attempt and delivery)
 
     def new_attempt(self, query: str | None) -> None:
         """The driver begins the checkpoint again: earlier acks are replaced as the new ones arrive."""
         self.acks.clear()
         self.stats.clear()
         self.failures.clear()
+        self.failed.clear()
         self.stage_started = None
         self.attempt = _token()
         self.query = self.query or query
@@ -94,12 +101,31 @@ class PendingCheckpoint:
         result = AckResult.REPLACED if handle.subtask in self.acks else AckResult.ACKED
         self.acks[handle.subtask] = handle
         self.failures.pop(f"subtask {handle.subtask}", None)
+        self.failed.pop(handle.subtask, None)
         if stats is not None and not self.rerun:
             self.stats[handle.subtask] = stats
         for p in merged:
             if p not in self.sealed:
                 self.unsealed[p] = agent
         return result
+
+    def fatal_failures(self, now: float, agent_timeout: float) -> dict[str, str]:
+        """The reported failures that doom this attempt: a seal's, and a subtask's upload unless
+        another copy of that subtask (a speculative or retried task) may still ack: on another agent
+        that said it works on the subtask within ``agent_timeout``, or on the failing agent itself,
+        which counted other copies when it failed and keeps saying so (``now``: monotonic)."""
+        out = {}
+        for who, message in self.failures.items():
+            subtask = int(who.split()[1]) if who.startswith("subtask ") else None
+            if subtask is not None and subtask in self.failed:
+                agent, others, when = self.failed[subtask]
+                seen = self.copies.get(subtask, {})
+                if any(now - t < agent_timeout for a, t in seen.items() if a != agent):
+                    continue
+                if others and (now - when < agent_timeout or seen.get(agent, 0.0) > when):
+                    continue
+            out[who] = message
+        return out
 
     def foreign(self, files: Iterable[str], agent: str) -> list[str]:
         """Those of ``files`` an ack of another agent than ``agent`` listed."""

@@ -305,19 +305,26 @@ class StateService:
         return lease
 
     def _lease_loop(self) -> None:
-        """Renew every state's lease every third of the lease timeout; sweep old orphans when idle."""
+        """Renew every state's lease every third of the lease timeout; sweep old orphans when idle.
+
+        One state's error never stops the others': ``renew`` raises none of the store's errors (a state
+        whose lease is lost fences itself and says why), and whatever a state's renewal raises anyway,
+        or its sweep, is logged and the loop goes on with the next state."""
         last_sweep = time.monotonic()
         while not self._closed.wait(self.lease_timeout / 3):
             states = list(self.table.all().values())
             for st in states:
                 if st.lease is not None:
-                    st.lease.renew()
+                    try:
+                        st.lease.renew()
+                    except Exception:  # a bug, not the store (renew catches that): the other states go on
+                        log.exception("renewing the lease of %s failed", st.coordinator.storage.state)
             if time.monotonic() - last_sweep >= max(self.orphan_grace / 4, self.lease_timeout):
                 last_sweep = time.monotonic()
                 for st in states:
                     try:
                         st.coordinator.sweep()
-                    except StewardError as exc:
+                    except (StewardError, OSError) as exc:  # a deleted state folder: the other states go on
                         log.warning("sweeping orphans of %s failed: %s", st.coordinator.storage.state, exc)
 
     def close(self) -> None:
@@ -362,9 +369,16 @@ class StateService:
                 query = c.completed(last).properties.get("query") if last is not None else None
             else:
                 cid = st.drains.checkpoint_of(batch) if batch is not None else self._checkpoint_id(f, st)
-            begun = c.begin(cid, query=query)
+            wanted = override or st.alignment
+            begun = c.begin(cid, query=query, unaligned=wanted.unaligned)
+            states = c.states   # the record this attempt's tasks run with, its pending drops included
             with self._figures_lock:
                 self._begun[(name, cid)] = (time.monotonic(), batch)
+            if begun.unaligned != wanted.unaligned:   # an earlier delivery of cid ran with the other alignment
+                override = AlignmentOptions.from_json({**wanted.to_json(), "alignment": (
+                    AlignmentMode.UNALIGNED if begun.unaligned else AlignmentMode.ALIGNED).value})
+                log.info("checkpoint %d of %s runs %s, as its first delivery did", cid, name,
+                         override.alignment.value)
             if override is not None:
                 st.overrides[cid] = override
             else:
@@ -382,7 +396,8 @@ class StateService:
             log.warning("%s", warning)
         alignment = st.overrides.get(cid, st.alignment)
         return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": alignment.unaligned,
-                "backlog_warning": warning, "attempt": begun.attempt}
+                "backlog_warning": warning, "attempt": begun.attempt,
+                "time": begun.time.to_json() if begun.time is not None else None, "states": states}
 
     def _drain_id(self, name: str, st: RegisteredState) -> int | None:
         """The checkpoint id of a drain (the next after the last completed one), recorded in the
@@ -473,8 +488,7 @@ class StateService:
     def _abort_if_failed(self, st: RegisteredState, name: str, cid: int) -> None:
         """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
         silent (the caller holds ``st.lock``)."""
-        pending = st.coordinator.pending_checkpoint(cid)
-        failures = dict(pending.failures) if pending is not None else {}
+        failures = st.coordinator.fatal_failures(cid, self.agent_timeout)
         if failures:
             st.coordinator.abort(cid)
             raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
@@ -580,6 +594,7 @@ class StateService:
                     "file_merging": c.merging.to_json(), "space": c.space().to_json(),
                     "no_reuse": sorted(c.no_reuse())[:1000],
                     "report": report.to_json() if report is not None else None,
+                    "lease": st.lease.info() if st.lease is not None else None,
                     "checkpoints": [st.completed[cid].summary(cid) for cid in sorted(st.completed)]}
 
 

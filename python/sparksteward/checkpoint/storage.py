@@ -36,7 +36,7 @@ import posixpath
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -328,6 +328,23 @@ class CheckpointStorage:
     def stored_files(self) -> set[str]:
         """Every data file of this state: ``shared/`` and ``merged/``."""
         return self.shared_files() | self.merged_files()
+
+    def missing(self, paths: Iterable[str], list_above: int = 8) -> list[str]:
+        """Of the relative data ``paths``, those not in the store: one existence check (a HEAD) per
+        path, or, past ``list_above`` paths, one listing of ``shared/`` and ``merged/``. Nothing is
+        answered from a cached listing."""
+        paths = sorted(set(paths))
+        if len(paths) > list_above:
+            stored = self.stored_files()
+            return [p for p in paths if p not in stored]
+        out = []
+        for p in paths:
+            full = self.location.path(*p.split("/"))
+            with contextlib.suppress(Exception):
+                self.location.fs.invalidate_cache(full)
+            if not self.location.exists(full):
+                out.append(p)
+        return out
 
     def file_times(self) -> dict[str, float]:
         """Every data file and staged upload under ``shared/`` and ``merged/`` -> when it last changed

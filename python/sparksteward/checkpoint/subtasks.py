@@ -389,8 +389,14 @@ class SubtaskService:
 
         def failed(cid: int, subtask: int, exc: BaseException) -> None:
             try:
+                finished()   # not itself among the copies still at work
+                with self._lock:
+                    me = (opened.name, cid, subtask)
+                    others = sum(1 for o in self._open.values() if (o.name, o.checkpoint_id, o.subtask) == me) + \
+                        sum(1 for u in self._uploading.values() if u == me)
                 self._driver("state.fail", name=opened.name, checkpoint_id=cid, subtask=subtask,
-                             message=f"{type(exc).__name__}: {exc}", attempt=opened.attempt)
+                             message=f"{type(exc).__name__}: {exc}", attempt=opened.attempt, agent=self.agent_id,
+                             others=others)
             except Exception as exc2:  # noqa: BLE001 - best effort: unreported, the checkpoint aborts at its timeout
                 log.warning("reporting the failed upload of %s failed: %s", opened.name, exc2)
             finally:

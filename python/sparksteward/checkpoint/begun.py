@@ -1,0 +1,156 @@
+"""The begun record: what every delivery and attempt of a pending checkpoint must share, made durable
+before any of its tasks runs (``<state root>/_begun``).
+
+A micro-batch can be delivered more than once: Spark re-delivers a batch whose ``foreachBatch`` did
+not return (the driver, or its agent, died between the sink's write and the commit), and a sink that
+skips a batch id it already wrote keeps the *first* delivery's rows. So everything that decides which
+rows a checkpoint emits and what its state becomes must be the same in every delivery, across driver
+and agent restarts, not only across the attempts one coordinator sees:
+
+- **the time of the checkpoint** (:class:`CheckpointTime`): the processing time that TTL expires
+  entries by, chosen once when the checkpoint is first begun and never smaller than the previous
+  checkpoint's (a wall clock that steps back does not revive what expired). The event-time watermark
+  will join it here;
+- **the alignment** the checkpoint runs with (an unaligned first delivery must not be re-run aligned,
+  nor the other way round), and
+- **the FLIP-76 cuts** (:mod:`~sparksteward.checkpoint.cuts`): where each unaligned subtask stopped.
+  A task waits for its cut to be in this record before it goes on, so no output past a cut can reach
+  a sink before the cut is durable.
+
+The record is versioned JSON, rewritten atomically (stage, fsync, rename; one PUT on an object
+store) when a checkpoint is first begun and when new cuts are recorded (many subtasks' cuts in one
+write, see :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`)::
+
+    {"version": 1, "checkpoint_id": 7, "parallelism": 4, "time": {"processing_ms": 1764270000000},
+     "unaligned": true, "cuts": {"0": 12, "3": 32}}
+
+Only the newest begun checkpoint matters (a newer begin aborts older pending ones), so there is one
+record per state. Once checkpoint ``N`` completes its record carries the same facts
+(``properties.time`` and ``properties.cuts``); a begun record of ``N`` or older is then ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.errors import CorruptRecordError
+from sparksteward.storage import Location
+
+__all__ = ["BEGUN_FILE", "BegunRecord", "CheckpointTime", "read_begun", "time_of"]
+
+BEGUN_FILE = "_begun"
+_VERSION = 1
+_MAX_RECORD = 1 << 20
+_MAX_MS = 1 << 53
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointTime:
+    """The time of one checkpoint: the same for every task, attempt and delivery of it.
+
+    ``processing_ms``: the processing time in epoch milliseconds (TTL expiry), never smaller than the
+    previous checkpoint's.
+    """
+
+    processing_ms: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.processing_ms, bool) or not isinstance(self.processing_ms, int) \
+                or not 0 <= self.processing_ms < _MAX_MS:
+            raise ValueError(f"processing_ms {self.processing_ms!r} must be an int of epoch milliseconds")
+
+    def to_json(self) -> dict[str, int]:
+        return {"processing_ms": self.processing_ms}
+
+    @classmethod
+    def from_json(cls, raw: Any) -> CheckpointTime:
+        if not isinstance(raw, dict):
+            raise ValueError(f"time {raw!r} is not an object")
+        return cls(raw["processing_ms"])
+
+    @classmethod
+    def choose(cls, now: float, floor: CheckpointTime | None) -> CheckpointTime:
+        """The time of a new checkpoint: the clock's ``now`` (seconds), but never below ``floor``."""
+        ms = int(now * 1000)
+        return cls(ms if floor is None else max(ms, floor.processing_ms))
+
+
+def time_of(meta: CheckpointMetadata | None) -> CheckpointTime | None:
+    """The time a completed checkpoint's record holds (None: none, or a record from before times)."""
+    if meta is None:
+        return None
+    try:
+        return CheckpointTime.from_json(meta.properties["time"])
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class BegunRecord:
+    """The durable facts of the newest begun checkpoint (see the module docstring)."""
+
+    checkpoint_id: int
+    parallelism: int
+    time: CheckpointTime
+    unaligned: bool
+    cuts: dict[int, int] = field(default_factory=dict)   # subtask -> its cut (first deferred key group)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.checkpoint_id, bool) or not isinstance(self.checkpoint_id, int) or self.checkpoint_id < 0:
+            raise ValueError(f"checkpoint_id {self.checkpoint_id!r} must be an int >= 0")
+        if isinstance(self.parallelism, bool) or not isinstance(self.parallelism, int) or self.parallelism < 1:
+            raise ValueError(f"parallelism {self.parallelism!r} must be an int >= 1")
+        for s, c in self.cuts.items():
+            if not (isinstance(s, int) and isinstance(c, int)) or isinstance(s, bool) or isinstance(c, bool) \
+                    or not 0 <= s < self.parallelism or c < 0:
+                raise ValueError(f"cut {s!r}: {c!r} must map a subtask below the parallelism to a key group")
+
+    def with_cuts(self, cuts: dict[int, int], parallelism: int | None = None) -> BegunRecord:
+        return BegunRecord(self.checkpoint_id, self.parallelism if parallelism is None else parallelism,
+                           self.time, self.unaligned, dict(cuts))
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({"version": _VERSION, "checkpoint_id": self.checkpoint_id,
+                             "parallelism": self.parallelism, "time": self.time.to_json(),
+                             "unaligned": self.unaligned, "cuts": {str(s): c for s, c in sorted(self.cuts.items())}})
+
+    @classmethod
+    def from_bytes(cls, data: bytes, source: str) -> BegunRecord:
+        try:
+            rec = orjson.loads(data)
+            if not isinstance(rec, dict) or rec.get("version") != _VERSION:
+                raise ValueError(f"unknown version {rec.get('version') if isinstance(rec, dict) else rec!r}")
+            unaligned = rec["unaligned"]
+            if not isinstance(unaligned, bool):
+                raise ValueError(f"unaligned {unaligned!r} is not a boolean")
+            cuts = rec["cuts"]
+            if not isinstance(cuts, dict) or not all(isinstance(k, str) and k.isdigit() for k in cuts):
+                raise ValueError(f"cuts {cuts!r} are not an object of subtask -> key group")
+            return cls(rec["checkpoint_id"], rec["parallelism"], CheckpointTime.from_json(rec["time"]), unaligned,
+                       {int(k): v for k, v in cuts.items()})
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptRecordError(
+                f"begun record {source} is unreadable ({exc}): it holds the time and the cuts of the checkpoint "
+                f"being applied, which every delivery of that batch must share. Restore it from a backup; delete "
+                f"it only if no output of that batch reached a sink (the batch then runs with a new time and "
+                f"new cuts)") from exc
+
+    def write(self, loc: Location) -> None:
+        """Write the record atomically under the state root ``loc``."""
+        loc.write_atomic(loc.path(BEGUN_FILE), self.to_bytes())
+
+
+def read_begun(loc: Location) -> BegunRecord | None:
+    """The begun record under the state root ``loc`` (None if there is none)."""
+    path = loc.path(BEGUN_FILE)
+    try:
+        data = loc.read_bytes(path)
+    except FileNotFoundError:
+        return None
+    if len(data) > _MAX_RECORD:
+        raise CorruptRecordError(f"begun record {loc.display(path)} is {len(data)} bytes, not a begun record")
+    return BegunRecord.from_bytes(data, loc.display(path))
