@@ -369,7 +369,8 @@ class Steward:
         aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
                                max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
-                               file_merging=merging, alignment=aligned, states=declared, delete_states=dropped)
+                               file_merging=merging, alignment=aligned, states=declared, delete_states=dropped,
+                               key=key, writer=True)
         sweep = int(conf.get("spark.steward.state.ttl.sweep-max-entries", "100000")) if conf else 100_000
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,

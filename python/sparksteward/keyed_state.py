@@ -174,7 +174,7 @@ class KeyedState:
                                      key_type=key_type, num_retained=self.num_retained,
                                      restore_from=self.restore_from, claim_mode=self.claim_mode,
                                      file_merging=self.file_merging, alignment=self.alignment,
-                                     states=self._declared, delete_states=self._delete_states or None)
+                                     states=self._declared, delete_states=self._delete_states or None, key=self.key)
             self.rescaled_from = reply.get("rescaled_from")
             self.states = reply.get("states")
             self._registered = True

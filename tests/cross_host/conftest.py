@@ -33,9 +33,27 @@ def cluster(tmp_path_factory):
         yield c
 
 
+@pytest.fixture(scope="package")
+def driver_clock(tmp_path_factory):
+    """The file of the driver agent's test clock offset (seconds; sparksteward/clock.py), set before the
+    session's JVM starts so that every driver agent it starts, restarted ones too, reads it."""
+    from sparksteward.clock import OFFSET_FILE_ENV
+
+    path = tmp_path_factory.mktemp("driver-clock") / "offset"
+    path.write_text("0")
+    old = os.environ.get(OFFSET_FILE_ENV)
+    os.environ[OFFSET_FILE_ENV] = str(path)
+    yield path
+    path.write_text("0")
+    if old is None:
+        os.environ.pop(OFFSET_FILE_ENV, None)
+    else:
+        os.environ[OFFSET_FILE_ENV] = old
+
+
 # a session on the standalone cluster, whose worker is another "host"
 @pytest.fixture(scope="package")
-def spark(cluster, s3):
+def spark(cluster, s3, driver_clock):
     with spark_session(cluster.master_url, **{
             "spark.executor.cores": "1", "spark.cores.max": "1", "spark.executor.memory": "512m",
             "spark.pyspark.python": sys.executable, "spark.executorEnv.PYTHONPATH": os.environ["PYTHONPATH"],

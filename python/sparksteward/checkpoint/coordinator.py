@@ -112,6 +112,8 @@ class CheckpointCoordinator:
         #: the declared state variables (``properties.states`` of every checkpoint completed from now on,
         #: see :mod:`sparksteward.state.declared`); None when the state declares none
         self.states: dict[str, object] | None = None
+        #: the key column every checkpoint from now on records (``properties.key``); None: unknown
+        self.key_column: str | None = None
         self._drops_given: dict[int, frozenset[str]] = {}   # checkpoint -> the drops its attempt's tasks were given
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
@@ -698,6 +700,8 @@ class CheckpointCoordinator:
                     f"their upload). Apply the batch again with the same checkpoint_id")
             self.lease.check()
             properties: dict[str, object] = {"base": pending.base_id}
+            if self.key_column:
+                properties["key"] = self.key_column
             if pending.time is not None:
                 properties["time"] = pending.time.to_json()
             if pending.query is not None:

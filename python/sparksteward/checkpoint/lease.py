@@ -65,7 +65,8 @@ from sparksteward.errors import CorruptRecordError, StateLeaseError, StorageErro
 from sparksteward.owner import OwnerRecord
 from sparksteward.storage import ConditionalWrites, Location, probe_conditional_writes
 
-__all__ = ["LEASE_FILE", "LOCK_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "read_lease"]
+__all__ = ["LEASE_FILE", "LOCK_FILE", "CallerIsTheOnlyWriter", "Fence", "LeaseRecord", "StateLease", "held_error", "read_lease",
+           "refuse_if_held"]
 
 log = logging.getLogger("sparksteward.checkpoint.lease")
 
@@ -181,6 +182,25 @@ def _read(loc: Location, path: str) -> tuple[bytes, str] | None:
     raise StorageError(f"lease record {loc.display(path)} kept changing while it was read")
 
 
+def held_error(state: str, loc: Location, theirs: LeaseRecord, why: str) -> StateLeaseError:
+    """The error of a state whose lease ``theirs`` holds, naming the holder and the ways out."""
+    return StateLeaseError(
+        f"keyed state {state!r} at {loc.url} is being written by {theirs.describe()}; {why}. One state "
+        f"has one writer: a second one would delete the first one's files. Stop that application (its lease "
+        f"is released when it stops), or, if it died, wait until its lease expires ({theirs.ttl:g} s without "
+        f"renewal) and start again; to run both, give this one another state name or spark.steward.cluster-id")
+
+
+def refuse_if_held(loc: Location, state: str, now: float | None = None) -> None:
+    """Raise :class:`StateLeaseError` naming the holder when a writer may hold the lease of the state
+    root ``loc`` (a point check that writes nothing: what opening a state checks before its first batch,
+    which takes the lease for real)."""
+    theirs = read_lease(loc)
+    if theirs is not None and theirs.may_be_live(time.time() if now is None else now):
+        age = (time.time() if now is None else now) - theirs.renewed
+        raise held_error(state, loc, theirs, f"it renewed the lease {max(age, 0.0):.0f} s ago")
+
+
 def read_lease(loc: Location) -> LeaseRecord | None:
     """The lease record of the state root ``loc``; None when no writer ever took it."""
     path = loc.path(LEASE_FILE)
@@ -280,11 +300,7 @@ class StateLease:
         return version
 
     def _held_error(self, theirs: LeaseRecord, why: str) -> StateLeaseError:
-        return StateLeaseError(
-            f"keyed state {self.state!r} at {self.loc.url} is being written by {theirs.describe()}; {why}. One state "
-            f"has one writer: a second one would delete the first one's files. Stop that application (its lease "
-            f"is released when it stops), or, if it died, wait until its lease expires ({theirs.ttl:g} s without "
-            f"renewal) and start again; to run both, give this one another state name or spark.steward.cluster-id")
+        return held_error(self.state, self.loc, theirs, why)
 
     def _hold(self, record: LeaseRecord, started: float) -> None:
         got = _read(self.loc, self.path)

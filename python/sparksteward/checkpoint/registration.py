@@ -25,7 +25,8 @@ from sparksteward.checkpoint.backlog import DrainLog
 from sparksteward.checkpoint.channel import AlignmentOptions
 from sparksteward.checkpoint.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.lease import StateLease
+from sparksteward.checkpoint.lease import StateLease, refuse_if_held
+from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.merging import MergingOptions
 from sparksteward.checkpoint.rescale import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
@@ -34,6 +35,7 @@ from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_ch
 from sparksteward.errors import (
     InvalidRequestError,
     ParallelismError,
+    StateEncodingError,
     StateNotRegisteredError,
     StewardError,
     StorageError,
@@ -64,6 +66,8 @@ class Registration:
     file_merging: dict[str, Any] | None = None   # overrides of the application's merging options
     states: tuple[dict[str, Any], ...] | None = None   # the declared state variables (None: keep the recorded)
     delete_states: tuple[str, ...] = ()
+    key: str = ""                     # the key column ("" from an older client: not checked)
+    writer: bool = False              # a check by st.keyed_state(...): refuse at once while another writer holds it
     op: str = "state.register"
 
     @classmethod
@@ -89,7 +93,26 @@ class Registration:
         return cls(name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, parallelism=parallelism,
                    key_type=key_type, num_retained=num_retained, source=source, claim_mode=mode,
                    alignment=f.mapping("alignment", default=None), file_merging=f.mapping("file_merging", default=None),
-                   states=None if states is None else tuple(states), delete_states=tuple(deleted), op=f.op)
+                   states=None if states is None else tuple(states), delete_states=tuple(deleted),
+                   key=f.text("key", default="", max_len=1000), writer=f.flag("writer", default=False), op=f.op)
+
+    def check_key(self, meta: CheckpointMetadata | None, key_type: str | None = None) -> None:
+        """Refuse a key column (or, with ``key_type``, a key type) other than the one checkpoint
+        ``meta`` recorded, naming both and the fix: the same keys under another column (an apply
+        keyed by page on a state of users) would mix two kinds of keys in one state."""
+        if meta is None:
+            return
+        recorded = meta.properties.get("key")
+        where = f"checkpoint {meta.checkpoint_id} of keyed state {self.name!r}"
+        if isinstance(recorded, str) and self.key and recorded != self.key:
+            raise StateEncodingError(
+                f"{where} is keyed by column {recorded!r}, but it was opened with key={self.key!r}: one state "
+                f"holds one kind of key. Open it with key={recorded!r} (rename or derive that column in your "
+                f"DataFrame), or use another state name for state keyed by {self.key!r}")
+        if key_type and key_type != meta.key_type.value:
+            raise StateEncodingError(
+                f"{where} has {meta.key_type.value} keys, but column {self.key or recorded!r} is {key_type}: "
+                f"cast the column to {meta.key_type.value}, or use another state name")
 
     def states_of(self, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
         """The state's declarations (``properties.states``) over those its latest checkpoint
@@ -203,15 +226,19 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         own = storage.checkpoint_ids()
     except StorageError as exc:
         raise unusable_dir(reg, exc) from exc
+    if reg.writer:   # st.keyed_state(...): a live writer elsewhere is named now, not at the first batch
+        refuse_if_held(storage.location, reg.name)
     if own:
         latest = storage.read_metadata(own[-1])
         check_max_parallelism(latest, reg.max_parallelism)
+        reg.check_key(latest)
         return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
                 "key_type": latest.key_type.value, "latest": latest.to_json(),
                 "states": reg.states_of(latest.properties.get("states"))}
     if reg.source:
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)
+        reg.check_key(meta)
         check_sources(src, meta, reg.source)
         return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
                 "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value,

@@ -75,6 +75,7 @@ from sparksteward.errors import (
     CheckpointOrderError,
     InvalidRequestError,
     ParallelismError,
+    StateEncodingError,
     StateLeaseError,
     StewardError,
     StorageError,
@@ -234,6 +235,7 @@ class StateService:
             # registered before: only settings to settle
             c = st.coordinator
             st.check_max_parallelism(name, reg.max_parallelism)
+            self._check_same_key(name, reg, c)
             if (reg.checkpoint_dir, reg.key_type) != (st.checkpoint_dir, c.key_type.value):
                 raise CheckpointError(
                     f"keyed state {name!r} is already open in this application with checkpoint_dir="
@@ -277,9 +279,12 @@ class StateService:
         except BaseException:
             lease.release()
             raise
-        try:   # the declared state variables over those the latest checkpoint recorded
+        try:   # the declared state variables over those the latest checkpoint recorded, and its key column
             latest = max(coord.retained(), default=None)
-            coord.states = reg.states_of(None if latest is None else coord.completed(latest).properties.get("states"))
+            meta = None if latest is None else coord.completed(latest)
+            reg.check_key(meta)
+            coord.key_column = reg.key or (meta.properties.get("key") if meta is not None else None) or None
+            coord.states = reg.states_of(None if meta is None else meta.properties.get("states"))
         except BaseException:
             coord.close()
             lease.release()
@@ -516,12 +521,21 @@ class StateService:
         st.coordinator.flush_deletions()
         return {"deleted": deleted}
 
+    @staticmethod
+    def _check_same_key(name: str, reg: Registration, c: CheckpointCoordinator) -> None:
+        if reg.key and c.key_column and reg.key != c.key_column:
+            raise StateEncodingError(
+                f"keyed state {name!r} is open in this application keyed by column {c.key_column!r}, and was "
+                f"opened again with key={reg.key!r}: one state holds one kind of key. Open it with "
+                f"key={c.key_column!r}, or use another state name")
+
     def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         reg = Registration.from_fields(Fields(req), self.default_checkpoint_dir, check=True)
         st = self.table.get(reg.name)
         if st is not None:  # open in this application: register settles the rest
             st.check_max_parallelism(reg.name, reg.max_parallelism)
             c = st.coordinator
+            self._check_same_key(reg.name, reg, c)
             latest = max(c.retained(), default=None)
             return {"registered": True, "last_completed": c.last_completed, "key_type": c.key_type.value,
                     "latest": None if latest is None else c.completed(latest).to_json(),
