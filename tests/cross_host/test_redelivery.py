@@ -104,3 +104,29 @@ def _alive_agent(st, dead: int) -> bool:
     except Exception:  # noqa: BLE001 - restarting
         return False
     return pid != dead and psutil.pid_exists(pid)
+
+
+def test_gc_beside_a_live_writer_deletes_nothing_it_needs(spark, s3):
+    """``steward checkpoints gc --min-age 0s`` run by an operator while a batch's uploads are acked but not
+    committed (a long batch): refused, naming the writer, and the checkpoint completes and restores
+    (issue 35 item 1). Before, gc deleted the acked uploads and the checkpoint completed on them."""
+    import subprocess
+    import sys
+
+    st = Steward.get(spark)
+    chk = s3.url(f"gc-beside-{uuid.uuid4().hex[:8]}")
+    ks = st.keyed_state("gcbeside", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=chk,
+                        states=[value_state("count", "bigint")])
+    batch = spark.createDataFrame([(k, 1) for k in KEYS], "k string, v long")
+    ks.apply(batch, _counting(0.0), "k string, n long", checkpoint_id=0).collect()
+    ks.commit(0, wait=120)
+    ks.apply(batch, _counting(0.0), "k string, n long", checkpoint_id=1).collect()   # acked, not committed
+    info = ks.info()
+    gc = subprocess.run(
+        [sys.executable, "-m", "sparksteward", "checkpoints", "gc", chk, "gcbeside", "--cluster-id",
+         info["cluster_id"], "--min-age", "0s", "--conf", f"spark.steward.storage.options={s3.storage_options()}"],
+        capture_output=True, text=True, timeout=120)
+    assert gc.returncode != 0, gc.stdout + gc.stderr
+    assert "is being written by" in gc.stderr, gc.stderr
+    ks.commit(1, wait=120)
+    assert {r.key: r.value for r in ks.read("count").collect()} == {k: 2 for k in KEYS}

@@ -14,8 +14,10 @@ wrote. So the point is decided once per subtask and checkpoint:
   nothing is deferred. A straggler thus processes about one timeout's worth of work per batch; the
   rest, the older backlog included, waits for the next batch or a drain.
 - The first attempt to reach its timeout (at a buffer boundary, after a key group's last row) or its
-  end proposes its position to the coordinator (``state.cut``), which records the first proposal; the
-  completed checkpoint keeps the cuts in ``properties.cuts`` for re-runs. An attempt that opens after
+  end proposes its position to the coordinator (``state.cut``), which records the first proposal and
+  answers once it is durable in the begun record (:mod:`~sparksteward.checkpoint.begun`), so a
+  delivery of the batch after a driver restart cuts the same; the completed checkpoint keeps the cuts
+  in ``properties.cuts`` for re-runs. An attempt that opens after
   a cut was recorded follows it, clock or not. An attempt that learns of a cut later than its
   position keeps processing up to it; one that already processed past it raises, and Spark's retry
   follows the recorded cut.
