@@ -317,7 +317,8 @@ class Steward:
                     restore_from: str | None = None, claim_mode: str | None = None,
                     file_merging: bool | dict[str, Any] | None = None, alignment: str | None = None,
                     aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None,
-                    states: list[Any] | None = None, delete_states: list[str] | None = None) -> Any:
+                    states: list[Any] | None = None, delete_states: list[str] | None = None,
+                    claimed_roots: list[str] | None = None) -> Any:
         """A :class:`~sparksteward.keyed_state.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
@@ -328,7 +329,9 @@ class Steward:
         (``"no_claim"``: fast duplication, the default ``spark.steward.checkpoint.claim-mode``;
         ``"claim"``: in place, the source becomes this state's). A state that has checkpoints ignores
         it with a warning. A changed ``max_parallelism`` and a ``restore_from`` that cannot be restored
-        are refused here, before anything is written.
+        are refused here, before anything is written. A source whose record lists files outside it as
+        claimed (it was itself restored with CLAIM from another state) is read there only under the
+        ``claimed_roots`` you name (those states' roots): a record alone proves no claim.
 
         ``file_merging`` overrides ``spark.steward.checkpoint.file-merging.*`` for this state (FLIP-306):
         ``True``/``False``, or a dict of ``enabled``, ``max_file_size`` (bytes), ``mode``
@@ -370,12 +373,12 @@ class Steward:
         checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
                                max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
                                file_merging=merging, alignment=aligned, states=declared, delete_states=dropped,
-                               key=key, writer=True)
+                               key=key, writer=True, claimed_roots=list(claimed_roots or ()))
         sweep = int(conf.get("spark.steward.state.ttl.sweep-max-entries", "100000")) if conf else 100_000
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
                         claim_mode=mode, file_merging=merging, alignment=aligned, states=declared,
-                        delete_states=dropped, sweep_max_entries=sweep)
+                        delete_states=dropped, sweep_max_entries=sweep, claimed_roots=claimed_roots)
         ks.states = checked.get("states")   # the declarations as the next batch will use them
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             ks._register(checked["key_type"])

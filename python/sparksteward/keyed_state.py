@@ -132,7 +132,7 @@ class KeyedState:
                  restore_from: str | None = None, claim_mode: str = "no_claim",
                  file_merging: dict[str, Any] | None = None, alignment: dict[str, Any] | None = None,
                  states: list[dict[str, Any]] | None = None, delete_states: list[str] | None = None,
-                 sweep_max_entries: int = 100_000) -> None:
+                 sweep_max_entries: int = 100_000, claimed_roots: list[str] | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -145,6 +145,7 @@ class KeyedState:
         self.key_type = key_type
         self.restore_from = restore_from
         self.claim_mode = claim_mode
+        self.claimed_roots = list(claimed_roots or ())   # roots a restore_from record's claims may lie under
         self.file_merging = file_merging
         self.alignment = alignment
         self._declared = states            # the declarations given (JSON), None: keep the recorded ones
@@ -174,7 +175,8 @@ class KeyedState:
                                      key_type=key_type, num_retained=self.num_retained,
                                      restore_from=self.restore_from, claim_mode=self.claim_mode,
                                      file_merging=self.file_merging, alignment=self.alignment,
-                                     states=self._declared, delete_states=self._delete_states or None, key=self.key)
+                                     states=self._declared, delete_states=self._delete_states or None, key=self.key,
+                                     claimed_roots=self.claimed_roots)
             self.rescaled_from = reply.get("rescaled_from")
             self.states = reply.get("states")
             self._registered = True

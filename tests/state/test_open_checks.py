@@ -33,20 +33,20 @@ class App:
         self.dconn = Connection.connect(self.driver.endpoint, secret)
         self.econn = Connection.connect(self.executor.endpoint, secret)
 
-    def register(self, key: str, key_type: str = "string") -> dict:
-        return self.dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
-                                  key_type=key_type, num_retained=1, key=key)
+    def register(self, key: str, key_type: str = "string", name: str = "s", **more) -> dict:
+        return self.dconn.request("state.register", name=name, checkpoint_dir=None, parallelism=P, max_parallelism=M,
+                                  key_type=key_type, num_retained=1, key=key, **more)
 
     def check(self, key: str, writer: bool = True) -> dict:
         return self.dconn.request("state.check", name="s", checkpoint_dir=None, max_parallelism=M, key=key,
                                   writer=writer)
 
-    def batch(self, cid: int) -> dict:
-        self.dconn.request("state.begin", name="s", checkpoint_id=cid)
+    def batch(self, cid: int, name: str = "s") -> dict:
+        self.dconn.request("state.begin", name=name, checkpoint_id=cid)
         for i, part in enumerate(split_by_subtask({f"u{j}": j for j in range(8)}, P, M)):
-            opened = self.econn.request("state.open", name="s", checkpoint_id=cid, subtask=i)
+            opened = self.econn.request("state.open", name=name, checkpoint_id=cid, subtask=i)
             write_subtask(self.econn, opened, i, P, M, part)
-        return self.dconn.request("state.commit", name="s", checkpoint_id=cid, wait=30)
+        return self.dconn.request("state.commit", name=name, checkpoint_id=cid, wait=30)
 
     def close(self) -> None:
         self.dconn.close()
@@ -106,3 +106,38 @@ def test_a_second_application_is_refused_when_it_opens_a_held_state(tmp_path):
         assert again.check("user")["last_completed"] == 0
     finally:
         again.close()
+
+
+def test_claimed_roots_named_at_open_let_a_restore_read_a_sources_claims(tmp_path):
+    """A state CLAIM-restored from another lists that one's files as claimed; a third state restoring
+    from it reads them only under a root named at st.keyed_state(..., claimed_roots=[...])."""
+    from sparksteward.errors import CheckpointError
+
+    chk = str(tmp_path / "chk")
+    a_root, b_chk = f"{chk}/c1/a", f"{chk}/c1/b/chk-0"
+    first = App(tmp_path, "first", chk)
+    try:
+        first.register("user", name="a")
+        first.batch(0, name="a")
+    finally:
+        first.close()
+    second = App(tmp_path, "second", chk)   # a's writer is gone: b takes its files over
+    try:
+        second.register("user", name="b", restore_from=f"{a_root}/chk-0", claim_mode="claim")
+        assert second.batch(0, name="b")["metadata"]["properties"].get("claimed")
+    finally:
+        second.close()
+    app = App(tmp_path, "third", chk)
+    try:
+        with pytest.raises(CheckpointError, match=r"pass claimed_roots="):
+            app.dconn.request("state.check", name="c", checkpoint_dir=None, max_parallelism=M, key="user",
+                              restore_from=b_chk)
+        with pytest.raises(CheckpointError, match=r"pass claimed_roots="):
+            app.register("user", name="c", restore_from=b_chk)
+        app.dconn.request("state.check", name="d", checkpoint_dir=None, max_parallelism=M, key="user",
+                          restore_from=b_chk, claimed_roots=[a_root])
+        reply = app.register("user", name="d", restore_from=b_chk, claimed_roots=[a_root])
+        assert reply["restore"]["action"] == "restored"
+        assert app.batch(1, name="d")["checkpoint_id"] == 1
+    finally:
+        app.close()

@@ -68,6 +68,7 @@ class Registration:
     delete_states: tuple[str, ...] = ()
     key: str = ""                     # the key column ("" from an older client: not checked)
     writer: bool = False              # a check by st.keyed_state(...): refuse at once while another writer holds it
+    claimed_roots: tuple[str, ...] = ()   # where restore_from's claimed files may lie (the caller trusts them)
     op: str = "state.register"
 
     @classmethod
@@ -87,6 +88,9 @@ class Registration:
         states = f.sequence("states", default=None, max_items=256)
         if states is not None and not all(isinstance(s, dict) for s in states):
             raise InvalidRequestError(f"{f.op}: field 'states' must be an array of state declarations (objects)")
+        roots = f.sequence("claimed_roots", default=None, max_items=64) or []
+        if not all(isinstance(r, str) and 0 < len(r) <= 4096 for r in roots):
+            raise InvalidRequestError(f"{f.op}: field 'claimed_roots' must be an array of URLs or paths")
         deleted = f.sequence("delete_states", default=None, max_items=256) or []
         if not all(isinstance(n, str) and 0 < len(n) <= 100 for n in deleted):
             raise InvalidRequestError(f"{f.op}: field 'delete_states' must be an array of state variable names")
@@ -94,7 +98,8 @@ class Registration:
                    key_type=key_type, num_retained=num_retained, source=source, claim_mode=mode,
                    alignment=f.mapping("alignment", default=None), file_merging=f.mapping("file_merging", default=None),
                    states=None if states is None else tuple(states), delete_states=tuple(deleted),
-                   key=f.text("key", default="", max_len=1000), writer=f.flag("writer", default=False), op=f.op)
+                   key=f.text("key", default="", max_len=1000), writer=f.flag("writer", default=False),
+                   claimed_roots=tuple(roots), op=f.op)
 
     def check_key(self, meta: CheckpointMetadata | None, key_type: str | None = None) -> None:
         """Refuse a key column (or, with ``key_type``, a key type) other than the one checkpoint
@@ -205,7 +210,7 @@ def restore_on_register(storage: CheckpointStorage, reg: Registration) -> dict[s
     dup = Duplicator()
     started = time.monotonic()
     meta = restore_from(source, storage, max_parallelism=reg.max_parallelism, claim_mode=mode,
-                        key_type=reg.key_type, duplicator=dup)
+                        key_type=reg.key_type, duplicator=dup, claimed_roots=reg.claimed_roots)
     stats = dup.stats
     out = {"action": "restored", "source": source, "claim_mode": mode.value,
            "checkpoint_id": meta.checkpoint_id, "source_state": meta.properties.get("source_state"),
@@ -239,7 +244,7 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)
         reg.check_key(meta)
-        check_sources(src, meta, reg.source)
+        check_sources(src, meta, reg.source, claimed_roots=reg.claimed_roots)
         return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
                 "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value,
                 "states": reg.states_of(meta.properties.get("states"))}
