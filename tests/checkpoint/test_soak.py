@@ -444,7 +444,7 @@ class Soak:
 
         fs = self.s3.filesystem()
         prefix = self.root.split("://", 1)[1] + "/"
-        expected = {f"chk-{c}/_metadata" for c in metas} | {"_lease"}
+        expected = {f"chk-{c}/_metadata" for c in metas} | {"_lease", "_begun"}
         other = sorted(p[len(prefix):] for p in fs.find(self.root)
                        if not p[len(prefix):].startswith(("shared/", "merged/")) and p[len(prefix):] not in expected)
         if other:

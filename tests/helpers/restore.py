@@ -31,8 +31,8 @@ def object_bytes(reqs) -> int:
 
 
 def _is_record(key: str) -> bool:
-    """A checkpoint record, the writer lease or the drain record: not object bytes of state files."""
-    return key.rsplit("/", 1)[-1] in ("_metadata", "_lease", "_drains")
+    """A checkpoint record, the writer lease, the begun or the drain record: not object bytes of state files."""
+    return key.rsplit("/", 1)[-1] in ("_metadata", "_lease", "_begun", "_drains")
 
 
 def puts_under(reqs, prefix: str) -> dict[str, int]:
