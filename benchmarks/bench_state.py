@@ -67,7 +67,13 @@ EXTRA_CONF: dict[str, str] = orjson.loads(os.environ.get("BENCH_CONF", "{}"))
 _LOCAL_DIRS: list[str] = []  # made under LOCAL_DIR, deleted at exit
 P, P_NEW, M = 8, 4, 128
 SCHEMA = "k string, n long, s long"
-ENGINES = ("ours-pandas", "ours-arrow", "applyInPandasWithState", "transformWithStateInPandas")
+ALL_ENGINES = ("ours-pandas", "ours-arrow", "applyInPandasWithState", "transformWithStateInPandas")
+#: BENCH_ENGINES=ours-arrow (a comma list): only the steady batches of those engines, for A/B rounds of one
+#: engine against another commit (benchmarks/ab_commits.sh); the restart, rescale, duplication and merging
+#: parts and the peer ratios need every engine
+ENGINES = tuple(e for e in os.environ.get("BENCH_ENGINES", ",".join(ALL_ENGINES)).split(",") if e)
+if not ENGINES or set(ENGINES) - set(ALL_ENGINES):
+    raise SystemExit(f"BENCH_ENGINES={os.environ.get('BENCH_ENGINES')!r}: a comma list of {', '.join(ALL_ENGINES)}")
 MB = 1 << 20
 
 # --- the workload, four ways -------------------------------------------------------------------
@@ -379,6 +385,16 @@ def run(root: Path) -> int:
                              for _, c in sorted(r.stats.items())]
         print(f"  {engine}: {len(steady[engine])} batches in {r.wall:.1f} s", flush=True)
     spark.stop()
+    if ENGINES != ALL_ENGINES:   # the steady batches of the engines asked for, nothing else
+        print(f"\n{'engine':28} {'records/s':>10} {'batch p50':>10} {'p99':>8}")
+        for e in ENGINES:
+            b = steady[e]
+            ms = {i: x["ms"] - x["scan_ms"] for i, x in b.items()}
+            ids = sorted(ms)[1:]  # batch 0 pays the Python workers' start
+            rate = sum(b[i]["rows"] for i in ids) / (sum(ms[i] for i in ids) / 1000)
+            print(f"{e:28} {rate:10,.0f} {statistics.median(ms.values()):8.0f}ms {pct(list(ms.values()), .99):6.0f}ms")
+        print(f"bench took {time.perf_counter() - t_all:.0f} s")
+        return 0
 
     # 2. restart: a new application, one more file
     add_input(files[FILES], indir, base + FILES)
