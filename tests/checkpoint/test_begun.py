@@ -118,3 +118,19 @@ def test_a_corrupt_begun_record_is_refused_by_name(store_url):
         CheckpointCoordinator(storage, P, M)
     with pytest.raises(ValueError):
         BegunRecord(0, 2, CheckpointTime(1), True, {5: 1})   # a subtask beyond the parallelism
+
+
+def test_a_rerun_of_a_completed_checkpoint_reads_its_cuts_while_the_next_one_records_its_own(tmp_path, store_url):
+    """A second action on completed checkpoint 0 while checkpoint 1 records cuts: 0's cuts come from its
+    record, and asking for them writes nothing and fails nothing."""
+    storage = CheckpointStorage.open(store_url, "rerun-cuts")
+    coord = CheckpointCoordinator(storage, P, M, clock=FakeClock())
+    coord.begin(0, unaligned=True)
+    r = [key_group_range(M, P, i) for i in range(P)]
+    coord.cut(0, 0, r[0].start + 1)
+    run_batch(coord, storage, tmp_path, 0, BATCHES[0], begin=False)
+    coord.complete(0)
+    coord.begin(1, unaligned=True)
+    coord.cut(1, 0, r[0].start)
+    assert coord.cut(0, 0) == r[0].start + 1 and coord.cut(0, 1) == r[1].stop
+    assert read_begun(storage.location).cuts == {0: r[0].start}

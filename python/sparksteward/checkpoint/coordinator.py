@@ -367,11 +367,12 @@ class CheckpointCoordinator:
         """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (see :mod:`~sparksteward.checkpoint.cuts`):
         ``proposed`` is recorded if no attempt recorded one; None when neither."""
         with self._lock:
-            cut = self._cuts.cut(checkpoint_id, subtask, self.parallelism, proposed, self._done.get(checkpoint_id))
+            completed = self._done.get(checkpoint_id)   # a re-run: its record holds the cuts
+            cut = self._cuts.cut(checkpoint_id, subtask, self.parallelism, proposed, completed)
             if self._cuts.recorded_new:
                 self._cuts_made += 1
             # every answer waits until what is recorded is durable (an earlier write may have failed)
-            made = self._cuts_made if self._cuts_made > self._cuts_durable else 0
+            made = self._cuts_made if completed is None and self._cuts_made > self._cuts_durable else 0
         if made:
             self._make_cuts_durable(checkpoint_id, made)
         return cut
@@ -380,10 +381,11 @@ class CheckpointCoordinator:
         """``subtask`` could not defer past ``cut`` (its channel state would pass the byte cap): from now
         on it processes everything. Returns the cut that stands."""
         with self._lock:
-            stands = self._cuts.amend(checkpoint_id, subtask, self.parallelism, cut, self._done.get(checkpoint_id))
+            completed = self._done.get(checkpoint_id)
+            stands = self._cuts.amend(checkpoint_id, subtask, self.parallelism, cut, completed)
             if self._cuts.recorded_new:
                 self._cuts_made += 1
-            made = self._cuts_made if self._cuts_made > self._cuts_durable else 0
+            made = self._cuts_made if completed is None and self._cuts_made > self._cuts_durable else 0
         if made:
             self._make_cuts_durable(checkpoint_id, made)
         return stands
