@@ -4,17 +4,19 @@ A driver process of its own (``tests/helpers/nemesis_app.py``, local-cluster[2,1
 streaming query: ``spark.readStream`` over JSON files this test adds one per micro-batch,
 ``writeStream.foreachBatch(ks.process(fn, schema, sink=...))``, checkpoints on moto's S3 server (one
 server for the run, in this process), file merging on (``max_file_size`` at its 64 KB minimum),
-declared states with a processing-time TTL (``count`` and the list
-``recent``, and ``total`` without one). Each application runs the state aligned or unaligned with a
-small ``aligned_checkpoint_timeout`` (subtasks that start late defer their input); the alignment
-alternates across applications and the parallelism changes at every restart. The sink is the standard
-exactly-once ``foreachBatch`` sink: one file per checkpoint id, skipped when it exists.
+declared states with a processing-time TTL (``count`` and the list ``recent``, and ``total`` without
+one). Each application runs the state aligned or unaligned, with a small ``aligned_checkpoint_timeout``
+(subtasks that start late defer their input, which later batches and the final drain emit), and every
+restart changes the parallelism. The sink is the standard exactly-once ``foreachBatch`` sink: one file
+per checkpoint id, skipped when it exists.
 
 The schedule, drawn from the printed seed (``STEWARD_SEED=<n>`` repeats it; timings are not
 repeatable), puts one fault on each of some batches:
 
 - ``sink_kill``: the driver process SIGKILLs itself right after its sink wrote the batch, before the
-  commit; a new application (another parallelism, the other alignment) gets the batch again;
+  commit; a new application (another parallelism; the same alignment or the other, drawn) gets the
+  batch again. If the product refuses to run an unaligned batch again at another parallelism (it names
+  the first delivery's), the soak stops that application and runs the batch at the one asked for;
 - ``executor``: SIGKILL an executor agent or an executor JVM, while a merged or shared file of the
   batch is being uploaded (PUTs slowed to widen the window) or while a task holds in the function;
 - ``task_fail``: the function raises in a task's attempt 0 (before, between or after its state
@@ -22,11 +24,14 @@ repeatable), puts one fault on each of some batches:
 - ``offline``: ``steward checkpoints gc --min-age 0s`` and/or ``steward checkpoints savepoint`` from
   another process while the batch's ``_metadata`` or a merged file is being written, or at a random
   moment; a refusal while the lease is held is correct (counted), a broken checkpoint is not;
-- ``restart``: stop the application after the batch and start another with another parallelism;
+- ``restart``: stop the application after the batch and start another with another parallelism and
+  the other alignment (so every run has both);
 - ``lease``: the lease cannot be renewed for about a lease timeout: the driver agent SIGSTOPped, or
   the S3 server stopped (an outage);
 - ``clock``: the driver agent's clock is stepped back (``SPARK_STEWARD_TEST_CLOCK_OFFSET_FILE``, see
   :mod:`sparksteward.clock`) before the batch.
+
+Between two applications ``steward checkpoints savepoint`` runs too, and must succeed.
 
 After every restart (of the application or of its query) and at the end, with nothing running:
 
@@ -37,11 +42,15 @@ After every restart (of the application or of its query) and at the end, with no
   ``KeyedState.read`` and ``steward checkpoints read`` run) to exactly the model's state after that
   checkpoint (the TTL variables read at the checkpoint's processing time);
 - at the end, after a drain and ``steward checkpoints gc --min-age 0s``: every input row emitted
-  exactly once, the totals per key those of the input, and no data file left that no checkpoint
-  references.
+  exactly once, the totals per key those of the input (also as ``steward checkpoints read`` prints
+  them), and no data file left under the state root that no checkpoint references.
 
-Run alone (it starts Spark applications of its own): ``make soak``, or
-``.venv/bin/python -m pytest -q -ra -m soak -s tests/checkpoint/test_nemesis.py``.
+Run alone (it starts Spark applications of its own, one at a time): ``make soak``, or
+``.venv/bin/python -m pytest -q -ra -m soak -s tests/checkpoint/test_nemesis.py``; 10-12 minutes on
+the 2-core machine under load. The last line prints the seed and the counts. To study one fault:
+``STEWARD_NEMESIS_BATCHES`` (fewer batches), ``STEWARD_NEMESIS_FAULTS="sink_kill=3,offline=0"``
+(counts per kind), ``STEWARD_NEMESIS_ALIGNMENT=aligned|unaligned`` (every application),
+``STEWARD_NEMESIS_KEEP_GOING=1`` (note each new problem and fail only at the end).
 """
 
 from __future__ import annotations
@@ -86,6 +95,8 @@ BATCH_TIMEOUT = 300.0
 # STEWARD_NEMESIS_KEEP_GOING=1: note each new problem and go on, failing at the end (to see which faults
 # break what in one run); by default the first check that finds a problem fails the run
 KEEP_GOING = os.environ.get("STEWARD_NEMESIS_KEEP_GOING") == "1"
+# STEWARD_NEMESIS_ALIGNMENT=aligned|unaligned: every application runs that alignment (to study one)
+ALIGNMENT = os.environ.get("STEWARD_NEMESIS_ALIGNMENT", "")
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -178,6 +189,7 @@ class Model:
         self.problems: list[str] = []
         self.rows = 0
         self.diverged: dict[str, int] = {}   # key -> the checkpoint whose emitted values first differed
+        self.late = 0
 
     def replay(self, sink: dict[int, list[dict]]) -> None:
         state: dict[str, KeyModel] = {}
@@ -200,6 +212,7 @@ class Model:
                 for r in rows:
                     rid = int(r["rid"])
                     self.emitted[rid] += 1
+                    self.late += rid // 1000 < cid   # deferred by an unaligned batch, emitted by a later one
                     if self.inputs.get(rid) != (r["k"], int(r["v"])):
                         self.problems.append(f"checkpoint {cid}: emitted row {rid} ({r['k']}, {r['v']}) is not an "
                                              f"input row ({self.inputs.get(rid)})")
@@ -283,7 +296,7 @@ class Nemesis:
         kinds = kinds[:BATCHES - 2]
         at = sorted(rng.sample(range(1, BATCHES - 1), len(kinds)))
         self.schedule: dict[int, tuple[str, dict]] = {b: (k, self._params(k)) for b, k in zip(at, kinds)}
-        self.clock_steps = {b: -round(rng.uniform(15, 120), 1) for b in rng.sample(range(1, BATCHES), min(CLOCK_STEPS, BATCHES - 1))}
+        self.clock_steps = {b: -round(rng.uniform(8, 25), 1) for b in rng.sample(range(1, BATCHES), min(CLOCK_STEPS, BATCHES - 1))}
         self.first = {"parallelism": rng.choice(PARALLELISMS), "alignment": rng.choice(("aligned", "unaligned")),
                       "timeout": round(rng.uniform(0.05, 0.4), 2)}
         self.counts: collections.Counter[str] = collections.Counter()
@@ -295,7 +308,7 @@ class Nemesis:
         self.failures = 0      # query failures of the current app
         self.savepoints: list[str] = []
         self.begun = threading.Event()   # the current batch began (its foreachBatch was called)
-        self.checked_rows = 0
+        self.checked_rows = self.late_rows = 0
         self.checked_checkpoints = 0
         self.problems: list[str] = []     # with KEEP_GOING: every problem found so far
         self.failed_at: list[str] = []
@@ -337,7 +350,7 @@ class Nemesis:
                              f"\n--- app {self.app} log (tail):\n{tail}")
 
     # --- applications ----------------------------------------------------------------------------
-    def start_app(self, why: str) -> None:
+    def start_app(self, why: str, parallelism: int | None = None) -> None:
         self.app += 1
         if self.app >= MAX_APPS:
             self.fail(f"{self.app} applications started: the stream does not settle")
@@ -351,7 +364,11 @@ class Nemesis:
             conf = {"parallelism": rng.choice([p for p in PARALLELISMS if p != self.app_conf["parallelism"]]),
                     "alignment": other if why == "planned restart" or rng.random() < 0.5 else self.app_conf["alignment"],
                     "timeout": round(rng.uniform(0.05, 0.4), 2)}
+            if parallelism is not None:   # as the product asked: the same alignment, that parallelism
+                conf.update(parallelism=parallelism, alignment=self.app_conf["alignment"])
             self.counts["restarts"] += 1
+        if ALIGNMENT:
+            conf["alignment"] = ALIGNMENT
         self.app_conf = conf
         self.seen = self.failures = 0
         self.started = False
@@ -484,8 +501,10 @@ class Nemesis:
     def await_commit(self, b: int, kind: str | None, injector: threading.Thread | None, done: threading.Event) -> None:
         deadline = time.monotonic() + BATCH_TIMEOUT
         failures = 0
+        refused: int | None = None
         assert self.proc is not None
         while True:
+            committed = False
             for e in self.events():
                 word = e.split(" ", 1)[0]
                 if word == "begin" and e.split()[1] == str(b):
@@ -500,7 +519,21 @@ class Nemesis:
                     if int(bid) == b:
                         if int(cid) != b:
                             self.fail(f"batch {b} committed as checkpoint {cid}: no drain ran, they must be equal")
-                        return
+                        committed = True
+                elif word == "refused-parallelism":
+                    refused = int(e.split()[1])
+                elif word == "query-failed" and refused is not None:
+                    # the re-delivery of an unaligned batch at another parallelism was refused, naming the way
+                    # out: run the batch at the first delivery's parallelism (what a user would do)
+                    self.counts["re-deliveries refused at another parallelism"] += 1
+                    if injector is not None:
+                        injector.join(120)
+                    self.stop_app("plain")
+                    self.verify(f"app {self.app} refused batch {b} at parallelism {self.app_conf['parallelism']}")
+                    self.start_app(f"batch {b} asks for parallelism {refused}", parallelism=refused)
+                    refused, failures = None, 0
+                    deadline = time.monotonic() + BATCH_TIMEOUT
+                    break
                 elif word == "query-failed":
                     self.counts["query restarts"] += 1
                     failures += 1
@@ -512,6 +545,8 @@ class Nemesis:
                                   f"problems so far:\n  " + "\n  ".join(self.problems[:40]))
                     (self.control / f"resume-{self.app}-{self.failures}").touch()
                     self.failures += 1
+            if committed:
+                return
             if self.proc.poll() is not None:
                 for e in self.events():
                     self.note(f"app {self.app}: {e}")
@@ -741,7 +776,16 @@ class Nemesis:
             if got != dict(truth):
                 problems.append(f"final totals per key differ from the input's: "
                                 f"{sorted(set(got.items()) ^ set(truth.items()))[:10]}")
-        self.checked_rows = model.rows
+            read = subprocess.run([sys.executable, "-m", "sparksteward", "checkpoints", "read", self.chk, NAME, "total",
+                                   "--json", "--limit", "1000000", "--cluster-id", CLUSTER, "--conf",
+                                   f"spark.steward.storage.options={self.options}"], cwd=REPO, capture_output=True,
+                                  text=True, timeout=300)
+            cli = {r["key"]: r["value"] for r in map(json.loads, read.stdout.splitlines())} if read.returncode == 0 else None
+            if cli != dict(truth):
+                problems.append(f"steward checkpoints read of the latest checkpoint's totals (exit {read.returncode}: "
+                                f"{read.stderr.strip()[:200]}) differ from the input's: "
+                                f"{sorted(set((cli or {}).items()) ^ set(truth.items()))[:10]}")
+        self.checked_rows, self.late_rows = model.rows, model.late
         new = [p for p in problems if p not in self.problems]
         self.note(f"verified ({why}): {len(model.after)} sink files, {model.rows} rows, "
                   f"{len(targets)} checkpoints/savepoints in {time.monotonic() - started:.1f} s"
@@ -793,7 +837,7 @@ class Nemesis:
             fs = self.s3.filesystem()
             root = self.s3.url("nemesis-chk", CLUSTER, NAME)[len("s3://"):]
             everything = {p[len(root) + 1:] for p in fs.find(root)}
-        allowed = {f"chk-{c}/_metadata" for c in ids} | {"_lease", "_drains"}
+        allowed = {f"chk-{c}/_metadata" for c in ids} | {"_lease", "_drains", "_begun"}   # records of the state
         return sorted(p for p in everything if p not in allowed and p not in referenced)
 
     # --- the run -----------------------------------------------------------------------------------
@@ -829,7 +873,8 @@ class Nemesis:
             self.fail(f"{len(self.problems)} problem(s), found at {self.failed_at}; counts: {counts}:\n  " +
                       "\n  ".join(self.problems[:60]))
         self.note(f"PASSED seed {self.seed}: {BATCHES} batches + drain, {self.app + 1} applications, "
-                  f"{self.checked_rows} rows checked, {self.checked_checkpoints} checkpoint/savepoint restores "
+                  f"{self.checked_rows} rows checked ({self.late_rows} emitted by a later batch than their own: "
+                  f"deferred), {self.checked_checkpoints} checkpoint/savepoint restores "
                   f"checked; {counts}; {time.monotonic() - started:.0f} s")
 
 

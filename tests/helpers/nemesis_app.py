@@ -16,7 +16,8 @@ Everything the soak and the application say to each other goes through files in 
 
 - ``config.json`` (soak -> app): paths, names, timeouts;
 - ``events-<app>.log`` (app -> soak): one line per event (``started``, ``begin``, ``sink``,
-  ``committed``, ``query-failed``, ``drained``, ``stopped``);
+  ``committed``, ``refused-parallelism`` (the failure asks to run the batch at that parallelism),
+  ``query-failed``, ``drained``, ``stopped``);
 - ``sink/<cid>.json``: the sink's output;
 - ``kill-after-sink`` (soak -> app): a checkpoint id; the sink of that id SIGKILLs this process right
   after it wrote its file, before the commit (it renames the file first, so the re-delivery lives);
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -202,6 +204,9 @@ def main() -> None:
             failed = exc
         if failed is not None:
             first = next((line for line in str(failed).splitlines() if line.strip()), type(failed).__name__)
+            refused = re.search(r"Run this batch at parallelism (\d+)", str(failed))
+            if refused:   # a re-delivery at another parallelism that cannot cut as the first delivery did
+                event(control, app, f"refused-parallelism {refused.group(1)}")
             event(control, app, f"query-failed {failures} {first[:400]}")
             resume = control / f"resume-{app}-{failures}"
             while not resume.exists() and not stop_file.exists():
