@@ -84,6 +84,7 @@ class Cuts:
         from sparksteward.checkpoint.storage import CheckpointStorage
 
         self.coord = CheckpointCoordinator(CheckpointStorage.open(str(tmp_path / uuid.uuid4().hex), "s"), 1, 16)
+        self.coord.begin(0, unaligned=True)   # a cut is recorded in the begun record of its checkpoint
         self.calls: list[tuple[int, bool]] = []
 
     @property

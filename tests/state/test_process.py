@@ -291,9 +291,10 @@ from tests.helpers.keyed import SCHEMA, count_sum
 
 state_dir, checkpoint_dir, cluster = sys.argv[1:4]
 with spark_session("local[1]", **{"spark.steward.state-dir": state_dir, "spark.steward.cluster-id": cluster}) as spark:
-    ks = sparksteward.Steward.get(spark).keyed_state("shared", key="k", parallelism=2, max_parallelism=16,
-                                                      checkpoint_dir=checkpoint_dir)
-    try:
+    try:   # refused at keyed_state() already (issue 35 item 9), before any batch
+        ks = sparksteward.Steward.get(spark).keyed_state("shared", key="k", parallelism=2, max_parallelism=16,
+                                                          checkpoint_dir=checkpoint_dir)
+        print("OPENED", flush=True)
         ks.apply(spark.createDataFrame(pd.DataFrame({"k": ["x"], "v": [1]})), count_sum, SCHEMA).collect()
     except Exception as exc:
         print("REFUSED", type(exc).__name__, str(exc).replace("\\n", " "), flush=True)
@@ -319,6 +320,7 @@ def test_a_second_application_on_a_state_is_refused_and_the_first_restores(spark
                             capture_output=True, text=True, timeout=300, cwd=str(Path(__file__).parents[2]))
     line = next((x for x in second.stdout.splitlines() if x.startswith(("REFUSED", "ACCEPTED"))), second.stderr[-3000:])
     assert line.startswith("REFUSED StateLeaseError"), line
+    assert "OPENED" not in second.stdout, "refused only at the first batch, not when the state was opened"
     root = CheckpointStorage.open(str(chk), "shared", CLUSTER).url
     assert "keyed state 'shared'" in line and root in line and f"application {spark.sparkContext.applicationId}" in line
     assert "since" in line and "Stop that application" in line
