@@ -55,8 +55,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from sparksteward.checkpoint.begun import BegunRecord, CheckpointTime, read_begun, time_of
 from sparksteward.checkpoint.completed import CompletedCheckpoints
@@ -82,6 +83,7 @@ from sparksteward.state.keygroups import KeyType, key_group_range, validate_para
 __all__ = ["BeginResult", "CheckpointCoordinator"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordinator")
+_T = TypeVar("_T")
 
 _DELETE_WAIT = 120.0     # how long complete() waits for a delete of a file it references to finish
 
@@ -366,23 +368,22 @@ class CheckpointCoordinator:
     def cut(self, checkpoint_id: int, subtask: int, proposed: int | None = None) -> int | None:
         """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (see :mod:`~sparksteward.checkpoint.cuts`):
         ``proposed`` is recorded if no attempt recorded one; None when neither."""
-        with self._lock:
-            completed = self._done.get(checkpoint_id)   # a re-run: its record holds the cuts
-            cut = self._cuts.cut(checkpoint_id, subtask, self.parallelism, proposed, completed)
-            if self._cuts.recorded_new:
-                self._cuts_made += 1
-            # every answer waits until what is recorded is durable (an earlier write may have failed)
-            made = self._cuts_made if completed is None and self._cuts_made > self._cuts_durable else 0
-        if made:
-            self._make_cuts_durable(checkpoint_id, made)
-        return cut
+        return self._durable_cut(checkpoint_id, lambda completed: self._cuts.cut(
+            checkpoint_id, subtask, self.parallelism, proposed, completed))
 
     def amend_cut(self, checkpoint_id: int, subtask: int, cut: int) -> int:
         """``subtask`` could not defer past ``cut`` (its channel state would pass the byte cap): from now
         on it processes everything. Returns the cut that stands."""
+        return self._durable_cut(checkpoint_id, lambda completed: self._cuts.amend(
+            checkpoint_id, subtask, self.parallelism, cut, completed))
+
+    def _durable_cut(self, checkpoint_id: int, decide: Callable[[CheckpointMetadata | None], _T]) -> _T:
+        """``decide(completed)`` (under the lock) the cut that stands, then return it once every cut
+        recorded so far is durable (an earlier write may have failed); a completed checkpoint's cuts
+        (a re-run) are in its record already."""
         with self._lock:
             completed = self._done.get(checkpoint_id)
-            stands = self._cuts.amend(checkpoint_id, subtask, self.parallelism, cut, completed)
+            stands = decide(completed)
             if self._cuts.recorded_new:
                 self._cuts_made += 1
             made = self._cuts_made if completed is None and self._cuts_made > self._cuts_durable else 0
