@@ -3,6 +3,9 @@ S3 server and ``guarded_rmtree``, are in tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 
 def checkpoint_backends(storage, backends, checkpoint_id, snap_root, known=frozenset()):
     """Snapshot and upload every subtask's backend; write and return ``chk-<id>/_metadata``.
@@ -66,3 +69,34 @@ def write_subtask(econn, opened: dict, subtask: int, parallelism: int, max_paral
         backend.close()
     econn.request("state.upload", token=opened["token"], sync_ms=snap.sync_ms)
     return snap.sync_ms
+
+
+@contextlib.contextmanager
+def state_agents(tmp_path, parallelism: int, max_parallelism: int, **service: Any):
+    """A driver agent's StateService and an executor agent's SubtaskService on real sockets, with state
+    ``s`` registered; yields (driver connection, executor connection, subtasks). ``service``: the
+    StateService's keyword arguments."""
+    from sparksteward.checkpoint.service import StateService
+    from sparksteward.checkpoint.subtasks import SubtaskService
+    from sparksteward.wire import AgentServer, Connection, new_secret
+
+    secret = new_secret()
+    driver = AgentServer("127.0.0.1", 0, secret, {})
+    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30, **service)
+    states.register_handlers(driver)
+    executor = AgentServer("127.0.0.1", 0, secret, {})
+    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
+    subtasks.register_handlers(executor)
+    dconn = Connection.connect(driver.endpoint, secret)
+    econn = Connection.connect(executor.endpoint, secret)
+    try:
+        dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=parallelism,
+                      max_parallelism=max_parallelism, key_type="string", num_retained=1)
+        yield dconn, econn, subtasks
+    finally:
+        dconn.close()
+        econn.close()
+        subtasks.close()
+        executor.close()
+        driver.close()
+        states.close()

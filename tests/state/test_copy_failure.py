@@ -10,11 +10,8 @@ import time
 import pytest
 
 from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
 from sparksteward.errors import CheckpointError
-from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import split_by_subtask, write_subtask
+from tests.helpers.state import split_by_subtask, state_agents, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")
 
@@ -24,25 +21,8 @@ KEYS = {f"k{i}": i for i in range(10)}
 
 @pytest.fixture()
 def rig(tmp_path):
-    secret = new_secret()
-    driver = AgentServer("127.0.0.1", 0, secret, {})
-    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30, agent_timeout=3.0,
-                          merging=MergingOptions(enabled=True))
-    states.register_handlers(driver)
-    executor = AgentServer("127.0.0.1", 0, secret, {})
-    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
-    subtasks.register_handlers(executor)
-    dconn = Connection.connect(driver.endpoint, secret)
-    econn = Connection.connect(executor.endpoint, secret)
-    dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
-                  key_type="string", num_retained=1)
-    yield dconn, econn, subtasks
-    dconn.close()
-    econn.close()
-    subtasks.close()
-    executor.close()
-    driver.close()
-    states.close()
+    with state_agents(tmp_path, P, M, agent_timeout=3.0, merging=MergingOptions(enabled=True)) as agents:
+        yield agents
 
 
 def _fail(dconn, opened, agent: str, others: int) -> None:

@@ -16,7 +16,7 @@ from sparksteward.errors import CheckpointError, InvalidRequestError, StewardErr
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
-from tests.helpers.state import split_by_subtask, timed, write_subtask
+from tests.helpers.state import split_by_subtask, state_agents, timed, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -26,25 +26,8 @@ P, M = 2, 8
 @pytest.fixture(params=["merged", "whole"])
 def rig(tmp_path, request):
     """Driver and executor agents; checkpoints with file merging (FLIP-306) on, and off."""
-    secret = new_secret()
-    driver = AgentServer("127.0.0.1", 0, secret, {})
-    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30,
-                          merging=MergingOptions(enabled=request.param == "merged"))
-    states.register_handlers(driver)
-    executor = AgentServer("127.0.0.1", 0, secret, {})
-    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
-    subtasks.register_handlers(executor)
-    dconn = Connection.connect(driver.endpoint, secret)
-    econn = Connection.connect(executor.endpoint, secret)
-    dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
-                  key_type="string", num_retained=1)
-    yield dconn, econn, subtasks, tmp_path
-    dconn.close()
-    econn.close()
-    subtasks.close()
-    executor.close()
-    driver.close()
-    states.close()
+    with state_agents(tmp_path, P, M, merging=MergingOptions(enabled=request.param == "merged")) as (d, e, sub):
+        yield d, e, sub, tmp_path
 
 
 def run_task(econn, cid: int, subtask: int, delta: dict[str, int]) -> float:
