@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.rescale import rebuild_subtask
+from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.state.backend import RocksDBStateBackend
@@ -152,7 +152,7 @@ def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
     decision 0012), while the executor agent's uploader (4 threads, as in the agent) uploads the
     previous subtasks' snapshots. One subtask at a time, as on a 1-core executor. Also times the open
     (restore excluded), which replays the WAL the previous snapshot kept."""
-    from sparksteward.checkpoint.uploader import SnapshotUploader
+    from sparksteward.checkpoint.task.uploader import SnapshotUploader
 
     cache = LocalFileCache(root / "task-cache")
     sync, opened, wal = [], [], []

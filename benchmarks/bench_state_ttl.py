@@ -407,8 +407,8 @@ def open_aside(side: Path, name: str, aside: dict[str, Any]) -> tuple[Any, Any]:
 def time_restore(side: Path, name: str, aside: dict[str, Any], into: Path) -> float:
     """Seconds to restore every subtask of a set-aside checkpoint, one after the other, into a fresh
     dir ``into`` with a fresh cache (then deleted)."""
-    from sparksteward.checkpoint.cache import LocalFileCache
-    from sparksteward.checkpoint.rescale import restore_subtask_backend
+    from sparksteward.checkpoint.task.cache import LocalFileCache
+    from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 
     storage, meta = open_aside(side, name, aside)
     cache = LocalFileCache(into / "cache")
@@ -426,8 +426,8 @@ def look_restored(side: Path, name: str, aside: dict[str, Any], into: Path) -> d
     restored and after a full compaction, and their entries by kind."""
     import rocksdict
 
-    from sparksteward.checkpoint.cache import LocalFileCache
-    from sparksteward.checkpoint.rescale import restore_subtask_backend
+    from sparksteward.checkpoint.task.cache import LocalFileCache
+    from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 
     storage, meta = open_aside(side, name, aside)
     cache = LocalFileCache(into / "cache")

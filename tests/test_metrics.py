@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from sparksteward import protocol
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import ProtocolError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
@@ -119,7 +119,7 @@ def test_each_completed_checkpoint_has_a_report_in_commit_metrics_info_and_one_i
     executor = AgentServer("127.0.0.1", 0, secret, {})
     subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
     subtasks.register_handlers(executor)
-    caplog.set_level("INFO", logger="sparksteward.checkpoint.report")
+    caplog.set_level("INFO", logger="sparksteward.checkpoint.coordination.report")
     try:
         with Connection.connect(driver.endpoint, secret) as dconn, Connection.connect(executor.endpoint, secret) as econn:
             dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
@@ -162,7 +162,7 @@ def test_each_completed_checkpoint_has_a_report_in_commit_metrics_info_and_one_i
         gauges = {k[len("state.s.checkpoint."):]: v for k, v in states.metrics().items()
                   if k.startswith("state.s.checkpoint.")}
         assert gauges == {k: v for k, v in report.items() if k not in ("state", "query")}
-        lines = [r.getMessage() for r in caplog.records if r.name == "sparksteward.checkpoint.report"]
+        lines = [r.getMessage() for r in caplog.records if r.name == "sparksteward.checkpoint.coordination.report"]
         assert len(lines) == 2, lines
         assert lines[1].startswith("keyed state s completed checkpoint 1 (batch 1, query -) in ")
         assert "120 rows in, 40 out, 40 keys touched" in lines[1]

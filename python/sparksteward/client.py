@@ -404,7 +404,7 @@ class Steward:
 
 def _merging_overrides(value: Any) -> dict[str, Any] | None:
     """``keyed_state(file_merging=...)`` as the request's overrides, checked here."""
-    from sparksteward.checkpoint.merging import MergingOptions
+    from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
     from sparksteward.errors import ConfigError
 
     if value is None:
@@ -420,7 +420,7 @@ def _merging_overrides(value: Any) -> dict[str, Any] | None:
 
 def _alignment_overrides(alignment: Any, timeout: Any, max_inflight: Any) -> dict[str, Any] | None:
     """``keyed_state(alignment=..., ...)`` as the request's overrides, checked here (FLIP-76)."""
-    from sparksteward.checkpoint.channel import AlignmentOptions
+    from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
 
     given = {k: v for k, v in (("alignment", alignment), ("aligned_checkpoint_timeout", timeout),
                                ("max_inflight_bytes", max_inflight)) if v is not None}

@@ -38,7 +38,7 @@ uploaded are deleted) and re-raises, so the query fails and Spark re-delivers N 
 **Drain** (FLIP-76). Spark runs no micro-batch without input, so the rows unaligned batches deferred
 wait until input comes again. ``drain()`` processes them now: an empty batch, aligned, under the
 next checkpoint id, through the ``fn``/``schema``/``sink`` of ``process`` (or given ones). That id
-is recorded in the state (``_drains``, see :mod:`sparksteward.checkpoint.backlog`) and later
+is recorded in the state (``_drains``, see :mod:`sparksteward.checkpoint.unaligned.backlog`) and later
 streaming batches skip it, so batch N's checkpoint id is N plus the drains before it, the id
 ``sink`` gets too. ``info()["backlog"]`` shows what waits.
 
@@ -230,7 +230,7 @@ class KeyedState:
         """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and
         out, keys touched, entries, state bytes (local and checkpointed), bytes uploaded and reused,
         objects written, sync/async/commit/whole durations, restore and rescale time (see
-        :mod:`sparksteward.checkpoint.report`, and docs/state.md, "Metrics").
+        :mod:`sparksteward.checkpoint.coordination.report`, and docs/state.md, "Metrics").
 
         Parameters
         ----------
@@ -310,7 +310,7 @@ class KeyedState:
             return None, None
         p = self.parallelism
         routed = df.withColumn(ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
-        if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/cut.py);
+        if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/unaligned/task_cut.py);
             # computed before the exchange: no node may sit between it and mapInArrow, or AQE drops the
             # state stage of an empty batch, whose subtasks must still replay and checkpoint
             routed = routed.withColumn(KG_COL, F.expr(key_group_sql(self.key, self.max_parallelism)).cast("int"))

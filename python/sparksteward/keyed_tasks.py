@@ -9,7 +9,7 @@ state instead, FLIP-76), runs the user function on the subtask's RocksDB backend
 once per key, with the options :func:`_pandas_options` reads from the session's conf), takes the
 sync-phase snapshot and hands it to the executor agent (``state.upload``), which uploads it and acks
 the driver agent's coordinator. A task that ends before the upload releases its subtask
-(``state.release``). See :mod:`sparksteward.checkpoint.subtasks`.
+(``state.release``). See :mod:`sparksteward.checkpoint.task.task_state`.
 
 :func:`read_table` restores subtasks of a completed checkpoint into a scratch dir of the calling
 process and decodes one state variable: the driver calls it for a small read, each task of a
@@ -223,17 +223,17 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
     and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
     another attempt recorded), both in key-group order, and the rows from the cut on go to a
     channel-state writer instead (returned, for the caller to close). See
-    :mod:`sparksteward.checkpoint.cut`."""
+    :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
     import time
 
-    from sparksteward.checkpoint.channel import (
+    from sparksteward.checkpoint.unaligned.channel_state import (
         AlignmentMode,
         AlignmentOptions,
         ChannelStateWriter,
         read_channel_state,
         replay,
     )
-    from sparksteward.checkpoint.cut import iter_cut, merge_by_key_group
+    from sparksteward.checkpoint.unaligned.task_cut import iter_cut, merge_by_key_group
     from sparksteward.state.keygroups import key_groups
 
     sources = [(r["name"], r["path"]) for r in opened.get("replay") or []]

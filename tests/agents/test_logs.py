@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sparksteward.agents.logs import log_file_name
-from sparksteward.checkpoint.rescale import rebuild_subtask
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range
@@ -87,7 +87,7 @@ def test_rebuilding_a_subtask_logs_at_info_only_when_it_rescales(tmp_path, caplo
     meta, _ = checkpoint_backends(storage, backends, 1, tmp_path / "snaps")
     for b in backends:
         b.close()
-    caplog.set_level(logging.DEBUG, logger="sparksteward.checkpoint.rescale")
+    caplog.set_level(logging.DEBUG, logger="sparksteward.checkpoint.task.subtask_restore")
     for parallelism, level in ((2, logging.DEBUG), (1, logging.INFO)):
         caplog.clear()
         b, _ = rebuild_subtask(storage, meta, parallelism, 0, tmp_path / f"r{parallelism}",

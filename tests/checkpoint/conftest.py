@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 

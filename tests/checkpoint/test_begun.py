@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from sparksteward.checkpoint.begun import BEGUN_FILE, BegunRecord, CheckpointTime, read_begun, time_of
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.cuts import translate_cuts
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.unaligned.coordinator_cuts import translate_cuts
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointOrderError, CorruptRecordError
 from sparksteward.state.keygroups import key_group_range

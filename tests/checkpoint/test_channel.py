@@ -7,14 +7,14 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from sparksteward.checkpoint.channel import (
+from sparksteward.checkpoint.unaligned.channel_state import (
     AlignmentOptions,
     ChannelStateWriter,
     logical_size,
     read_channel_state,
     replay,
 )
-from sparksteward.checkpoint.cut import iter_cut, merge_by_key_group
+from sparksteward.checkpoint.unaligned.task_cut import iter_cut, merge_by_key_group
 from sparksteward.errors import CheckpointCorruptError, CheckpointOrderError, ConfigError
 from sparksteward.state.keygroups import KeyGroupRange, key_group
 
@@ -80,7 +80,7 @@ class Cuts:
     def __init__(self, tmp_path) -> None:
         import uuid
 
-        from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+        from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
         from sparksteward.checkpoint.storage import CheckpointStorage
 
         self.coord = CheckpointCoordinator(CheckpointStorage.open(str(tmp_path / uuid.uuid4().hex), "s"), 1, 16)

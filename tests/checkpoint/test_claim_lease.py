@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import StateLease, read_lease
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage

@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.pending import AckResult
-from sparksteward.checkpoint.rescale import open_subtask
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.pending import AckResult
+from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import key_group_range

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sparksteward.checkpoint.deleter import FileDeleter
+from sparksteward.checkpoint.coordination.deleter import FileDeleter
 from sparksteward.checkpoint.lease import StateLease, read_lease
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.owner import OwnerRecord

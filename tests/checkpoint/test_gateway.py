@@ -1,4 +1,4 @@
-"""The executor agents' ops on the driver agent (checkpoint/gateway.py), over real sockets without
+"""The executor agents' ops on the driver agent (checkpoint/coordination/gateway.py), over real sockets without
 Spark: the base of an attempt crosses the wire once per executor agent, and a new attempt sends it
 again."""
 

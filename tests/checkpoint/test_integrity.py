@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts

@@ -134,7 +134,7 @@ def test_a_corrupt_lease_record_is_refused_by_name(tmp_path):
 
 
 # --- the sweep, under the coordinator ------------------------------------------------------------
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator  # noqa: E402
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator  # noqa: E402
 from sparksteward.errors import CheckpointError  # noqa: E402
 from sparksteward.testing.clock import FakeClock  # noqa: E402
 from tests.helpers.checkpoint import BATCHES, M, P, stored_counts, expected_counts, run_batch  # noqa: E402

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from sparksteward.checkpoint.lease import read_lease
-from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import StewardError
 from sparksteward.wire import AgentServer, Connection, new_secret

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.merging import is_merged
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.filemerging.file_merger import is_merged
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, read_ranges
 from sparksteward.errors import StewardError

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.checkpoint.merging import (
+from sparksteward.checkpoint.filemerging.file_merger import (
     FileMerger,
     MergingMode,
     MergingOptions,

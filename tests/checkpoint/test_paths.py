@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from sparksteward.hashing import hash_file
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.records import FileHandle, SubtaskHandle
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import LEASE_FILE, StateLease, read_lease
 from sparksteward.checkpoint.removal import collect_garbage, remove_state
 from sparksteward.checkpoint.restore import restore_from

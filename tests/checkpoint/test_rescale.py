@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.rescale import overlapping_subtasks, rebuild_subtask, restore_subtask_backend
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks, rebuild_subtask, restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointNotFoundError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
@@ -164,7 +164,7 @@ def test_prepare_subtask_links_the_base_unopened_and_opens_only_to_rescale(tmp_p
     """What the executor agent does at state.open: the same key groups as the base are its files,
     linked and not opened (the task replays the WAL once); a rescale opens the DB to change it. Either
     way the task's open finds every key of its range."""
-    from sparksteward.checkpoint.rescale import prepare_subtask
+    from sparksteward.checkpoint.task.subtask_restore import prepare_subtask
 
     storage = CheckpointStorage.open(store_url, "sums")
     backends = [RocksDBStateBackend(tmp_path / f"w{i}", key_group_range(M, 2, i), M, "long") for i in range(2)]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint

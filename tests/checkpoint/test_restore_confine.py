@@ -15,12 +15,12 @@ from dataclasses import replace
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.cli import find_orphans
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
-from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 from sparksteward.errors import CheckpointCorruptError, CheckpointError, StorageError

@@ -9,7 +9,7 @@ import shutil
 import orjson
 import pytest
 
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, InvalidRecordError

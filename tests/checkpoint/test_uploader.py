@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.checkpoint.uploader import SnapshotUploader
+from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.snapshot import LocalSnapshot

@@ -3,9 +3,9 @@ restore their base, count keys, snapshot, upload and ack; and what the counts mu
 
 from __future__ import annotations
 
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.rescale import open_subtask, restore_subtask_backend
+from sparksteward.checkpoint.task.subtask_restore import open_subtask, restore_subtask_backend
 from sparksteward.errors import StorageError
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from sparksteward.checkpoint.merging import MergingOptions
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.helpers.state import split_by_subtask, write_subtask
 

@@ -76,8 +76,8 @@ def state_agents(tmp_path, parallelism: int, max_parallelism: int, **service: An
     """A driver agent's StateService and an executor agent's SubtaskService on real sockets, with state
     ``s`` registered; yields (driver connection, executor connection, subtasks). ``service``: the
     StateService's keyword arguments."""
-    from sparksteward.checkpoint.service import StateService
-    from sparksteward.checkpoint.subtasks import SubtaskService
+    from sparksteward.checkpoint.coordination.driver_service import StateService
+    from sparksteward.checkpoint.task.task_state import SubtaskService
     from sparksteward.wire import AgentServer, Connection, new_secret
 
     secret = new_secret()

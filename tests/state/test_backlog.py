@@ -11,10 +11,10 @@ import logging
 import pyarrow as pa
 import pytest
 
-from sparksteward.checkpoint.backlog import DrainLog, growth
-from sparksteward.checkpoint.channel import ChannelStateWriter
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.unaligned.backlog import DrainLog, growth
+from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CorruptRecordError, StateError, StewardError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.keyed_tasks import KG_COL, unaligned_input
@@ -86,7 +86,7 @@ def test_the_backlog_shows_a_growing_one_is_warned_and_a_drain_is_aligned_under_
     metrics = rig.states.metrics()
     assert metrics["state.s.unaligned.backlog_rows"] == 40 and metrics["state.s.unaligned.backlog_growth"] == 3
     assert metrics["state.s.unaligned.backlog_bytes"] == backlog["bytes"]
-    with caplog.at_level(logging.WARNING, logger="sparksteward.checkpoint.service"):
+    with caplog.at_level(logging.WARNING, logger="sparksteward.checkpoint.coordination.driver_service"):
         warning = d.request("state.begin", name="s", batch_id=4)["backlog_warning"]
     assert "grew for 3 checkpoints in a row, to 40 deferred rows" in warning and "ks.drain" in warning
     assert warning in caplog.text

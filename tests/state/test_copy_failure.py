@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from sparksteward.checkpoint.merging import MergingOptions
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.errors import CheckpointError
 from tests.helpers.state import split_by_subtask, state_agents, write_subtask
 

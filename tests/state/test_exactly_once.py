@@ -7,9 +7,9 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.rescale import open_subtask
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.state.runner import run_pandas

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import StateEncodingError, StateLeaseError
 from sparksteward.wire import AgentServer, Connection, new_secret
 from tests.helpers.state import split_by_subtask, write_subtask

@@ -11,10 +11,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from sparksteward.checkpoint.rescale import overlapping_subtasks
+from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CheckpointOrderError, ParallelismError
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret

@@ -21,7 +21,7 @@ import pytest
 
 from sparksteward import Steward
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.rescale import overlapping_subtasks
+from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks
 from sparksteward.errors import ParallelismError
 from sparksteward.state.keygroups import key_group_range
 

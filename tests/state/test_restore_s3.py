@@ -214,7 +214,7 @@ def test_a_missing_file_is_refused_before_anything_is_written(st, s3, source):
 def _previous_run(s3, tmp_path, checkpoint_dir: str, name: str, max_parallelism: int = 16) -> str:
     """Checkpoint 0 of state ``name`` written by another application (the layers below Spark, in this
     process), so no executor of this application has its files cached; returns its ``chk-0`` URL."""
-    from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+    from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
     from sparksteward.checkpoint.storage import CheckpointStorage
     from tests.helpers.checkpoint import BATCHES, run_batch
 

@@ -8,8 +8,8 @@ import uuid
 
 import pytest
 
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.service import StateService
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, new_secret

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CheckpointError, InvalidRequestError, StewardError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group

@@ -24,11 +24,11 @@ import pyarrow as pa
 import pytest
 
 from sparksteward.hashing import hash_file
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.channel import ChannelStateWriter, read_channel_state
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.service import StateService
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter, read_channel_state
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CheckpointOrderError
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.testing.clock import FakeClock

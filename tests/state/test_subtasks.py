@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.checkpoint.subtasks import STATE_DIR_PREFIX, SubtaskService
+from sparksteward.checkpoint.task.task_state import STATE_DIR_PREFIX, SubtaskService
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
 
@@ -28,7 +28,7 @@ def test_root_is_private_owned_and_deleted_on_close(tmp_path):
 
 def test_dirs_of_a_sigkilled_agent_are_swept_by_the_next(tmp_path):
     code = ("import os, signal, sys\n"
-            "from sparksteward.checkpoint.subtasks import SubtaskService\n"
+            "from sparksteward.checkpoint.task.task_state import SubtaskService\n"
             "svc = SubtaskService(sys.argv[1], None, 's' * 32, upload_threads=1)\n"
             "(svc.root / 'work' / 'x').mkdir(parents=True)\n"
             "print(svc.root, flush=True)\n"

@@ -11,11 +11,11 @@ their Spark jobs through the ``sparksteward-job-<id>`` job tag.
 
 Metrics: every ``spark.steward.metrics.interval`` a thread compares :meth:`DriverAgent.metrics` (per
 keyed state: the file-merging numbers, the unaligned backlog, and the figures of its latest completed
-checkpoint, ``state.<name>.checkpoint.*``, see :mod:`sparksteward.checkpoint.report`) with what it
+checkpoint, ``state.<name>.checkpoint.*``, see :mod:`sparksteward.checkpoint.coordination.report`) with what it
 sent last and, when they changed, writes one ``metrics`` line toward the shim, which keeps them as
 gauges of the driver plugin's ``metricRegistry`` (Spark's metrics system). ``health`` carries the
 same numbers under ``metrics``. Each completed checkpoint is also logged once at INFO (logger
-``sparksteward.checkpoint.report``).
+``sparksteward.checkpoint.coordination.report``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from sparksteward import protocol
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
-from sparksteward.checkpoint.channel import AlignmentOptions
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.service import StateService, default_checkpoint_dir
+from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.coordination.driver_service import StateService, default_checkpoint_dir
 from sparksteward.config import StewardConfig
 from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
 from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus

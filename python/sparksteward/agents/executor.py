@@ -17,7 +17,7 @@ from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.job_sweeper import CacheJobSweeper
 from sparksteward.blob.store import open_blob_store
-from sparksteward.checkpoint.subtasks import SubtaskService
+from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.config import StewardConfig
 from sparksteward.owner import private_dir, sweep_dead
 from sparksteward.rendezvous import Rendezvous

@@ -3,14 +3,14 @@ fast duplication, restore and rescale, and the coordinator the driver agent host
 ``docs/state.md``. Nothing here imports pyspark or ``agents/``.
 """
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.coordinator import BeginResult, CheckpointCoordinator
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.coordination.coordinator import BeginResult, CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator, can_fast_duplicate
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
-from sparksteward.checkpoint.rescale import open_subtask, rebuild_subtask
+from sparksteward.checkpoint.task.subtask_restore import open_subtask, rebuild_subtask
 from sparksteward.checkpoint.restore import ClaimMode, restore_from, write_savepoint
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult, open_checkpoint
-from sparksteward.checkpoint.uploader import SnapshotUploader
+from sparksteward.checkpoint.task.uploader import SnapshotUploader
 
 __all__ = [
     "BeginResult",

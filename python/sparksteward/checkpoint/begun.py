@@ -13,13 +13,13 @@ and agent restarts, not only across the attempts one coordinator sees:
   will join it here;
 - **the alignment** the checkpoint runs with (an unaligned first delivery must not be re-run aligned,
   nor the other way round), and
-- **the FLIP-76 cuts** (:mod:`~sparksteward.checkpoint.cuts`): where each unaligned subtask stopped.
+- **the FLIP-76 cuts** (:mod:`~sparksteward.checkpoint.unaligned.coordinator_cuts`): where each unaligned subtask stopped.
   A task waits for its cut to be in this record before it goes on, so no output past a cut can reach
   a sink before the cut is durable.
 
 The record is versioned JSON, rewritten atomically (stage, fsync, rename; one PUT on an object
 store) when a checkpoint is first begun and when new cuts are recorded (many subtasks' cuts in one
-write, see :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`)::
+write, see :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`)::
 
     {"version": 1, "checkpoint_id": 7, "parallelism": 4, "time": {"processing_ms": 1764270000000},
      "unaligned": true, "cuts": {"0": 12, "3": 32}}

@@ -53,11 +53,11 @@ import orjson
 
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import read_lease
-from sparksteward.checkpoint.merging import space_stats
+from sparksteward.checkpoint.filemerging.file_merger import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.removal import Removal, collect_garbage, find_orphans, read_records, remove_state, subdirs
 from sparksteward.checkpoint.restore import write_savepoint
-from sparksteward.checkpoint.service import default_checkpoint_dir
+from sparksteward.checkpoint.coordination.driver_service import default_checkpoint_dir
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError, StateLeaseError

@@ -1,7 +1,7 @@
 """Typed replies of the checkpoint ops that carry more than a value or two, read and written on both
-sides of the socket (the driver agent's :class:`~sparksteward.checkpoint.gateway.CheckpointGateway`,
-the executor agent's :class:`~sparksteward.checkpoint.subtasks.SubtaskService`). The ack's stats are
-:class:`~sparksteward.checkpoint.stats.SubtaskStats`.
+sides of the socket (the driver agent's :class:`~sparksteward.checkpoint.coordination.gateway.CheckpointGateway`,
+the executor agent's :class:`~sparksteward.checkpoint.task.task_state.SubtaskService`). The ack's stats are
+:class:`~sparksteward.checkpoint.coordination.stats.SubtaskStats`.
 
 **The base of an attempt is sent once per executor agent.** Every task of a checkpoint asks
 ``state.base`` (the ask records which agent works on which subtask and returns its cut), but the base

@@ -27,9 +27,9 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.rescale import restore_subtask_backend
+from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend

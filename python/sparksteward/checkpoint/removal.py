@@ -10,7 +10,7 @@ The state root is ``<checkpoint-dir>/<cluster-id>/<state>``, both ids validated
   another host is watched for its ttl before it is taken over. The lease is renewed while the
   deletes run and checked before each one, so a writer that takes it over stops the removal.
 - **Records first.** Every ``chk-<N>/`` and ``restored/`` directory goes before any data file (as
-  :class:`~sparksteward.checkpoint.deleter.FileDeleter` deletes a record before its files), ``restored``
+  :class:`~sparksteward.checkpoint.coordination.deleter.FileDeleter` deletes a record before its files), ``restored``
   and the oldest first: a crash half-way leaves the latest checkpoints whole, or no record at all and
   orphaned data files that a second ``rm`` (or ``gc``) deletes, never a ``_metadata`` naming a
   deleted file.

@@ -67,9 +67,9 @@ from dataclasses import replace
 from sparksteward.hashing import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
 from sparksteward.checkpoint.lease import read_lease
-from sparksteward.checkpoint.merging import is_merged
+from sparksteward.checkpoint.filemerging.file_merger import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
-from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.task.subtask_restore import check_max_parallelism
 from sparksteward.checkpoint.storage import (
     MERGED_DIR,
     METADATA_FILE,

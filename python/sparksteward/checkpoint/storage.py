@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.hashing import hash_file
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
 from sparksteward.ids import validate_id
@@ -57,7 +57,7 @@ log = logging.getLogger("sparksteward.checkpoint.storage")
 
 METADATA_FILE = "_metadata"
 _CHK = re.compile(r"^chk-(\d+)$")
-MERGED_DIR = "merged"   # FLIP-306 physical files (see checkpoint/merging.py)
+MERGED_DIR = "merged"   # FLIP-306 physical files (see checkpoint/filemerging/file_merger.py)
 _DATA_NAME = re.compile(r"^[0-9a-f]{32}$")                    # an xxh3-128 checksum or a uuid4 hex
 _STAGED_NAME = re.compile(r"^\.[A-Za-z0-9_-][A-Za-z0-9._-]*\.tmp$")   # a staged upload (see staged_files)
 DATA_PATH_FORMS = "shared/<32 hex checksum> or merged/<32 hex>"

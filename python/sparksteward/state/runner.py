@@ -23,7 +23,7 @@ unspecified. Output rows are yielded in batches of at most ``max_output_rows`` r
 
 *Aligned* input arrives in any order, so no key is called before the whole input has been read. With
 an *unaligned* alignment (FLIP-76; ``key_group_ordered=True``), a subtask's input comes in key-group
-order (:func:`sparksteward.checkpoint.cut.merge_by_key_group`). The rows of one key group are
+order (:func:`sparksteward.checkpoint.unaligned.task_cut.merge_by_key_group`). The rows of one key group are
 contiguous, but the keys inside a key group are interleaved. Every row of a key belongs to its key
 group, so the keys of a key group are called once the next key group begins. This happens at the
 buffer boundary where the cut checks its deadline. A straggler still processes only up to its cut, and

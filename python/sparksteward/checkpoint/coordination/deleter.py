@@ -1,6 +1,6 @@
 """FileDeleter: the deletes of one keyed state's checkpoint files, in order and off the caller's
 thread (Flink's ``CheckpointsCleaner``), owned by its
-:class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`.
+:class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`.
 
 The coordinator decides *what* goes (reference counts, retention, leases); the deleter decides
 *when* and makes sure nothing it deletes is needed again by then:
@@ -44,7 +44,7 @@ from sparksteward.errors import CheckpointError
 
 __all__ = ["FileDeleter"]
 
-log = logging.getLogger("sparksteward.checkpoint.deleter")
+log = logging.getLogger("sparksteward.checkpoint.coordination.deleter")
 
 _MAX_DELETED = 100_000   # deleted paths remembered, so that complete() refuses a record naming one
 

@@ -1,5 +1,5 @@
 """UnalignedCuts: where each subtask of a pending checkpoint stops processing new input (FLIP-76),
-kept by the :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator` across the attempts
+kept by the :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator` across the attempts
 of that checkpoint.
 
 A cut is the first key group whose new input a subtask defers into channel state (the end of its

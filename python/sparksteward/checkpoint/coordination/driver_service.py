@@ -1,8 +1,8 @@
 """The driver's side of keyed state on the driver agent: the ``state.*`` ops KeyedState calls, over
-one :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator` per state. The ops executor
+one :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator` per state. The ops executor
 agents call (base, cut, ack, fail, merge_poll, sealed) are
-:class:`~sparksteward.checkpoint.gateway.CheckpointGateway`'s; both share one
-:class:`~sparksteward.checkpoint.registration.StateTable`.
+:class:`~sparksteward.checkpoint.coordination.gateway.CheckpointGateway`'s; both share one
+:class:`~sparksteward.checkpoint.coordination.registration.StateTable`.
 
 Ops (every request names its state with ``name``)::
 
@@ -15,17 +15,17 @@ Ops (every request names its state with ``name``)::
                     that another parallelism rescales from the next checkpoint on; another
                     max_parallelism is refused; rescaled_from: the latest checkpoint's parallelism
                     when the next checkpoint rescales from it); restore_from: see
-                    checkpoint/registration.py
+                    checkpoint/coordination/registration.py
     state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
     state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
                     caller's routing: refused when the state was rescaled since), batch_id (a
                     streaming batch: its checkpoint id skips the ids drains took, see
-                    checkpoint/backlog.py), alignment (overrides for this checkpoint only), drain
+                    checkpoint/unaligned/backlog.py), alignment (overrides for this checkpoint only), drain
                     (an empty aligned batch under the next id that processes the backlog; refused
                     while a checkpoint is pending; id null when there is no backlog)
                     -> id, rerun, unaligned, backlog_warning, attempt
     state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
-                    returns the checkpoint's stats and its report (checkpoint/report.py; null for a
+                    returns the checkpoint's stats and its report (checkpoint/coordination/report.py; null for a
                     re-run), which it logs at INFO;
                     on a failure, a silent executor agent it waits for, or when the wait runs out
                     the checkpoint is aborted and an error raised
@@ -50,14 +50,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sparksteward.checkpoint.backlog import GROWTH_WARNING, DrainLog, growth
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.channel import AlignmentMode, AlignmentOptions
+from sparksteward.checkpoint.unaligned.backlog import GROWTH_WARNING, DrainLog, growth
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.unaligned.channel_state import AlignmentMode, AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.gateway import MAX_ID, CheckpointGateway
-from sparksteward.checkpoint.registration import (
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.coordination.gateway import MAX_ID, CheckpointGateway
+from sparksteward.checkpoint.coordination.registration import (
     StateTable,
     CompletedStats,
     RegisteredState,
@@ -66,9 +66,9 @@ from sparksteward.checkpoint.registration import (
     unusable_dir,
     restore_on_register,
 )
-from sparksteward.checkpoint.report import CheckpointReport, checkpoint_report
+from sparksteward.checkpoint.coordination.report import CheckpointReport, checkpoint_report
 from sparksteward.checkpoint.restore import write_savepoint
-from sparksteward.checkpoint.stats import summarize
+from sparksteward.checkpoint.coordination.stats import summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
 from sparksteward.errors import (
     CheckpointError,
@@ -85,7 +85,7 @@ from sparksteward.wire import AgentServer, Connection, Fields
 
 __all__ = ["StateService"]
 
-log = logging.getLogger("sparksteward.checkpoint.service")
+log = logging.getLogger("sparksteward.checkpoint.coordination.driver_service")
 
 _MAX_WAIT = 7 * 86400.0
 _MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
@@ -126,7 +126,7 @@ class StateService:
         the channel state of the latest completed checkpoint that no batch processed yet:
         ``backlog_bytes``, ``backlog_rows`` (when acked in this application) and ``backlog_growth``
         (consecutive checkpoints it grew for); and ``state.<name>.checkpoint.<figure>`` of the latest
-        checkpoint completed in this application (see :mod:`~sparksteward.checkpoint.report`).
+        checkpoint completed in this application (see :mod:`~sparksteward.checkpoint.coordination.report`).
 
         Thread-safe: the states are listed under the service's condition; each state's numbers are read
         under its own lock.
@@ -180,7 +180,7 @@ class StateService:
         return report
 
     def _backlog(self, st: RegisteredState) -> dict[str, Any] | None:
-        """The channel state of the latest completed checkpoint (see checkpoint/backlog.py): its bytes
+        """The channel state of the latest completed checkpoint (see checkpoint/unaligned/backlog.py): its bytes
         (from the record), rows (from the acks, None unless acked in this application), the subtasks
         that hold some, and for how many consecutive checkpoints it grew."""
         c = st.coordinator

@@ -22,7 +22,7 @@ wrote. So the point is decided once per subtask and checkpoint:
   position keeps processing up to it; one that already processed past it raises, and Spark's retry
   follows the recorded cut.
 - ``unaligned_max_inflight``: the deferred rows pass the byte cap or not by their logical size
-  (:func:`~sparksteward.checkpoint.channel.logical_size`), which does not depend on how rows are chunked, so every attempt at one cut finds the same; the
+  (:func:`~sparksteward.checkpoint.unaligned.channel_state.logical_size`), which does not depend on how rows are chunked, so every attempt at one cut finds the same; the
   first to find it moves the cut to the end of the range (process everything), and the others follow.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sparksteward.checkpoint.channel import ChannelStateWriter
+from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter
 from sparksteward.errors import CheckpointOrderError
 
 __all__ = ["iter_cut", "merge_by_key_group"]

@@ -1,8 +1,8 @@
 """The ops executor agents call on the driver agent for keyed state: the gateway between the
-subtasks and each state's :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`
+subtasks and each state's :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`
 (Flink's ``CheckpointCoordinatorGateway``). The driver's own ops (register, begin, commit, ...) are
-:class:`~sparksteward.checkpoint.service.StateService`'s; both share one
-:class:`~sparksteward.checkpoint.registration.StateTable`.
+:class:`~sparksteward.checkpoint.coordination.driver_service.StateService`'s; both share one
+:class:`~sparksteward.checkpoint.coordination.registration.StateTable`.
 
 Ops (every request names its state with ``name``)::
 
@@ -38,17 +38,17 @@ import time
 from collections import Counter
 from typing import Any
 
-from sparksteward.checkpoint.coordinator import BeginResult
+from sparksteward.checkpoint.coordination.coordinator import BeginResult
 from sparksteward.checkpoint.messages import BaseReply
 from sparksteward.checkpoint.records import SubtaskHandle
-from sparksteward.checkpoint.registration import RegisteredState, StateTable
-from sparksteward.checkpoint.stats import SubtaskStats
+from sparksteward.checkpoint.coordination.registration import RegisteredState, StateTable
+from sparksteward.checkpoint.coordination.stats import SubtaskStats
 from sparksteward.errors import InvalidRequestError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, Fields
 
 __all__ = ["MAX_ID", "CheckpointGateway"]
 
-log = logging.getLogger("sparksteward.checkpoint.gateway")
+log = logging.getLogger("sparksteward.checkpoint.coordination.gateway")
 
 MAX_ID = (1 << 62)   # the largest checkpoint id a request may name
 

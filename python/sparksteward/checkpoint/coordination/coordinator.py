@@ -22,8 +22,8 @@ attempt). A task may re-begin a completed checkpoint (a second action) but not a
 the driver's ``begin`` restarts that, so a straggler of the abandoned attempt cannot.
 
 **Files.** Reference counts, retention, the start-up sweep and what may be deleted belong to
-:class:`~sparksteward.checkpoint.completed.CompletedCheckpoints` (claimed files included); the
-deletes themselves run in order on :class:`~sparksteward.checkpoint.deleter.FileDeleter`'s thread.
+:class:`~sparksteward.checkpoint.coordination.completed.CompletedCheckpoints` (claimed files included); the
+deletes themselves run in order on :class:`~sparksteward.checkpoint.coordination.deleter.FileDeleter`'s thread.
 
 **Late acks.** A late ack (of a replaced or aborted attempt, after its checkpoint completed or was
 aborted) is refused and its uploads are deleted once nothing is pending: an upload of a pending
@@ -60,15 +60,15 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from sparksteward.checkpoint.begun import BegunRecord, CheckpointTime, read_begun, time_of
-from sparksteward.checkpoint.completed import CompletedCheckpoints
-from sparksteward.checkpoint.cuts import UnalignedCuts, translate_cuts
-from sparksteward.checkpoint.deleter import FileDeleter
+from sparksteward.checkpoint.coordination.completed import CompletedCheckpoints
+from sparksteward.checkpoint.unaligned.coordinator_cuts import UnalignedCuts, translate_cuts
+from sparksteward.checkpoint.coordination.deleter import FileDeleter
 from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
-from sparksteward.checkpoint.pending import AckResult, PendingCheckpoint
-from sparksteward.checkpoint.merging import MergingMode, MergingOptions, SpaceStats, is_merged, space_stats
+from sparksteward.checkpoint.coordination.pending import AckResult, PendingCheckpoint
+from sparksteward.checkpoint.filemerging.file_merger import MergingMode, MergingOptions, SpaceStats, is_merged, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
-from sparksteward.checkpoint.rescale import check_max_parallelism
-from sparksteward.checkpoint.stats import SubtaskStats
+from sparksteward.checkpoint.task.subtask_restore import check_max_parallelism
+from sparksteward.checkpoint.coordination.stats import SubtaskStats
 from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, UploadResult, is_data_path
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
@@ -82,7 +82,7 @@ from sparksteward.state.keygroups import KeyType, key_group_range, validate_para
 
 __all__ = ["BeginResult", "CheckpointCoordinator"]
 
-log = logging.getLogger("sparksteward.checkpoint.coordinator")
+log = logging.getLogger("sparksteward.checkpoint.coordination.coordinator")
 _T = TypeVar("_T")
 
 _DELETE_WAIT = 120.0     # how long complete() waits for a delete of a file it references to finish
@@ -366,7 +366,7 @@ class CheckpointCoordinator:
 
     # --- unaligned cuts (FLIP-76) ----------------------------------------------------------------
     def cut(self, checkpoint_id: int, subtask: int, proposed: int | None = None) -> int | None:
-        """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (see :mod:`~sparksteward.checkpoint.cuts`):
+        """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (see :mod:`~sparksteward.checkpoint.unaligned.coordinator_cuts`):
         ``proposed`` is recorded if no attempt recorded one; None when neither."""
         return self._durable_cut(checkpoint_id, lambda completed: self._cuts.cut(
             checkpoint_id, subtask, self.parallelism, proposed, completed))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import rocksdict
 
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import ParallelismError, StateEncodingError
@@ -37,7 +37,7 @@ from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range
 __all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "prepare_subtask",
            "rebuild_subtask", "restore_subtask_backend"]
 
-log = logging.getLogger("sparksteward.checkpoint.rescale")
+log = logging.getLogger("sparksteward.checkpoint.task.subtask_restore")
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,7 +47,7 @@ from sparksteward.storage import fsync_dir, fsync_file
 __all__ = ["MERGED_DIR", "FileMerger", "MergingMode", "MergingOptions", "SealedFile", "SpaceStats",
            "choose_no_reuse", "is_merged", "space_stats"]
 
-log = logging.getLogger("sparksteward.checkpoint.merging")
+log = logging.getLogger("sparksteward.checkpoint.filemerging.file_merger")
 
 _MIN_FILE_SIZE = 64 << 10
 

@@ -1,5 +1,5 @@
 """PendingCheckpoint: everything of one pending checkpoint's current attempt, in one object (Flink's
-``PendingCheckpoint``), owned by its :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`.
+``PendingCheckpoint``), owned by its :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`.
 
 It holds what the subtasks acked (their handles, uploads and merged files, and the stats of each
 ack), what executor agents sealed, which agent works on each subtask, the failures reported for
@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.begun import CheckpointTime
-from sparksteward.checkpoint.merging import is_merged
+from sparksteward.checkpoint.filemerging.file_merger import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
-from sparksteward.checkpoint.stats import SubtaskStats
+from sparksteward.checkpoint.coordination.stats import SubtaskStats
 
 __all__ = ["AckResult", "PendingCheckpoint"]
 

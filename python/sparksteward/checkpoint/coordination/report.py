@@ -6,7 +6,7 @@ Where each figure is known: the task counts rows in and out, the distinct keys i
 RocksDB's ``estimate-num-keys`` at the sync phase, and times the sync phase; the executor agent
 measures the local snapshot, times the async phase (upload, merge) and reports the restore (and a
 rescale's rebuild) it did on open; the driver agent's coordinator sums the acks
-(:func:`~sparksteward.checkpoint.stats.summarize`) and the service times the commit and the whole
+(:func:`~sparksteward.checkpoint.coordination.stats.summarize`) and the service times the commit and the whole
 checkpoint, from the driver's ``begin`` to the written ``_metadata``.
 
 Figures (every one a number; times in milliseconds, the slowest subtask for per-subtask phases):
@@ -46,7 +46,7 @@ from typing import Any
 
 __all__ = ["CheckpointReport", "checkpoint_report"]
 
-log = logging.getLogger("sparksteward.checkpoint.report")
+log = logging.getLogger("sparksteward.checkpoint.coordination.report")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +79,7 @@ class CheckpointReport:
 
 def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: int, batch_id: int | None = None,
                       commit_ms: float = 0.0, duration_ms: float = 0.0, query: str | None = None) -> CheckpointReport:
-    """The report of a checkpoint from its :func:`~sparksteward.checkpoint.stats.summarize` ``summary``
+    """The report of a checkpoint from its :func:`~sparksteward.checkpoint.coordination.stats.summarize` ``summary``
     and what the driver agent timed. ``parallelism``: the checkpoint's (a restore from another
     parallelism is a rescale)."""
     restores = [r for r in summary.get("restores") or [] if isinstance(r, dict)]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from sparksteward.checkpoint.cache import LocalFileCache
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
 from sparksteward.errors import CheckpointError
@@ -31,7 +31,7 @@ from sparksteward.state.snapshot import CompactionPolicy, LocalSnapshot, Snapsho
 
 __all__ = ["SnapshotUploader"]
 
-log = logging.getLogger("sparksteward.checkpoint.uploader")
+log = logging.getLogger("sparksteward.checkpoint.task.uploader")
 
 
 class SnapshotUploader:

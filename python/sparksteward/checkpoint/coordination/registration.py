@@ -1,7 +1,7 @@
 """Opening a keyed state on the driver agent: the typed ``state.register`` / ``state.check`` request
 (:class:`Registration`), the settings it resolves against the application's, what ``restore_from``
 does for a state without checkpoints of its own, and what a state open in this application keeps
-(:class:`RegisteredState`). The :class:`~sparksteward.checkpoint.service.StateService` serves the ops.
+(:class:`RegisteredState`). The :class:`~sparksteward.checkpoint.coordination.driver_service.StateService` serves the ops.
 
 **restore_from.** When the state has no checkpoint of its own, ``restore_from`` is restored first
 (NO_CLAIM duplication or CLAIM, see :mod:`~sparksteward.checkpoint.restore`); when it has, it is
@@ -21,16 +21,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparksteward.checkpoint.backlog import DrainLog
-from sparksteward.checkpoint.channel import AlignmentOptions
-from sparksteward.checkpoint.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.unaligned.backlog import DrainLog
+from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease, refuse_if_held
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.merging import MergingOptions
-from sparksteward.checkpoint.rescale import check_max_parallelism
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.task.subtask_restore import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
-from sparksteward.checkpoint.stats import SubtaskStats, summarize
+from sparksteward.checkpoint.coordination.stats import SubtaskStats, summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
 from sparksteward.errors import (
     InvalidRequestError,
@@ -47,7 +47,7 @@ from sparksteward.wire import Fields
 __all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register",
            "unusable_dir"]
 
-log = logging.getLogger("sparksteward.checkpoint.registration")
+log = logging.getLogger("sparksteward.checkpoint.coordination.registration")
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +261,8 @@ def unusable_dir(reg: Registration, exc: StorageError) -> StorageError:
 
 class StateTable:
     """The keyed states open in this application, shared by the ops the driver calls
-    (:class:`~sparksteward.checkpoint.service.StateService`) and those executor agents call
-    (:class:`~sparksteward.checkpoint.gateway.CheckpointGateway`), with the change notifications their
+    (:class:`~sparksteward.checkpoint.coordination.driver_service.StateService`) and those executor agents call
+    (:class:`~sparksteward.checkpoint.coordination.gateway.CheckpointGateway`), with the change notifications their
     waiters (a commit, a merge poll) wait on and the time each executor agent was last heard from.
 
     Thread-safe. Its condition guards only the map and the generation and is never held over I/O:

@@ -59,13 +59,13 @@ from pathlib import Path
 from typing import Any
 
 
-from sparksteward.checkpoint.cache import LocalFileCache
-from sparksteward.checkpoint.merging import FileMerger, MergingMode, MergingOptions
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.messages import BaseReply
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.rescale import prepare_subtask
+from sparksteward.checkpoint.task.subtask_restore import prepare_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
-from sparksteward.checkpoint.uploader import SnapshotUploader
+from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
     AgentUnavailableError,
@@ -88,7 +88,7 @@ from sparksteward.wire.link import AgentLink
 
 __all__ = ["STATE_DIR_PREFIX", "SubtaskService"]
 
-log = logging.getLogger("sparksteward.checkpoint.subtasks")
+log = logging.getLogger("sparksteward.checkpoint.task.task_state")
 
 STATE_DIR_PREFIX = "state-"
 OPEN_TIMEOUT = 6 * 3600.0   # spark.steward.state.open-timeout

@@ -1,6 +1,6 @@
 """CompletedCheckpoints: the retained completed checkpoints of one keyed state and the reference
 counts of their files (Flink's ``CompletedCheckpointStore`` with its ``SharedStateRegistry``), owned
-by its :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`.
+by its :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`.
 
 - **Loading.** :meth:`load` reads every ``chk-N/_metadata`` (and ``restored/_metadata``, kept as
   checkpoint ``RESTORED``, -1) and counts the physical files each references, the absolute URLs
@@ -11,7 +11,7 @@ by its :class:`~sparksteward.checkpoint.coordinator.CheckpointCoordinator`.
 - **Retention.** :meth:`subsume` keeps the ``num_retained`` newest, the pinned ones (a savepoint
   copies them) and whatever the coordinator names (the bases of pending checkpoints and of a
   possible re-run). A dropped checkpoint's record is deleted first, then the files whose count
-  reached zero, after the record (:class:`~sparksteward.checkpoint.deleter.FileDeleter`): a crash in
+  reached zero, after the record (:class:`~sparksteward.checkpoint.coordination.deleter.FileDeleter`): a crash in
   between leaves orphans, never a record pointing at deleted files.
 - **Deleting.** :meth:`delete_unreferenced` deletes only what no retained record and no in-flight ack
   needs: data files of this state's root, and absolute URLs only if this state claimed them; nothing
@@ -37,16 +37,16 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from sparksteward.checkpoint.deleter import FileDeleter
+from sparksteward.checkpoint.coordination.deleter import FileDeleter
 from sparksteward.checkpoint.lease import Fence
-from sparksteward.checkpoint.merging import MergingOptions, SpaceStats, choose_no_reuse, physical_sizes, space_stats
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions, SpaceStats, choose_no_reuse, physical_sizes, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, is_data_path
 from sparksteward.errors import CheckpointError, StewardError
 
 __all__ = ["CompletedCheckpoints"]
 
-log = logging.getLogger("sparksteward.checkpoint.completed")
+log = logging.getLogger("sparksteward.checkpoint.coordination.completed")
 
 
 class CompletedCheckpoints:

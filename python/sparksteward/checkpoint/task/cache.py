@@ -26,7 +26,7 @@ from sparksteward.hashing import Hasher, hash_file
 
 __all__ = ["LocalFileCache"]
 
-log = logging.getLogger("sparksteward.checkpoint.cache")
+log = logging.getLogger("sparksteward.checkpoint.task.cache")
 _CHUNK = 4 << 20
 
 
