@@ -128,6 +128,13 @@ class Steward:
             return self._timeout + float(wait)
         return self._timeout
 
+    def ask(self, request: Any) -> Any:
+        """Send a typed request (a :class:`~sparksteward.wire.messages.Message`) to the driver agent and
+        return its op's typed reply; retries as :meth:`request` does."""
+        from sparksteward.wire.messages import OPS
+        name = type(request).OP
+        return OPS[name].reply.from_wire(self.request(name, **request.to_wire()), f"{name} reply")
+
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request to the driver agent and return its reply.
 

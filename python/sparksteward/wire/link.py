@@ -21,6 +21,7 @@ from typing import Any
 
 from sparksteward.errors import StewardError
 from sparksteward.wire.connection import Connection
+from sparksteward.wire.messages import OPS, Message
 
 __all__ = ["AgentLink"]
 
@@ -92,6 +93,13 @@ class AgentLink:
             self._give_back(conn)
             return reply
         raise AssertionError("unreachable")
+
+    def ask(self, request: Message, *, timeout: float | None = None) -> Any:
+        """Send a typed request and return its op's typed reply; a connection that breaks before the
+        reply is replaced and the request sent once more only for an op registered as repeatable."""
+        name = type(request).OP
+        raw = self.request(name, retry=OPS[name].repeatable, timeout=timeout, **request.to_wire())
+        return OPS[name].reply.from_wire(raw, f"{name} reply")
 
     def close(self) -> None:
         """Close the idle connections; the ones in use are closed when their request ends. Idempotent."""

@@ -20,6 +20,7 @@ from sparksteward.errors import (
     StewardError,
 )
 from sparksteward.wire.connection import Connection, shutdown_socket
+from sparksteward.wire.messages import OPS, Message
 
 __all__ = ["AgentServer", "Handler"]
 
@@ -72,7 +73,20 @@ class AgentServer:
             return dict(self.requests)
 
     def add_handler(self, op: str, handler: Handler) -> None:
+        """Serve ``op`` with ``handler(conn, request dict) -> reply dict``; prefer :meth:`serve`."""
         self._handlers[op] = handler
+
+    def serve(self, request: type[Message], handler: Callable[[Connection, Any], Any]) -> None:
+        """Serve ``request``'s op (registered in :data:`~sparksteward.wire.messages.OPS`) with
+        ``handler(conn, typed request) -> reply message`` (or None when the handler streamed its reply
+        itself): the request is parsed and checked once, here, before the handler runs."""
+        if OPS.get(request.OP) is None or OPS[request.OP].request is not request:
+            raise RuntimeError(f"{request.__name__} is not a registered request (decorate it with wire.messages.op)")
+
+        def run(conn: Connection, raw: dict[str, Any]) -> dict[str, Any] | None:
+            reply = handler(conn, request.from_wire(raw))
+            return reply.to_wire() if isinstance(reply, Message) else reply
+        self._handlers[request.OP] = run
 
     def handler(self, op: str) -> Handler | None:
         """The handler of ``op``, for requests that arrive by another channel (the shim's pipes)."""

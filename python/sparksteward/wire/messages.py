@@ -1,0 +1,220 @@
+"""Typed messages: one frozen dataclass per request and per reply of every op, and the one registry of
+ops that servers and clients share.
+
+A request class names its op and its reply class with :func:`op`::
+
+    @dataclass(frozen=True, slots=True)
+    class AckReply(Message):
+        done: bool = flag(default=False)
+
+    @op("state.ack", reply=AckReply)
+    @dataclass(frozen=True, slots=True)
+    class AckRequest(Message):
+        name: str = text(max_len=200)
+        checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
+
+The sender builds the object and sends ``to_wire()``; the receiver parses once with ``from_wire``, which
+checks every field's type and bounds and raises :class:`~sparksteward.errors.InvalidRequestError`
+naming the op, the field, the value and what was expected (the checks of
+:class:`~sparksteward.wire.fields.Fields`). A server registers ``handler(conn, AckRequest) -> AckReply``
+with :meth:`AgentServer.serve <sparksteward.wire.server.AgentServer.serve>`; a client sends with
+:func:`ask` (one :class:`~sparksteward.wire.connection.Connection`) or
+:meth:`AgentLink.ask <sparksteward.wire.link.AgentLink.ask>` and gets the reply class back.
+
+The wire format does not change: a message is the same JSON object the ops sent before (version 2 of
+``docs/protocol.md``). Unknown fields are ignored, so an older peer's extra field does not fail a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from sparksteward.errors import InvalidRequestError
+from sparksteward.wire.fields import _REQUIRED, Fields
+
+__all__ = ["MAX_CHECKPOINT_ID", "MAX_PARALLELISM", "Message", "OPS", "Op", "ask", "custom", "flag",
+           "integer", "job_id", "mapping", "nested", "number", "op", "ops_table", "sequence", "text"]
+
+#: The largest max parallelism a state may have (Flink's UPPER_BOUND_MAX_PARALLELISM: a key group fits
+#: two bytes); every parallelism, subtask and key group a request names is below or at it.
+MAX_PARALLELISM = 1 << 15
+#: The largest checkpoint id a request may name.
+MAX_CHECKPOINT_ID = 1 << 62
+
+M = TypeVar("M", bound="Message")
+Parse = Callable[[Fields, str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Spec:
+    parse: Parse
+    dump: Callable[[Any], Any] | None = None   # None: the value is sent as it is
+    omit_none: bool = False                      # a None value is left out of the JSON object
+
+
+def _field(parse: Parse, default: Any, *, dump: Callable[[Any], Any] | None = None, omit_none: bool = False) -> Any:
+    spec = _Spec(parse, dump, omit_none)
+    if default is _REQUIRED:
+        return dataclasses.field(metadata={"wire": spec})
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"wire": spec})
+    return dataclasses.field(default=default, metadata={"wire": spec})
+
+
+def _or(default: Any, value: Any) -> Any:
+    """A field with a default reads a missing or null value as the default."""
+    return default if value is None else value
+
+
+def text(*, default: Any = _REQUIRED, max_len: int = 1 << 16, choices: tuple[str, ...] = ()) -> Any:
+    """A string of at most ``max_len`` characters (one of ``choices`` when given)."""
+    return _field(lambda f, n: _or(default, f.text(n, default=default, max_len=max_len, choices=choices)), default)
+
+
+def flag(*, default: Any = _REQUIRED) -> Any:
+    """A JSON boolean."""
+    return _field(lambda f, n: f.flag(n, default=default), default)
+
+
+def integer(*, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None) -> Any:
+    """An integer within ``[lo, hi]``."""
+    return _field(lambda f, n: f.integer(n, default=default, lo=lo, hi=hi), default)
+
+
+def number(*, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None) -> Any:
+    """A finite number within ``[lo, hi]``, read as a float."""
+    return _field(lambda f, n: f.number(n, default=default, lo=lo, hi=hi), default)
+
+
+def mapping(*, default: Any = _REQUIRED) -> Any:
+    """A JSON object, passed as it is (the handler checks what is inside)."""
+    return _field(lambda f, n: _or(default, f.mapping(n, default=default)), default)
+
+
+def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tuple[type, ...] | None = None) -> Any:
+    """A JSON array of at most ``max_items`` items, each of type ``of`` when given."""
+    def parse(f: Fields, n: str) -> Any:
+        value = f.sequence(n, default=default, max_items=max_items)
+        if value is None:
+            return default
+        if of is not None and not all(isinstance(v, of) and not isinstance(v, bool) for v in value):
+            f._bad(n, value, f"a JSON array of {_kind(of)}")
+        return value
+    return _field(parse, default)
+
+
+def job_id(*, nullable: bool = False) -> Any:
+    """A job id, validated; present, and null only if ``nullable``."""
+    return _field(lambda f, n: f.job_id(n, nullable=nullable), _REQUIRED)
+
+
+def nested(cls: type[Message], *, default: Any = _REQUIRED) -> Any:
+    """A message inside a message (a JSON object), parsed with ``cls.from_wire``."""
+    def parse(f: Fields, n: str) -> Any:
+        value = f.mapping(n, default=default)
+        return value if value is default else cls.from_wire(value, f"{f.op} {n}")
+    return _field(parse, default, dump=lambda v: v.to_wire(), omit_none=default is None)
+
+
+def custom(parse: Parse, dump: Callable[[Any], Any] | None = None, *, default: Any = _REQUIRED,
+           omit_none: bool = False) -> Any:
+    """A field read by ``parse(fields, name)`` (which raises by name on a bad value) and written by ``dump``."""
+    return _field(parse, default, dump=dump, omit_none=omit_none)
+
+
+def _kind(of: type | tuple[type, ...]) -> str:
+    names = {str: "strings", int: "integers", float: "numbers", dict: "JSON objects", list: "arrays"}
+    types = of if isinstance(of, tuple) else (of,)
+    return " or ".join(names.get(t, t.__name__) for t in types)
+
+
+class Message:
+    """The base of every request and reply: a frozen dataclass whose fields are declared with this
+    module's field functions. ``OP`` is set on requests by :func:`op`."""
+
+    __slots__ = ()
+    OP: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON object of this message (without ``op``)."""
+        out: dict[str, Any] = {}
+        for fld in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, fld.name)
+            spec: _Spec | None = fld.metadata.get("wire")
+            if spec is not None and value is None and spec.omit_none:
+                continue
+            out[fld.name] = spec.dump(value) if spec is not None and spec.dump is not None and value is not None \
+                else value
+        return out
+
+    @classmethod
+    def from_wire(cls: type[M], raw: dict[str, Any], op: str | None = None) -> M:
+        """Parse and check ``raw`` once; a bad field raises :class:`InvalidRequestError` naming it."""
+        if not isinstance(raw, dict):
+            raise InvalidRequestError(f"{op or cls.OP or cls.__name__}: expected a JSON object, got "
+                                      f"{type(raw).__name__}")
+        f = Fields({**raw, "op": op or cls.OP or cls.__name__})
+        values = {}
+        for fld in dataclasses.fields(cls):  # type: ignore[arg-type]
+            spec: _Spec | None = fld.metadata.get("wire")
+            if spec is None:
+                continue
+            values[fld.name] = spec.parse(f, fld.name)
+        return cls(**values)
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One op of the registry: its name, request and reply classes, and whether a client may send it
+    twice when a connection breaks before the reply (``repeatable``)."""
+
+    name: str
+    request: type[Message]
+    reply: type[Message]
+    repeatable: bool = False
+    streams: bool = False   # a body follows the request or the reply
+
+    @property
+    def doc(self) -> str:
+        text = (self.request.__doc__ or "").strip()
+        if text.startswith(self.request.__name__ + "("):   # the dataclass's own signature: no docstring
+            return ""
+        return " ".join(text.split("\n\n")[0].split())
+
+
+#: Every op, by name: filled when the module that declares its messages is imported.
+OPS: dict[str, Op] = {}
+
+
+def op(name: str, *, reply: type[Message], repeatable: bool = False,
+       streams: bool = False) -> Callable[[type[M]], type[M]]:
+    """Register the decorated request class as op ``name`` with its ``reply`` class."""
+    def register(cls: type[M]) -> type[M]:
+        if name in OPS and OPS[name].request is not cls:
+            raise RuntimeError(f"op {name} is declared twice ({OPS[name].request.__name__}, {cls.__name__})")
+        cls.OP = name
+        OPS[name] = Op(name, cls, reply, repeatable, streams)
+        return cls
+    return register
+
+
+def reply_of(request: Message) -> type[Message]:
+    """The reply class of ``request``'s op."""
+    return OPS[type(request).OP].reply
+
+
+def ask(conn: Any, request: Message, timeout: float | None = None) -> Any:
+    """Send ``request`` on one connection and parse the reply as its op's reply class."""
+    cls = type(request)
+    raw = conn.call(cls.OP, request.to_wire(), timeout)
+    return OPS[cls.OP].reply.from_wire(raw, f"{cls.OP} reply")
+
+
+def ops_table(prefixes: tuple[str, ...] = ()) -> list[tuple[str, str, str, str]]:
+    """``(op, request, reply, what it does)`` of every registered op (starting with one of ``prefixes``),
+    sorted by name: the table docs/architecture.md shows."""
+    return [(o.name, o.request.__name__, o.reply.__name__, o.doc) for o in sorted(OPS.values(), key=lambda o: o.name)
+            if not prefixes or o.name.startswith(prefixes)]
