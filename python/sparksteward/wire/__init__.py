@@ -3,7 +3,9 @@
 - :mod:`~sparksteward.wire.connection`: :class:`Connection` (the handshake, frame and body MACs and
   the bounds are described there) and :class:`RawReader`;
 - :mod:`~sparksteward.wire.server`: :class:`AgentServer`, which authenticates and dispatches;
-- :mod:`~sparksteward.wire.fields`: :class:`Fields`, typed access to a request's fields.
+- :mod:`~sparksteward.wire.fields`: :class:`Fields`, typed access to a request's fields;
+- :mod:`~sparksteward.wire.messages`: :class:`Message`, the typed requests and replies, and
+  :data:`OPS`, the one registry of ops.
 """
 
 from sparksteward.wire.connection import (
@@ -16,7 +18,8 @@ from sparksteward.wire.connection import (
     parse_endpoint,
 )
 from sparksteward.wire.fields import Fields
+from sparksteward.wire.messages import MAX_CHECKPOINT_ID, MAX_PARALLELISM, OPS, Message, Op, ask, op
 from sparksteward.wire.server import AgentServer, Handler
 
-__all__ = ["AgentServer", "BODY_MACS", "Connection", "Fields", "Handler", "PRE_AUTH_LIMIT", "RawReader",
-           "TAG_SIZE", "new_secret", "parse_endpoint"]
+__all__ = ["MAX_CHECKPOINT_ID", "MAX_PARALLELISM", "OPS", "AgentServer", "BODY_MACS", "Connection", "Fields", "Handler",
+           "Message", "Op", "PRE_AUTH_LIMIT", "RawReader", "TAG_SIZE", "ask", "new_secret", "op", "parse_endpoint"]
