@@ -175,7 +175,8 @@ class Op:
     request: type[Message]
     reply: type[Message]
     repeatable: bool = False
-    streams: bool = False   # a body follows the request or the reply
+    streams: bool = False          # a body follows the request or the reply
+    served_by: str = "driver"      # the agent that serves it: "driver" or "executor"
 
     @property
     def doc(self) -> str:
@@ -189,14 +190,17 @@ class Op:
 OPS: dict[str, Op] = {}
 
 
-def op(name: str, *, reply: type[Message], repeatable: bool = False,
-       streams: bool = False) -> Callable[[type[M]], type[M]]:
-    """Register the decorated request class as op ``name`` with its ``reply`` class."""
+def op(name: str, *, reply: type[Message], repeatable: bool = False, streams: bool = False,
+       served_by: str = "driver") -> Callable[[type[M]], type[M]]:
+    """Register the decorated request class as op ``name`` with its ``reply`` class; ``served_by``: the
+    agent that serves it (``"driver"`` or ``"executor"``). An op name is unique across both agents."""
+    if served_by not in ("driver", "executor"):
+        raise ValueError(f"served_by must be 'driver' or 'executor', not {served_by!r}")
     def register(cls: type[M]) -> type[M]:
         if name in OPS and OPS[name].request is not cls:
             raise RuntimeError(f"op {name} is declared twice ({OPS[name].request.__name__}, {cls.__name__})")
         cls.OP = name
-        OPS[name] = Op(name, cls, reply, repeatable, streams)
+        OPS[name] = Op(name, cls, reply, repeatable, streams, served_by)
         return cls
     return register
 
@@ -213,8 +217,8 @@ def ask(conn: Any, request: Message, timeout: float | None = None) -> Any:
     return OPS[cls.OP].reply.from_wire(raw, f"{cls.OP} reply")
 
 
-def ops_table(prefixes: tuple[str, ...] = ()) -> list[tuple[str, str, str, str]]:
-    """``(op, request, reply, what it does)`` of every registered op (starting with one of ``prefixes``),
-    sorted by name: the table docs/architecture.md shows."""
-    return [(o.name, o.request.__name__, o.reply.__name__, o.doc) for o in sorted(OPS.values(), key=lambda o: o.name)
-            if not prefixes or o.name.startswith(prefixes)]
+def ops_table(prefixes: tuple[str, ...] = ()) -> list[tuple[str, str, str, str, str]]:
+    """``(op, served by, request, reply, what it does)`` of every registered op (starting with one of
+    ``prefixes``), sorted by name: the table docs/architecture.md shows."""
+    return [(o.name, o.served_by, o.request.__name__, o.reply.__name__, o.doc)
+            for o in sorted(OPS.values(), key=lambda o: o.name) if not prefixes or o.name.startswith(prefixes)]
