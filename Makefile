@@ -68,6 +68,7 @@ bench: $(VENV)/.installed
 
 docs: $(VENV)/.installed
 	$(PY) -m sparksteward.config .
+	$(PY) -m sparksteward.ops .
 
 # dist/spark_steward-<version>.tar.gz and the wheel built from it (pip install dist/*.whl)
 dist: $(VENV)/.installed

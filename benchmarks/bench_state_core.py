@@ -33,6 +33,7 @@ from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.transfer import restore_subtask, upload_snapshot
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.config import StewardConfig
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
@@ -51,7 +52,7 @@ def checkpoint(coord, storage, backends, cid, snaps, stats):
     for i, b in enumerate(backends):
         snap = b.snapshot(snaps / f"{cid}-{i}", keep_open=True)  # long-lived DBs: create_checkpoint
         sync.append(snap.sync_ms)
-        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known)
+        r = upload_snapshot(storage, snap.path, i, b.key_groups, known=begun.known)
         uploaded += r.bytes_uploaded
         coord.ack(cid, r)
         shutil.rmtree(snap.path)
@@ -103,10 +104,10 @@ def run(root: Path) -> None:
     # restore one subtask: cold (download) and warm (cache hit)
     cache = LocalFileCache(root / "cache")
     t = time.perf_counter()
-    storage.restore_subtask(meta, meta.subtasks[0], root / "r-cold" / "db", cache)
+    restore_subtask(storage, meta, meta.subtasks[0], root / "r-cold" / "db", cache)
     cold = time.perf_counter() - t
     t = time.perf_counter()
-    storage.restore_subtask(meta, meta.subtasks[0], root / "r-warm" / "db", cache)
+    restore_subtask(storage, meta, meta.subtasks[0], root / "r-warm" / "db", cache)
     warm = time.perf_counter() - t
     print(f"restore subtask 0 ({meta.subtasks[0].size / MB:.1f} MB): cold {cold * 1000:.0f} ms, "
           f"warm (hard links) {warm * 1000:.0f} ms")
@@ -163,7 +164,7 @@ def task_path(storage, coord, meta, by, root: Path, rounds: int = 5):
             futs = []
             for i, ks in enumerate(by):
                 work = root / "task" / f"{cid}-{i}"
-                storage.restore_subtask(begun.base, begun.base.subtasks[i], work / "db", cache)
+                restore_subtask(storage, begun.base, begun.base.subtasks[i], work / "db", cache)
                 t = time.perf_counter()
                 b = RocksDBStateBackend(work, begun.base.subtasks[i].key_groups, M, "long", create=False)
                 opened.append((time.perf_counter() - t) * 1000)

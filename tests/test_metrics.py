@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward import protocol
+from sparksteward import shim_protocol
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.task.task_state import SubtaskService
@@ -26,13 +26,13 @@ P, M = 2, 8
 
 # --- the line ---------------------------------------------------------------------------------
 def test_metrics_line_is_the_golden_with_sorted_names_and_decodes():
-    line = protocol.encode_metrics({"state.counts.merged.physical_bytes": 4096,
-                                    "state.counts.merged.amplification": 1.25})
+    line = shim_protocol.encode_metrics({"state.counts.merged.physical_bytes": 4096,
+                                         "state.counts.merged.amplification": 1.25})
     assert line == (GOLDEN / "metrics.json").read_bytes()
     # the shim recognizes metrics lines by this prefix (Messages.MetricsPrefix, checked by the Scala test)
     assert line.startswith(b'{"v":1,"type":"metrics","values":{')
-    assert protocol.decode(line)["values"] == {"state.counts.merged.amplification": 1.25,
-                                               "state.counts.merged.physical_bytes": 4096}
+    assert shim_protocol.decode(line)["values"] == {"state.counts.merged.amplification": 1.25,
+                                                    "state.counts.merged.physical_bytes": 4096}
 
 
 @pytest.mark.parametrize("values,match", [
@@ -45,12 +45,12 @@ def test_metrics_line_is_the_golden_with_sorted_names_and_decodes():
 ])
 def test_bad_metrics_are_refused_by_name(values, match):
     with pytest.raises(ProtocolError, match=match):
-        protocol.encode_metrics(values)
+        shim_protocol.encode_metrics(values)
 
 
 def test_metrics_line_with_a_non_object_is_refused():
     with pytest.raises(ProtocolError, match="'values' has the wrong type"):
-        protocol.decode(b'{"v":1,"type":"metrics","values":[1]}')
+        shim_protocol.decode(b'{"v":1,"type":"metrics","values":[1]}')
 
 
 # --- StateService.metrics() -------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_state_service_metrics_equal_info_space_per_state(tmp_path):
             "state.s.unaligned.rows_deferred": 0, "state.s.unaligned.channel_bytes": 0,
             "state.s.unaligned.unaligned_subtasks": 0, "state.s.unaligned.backlog_rows": 0,
             "state.s.unaligned.backlog_bytes": 0, "state.s.unaligned.backlog_growth": 0}
-        assert protocol.decode(protocol.encode_metrics(got))["values"] == got  # every value is encodable
+        assert shim_protocol.decode(shim_protocol.encode_metrics(got))["values"] == got  # every value is encodable
     finally:
         subtasks.close()
         executor.close()
@@ -195,7 +195,7 @@ def test_driver_agent_reports_state_metrics_on_stdout_when_they_change_and_in_he
                          key_type="string", num_retained=1)
             line = _next_line(agent, 10.0)  # no state, no line: the first one comes after register
             assert line is not None, "no metrics line within 10 s"
-            msg = protocol.decode(line)
+            msg = shim_protocol.decode(line)
             assert msg["type"] == "metrics"
             assert msg["values"]["state.s.merged.logical_bytes"] == 0
             assert msg["values"] == conn.request("health")["metrics"]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import sparksteward
-from sparksteward.protocol import PLUGIN_CLASS
+from sparksteward.shim_protocol import PLUGIN_CLASS
 
 pytestmark = pytest.mark.compat
 

@@ -17,11 +17,12 @@ from typing import Any
 
 from sparksteward.blob.broadcast import BroadcastHandle
 from sparksteward.blob.client import BlobClient
+from sparksteward.blob.messages import BlobAddLibraryRequest, BlobOpenFileRequest
 from sparksteward.blob.payload import write_payload
 from sparksteward.errors import AgentUnavailableError, ConfigError, InvalidIdError, JobAlreadyCompleted, StewardError
 from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
-from sparksteward.protocol import PLUGIN_CLASS
+from sparksteward.shim_protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
 
 __all__ = ["IDEMPOTENT_OPS", "JobResults", "Steward"]
@@ -217,7 +218,7 @@ class Steward:
     @property
     def blobs(self) -> BlobClient:
         """Low-level put/get/delete of permanent and transient blobs, with a job id."""
-        return BlobClient(self._conn, request=self.request)
+        return BlobClient(self._conn, ask=self.ask)
 
     def current_job(self) -> str:
         """The job new blobs belong to: the innermost ``st.job`` scope of this thread, else the
@@ -274,7 +275,7 @@ class Steward:
         shutil.copyfile(path, staged)
         job = self.current_job()
         key = blobs.put_path(staged, job, permanent=True, move=True)
-        self.request("blob.add_library", job_id=job, key=str(key), name=name)
+        self.ask(BlobAddLibraryRequest(job, key, name))
         return str(key)
 
     # --- jars and files through steward:// URLs (issue 11, decision 0009) -----------------------
@@ -306,7 +307,7 @@ class Steward:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
             # the driver needs the classes too (spark.udf.registerJavaFunction loads them here): the
             # driver agent's verified copy joins the session's class loader (no steward: URL handler)
-            local = self.request("blob.open_file", url=url)["path"]
+            local = self.ask(BlobOpenFileRequest(url)).path
             jvm = self.spark.sparkContext._jvm
             self.spark._jsparkSession.sharedState().jarClassLoader().addURL(jvm.java.io.File(local).toURI().toURL())
         return url
@@ -357,6 +358,7 @@ class Steward:
         against the state's latest checkpoint (adding a nullable field, dropping a field and widening
         a number are accepted; anything else is refused naming the variable). ``delete_states`` drops
         variables and their entries. Without ``states`` the recorded declarations stay as they are."""
+        from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
         from sparksteward.keyed_state import KeyedState
@@ -377,18 +379,19 @@ class Steward:
         declared, dropped = _declarations(states, delete_states)
         merging = _merging_overrides(file_merging)
         aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
-        checked = self.request("state.check", name=name, checkpoint_dir=checkpoint_dir,
-                               max_parallelism=max_parallelism, restore_from=restore_from, claim_mode=mode,
-                               file_merging=merging, alignment=aligned, states=declared, delete_states=dropped,
-                               key=key, writer=True, claimed_roots=list(claimed_roots or ()))
+        checked: CheckReply = self.ask(CheckRequest(
+            name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, restore_from=restore_from,
+            claim_mode=mode, file_merging=merging, alignment=aligned, states=declared, delete_states=dropped,
+            key=key, writer=True, claimed_roots=list(claimed_roots or ())))
         sweep = int(conf.get("spark.steward.state.ttl.sweep-max-entries", "100000")) if conf else 100_000
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
                         claim_mode=mode, file_merging=merging, alignment=aligned, states=declared,
                         delete_states=dropped, sweep_max_entries=sweep, claimed_roots=claimed_roots)
-        ks.states = checked.get("states")   # the declarations as the next batch will use them
+        ks.states = checked.states   # the declarations as the next batch will use them
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
-            ks._register(checked["key_type"])
+            assert checked.key_type is not None   # a check with restore_from names it (or refuses)
+            ks._register(checked.key_type)
         return ks
 
     @property
@@ -445,16 +448,25 @@ class JobResults:
 
     def get(self, job_id: str) -> Any:
         """The :class:`~sparksteward.jobs.result.JobResultEntry` of ``job_id``, or None."""
+        from sparksteward.jobs.messages import JobGetRequest
         from sparksteward.jobs.result import JobResultEntry
 
-        entry = self._steward.request("jobs.get", job_id=job_id)["entry"]
+        entry = self._steward.ask(JobGetRequest(job_id)).entry
         return None if entry is None else JobResultEntry.from_dict(entry)
 
     def list(self) -> list[Any]:
         """Every readable entry of this cluster id, sorted by job id."""
+        from sparksteward.jobs.messages import JobListRequest
         from sparksteward.jobs.result import JobResultEntry
 
-        return [JobResultEntry.from_dict(e) for e in self._steward._pages("jobs.list", "entries", "cursor")]
+        out: list[Any] = []
+        request = JobListRequest()
+        while True:   # a page at a time, following the reply's cursor
+            reply = self._steward.ask(request)
+            out.extend(JobResultEntry.from_dict(e) for e in reply.entries)
+            if reply.next is None:
+                return out
+            request = JobListRequest(cursor=reply.next)
 
 
 def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 
 from sparksteward.errors import ConfigError
 from sparksteward.ids import validate_id
+from sparksteward.wire.messages import MAX_PARALLELISM
 
 __all__ = ["LOG_LEVELS", "OPTIONS", "TESTED_SPARK_VERSIONS", "Option", "StewardConfig", "default_state_dir",
            "log_level", "parse_bytes", "parse_duration"]
@@ -364,7 +365,7 @@ OPTIONS = OPTIONS + (
     Option("spark.steward.state.max-parallelism", "int", "128",
            "Default number of key groups of a keyed state (its largest possible parallelism). It "
            "cannot change once a state has a checkpoint.",
-           check=lambda v: 1 <= v <= 32768, allowed="an integer from 1 to 32768"),
+           check=lambda v: 1 <= v <= MAX_PARALLELISM, allowed=f"an integer from 1 to {MAX_PARALLELISM}"),
     Option("spark.steward.state.local-dir", "url", "",
            "Local directory for the RocksDB working dirs, snapshots and the checkpoint file cache of "
            "each executor agent. Empty means a fresh directory under the executor's local dirs, "

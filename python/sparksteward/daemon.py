@@ -16,8 +16,19 @@ from sparksteward.libraries import install_finder
 
 __all__: list[str] = []
 
+
+def _executor_libraries() -> tuple[int, list[str]]:
+    """The executor agent's ``blob.libraries``: the library list's version and the importable paths."""
+    from sparksteward.blob.messages import BlobLibrariesRequest
+    from sparksteward.wire.messages import ask
+    from sparksteward.worker import executor_connection
+
+    reply = ask(executor_connection(), BlobLibrariesRequest())
+    return reply.version, list(reply.paths or [])
+
+
 if __name__ == "__main__":
-    install_finder()
+    install_finder(_executor_libraries)
     # Workers fork from this process: load what h.value needs once, not in every new worker.
     import sparksteward.blob.broadcast
     import sparksteward.blob.payload

@@ -26,7 +26,7 @@ from pathlib import Path
 import xxhash
 
 from sparksteward.errors import ShimBuildError
-from sparksteward.protocol import PLUGIN_CLASS
+from sparksteward.shim_protocol import PLUGIN_CLASS
 
 __all__ = ["PLUGIN_CLASS", "pyspark_jars_dir", "run_shim_tests", "shim_jar"]
 

@@ -34,7 +34,7 @@ class _Steward(Protocol):
     spark: Any
     _local: Any
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]: ...
+    def ask(self, request: Any) -> Any: ...
 
 
 def job_tag(job_id: str) -> str:
@@ -81,11 +81,12 @@ class JobScope:
         self._active = False
 
     def __enter__(self) -> JobScope:
-        reply = self.steward.request("jobs.begin", job_id=self.job_id, force=self.force)
-        if not reply["started"]:
-            from sparksteward.jobs.result import JobResultEntry
+        from sparksteward.jobs.messages import JobBeginRequest   # the jobs package loads on first use
+        from sparksteward.jobs.result import JobResultEntry
 
-            raise JobAlreadyCompleted(reply["message"], JobResultEntry.from_dict(reply["entry"]))
+        reply = self.steward.ask(JobBeginRequest(self.job_id, self.force))
+        if not reply.started:
+            raise JobAlreadyCompleted(reply.message, JobResultEntry.from_dict(reply.entry))
         self._active = True
         self._sc().addJobTag(self.tag)
         scopes = getattr(self.steward._local, "scope", None) or []
@@ -105,8 +106,9 @@ class JobScope:
 
     def cleanup_path(self, url: str) -> None:
         """Delete ``url`` (any fsspec URL, file or directory) when the job reaches a final state."""
-        self.steward.request("jobs.add_cleanup", job_id=self.job_id,
-                             step={"kind": "delete_path", "target": str(url)})
+        from sparksteward.jobs.messages import JobAddCleanupRequest, JobCleanupStep
+
+        self.steward.ask(JobAddCleanupRequest(self.job_id, JobCleanupStep("delete_path", str(url))))
 
     def set_result(self, payload: Any) -> None:
         """Keep ``payload`` (any JSON value) in the job's result; ``run_once`` returns it later."""
@@ -143,9 +145,10 @@ class JobScope:
             where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
             failure = {"type": f"{type(exc).__module__}.{type(exc).__qualname__}",
                        "message": str(exc)[:4000], "where": where}
-        reply = self.steward.request("jobs.finish", job_id=self.job_id, status=status, failure=failure,
-                                     payload=self._payload, wait=self.wait,
-                                     checkpoints=list(self._checkpoints.values()))
-        from sparksteward.jobs.result import JobResultEntry
+        from sparksteward.jobs.messages import JobFinishReply, JobFinishRequest
+        from sparksteward.jobs.result import FinalCheckpoint, JobResultEntry, JobStatus
 
-        self.entry = JobResultEntry.from_dict(reply["entry"])
+        reply: JobFinishReply = self.steward.ask(JobFinishRequest(
+            self.job_id, JobStatus.parse(status), failure=failure, payload=self._payload, wait=self.wait,
+            checkpoints=tuple(FinalCheckpoint.from_dict(c) for c in self._checkpoints.values())))
+        self.entry = JobResultEntry.from_dict(reply.entry)

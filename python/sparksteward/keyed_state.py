@@ -60,8 +60,24 @@ from typing import Any
 
 import orjson
 
+from sparksteward.checkpoint.lifecycle_messages import (
+    AbortReply,
+    AbortRequest,
+    BeginReply,
+    BeginRequest,
+    CheckReply,
+    CheckRequest,
+    CommitReply,
+    CommitRequest,
+    InfoReply,
+    InfoRequest,
+    RegisterReply,
+    RegisterRequest,
+    SavepointRequest,
+)
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
 from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
+from sparksteward.wire.messages import Message
 
 __all__ = ["KeyedState"]
 
@@ -170,32 +186,38 @@ class KeyedState:
                 f"{self.key_type} keys: cast the column to {self.key_type}")
         self.key_type = key_type
         if not self._registered:
-            reply = self._st.request("state.register", name=self.name, checkpoint_dir=self.checkpoint_dir,
-                                     parallelism=self.parallelism, max_parallelism=self.max_parallelism,
-                                     key_type=key_type, num_retained=self.num_retained,
-                                     restore_from=self.restore_from, claim_mode=self.claim_mode,
-                                     file_merging=self.file_merging, alignment=self.alignment,
-                                     states=self._declared, delete_states=self._delete_states or None, key=self.key,
-                                     claimed_roots=self.claimed_roots)
-            self.rescaled_from = reply.get("rescaled_from")
-            self.states = reply.get("states")
+            reply: RegisterReply = self._st.ask(RegisterRequest(
+                name=self.name, checkpoint_dir=self.checkpoint_dir, parallelism=self.parallelism,
+                max_parallelism=self.max_parallelism, key_type=key_type, num_retained=self.num_retained,
+                restore_from=self.restore_from, claim_mode=self.claim_mode, file_merging=self.file_merging,
+                alignment=self.alignment, states=self._declared, delete_states=self._delete_states or None,
+                key=self.key, claimed_roots=self.claimed_roots))
+            self.rescaled_from = reply.rescaled_from
+            self.states = reply.states
             self._registered = True
-            self.restore_info = reply.get("restore")
+            self.restore_info = reply.restore
             if self.restore_info and self.restore_info.get("action") == "ignored":
                 log.warning("%s", self.restore_info["note"])
 
-    def _request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """A ``state.*`` request; when the driver agent restarted since this state was registered
-        (the shim restarts a dead agent), register again once and repeat it."""
+    def _ask(self, request: Message) -> Any:
+        """A ``state.*`` request of this state, and its typed reply; when the driver agent restarted
+        since this state was registered (the shim restarts a dead agent), register again once and
+        repeat it."""
         try:
-            return self._st.request(op, name=self.name, **fields)
+            return self._st.ask(request)
         except StateNotRegisteredError:
             if not self._registered or self.key_type is None:
                 raise
             log.warning("keyed state %s: the driver agent restarted; registering the state again", self.name)
             self._registered = False
             self._register(self.key_type)
-            return self._st.request(op, name=self.name, **fields)
+            return self._st.ask(request)
+
+    def _check(self) -> CheckReply:
+        """``state.check`` with this object's settings: what opening it would find (no lease taken)."""
+        return self._st.ask(CheckRequest(name=self.name, checkpoint_dir=self.checkpoint_dir,
+                                         max_parallelism=self.max_parallelism, file_merging=self.file_merging,
+                                         alignment=self.alignment))
 
     def _key_type_of(self, df: Any) -> str:
         fields = {f.name: f for f in df.schema.fields}
@@ -224,7 +246,7 @@ class KeyedState:
         completed in this application (see :meth:`report`)."""
         if not self._registered:
             raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
-        return self._request("state.info")
+        return self._ask(InfoRequest(self.name)).to_wire()
 
     def report(self, batch_id: int | None = None, *, checkpoint_id: int | None = None) -> dict[str, Any] | None:
         """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and
@@ -301,16 +323,17 @@ class KeyedState:
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
-        begun = self._request("state.begin", checkpoint_id=checkpoint_id, batch_id=batch_id,
-                                 parallelism=self.parallelism, query=_streaming_query(df), drain=drain)
-        if begun.get("backlog_warning"):
-            log.warning("%s", begun["backlog_warning"])
-        cid = begun["checkpoint_id"]
+        begun: BeginReply = self._ask(BeginRequest(
+            name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id, parallelism=self.parallelism,
+            query=_streaming_query(df), drain=drain))
+        if begun.backlog_warning:
+            log.warning("%s", begun.backlog_warning)
+        cid = begun.checkpoint_id
         if cid is None:
             return None, None
         p = self.parallelism
         routed = df.withColumn(ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
-        if begun.get("unaligned"):   # FLIP-76: the task sorts its new input by key group (see checkpoint/unaligned/task_cut.py);
+        if begun.unaligned:   # FLIP-76: the task sorts its new input by key group (see checkpoint/unaligned/task_cut.py);
             # computed before the exchange: no node may sit between it and mapInArrow, or AQE drops the
             # state stage of an empty batch, whose subtasks must still replay and checkpoint
             routed = routed.withColumn(KG_COL, F.expr(key_group_sql(self.key, self.max_parallelism)).cast("int"))
@@ -321,9 +344,10 @@ class KeyedState:
         self.last_checkpoint_id = cid
         # the checkpoint's processing time (TTL): chosen once by the coordinator, the same for every task,
         # attempt and delivery of it (checkpoint/begun.py)
-        now_ms = int(begun["time"]["processing_ms"])
+        assert begun.time is not None   # a begun checkpoint has its time
+        now_ms = int(begun.time.processing_ms)
         # the record as of this begin: the drops not yet run by a completed checkpoint's tasks included
-        self.states = begun.get("states", self.states)
+        self.states = begun.states
         dropped = (self.states or {}).get("dropped") or []
         declared = {"states": self.states, "now_ms": now_ms, "dropped": dropped, "sweep": self._sweep_max_entries}
         return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
@@ -462,9 +486,7 @@ class KeyedState:
         if form not in ("pandas", "arrow"):
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
         spark = self._st.spark
-        key_type = self.key_type or self._st.request(
-            "state.check", name=self.name, checkpoint_dir=self.checkpoint_dir, max_parallelism=self.max_parallelism,
-            file_merging=self.file_merging, alignment=self.alignment).get("key_type")
+        key_type = self.key_type or self._check().key_type
         if key_type is None:   # no checkpoint at all: nothing was deferred
             return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])
         empty = spark.createDataFrame([], f"`{self.key}` {_KEY_SQL[key_type]}")
@@ -483,7 +505,7 @@ class KeyedState:
         ``wait`` (default ``spark.steward.checkpoint.commit-timeout``) runs out, the checkpoint is
         aborted and :class:`~sparksteward.errors.CheckpointError` raised."""
         try:
-            reply = self._request("state.commit", checkpoint_id=checkpoint_id, wait=wait)
+            reply: CommitReply = self._ask(CommitRequest(name=self.name, checkpoint_id=checkpoint_id, wait=wait))
         except StateNotRegisteredError as exc:
             if self._registered:
                 raise
@@ -491,18 +513,19 @@ class KeyedState:
                              f"application. Apply one first (ks.apply(df, fn, schema) or ks.apply_arrow(...)), then "
                              f"commit its checkpoint; or let ks.process(...) in foreachBatch apply and commit each "
                              f"batch") from exc
-        if reply.get("report"):
-            self._reports[reply["checkpoint_id"]] = reply["report"]
+        if reply.report:
+            self._reports[reply.checkpoint_id] = reply.report
             while len(self._reports) > _REPORTS:
                 del self._reports[min(self._reports)]
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
-            scope.note_checkpoint(self.name, reply["checkpoint_id"], reply["path"])
-        return reply["checkpoint_id"]
+            scope.note_checkpoint(self.name, reply.checkpoint_id, reply.path)
+        return reply.checkpoint_id
 
     def abort(self, checkpoint_id: int) -> int:
         """Drop pending checkpoint ``checkpoint_id`` and delete the files only it uploaded."""
-        return self._request("state.abort", checkpoint_id=checkpoint_id)["deleted"]
+        aborted: AbortReply = self._ask(AbortRequest(name=self.name, checkpoint_id=checkpoint_id))
+        return aborted.deleted
 
     def savepoint(self, url: str) -> str:
         """Write a self-contained copy of the latest completed checkpoint to ``url`` (any fsspec URL)
@@ -513,7 +536,7 @@ class KeyedState:
         or not at all. A ``url`` that already holds a savepoint is refused."""
         if not isinstance(url, str) or not url:
             raise StateError(f"savepoint url={url!r} must be a path or an fsspec URL such as s3://bucket/savepoints/x")
-        self._st.request("state.savepoint", name=self.name, url=url, checkpoint_dir=self.checkpoint_dir)
+        self._st.ask(SavepointRequest(name=self.name, url=url, checkpoint_dir=self.checkpoint_dir))
         return url
 
     def read(self, variable: str | None = None, distributed: bool = False) -> Any:
@@ -540,14 +563,13 @@ class KeyedState:
         from sparksteward.checkpoint.reader import variable_schema
         from sparksteward.checkpoint.records import CheckpointMetadata
 
+        info: InfoReply | CheckReply
         if self._registered:
-            info = self.info()
+            info = self._ask(InfoRequest(self.name))
         else:   # not applied in this application: the driver agent reads the latest record, no lease taken
-            info = self._st.request("state.check", name=self.name, checkpoint_dir=self.checkpoint_dir,
-                                    max_parallelism=self.max_parallelism, file_merging=self.file_merging,
-                                    alignment=self.alignment)
+            info = self._check()
         spark = self._st.spark
-        meta_json = info.get("latest")
+        meta_json = info.latest
         if meta_json is None:
             if variable is not None:
                 raise StateError(f"keyed state {self.name!r} has no completed checkpoint to read {variable!r} from")
@@ -560,9 +582,9 @@ class KeyedState:
         options = _storage_options(spark)
         if distributed:
             n = len(meta_json["subtasks"])
-            fn = read_fn(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms, options)
+            fn = read_fn(info.checkpoint_dir, self.name, info.cluster_id, meta_json, variable, now_ms, options)
             return spark.range(0, n, 1, n).mapInArrow(fn, schema)
-        table = read_table(info["checkpoint_dir"], self.name, info["cluster_id"], meta_json, variable, now_ms=now_ms,
+        table = read_table(info.checkpoint_dir, self.name, info.cluster_id, meta_json, variable, now_ms=now_ms,
                            storage_options=options)
         return spark.createDataFrame(table.to_pylist(), schema)
 

@@ -7,9 +7,11 @@ from the same state), builds its input (:func:`unaligned_input`: the base's chan
 own rows; with an unaligned alignment both in key-group order, cut where the rows go to a new channel
 state instead, FLIP-76), runs the user function on the subtask's RocksDB backend (the per-key form
 once per key, with the options :func:`_pandas_options` reads from the session's conf), takes the
-sync-phase snapshot and hands it to the executor agent (``state.upload``), which uploads it and acks
-the driver agent's coordinator. A task that ends before the upload releases its subtask
-(``state.release``). See :mod:`sparksteward.checkpoint.task.task_state`.
+sync-phase snapshot and hands it to the executor agent with what it counted (``state.upload``, its
+:class:`~sparksteward.checkpoint.messages.TaskCounters`), which uploads it and acks the driver agent's
+coordinator. A task that ends before the upload releases its subtask (``state.release``). See
+:mod:`sparksteward.checkpoint.task.task_state`; the typed messages are in
+:mod:`sparksteward.checkpoint.messages`.
 
 :func:`read_table` restores subtasks of a completed checkpoint into a scratch dir of the calling
 process and decodes one state variable: the driver calls it for a small read, each task of a
@@ -123,24 +125,33 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                  fn: Callable[..., Any], schema: Any, form: str, parallelism: int | None,
                  declared: dict[str, Any]) -> Iterator[Any]:
     """One subtask of checkpoint ``checkpoint_id``: open, run, snapshot and upload, or release."""
+    from sparksteward.checkpoint.messages import (
+        CutReply,
+        OpenReply,
+        OpenRequest,
+        ReleaseRequest,
+        TaskCounters,
+        TaskCutRequest,
+        UploadRequest,
+    )
     from sparksteward.state.backend import RocksDBStateBackend
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
     from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
+    from sparksteward.wire.messages import ask
     from sparksteward.worker import executor_connection, settle_heap
 
     settle_heap()   # the modules above stay out of the collections PySpark runs after each task
     conn = executor_connection()
-    opened = conn.request("state.open", name=name, checkpoint_id=checkpoint_id, subtask=subtask,
-                          parallelism=parallelism, now_ms=declared.get("now_ms"))
-    token = opened["token"]
+    opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms")))
+    token = opened.token
     uploaded = False
     writer = None
     try:
-        p, m = opened["parallelism"], opened["max_parallelism"]
+        p, m = opened.parallelism, opened.max_parallelism
         kg = key_group_range(m, p, subtask)
-        backend = RocksDBStateBackend(opened["workdir"], kg, m, opened["key_type"], create=False,
-                                      flush_wal_above=opened.get("flush_wal_above"))
+        backend = RocksDBStateBackend(opened.workdir, kg, m, opened.key_type, create=False,
+                                      flush_wal_above=opened.flush_wal_above)
         try:
             now_ms = int(declared.get("now_ms") or 0)
             typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
@@ -150,10 +161,11 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             cleaned = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
 
             def propose(cut: int, overflow: bool) -> int:
-                return conn.request("state.cut", token=token, cut=cut, overflow=int(overflow))["cut"]
+                reply: CutReply = ask(conn, TaskCutRequest(token, cut, overflow))
+                return reply.cut
 
-            source, writer, counters = unaligned_input(
-                opened, cleaned, key, kg, m, propose,
+            source, writer, counters = unaligned_input(   # counters: counted as the input is read
+                opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
             from pyspark import TaskContext
 
@@ -172,21 +184,21 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             channel = writer.close() if writer is not None else None
             writer = None
             counters["entries_estimate"] = backend.db.property_int_value("rocksdb.estimate-num-keys") or 0
-            snap = backend.snapshot(opened["snapshot"])  # the sync phase
+            snap = backend.snapshot(opened.snapshot)  # the sync phase
         finally:
             backend.close()
         counters["channel_bytes"] = channel.bytes if channel is not None else 0
         counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
         counters["entries_ingested"] = backend.entries_ingested
-        conn.request("state.upload", token=token, sync_ms=snap.sync_ms, flush_ms=snap.flush_ms,
-                     counters=counters)  # the async phase
+        ask(conn, UploadRequest(token, snap.sync_ms, snap.flush_ms,   # the async phase
+                                TaskCounters.counted(counters)))
         uploaded = True
     finally:
         if writer is not None:
             writer.abort()
         if not uploaded:
             try:
-                conn.request("state.release", token=token)
+                ask(conn, ReleaseRequest(token))
             except Exception:  # noqa: BLE001 - the task's own error matters more
                 pass
 
@@ -222,8 +234,9 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
     """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
     and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
     another attempt recorded), both in key-group order, and the rows from the cut on go to a
-    channel-state writer instead (returned, for the caller to close). See
-    :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
+    channel-state writer instead (returned, for the caller to close), with the counts of the rows
+    processed and deferred (fields of :class:`~sparksteward.checkpoint.messages.TaskCounters`).
+    ``opened``: the ``state.open`` reply's JSON object. See :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
     import time
 
     from sparksteward.checkpoint.unaligned.channel_state import (

@@ -1,7 +1,8 @@
 """Libraries added with ``Steward.add_library``, as seen from inside Python workers.
 
 When an import fails in a worker, :class:`LibraryFinder` asks the executor agent for the
-application's libraries (``blob.libraries``). The agent fetches each into its content-addressed cache
+application's libraries (``blob.libraries``, sent by the ``fetch`` the daemon installs it with). The
+agent fetches each into its content-addressed cache
 (once per executor) and answers with local paths: wheels, eggs and zips are importable as they are
 (zipimport); a ``.py`` file is served from a directory of its own. The finder appends new paths to
 ``sys.path`` and retries the import. A name that still cannot be found is remembered until the
@@ -17,6 +18,7 @@ import logging
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["LibraryFinder", "install_finder", "library_kind", "validate_library_name"]
@@ -55,10 +57,17 @@ def validate_library_name(name: object) -> str:
     return name
 
 
-class LibraryFinder(importlib.abc.MetaPathFinder):
-    """A last-resort finder that pulls the application's libraries from the executor agent."""
+#: ``fetch() -> (version, paths)``: the version of the application's library list and the importable
+#: paths of the executor's cached copies (the executor agent's ``blob.libraries``).
+Fetch = Callable[[], "tuple[int, list[str]]"]
 
-    def __init__(self) -> None:
+
+class LibraryFinder(importlib.abc.MetaPathFinder):
+    """A last-resort finder that pulls the application's libraries from the executor agent with
+    ``fetch`` (see :data:`Fetch`)."""
+
+    def __init__(self, fetch: Fetch) -> None:
+        self._fetch = fetch
         self._lock = threading.Lock()
         self._version = -1
         self._missing: set[str] = set()
@@ -84,24 +93,22 @@ class LibraryFinder(importlib.abc.MetaPathFinder):
             return spec
 
     def _refresh(self) -> list[str]:
-        from sparksteward.worker import executor_connection
-
-        reply = executor_connection().request("blob.libraries")
-        if reply["version"] != self._version:
-            self._version = reply["version"]
+        version, paths = self._fetch()
+        if version != self._version:
+            self._version = version
             self._missing.clear()
-        added = [p for p in reply["paths"] if p not in sys.path]
+        added = [p for p in paths if p not in sys.path]
         sys.path.extend(added)
         if added:
             importlib.invalidate_caches()
         return added
 
 
-def install_finder() -> LibraryFinder:
-    """Append the finder to ``sys.meta_path`` once per process and return it."""
+def install_finder(fetch: Fetch) -> LibraryFinder:
+    """Append the finder (asking ``fetch``) to ``sys.meta_path`` once per process and return it."""
     for finder in sys.meta_path:
         if isinstance(finder, LibraryFinder):
             return finder
-    finder = LibraryFinder()
+    finder = LibraryFinder(fetch)
     sys.meta_path.append(finder)
     return finder

@@ -23,7 +23,7 @@ from typing import Any
 
 from sparksteward.config import OPTIONS, TESTED_SPARK_VERSIONS
 from sparksteward.errors import ConfigError
-from sparksteward.protocol import PLUGIN_CLASS
+from sparksteward.shim_protocol import PLUGIN_CLASS
 
 __all__ = ["FS_CLASS", "FS_HA_KEY", "FS_IMPL_KEY", "PLUGIN_CLASS", "VERSION_CHECK_KEY", "configure"]
 

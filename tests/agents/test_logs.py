@@ -42,15 +42,15 @@ def test_stderr_is_quiet_and_the_log_file_has_the_info_lines(tmp_path):
     path = Path(health["log_file"])
     assert path == tmp_path / "state" / "logs" / "driver-agent.log"
     text = path.read_text()
-    assert f" {health['pid']} INFO sparksteward.agent: driver agent {health['pid']} ready on " in text
+    assert f" {health['pid']} INFO sparksteward.agents: driver agent {health['pid']} ready on " in text
     assert oct(path.parent.stat().st_mode & 0o777) == "0o700"
 
 
 def test_the_log_level_setting_and_the_environment_variable_change_the_console(tmp_path):
     _, stderr = _run(tmp_path / "a", conf={"spark.steward.log.level": "info"})
-    assert "INFO sparksteward.agent: driver agent" in stderr
+    assert "INFO sparksteward.agents: driver agent" in stderr
     _, stderr = _run(tmp_path / "b", conf={"spark.steward.log.level": "ERROR"}, env={"SPARK_STEWARD_LOG_LEVEL": "INFO"})
-    assert "INFO sparksteward.agent: driver agent" in stderr   # the environment overrides the setting
+    assert "INFO sparksteward.agents: driver agent" in stderr   # the environment overrides the setting
     _, stderr = _run(tmp_path / "c", env={"SPARK_STEWARD_LOG_LEVEL": "LOUD"})
     assert "SPARK_STEWARD_LOG_LEVEL='LOUD' is not a level" in stderr and " INFO " not in stderr
 

@@ -18,6 +18,7 @@ import pytest
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
+from sparksteward.blob.messages import BlobGetRequest
 from sparksteward.blob.server import BOOT_ID, BlobServer
 from sparksteward.blob.store import FileSystemBlobStore, VoidBlobStore
 from sparksteward.errors import BlobNotFoundError
@@ -121,7 +122,7 @@ def _hand_out_invisible_paths(server: _Server, path: str | None = None) -> None:
 
     def get(conn: Connection, req: dict[str, Any]) -> None:
         server.gets.append(dict(req))
-        return real_get(_Rewriting(conn), req)
+        return real_get(_Rewriting(conn), BlobGetRequest.from_wire(req))
 
     server.sock.add_handler("blob.get", get)
 

@@ -64,7 +64,7 @@ def test_streamed_uploads_are_staged_placed_deduplicated_and_replaced_alike_name
     rig = BlobRig(tmp_path, ha, unnamed_staging=unnamed)
     try:
         server = rig.server
-        assert server._unnamed is unnamed  # Linux with /proc: the probe succeeds here
+        assert server.staging.unnamed is unnamed  # Linux with /proc: the probe succeeds here
         data = os.urandom(5000)
         key = rig.client.put_bytes(data, "job-s", permanent=True)  # the job's first blob: its dir is made
         assert rig.client.put_bytes(data, "job-s", permanent=True) == key
@@ -75,7 +75,7 @@ def test_streamed_uploads_are_staged_placed_deduplicated_and_replaced_alike_name
         assert rig.client.put_bytes(data, "job-s", permanent=True) == key
         assert server.stats["corrupt_replaced"] == 1 and local.read_bytes() == data
         assert rig.client.get_bytes(key, "job-s") == data and rig.ha.exists("job-s", key)
-        wait_until(lambda: len(server._spare) > 0, what="spare staged files")
+        wait_until(lambda: len(server.staging.spare) > 0, what="spare staged files")
         assert sorted(os.listdir(server.incoming)) == [], "no staged file is left in incoming"
         spares = sorted(server.spare_dir.iterdir())
         if unnamed:
@@ -164,7 +164,7 @@ def test_concurrent_uploads_of_one_blob_place_it_once_and_all_get_its_key(rig, s
     assert len(keys) == 8 and len(set(keys)) == 1
     assert rig.server.stats["uploads"] == 1 and rig.server.stats["dedup"] == 7
     assert rig.server.local_path("job-c2", keys[0]).read_bytes() == data and rig.ha.exists("job-c2", keys[0])
-    wait_until(lambda: not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server._spare),
+    wait_until(lambda: not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server.staging.spare),
                what="no staged file left")
     assert rig.client.get_bytes(keys[0], "job-c2") == data
 
@@ -261,14 +261,14 @@ def test_wrong_secret_malformed_and_truncated_requests(rig):
         time.sleep(0.01)
     c.close()  # truncated upload
     def settled() -> bool:  # every staged file open here is a spare the server holds
-        return not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server._spare)
+        return not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server.staging.spare)
 
     while not settled() and time.monotonic() < deadline:
         time.sleep(0.02)
     # nothing half-written is left: the upload's staged file is gone (the files left are the empty
     # spares the server still holds) and the job has no blob
     assert settled()
-    named = [path for path, _ in rig.server._spare if path is not None]
+    named = [path for path, _ in rig.server.staging.spare if path is not None]
     assert sorted(map(str, rig.server.spare_dir.iterdir())) == sorted(named)
     assert not list(rig.server.incoming.iterdir())
     assert not (rig.server.dir / "trunc").exists()

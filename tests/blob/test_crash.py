@@ -23,7 +23,7 @@ from pathlib import Path
 from sparksteward.agents.driver import _server_dir
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
-from sparksteward.blob.server import _unnamed_files
+from sparksteward.blob.staging import unnamed_files
 from sparksteward.errors import StewardError
 from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
@@ -169,7 +169,7 @@ def test_a_driver_agent_killed_during_streamed_puts_leaks_nothing_and_its_restar
     conf = {"spark.steward.state-dir": str(tmp_path / "state"),
             "spark.steward.blob.ha.storage-path": str(tmp_path / "ha")}
     root = tmp_path / "state" / "blob-local"
-    unnamed = _unnamed_files(Path(tempfile.mkdtemp(dir=tmp_path)))
+    unnamed = unnamed_files(Path(tempfile.mkdtemp(dir=tmp_path)))
     permanent: list[tuple[str, BlobKey, bytes]] = []
     total = 0
     for run in range(5):

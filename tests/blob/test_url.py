@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from sparksteward import protocol
+from sparksteward import shim_protocol
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
@@ -142,7 +142,7 @@ def _reply(agent: AgentProcess, timeout: float = 30) -> dict:
     while time.monotonic() < deadline:
         line = agent.proc.stdout.readline()  # type: ignore[union-attr]
         assert line, "the agent closed its stdout"
-        msg = protocol.decode(line)
+        msg = shim_protocol.decode(line)
         if msg["type"] == "reply":
             return msg
     raise AssertionError("no reply")
@@ -175,10 +175,10 @@ def test_the_shim_pipe_answers_open_file_with_the_socket_ops_handler(tmp_path):
 
 
 def test_reply_lines_decode():
-    assert protocol.decode(protocol.encode_reply(3, {"path": "/x", "size": 1}))["path"] == "/x"
-    bad = protocol.decode(protocol.encode_reply(4, code="BLOB_NOT_FOUND", message="m"))
+    assert shim_protocol.decode(shim_protocol.encode_reply(3, {"path": "/x", "size": 1}))["path"] == "/x"
+    bad = shim_protocol.decode(shim_protocol.encode_reply(4, code="BLOB_NOT_FOUND", message="m"))
     assert bad["error"] == {"code": "BLOB_NOT_FOUND", "message": "m"}
-    assert orjson.loads(protocol.encode_reply(5, {}))["ok"] is True
+    assert orjson.loads(shim_protocol.encode_reply(5, {}))["ok"] is True
 
 
 def test_blobs_put_uploads_once_and_prints_a_url_executors_open(cluster, tmp_path, capsys):

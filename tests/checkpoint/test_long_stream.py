@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.filemerging.file_merger import is_merged
+from sparksteward.checkpoint.filemerging.space import is_merged
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, read_ranges
+from sparksteward.checkpoint.task.transfer import restore_subtask
 from sparksteward.errors import StewardError
 from sparksteward.state.snapshot import WAL_FLUSH_FILES
 from sparksteward.testing.agent import AgentProcess
@@ -96,8 +97,8 @@ def test_a_long_low_volume_stream_stays_bounded_and_restores_exactly_in_one_pass
         fresh = CheckpointStorage.open(rig.checkpoint_dir, rig.name, "c1")
         for handle in meta.subtasks:
             mark = s3.mark()
-            stats = fresh.restore_subtask(meta, handle, tmp_path / f"restored-{handle.subtask}",
-                                          LocalFileCache(tmp_path / f"cold-cache-{handle.subtask}"))
+            stats = restore_subtask(fresh, meta, handle, tmp_path / f"restored-{handle.subtask}",
+                                    LocalFileCache(tmp_path / f"cold-cache-{handle.subtask}"))
             reqs = s3.requests_since(mark)
             physical = {f.path for f in handle.files}
             gets = collections.Counter(r.key.rsplit("/", 2)[-2] + "/" + r.key.rsplit("/", 1)[-1]

@@ -94,7 +94,7 @@ def test_an_ack_naming_a_record_as_its_upload_is_refused_and_deletes_nothing(tmp
     with pytest.raises(InvalidRecordError, match=r"uploaded files \['chk-0/_metadata'\] are not data files its "
                                                  r"handle references.*shared/<32 hex checksum> or merged/<32 hex>"):
         coord.ack(1, _handle(current), uploaded=(record,))
-    assert coord.acked(1) == set()
+    assert coord.snapshot(1).acked == set()
     coord.abort(1)
     # a late ack (checkpoint 2 was never begun) is refused by the same check, not as late
     with pytest.raises(InvalidRecordError, match=r"uploaded files \['chk-0/_metadata'\]"):
@@ -116,7 +116,7 @@ def test_a_handle_path_outside_the_data_files_and_the_base_is_refused(tmp_path, 
                                                  rf"\(shared/<32 hex checksum> or merged/<32 hex>\) nor files "
                                                  rf"its base checkpoint 0 or a claimed checkpoint holds"):
         coord.ack(1, _handle(current, bad))
-    assert coord.acked(1) == set()
+    assert coord.snapshot(1).acked == set()
     coord.ack(1, _handle(current))   # the base's own paths are fine
     assert coord.complete(1).subtasks[0].files == (current,)
 
@@ -152,7 +152,7 @@ def test_a_seal_names_only_files_its_agent_acked(tmp_path):
     # counts only once an ack of the same agent lists it, so b's early seal of a file a acks is void
     early = "merged/" + "e" * 32
     coord.sealed(0, {early: 5}, "b")
-    assert coord.sealed_files(0) == {} and coord.unsealed(0) == {seg.path: "a"}
+    assert coord.snapshot(0).sealed == {} and coord.snapshot(0).unsealed == {seg.path: "a"}
     with pytest.raises(CheckpointError, match=r"1 merged files are not sealed yet by executor agents \['a'\]"):
         coord.complete(0)
     _seal(coord, merger, storage, 0, "a")
@@ -199,7 +199,7 @@ def test_a_seal_by_another_agent_over_the_driver_agents_socket_is_refused(tmp_pa
         with pytest.raises(StewardError, match=r"by executor agent 'y'.*are not merged files its acks listed"):
             rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="y", attempt=attempt,
                               files=[{"path": p, "size": 1 << 30} for p in merged])
-        assert rig.states.registered("s").coordinator.sealed_files(1) == {}
+        assert rig.states.registered("s").coordinator.snapshot(1).sealed == {}
         rig.dconn.request("state.abort", name="s", checkpoint_id=1)
         assert rig.storage.stored_files() == rig.referenced()
     finally:
@@ -225,11 +225,11 @@ def test_a_seal_of_a_replaced_attempt_records_nothing_and_a_seal_without_one_is_
                           attempt=new)
         coord = rig.states.registered("s").coordinator
         rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt=old, files=sizes)
-        assert coord.sealed_files(1) == {}, "a replaced attempt's seal must not count for the current one"
+        assert coord.snapshot(1).sealed == {}, "a replaced attempt's seal must not count for the current one"
         with pytest.raises(StewardError, match=r"field 'attempt'"):
             rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", files=sizes)
         rig.dconn.request("state.sealed", name="s", checkpoint_id=1, agent="x", attempt=new, files=sizes)
-        assert coord.sealed_files(1) == {p: 1 << 20 for p in merged}
+        assert coord.snapshot(1).sealed == {p: 1 << 20 for p in merged}
         assert rig.dconn.request("state.commit", name="s", checkpoint_id=1, wait=10)["checkpoint_id"] == 1
         assert rig.storage.stored_files() == rig.referenced()
     finally:
@@ -244,7 +244,7 @@ def test_across_completes_only_once_the_appended_segments_are_sealed(tmp_path):
     coord.begin(0)
     seg0 = _segment(merger, storage, tmp_path, 0, ACROSS, "000001.sst", b"0" * 1000)
     coord.ack(0, _handle(current, seg0), uploaded=(current.path,), merged=(seg0.path,))
-    assert coord.unsealed(0) == {seg0.path: ""}
+    assert coord.snapshot(0).unsealed == {seg0.path: ""}
     _seal(coord, merger, storage, 0)
     assert coord.complete(0).properties["merged"] == {seg0.path: 1000}
 
@@ -252,13 +252,13 @@ def test_across_completes_only_once_the_appended_segments_are_sealed(tmp_path):
     seg1 = _segment(merger, storage, tmp_path, 1, ACROSS, "000002.sst", b"1" * 500)
     assert (seg1.path, seg1.offset) == (seg0.path, 1000)   # appended to checkpoint 0's file
     coord.ack(1, _handle(current, seg0, seg1), merged=(seg1.path,))
-    assert coord.unsealed(1) == {seg1.path: ""}
+    assert coord.snapshot(1).unsealed == {seg1.path: ""}
     with pytest.raises(CheckpointError, match=r"checkpoint 1 of state 's' cannot complete: 1 merged files are "
                                               r"not sealed yet"):
         coord.complete(1)
     # a seal reporting less than the segments reach does not do either
     coord.sealed(1, {seg1.path: 1200})
-    assert coord.unsealed(1) == {seg1.path: ""}
+    assert coord.snapshot(1).unsealed == {seg1.path: ""}
     _seal(coord, merger, storage, 1)
     meta = coord.complete(1)
     assert meta.properties["merged"] == {seg0.path: 1500}
@@ -274,7 +274,7 @@ def test_channel_state_segments_wait_for_their_seal_and_are_recorded(tmp_path):
     coord.begin(0)
     chan = _segment(merger, storage, tmp_path, 0, MergingOptions(), "channel-0.arrow", b"c" * 300)
     coord.ack(0, _handle(current, channel=(chan,)), uploaded=(current.path,), merged=(chan.path,))
-    assert coord.unsealed(0) == {chan.path: ""}
+    assert coord.snapshot(0).unsealed == {chan.path: ""}
     with pytest.raises(CheckpointError, match=r"1 merged files are not sealed yet"):
         coord.complete(0)   # the physical file is not even in the store yet
     _seal(coord, merger, storage, 0)
@@ -333,7 +333,7 @@ def test_an_ack_with_hostile_stats_is_refused_by_field_and_records_nothing(tmp_p
             with pytest.raises(InvalidRequestError, match=rf"state.ack stats: field '{field}'"):
                 rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, agent="x",
                                   attempt=attempt, stats=stats)
-            assert coord.acked(1) == set()
+            assert coord.snapshot(1).acked == set()
         rig.dconn.request("state.ack", name="s", checkpoint_id=1, handle=handle, agent="x", attempt=attempt,
                           stats={"bytes": 7, "sync_ms": 1.5})
         reply = rig.dconn.request("state.commit", name="s", checkpoint_id=1, wait=10)

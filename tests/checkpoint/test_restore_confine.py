@@ -49,7 +49,7 @@ def _listing(storage: CheckpointStorage) -> dict[str, int]:
 
 
 def _bytes(storage: CheckpointStorage, f: FileHandle) -> bytes:
-    loc, path = storage._abs(f.path)
+    loc, path = storage.location_of(f.path)
     return loc.read_bytes(path)
 
 

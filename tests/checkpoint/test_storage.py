@@ -12,6 +12,7 @@ import pytest
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
+from sparksteward.checkpoint.task.transfer import restore_subtask, upload_snapshot
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, InvalidRecordError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange
@@ -39,7 +40,7 @@ def two_checkpoints(tmp_path, store_url):
     b = RocksDBStateBackend(tmp_path / "work", ALL, M)
     _fill(b, 0, N_KEYS, "first")
     s1 = b.snapshot(tmp_path / "snap-1")  # closes b: its WAL is part of the snapshot
-    r1 = storage.upload_snapshot(s1.path, 0, ALL)
+    r1 = upload_snapshot(storage, s1.path, 0, ALL)
     storage.write_metadata(_meta(storage, 1, r1))
     (tmp_path / "work2").mkdir()  # the next task: a working copy of checkpoint 1, as a restore makes it
     shutil.copytree(s1.path, tmp_path / "work2" / "db", copy_function=os.link)
@@ -49,7 +50,7 @@ def two_checkpoints(tmp_path, store_url):
     b = RocksDBStateBackend(tmp_path / "work2", ALL, M, create=False)
     _fill(b, 0, N_KEYS // 100, "second")
     s2 = b.snapshot(tmp_path / "snap-2")
-    r2 = storage.upload_snapshot(s2.path, 0, ALL, known={f.checksum for f in r1.handle.files})
+    r2 = upload_snapshot(storage, s2.path, 0, ALL, known={f.checksum for f in r1.handle.files})
     storage.write_metadata(_meta(storage, 2, r2))
     b.close()
     return storage, r1, r2
@@ -73,21 +74,21 @@ def test_restore_is_verified_and_reuses_the_local_cache(two_checkpoints, tmp_pat
     cache = LocalFileCache(tmp_path / "cache")
     meta1 = storage.read_metadata(1)
     assert meta1 == _meta(storage, 1, r1)
-    st1 = storage.restore_subtask(meta1, meta1.subtasks[0], tmp_path / "r1" / "db", cache)
+    st1 = restore_subtask(storage, meta1, meta1.subtasks[0], tmp_path / "r1" / "db", cache)
     assert st1.downloaded_files == len(r1.handle.files) and st1.cached_files == 0
     with RocksDBStateBackend(tmp_path / "r1", ALL, M, create=False) as b:
         assert b.value("v").get("user-5")["tag"] == "first"
         assert sum(1 for _ in b.iter_raw()) == N_KEYS
     # the next checkpoint on the same executor downloads only what the cache lacks
     meta2 = storage.read_metadata(2)
-    st2 = storage.restore_subtask(meta2, meta2.subtasks[0], tmp_path / "r2" / "db", cache)
+    st2 = restore_subtask(storage, meta2, meta2.subtasks[0], tmp_path / "r2" / "db", cache)
     new_in_2 = {f.path for f in r2.handle.files} - {f.path for f in r1.handle.files}
     assert set(st2.fetched_paths) == new_in_2
     with RocksDBStateBackend(tmp_path / "r2", ALL, M, create=False) as b:
         assert b.value("v").get("user-5")["tag"] == "second"
         assert b.value("v").get("user-50000")["tag"] == "first"
     # restoring the same checkpoint again downloads nothing
-    st3 = storage.restore_subtask(meta2, meta2.subtasks[0], tmp_path / "r3" / "db", cache)
+    st3 = restore_subtask(storage, meta2, meta2.subtasks[0], tmp_path / "r3" / "db", cache)
     assert st3.downloaded_files == 0 and st3.cached_files == len(r2.handle.files)
 
 
@@ -106,7 +107,7 @@ def test_corrupt_file_is_named_and_nothing_is_restored(two_checkpoints, tmp_path
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointCorruptError, match=rf"file {sst.name} .* of checkpoint 1 of state 'clicks', "
                                                      rf"subtask 0 is corrupt: expected checksum {sst.checksum}"):
-        storage.restore_subtask(meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
+        restore_subtask(storage, meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
     assert not (tmp_path / "r" / "db").exists()
     assert [p for p in (tmp_path / "r").iterdir()] == []  # the staging dir is gone too
     assert LocalFileCache(tmp_path / "c").lookup(sst.checksum) is None
@@ -118,7 +119,7 @@ def test_truncated_file_is_corrupt(two_checkpoints, tmp_path):
     _overwrite(storage, sst.path, b"short")
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointCorruptError, match=rf"{sst.name}.*read 5 of {sst.length} bytes"):
-        storage.restore_subtask(meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
+        restore_subtask(storage, meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
 
 
 def test_missing_file_is_named(two_checkpoints, tmp_path):
@@ -128,7 +129,7 @@ def test_missing_file_is_named(two_checkpoints, tmp_path):
     meta = storage.read_metadata(1)
     with pytest.raises(CheckpointNotFoundError, match=rf"file {sst.name} .* of checkpoint 1 of state 'clicks'.* "
                                                       r"is missing"):
-        storage.restore_subtask(meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
+        restore_subtask(storage, meta, meta.subtasks[0], tmp_path / "r" / "db", LocalFileCache(tmp_path / "c"))
     assert not (tmp_path / "r" / "db").exists()
 
 
@@ -181,7 +182,7 @@ def test_cache_evicts_least_recently_used_beyond_its_limit(two_checkpoints, tmp_
     meta1 = storage.read_metadata(1)
     limit = 200_000
     cache = LocalFileCache(tmp_path / "cache", max_bytes=limit)
-    storage.restore_subtask(meta1, meta1.subtasks[0], tmp_path / "r1" / "db", cache)
+    restore_subtask(storage, meta1, meta1.subtasks[0], tmp_path / "r1" / "db", cache)
     assert cache.size <= max(limit, max(f.length for f in r1.handle.files))
     with RocksDBStateBackend(tmp_path / "r1", ALL, M, create=False) as b:  # the DB kept its own links
         assert sum(1 for _ in b.iter_raw()) == N_KEYS
@@ -205,7 +206,7 @@ def test_a_listing_does_not_hide_files_another_process_writes_later(store_url, t
             f.write(b"second")
     else:   # another client, as in another process
         request.getfixturevalue("s3").filesystem().pipe_file(target, b"second")
-    loc, path = storage._abs(b)
+    loc, path = storage.location_of(b)
     with loc.fs.open(path, "rb") as f:
         assert f.read() == b"second"
     assert storage.shared_files() == {a, b}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.task.subtask_restore import open_subtask, restore_subtask_backend
+from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.errors import StorageError
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 
@@ -27,7 +28,7 @@ def run_batch(coord, storage, tmp_path, checkpoint_id, batch, *, ack=True, attem
         s.put_many(mine, [(c or 0) + 1 for c in s.get_many(mine)])
         snap = b.snapshot(tmp_path / f"snap-{checkpoint_id}-{attempt}-{i}")
         b.close()
-        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known, cache=cache)
+        r = upload_snapshot(storage, snap.path, i, b.key_groups, known=begun.known, cache=cache)
         results.append(r)
         if ack:
             coord.ack(checkpoint_id, r)

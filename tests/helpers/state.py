@@ -13,11 +13,12 @@ def checkpoint_backends(storage, backends, checkpoint_id, snap_root, known=froze
     What the executor agents (async phase) and the coordinator will do, in one process.
     """
     from sparksteward.checkpoint.records import CheckpointMetadata
+    from sparksteward.checkpoint.task.transfer import upload_snapshot
 
     handles, uploaded = [], 0
     for i, b in enumerate(backends):
         snap = b.snapshot(snap_root / f"chk-{checkpoint_id}-{i}", keep_open=True)  # the DBs live on
-        r = storage.upload_snapshot(snap.path, i, b.key_groups, known=known)
+        r = upload_snapshot(storage, snap.path, i, b.key_groups, known=known)
         handles.append(r.handle)
         uploaded += r.bytes_uploaded
     meta = CheckpointMetadata(storage.state, checkpoint_id, len(backends), backends[0].max_parallelism,

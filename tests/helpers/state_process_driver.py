@@ -1,4 +1,4 @@
-"""The streaming query of must-show 1 (issue 8), shared by tests/state/test_process_cluster.py and run
+"""The streaming query of must-show 1 (issue 8), shared by tests/keyed_state/test_process_cluster.py and run
 by it as a separate driver process (``python -m tests.helpers.state_process_driver ...``) that SIGKILLs itself
 right after ``commit`` of one batch, before Spark records the batch.
 

@@ -268,11 +268,12 @@ def test_snapshot_files_never_name_anything_outside_the_db_dir(tmp_path):
     with pytest.raises(StateBackendError, match=r"will not fold the WAL .*999999.log is a symbolic link"):
         fold_wal(snap.path, 0)
     from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.checkpoint.task.transfer import upload_snapshot
     from sparksteward.errors import StorageError
 
     storage = CheckpointStorage.open(str(tmp_path / "chk"), "s")
     with pytest.raises(StorageError, match=r"cannot upload snapshot .*999999.log is a symbolic link"):
-        storage.upload_snapshot(snap.path, 0, ALL)
+        upload_snapshot(storage, snap.path, 0, ALL)
     assert (tmp_path / "secret").read_text() == "not ours"
     assert not [p for p in (tmp_path / "chk").rglob("*") if p.is_file()]  # nothing uploaded
 

@@ -11,6 +11,7 @@ from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.state.runner import run_pandas
 
@@ -50,7 +51,7 @@ def _batch(coord, storage, tmp_path, cid, users, attempt, fail_on=None):
             snap = b.snapshot(tmp_path / f"snap-{cid}-{attempt}-{i}")
         finally:
             b.close()
-        coord.ack(cid, storage.upload_snapshot(snap.path, i, b.key_groups, known=begun.known))
+        coord.ack(cid, upload_snapshot(storage, snap.path, i, b.key_groups, known=begun.known))
 
 
 def _final(storage, meta, tmp_path):

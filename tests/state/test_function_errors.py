@@ -56,8 +56,8 @@ def test_what_a_function_returns_passes_through():
 
 
 class _AgentWithoutTheState:
-    def request(self, op, **fields):
-        raise StateNotRegisteredError(f"keyed state {fields['name']!r} is not registered with the driver agent")
+    def ask(self, request):
+        raise StateNotRegisteredError(f"keyed state {request.name!r} is not registered with the driver agent")
 
 
 def test_commit_on_a_state_never_applied_says_what_to_do():

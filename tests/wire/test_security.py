@@ -379,7 +379,7 @@ def test_an_upload_tampered_anywhere_is_refused_with_the_reason_and_stores_nothi
             BlobClient(lambda: conn).put_bytes(os.urandom(size), "job-u")
         assert not (blobs.dir / "job-u").exists()
         wait_until(lambda: not list(blobs.incoming.iterdir()) and not staged_bytes(blobs)
-                   and len(staged_fds(blobs)) == len(blobs._spare), what="the upload's staged file is removed")
+                   and len(staged_fds(blobs)) == len(blobs.staging.spare), what="the upload's staged file is removed")
     finally:
         relay.close()
         server.close()

@@ -18,6 +18,7 @@ threads, so state shared with request handlers is guarded by ``self.lock``.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from sparksteward import protocol
+from sparksteward import shim_protocol
 from sparksteward.agents import logs
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
@@ -36,11 +37,20 @@ from sparksteward.clock import SystemClock
 from sparksteward.storage import set_default_options
 from sparksteward.wire import AgentServer, Connection, Fields
 
-__all__ = ["Agent", "run_agent"]
+__all__ = ["Agent", "AgentState", "run_agent"]
 
-log = logging.getLogger("sparksteward.agent")
+log = logging.getLogger("sparksteward.agents")
 
 _RECENT_EVENTS = 2000
+
+
+class AgentState(str, enum.Enum):
+    """Where an agent is in its life; ``health`` reports the value."""
+
+    STARTING = "starting"   # built, not yet announced to the shim
+    RUNNING = "running"     # ``ready`` printed: handling events and requests
+    STOPPING = "stopping"   # the event loop ended (shutdown, stdin EOF or SIGTERM); closing
+    STOPPED = "stopped"     # closed
 
 
 class Agent:
@@ -57,7 +67,7 @@ class Agent:
         self.clock = clock or SystemClock()
         self.secret: str = hello["secret"]
         self.started = time.monotonic()
-        self.state = "starting"
+        self.state = AgentState.STARTING
         self.lock = threading.Lock()
         self.events_seen: collections.Counter[str] = collections.Counter()
         # (sequence number, encoded size, event), oldest first; bounded in count and in bytes
@@ -104,7 +114,7 @@ class Agent:
     def _op_health(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             seen = dict(self.events_seen)
-        return {"role": self.role, "state": self.state, "pid": os.getpid(),
+        return {"role": self.role, "state": self.state.value, "pid": os.getpid(),
                 "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
                 "auth_failures": self.server.auth_failures, "handshakes_dropped": self.server.handshakes_dropped,
                 "handshakes": self.server.handshakes, "requests": self.server.request_counts(),
@@ -164,12 +174,12 @@ class Agent:
             if handler is None:
                 raise ProtocolError(f"the {self.role} agent does not serve {op}")
             # (ignore:) a pipe op comes without a connection, and its handler takes Connection | None
-            line = protocol.encode_reply(msg["id"], handler(None, {**msg, "op": op}))  # type: ignore[arg-type]
+            line = shim_protocol.encode_reply(msg["id"], handler(None, {**msg, "op": op}))  # type: ignore[arg-type]
         except StewardError as exc:
-            line = protocol.encode_reply(msg["id"], code=exc.code, message=str(exc))
+            line = shim_protocol.encode_reply(msg["id"], code=exc.code, message=str(exc))
         except Exception as exc:  # the shim must get an answer, never wait for one
             log.exception("%s for the shim failed", op)
-            line = protocol.encode_reply(msg["id"], code="INTERNAL", message=f"{type(exc).__name__}: {exc}")
+            line = shim_protocol.encode_reply(msg["id"], code="INTERNAL", message=f"{type(exc).__name__}: {exc}")
         out = getattr(self, "_stdout", None)
         if out is not None:
             with self._stdout_lock:
@@ -177,7 +187,7 @@ class Agent:
 
     def close(self) -> None:
         """Stop serving and release what the agent owns. Subclasses extend; must stay idempotent."""
-        self.state = "stopped"
+        self.state = AgentState.STOPPED
         pool = getattr(self, "_pipe_pool", None)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -207,7 +217,7 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
     signal.signal(signal.SIGTERM, _on_sigterm)
 
     try:
-        hello = protocol.decode(stdin.readline(protocol.MAX_LINE + 1))
+        hello = shim_protocol.decode(stdin.readline(shim_protocol.MAX_LINE + 1))
         if hello["type"] != "hello":
             raise ProtocolError(f"the first message must be hello, not {hello['type']}")
         # the driver agent warns about unknown keys; executor agents get the same conf
@@ -217,29 +227,29 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
         agent.log_file = None if log_file is None else str(log_file)
     except (ConfigError, ProtocolError, JobAlreadyCompleted) as exc:
         log.error("%s agent cannot start: %s", role, exc)
-        _write(stdout, protocol.encode_fatal(role, exc.code, str(exc)))
+        _write(stdout, shim_protocol.encode_fatal(role, exc.code, str(exc)))
         return 2
     except (StewardError, OSError) as exc:
         code = "PORT_IN_USE" if isinstance(exc, OSError) and exc.errno == 98 else "STARTUP_FAILED"
         log.exception("%s agent cannot start", role)
-        _write(stdout, protocol.encode_fatal(role, code, f"{type(exc).__name__}: {exc}"))
+        _write(stdout, shim_protocol.encode_fatal(role, code, f"{type(exc).__name__}: {exc}"))
         return 2
 
-    agent.state = "running"
+    agent.state = AgentState.RUNNING
     agent.attach_stdout(stdout)
-    _write(stdout, protocol.encode_ready(role, os.getpid(), agent.advertised_endpoint,
-                                         agent.shutdown_grace_ms()))
+    _write(stdout, shim_protocol.encode_ready(role, os.getpid(), agent.advertised_endpoint,
+                                              agent.shutdown_grace_ms()))
     log.info("%s agent %d ready on %s", role, os.getpid(), agent.server.endpoint)
     try:
         while True:
-            line = stdin.readline(protocol.MAX_LINE + 1)
+            line = stdin.readline(shim_protocol.MAX_LINE + 1)
             if not line:
                 log.info("%s agent: stdin closed, exiting", role)
                 break
             if not line.strip():
                 continue
             try:
-                msg = protocol.decode(line)
+                msg = shim_protocol.decode(line)
             except ProtocolError as exc:
                 log.warning("ignoring bad protocol line: %s", exc)
                 continue
@@ -252,7 +262,7 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
     except KeyboardInterrupt:
         log.info("%s agent: terminated", role)
     finally:
-        agent.state = "stopping"
+        agent.state = AgentState.STOPPING
         try:
             agent.close()
         except Exception:

@@ -29,9 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import orjson
-
-from sparksteward import protocol
+from sparksteward import shim_protocol
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
@@ -39,21 +37,18 @@ from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService, default_checkpoint_dir
 from sparksteward.config import StewardConfig
-from sparksteward.errors import InvalidRequestError, JobAlreadyCompleted
-from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
+from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.jobscope import job_id_from_tag
 from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
-from sparksteward.wire import Connection, Fields
 
 __all__ = ["DriverAgent"]
 
-log = logging.getLogger("sparksteward.agent.driver")
+log = logging.getLogger("sparksteward.agents.driver")
 
 #: Staged HA files older than this are leftovers of killed uploads (no upload takes an hour to stage).
 _STAGED_MAX_AGE = 3600.0
-_MAX_WAIT = 7 * 86400.0  # the longest jobs.finish may ask to wait for its commit
 
 
 def _server_dir(state_dir: str) -> str:
@@ -111,9 +106,8 @@ class DriverAgent(Agent):
         self.states.register_handlers(self.server)
         self._recovery = threading.Thread(target=self._housekeeping, name="steward-recovery", daemon=True)
         self._recovery.start()
-        for op, fn in {"jobs.begin": self._op_begin, "jobs.add_cleanup": self._op_add_cleanup,
-                       "jobs.finish": self._op_finish, "jobs.get": self._op_get, "jobs.list": self._op_list}.items():
-            self.server.add_handler(op, fn)
+        self.jobs.register_handlers(self.server, application=lambda: self.app_id,
+                                    max_message=self.cfg.rpc_max_message_size)
 
     def _housekeeping(self) -> None:
         try:
@@ -158,7 +152,7 @@ class DriverAgent(Agent):
             try:
                 values = self.metrics()
                 if values != sent:
-                    self.to_shim(protocol.encode_metrics(values))
+                    self.to_shim(shim_protocol.encode_metrics(values))
                     sent = values
                 failed = ""
             except Exception as exc:  # noqa: BLE001 - a bad number must not end the reporting
@@ -206,64 +200,6 @@ class DriverAgent(Agent):
         failure = None if status == "SUCCEEDED" else {
             "type": "ApplicationExit", "message": f"exit code {msg['exit_code']}", "where": self.app_id or ""}
         self.jobs.finish(self.app_job, status, failure=failure, wait=0)
-
-    # --- requests ----------------------------------------------------------------------------
-    def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        job_id, force = f.job_id(), f.flag("force", default=False)
-        try:
-            self.jobs.begin(job_id, application_id=self.app_id, force=force)
-        except JobAlreadyCompleted as exc:
-            return {"started": False, "message": str(exc), "entry": exc.entry.to_dict()}
-        self.jobs.add_cleanup_step(job_id, CleanupStep("blob_job_dir", job_id))
-        return {"started": True}
-
-    def _op_add_cleanup(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        job_id, step = f.job_id(), f.mapping("step")
-        sf = Fields({**step, "op": f"{f.op} step"})
-        self.jobs.add_cleanup_step(job_id, CleanupStep(sf.text("kind"), sf.text("target")))
-        return {}
-
-    def _op_finish(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        job_id, status = f.job_id(), JobStatus.parse(f.text("status", max_len=32))
-        failure = f.mapping("failure", default=None)
-        wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
-        wait = self.cfg.cleanup_shutdown_timeout if wait is None else wait
-        raw = req.get("checkpoints") or []
-        if not isinstance(raw, list) or len(raw) > MAX_CHECKPOINTS:
-            raise InvalidRequestError(f"{f.op}: checkpoints must be a list of at most {MAX_CHECKPOINTS} "
-                                      f"{{state, checkpoint_id, path}} objects")
-        checkpoints = tuple(FinalCheckpoint.from_dict(c) for c in raw)
-        entry = self.jobs.finish(job_id, status, failure=failure, payload=req.get("payload"), wait=wait,
-                                 checkpoints=checkpoints)
-        return {"entry": entry.to_dict()}
-
-    def _op_get(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        entry = self.jobs.get(Fields(req).job_id())
-        return {"entry": None if entry is None else entry.to_dict()}
-
-    def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        limit = f.integer("limit", default=1000, lo=1, hi=100_000)
-        cursor = f.text("cursor", default=None)
-        listing = self.jobs.store.list()
-        page: list[dict[str, Any]] = []
-        used, more, last = 0, False, None
-        for e in listing.entries:  # sorted by job id
-            if cursor is not None and e.job_id <= cursor:
-                continue
-            d = e.to_dict()
-            size = len(orjson.dumps(d))
-            if len(page) >= limit or (page and used + size > self.cfg.rpc_max_message_size // 2):
-                more = True
-                break
-            page.append(d)
-            used += size
-            last = e.job_id
-        return {"entries": page, "corrupt": listing.corrupt if cursor is None else [],
-                "next": last if more else None}
 
     def close(self) -> None:
         stop, thread = getattr(self, "_metrics_stop", None), getattr(self, "_metrics_thread", None)

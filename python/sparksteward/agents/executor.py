@@ -25,7 +25,7 @@ from sparksteward.state.snapshot import CompactionPolicy
 
 __all__ = ["ExecutorAgent"]
 
-log = logging.getLogger("sparksteward.agent.executor")
+log = logging.getLogger("sparksteward.agents.executor")
 
 
 class ExecutorAgent(Agent):

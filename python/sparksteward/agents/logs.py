@@ -31,7 +31,7 @@ from sparksteward.owner import private_dir
 
 __all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "log_dir", "log_file_name"]
 
-log = logging.getLogger("sparksteward.agent")
+log = logging.getLogger("sparksteward.agents")
 
 ENV_LEVEL = "SPARK_STEWARD_LOG_LEVEL"
 MAX_BYTES = 10 << 20

@@ -80,7 +80,10 @@ class BroadcastHandle:
 def _worker_value(key: str, job_id: str | None) -> Any:
     from pyspark import TaskContext
 
+    from sparksteward.blob.key import BlobKey
+    from sparksteward.blob.messages import BlobOpenRequest
     from sparksteward.blob.payload import load_payload
+    from sparksteward.wire.messages import ask
     from sparksteward.worker import executor_connection
 
     tc = TaskContext.get()
@@ -89,10 +92,10 @@ def _worker_value(key: str, job_id: str | None) -> Any:
     with _lock:
         if (tid, key) not in _opened or ref not in _loaded:
             # registers the task attempt's reference (the cache never evicts it while the task runs)
-            reply = executor_connection().request("blob.open", key=key, job_id=job_id, task_attempt_id=tid)
+            path = ask(executor_connection(), BlobOpenRequest(BlobKey.parse(key), job_id, tid)).path
             _opened[(tid, key)] = None
             if ref not in _loaded:
-                _loaded[ref] = (load_payload(reply["path"]), _file_size(reply["path"]))
+                _loaded[ref] = (load_payload(path), _file_size(path))
         _loaded.move_to_end(ref)
         _opened.move_to_end((tid, key))
         value = _loaded[ref][0]

@@ -8,8 +8,9 @@ Concurrent requests for one blob share one transfer (single flight). On the Blob
 transfer is an in-kernel copy of the server's file (``copy_file_range``) instead of a socket stream;
 either way the copy is the cache's own file and is verified before it is renamed into place. A server
 on another kernel (another boot id), or whose file is not visible here (another mount namespace),
-streams the body instead. Failed server fetches are retried with capped, jittered exponential backoff
-on the injected clock. The cache holds at most
+streams the body instead. Requests to the BlobServer go over pooled connections (an
+:class:`~sparksteward.wire.link.AgentLink`). Failed server fetches are retried with capped, jittered
+exponential backoff on the injected clock. The cache holds at most
 ``max_size`` bytes: unreferenced blobs are evicted least recently used first; blobs referenced by a
 running task attempt never are, nor are libraries handed to workers (``library_paths`` pins them for
 the cache's lifetime: a worker that imported a zip reads it again for every module it loads).
@@ -22,7 +23,7 @@ executor agent). ``close`` deletes the cache directory; a new cache removes temp
 process left behind.
 
 Thread-safety: one lock for the bookkeeping, one per key (:class:`KeyedLocks`) for transfers and
-eviction. The cache starts no threads.
+eviction. The cache starts no threads; ``close`` also closes its connections.
 """
 
 from __future__ import annotations
@@ -39,16 +40,31 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey
-from sparksteward.hashing import hash_file
 from sparksteward.blob.locks import KeyedLocks
+from sparksteward.blob.messages import (
+    BlobCacheStatsRequest,
+    BlobDone,
+    BlobGetReply,
+    BlobGetRequest,
+    BlobLibrariesReply,
+    BlobLibrariesRequest,
+    BlobOpenFileReply,
+    BlobOpenFileRequest,
+    BlobOpenReply,
+    BlobOpenRequest,
+    BlobReleaseTaskRequest,
+    BlobStatsReply,
+)
 from sparksteward.blob.store import job_dir_name, verified_copy
 from sparksteward.blob.url import BlobUrl
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, ProtocolError, StewardError
+from sparksteward.hashing import hash_file
 from sparksteward.libraries import library_kind
 from sparksteward.owner import OwnerRecord, private_dir
 from sparksteward.owner import boot_id as host_boot_id
-from sparksteward.wire import Connection, Fields, RawReader
+from sparksteward.wire import AgentServer, Connection, RawReader
+from sparksteward.wire.link import AgentLink
 
 __all__ = ["BlobCache"]
 
@@ -75,6 +91,8 @@ class BlobCache:
         self.max_size = max_size
         self.retries = fetch_retries
         self.rpc_timeout = rpc_timeout
+        #: pooled connections to the BlobServer (None without an endpoint)
+        self.link = AgentLink(server_endpoint, secret, timeout=rpc_timeout) if server_endpoint else None
         self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._key_locks = KeyedLocks()
@@ -134,15 +152,15 @@ class BlobCache:
                 return
             except (FileNotFoundError, ChecksumMismatchError, StewardError, OSError) as exc:
                 tried.append(f"HA store {getattr(self.ha, 'url', '')}: {exc}")
-        endpoint = self.endpoint or ""
-        if not endpoint:
+        link = self.link
+        if link is None:
             tried.append("BlobServer: no endpoint")
-        for attempt in range(self.retries + 1 if endpoint else 0):
+        for attempt in range(self.retries + 1 if link is not None else 0):
             if attempt:
                 self._clock.sleep(self._retry_delay(attempt))
             try:
-                with Connection.connect(endpoint, self._secret, timeout=self.rpc_timeout) as conn:
-                    self._get_from_server(conn, job_id, key, dest)
+                # one try per attempt (no resend inside): a failed attempt is retried here, after a backoff
+                self._server_get(job_id, key, dest)
                 self.stats["transfers"] += 1
                 return
             except BlobNotFoundError as exc:
@@ -160,32 +178,48 @@ class BlobCache:
         delay = min(cap, initial * 2.0 ** (retry - 1))
         return delay * (1.0 - 0.5 * self._rng.random())
 
+    def _server_get(self, job_id: str | None, key: BlobKey, dest: Path) -> None:
+        assert self.link is not None
+        self.link.run(lambda conn: self._get_from_server(conn, job_id, key, dest))
+
     def _get_from_server(self, conn: Connection, job_id: str | None, key: BlobKey, dest: Path) -> None:
         """One ``blob.get`` on ``conn``: an in-kernel copy of the server's file when it is on this host
-        and visible here, else the body the server streams. Raises on any failure (the caller retries)."""
-        request = {"op": "blob.get", "job_id": job_id, "key": str(key)}
+        and visible here, else the body the server streams. Raises on any failure (the caller retries);
+        a connection left mid-body is marked broken (never pooled again)."""
+        request = BlobGetRequest(job_id, key)
         if self._same_host:
-            conn.send({**request, "boot_id": self.boot_id})
-            reply = Connection._check(conn.recv())
-            if "path" not in reply:
+            reply = self._ask_get(conn, BlobGetRequest(job_id, key, self.boot_id))
+            if reply.path is None:
                 # another kernel (another host): the server streams the body right after this reply
                 self._same_host = False
                 self._receive_body(conn, reply, dest, key)
                 return
-            if self._copy_local(str(reply["path"]), dest, key):
+            if self._copy_local(reply.path, dest, key):
                 self.stats["local_copies"] += 1
                 return
             # the same kernel, but the file is not visible here: nothing was streamed, ask for the body
-        conn.send(request)
-        reply = Connection._check(conn.recv())
-        self._receive_body(conn, reply, dest, key)
+        self._receive_body(conn, self._ask_get(conn, request), dest, key)
 
-    def _receive_body(self, conn: Connection, reply: dict[str, Any], dest: Path, key: BlobKey) -> None:
-        size = reply.get("size")
-        if "path" in reply or not isinstance(size, int) or isinstance(size, bool) or size < 0:
+    @staticmethod
+    def _ask_get(conn: Connection, request: BlobGetRequest) -> BlobGetReply:
+        conn.send({"op": request.OP, **request.to_wire()})
+        reply = Connection._check(conn.recv())
+        try:
+            return BlobGetReply.from_wire(reply, f"{request.OP} reply")
+        except StewardError:
+            conn.broken = True   # a reply we cannot read: whatever follows it is not ours to read
+            raise
+
+    def _receive_body(self, conn: Connection, reply: BlobGetReply, dest: Path, key: BlobKey) -> None:
+        if reply.path is not None:
             raise ProtocolError(f"BlobServer {self.endpoint} answered blob.get for {key} without a streamed "
-                                f"body of a valid size: {reply!r}")
-        verified_copy(RawReader(conn, size), dest, key, f"BlobServer {self.endpoint}")
+                                f"body of a valid size: {reply.to_wire()!r}")
+        reader = RawReader(conn, reply.size)
+        try:
+            verified_copy(reader, dest, key, f"BlobServer {self.endpoint}")
+        except BaseException:
+            conn.broken = conn.broken or reader.left > 0 or not reader._verified
+            raise
 
     def _copy_local(self, src: str, dest: Path, key: BlobKey) -> bool:
         """Copy the server's file in-kernel into a verified file of our own; False if it is not usable here.
@@ -322,17 +356,18 @@ class BlobCache:
         return paths
 
     # --- socket ------------------------------------------------------------------------------
-    def register_handlers(self, server: Any) -> None:
-        server.add_handler("blob.open", self._op_open)
-        server.add_handler("blob.release_task", self._op_release_task)
-        server.add_handler("blob.libraries", self._op_libraries)
-        server.add_handler("blob.cache_stats", lambda conn, req: {"stats": dict(self.stats)})
-        server.add_handler("blob.open_file", self._op_open_file)
+    def register_handlers(self, server: AgentServer) -> None:
+        """Serve the executor agent's ``blob.*`` ops of :mod:`sparksteward.blob.messages` on ``server``."""
+        server.serve(BlobOpenRequest, self._op_open)
+        server.serve(BlobReleaseTaskRequest, self._op_release_task)
+        server.serve(BlobLibrariesRequest, self._op_libraries)
+        server.serve(BlobCacheStatsRequest, lambda conn, req: BlobStatsReply(dict(self.stats)))
+        server.serve(BlobOpenFileRequest, self._op_open_file)
 
-    def _op_open_file(self, conn: Connection | None, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_open_file(self, conn: Connection | None, req: BlobOpenFileRequest) -> BlobOpenFileReply:
         """Open a ``steward://`` URL of this application (or its cluster) through the cache: the verified
         local copy's path and size. ``conn`` is None when the shim asks over the agent's pipes."""
-        text = Fields(req).text("url", max_len=4096)
+        text = req.url
         try:
             url = BlobUrl.parse(text)
             url.check_scope(self._secret, getattr(self.ha, "cluster_id", None))
@@ -341,29 +376,27 @@ class BlobCache:
             log.error("cannot open %s: %s", text, exc)
             raise
         self.stats["file_opens"] += 1
-        return {"path": str(path), "size": path.stat().st_size}
+        return BlobOpenFileReply(str(path), path.stat().st_size)
 
-    def _op_open(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        job_id, key = f.job_id(nullable=True), BlobKey.parse(f.text("key", max_len=64))
-        path = self.open(job_id, key, f.integer("task_attempt_id", default=None, lo=0))
-        return {"path": str(path)}
+    def _op_open(self, conn: Connection, req: BlobOpenRequest) -> BlobOpenReply:
+        return BlobOpenReply(str(self.open(req.job_id, req.key, req.task_attempt_id)))
 
-    def _op_release_task(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        self.release_task(Fields(req).integer("task_attempt_id", lo=0))
-        return {}
+    def _op_release_task(self, conn: Connection, req: BlobReleaseTaskRequest) -> BlobDone:
+        self.release_task(req.task_attempt_id)
+        return BlobDone()
 
-    def _op_libraries(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        if not self.endpoint:
-            return {"version": 0, "paths": []}
-        with Connection.connect(self.endpoint, self._secret, timeout=self.rpc_timeout) as c:
-            reply = c.request("blob.libraries")
-        return {"version": reply["version"], "paths": self.library_paths(reply["libraries"])}
+    def _op_libraries(self, conn: Connection, req: BlobLibrariesRequest) -> BlobLibrariesReply:
+        if self.link is None:
+            return BlobLibrariesReply(0, paths=[])
+        reply = self.link.ask(BlobLibrariesRequest())
+        return BlobLibrariesReply(reply.version, paths=self.library_paths(reply.libraries or []))
 
     def close(self) -> None:
-        """Delete the cache directory. Idempotent."""
+        """Close the connections to the BlobServer and delete the cache directory. Idempotent."""
         if not self._closed:
             self._closed = True
+            if self.link is not None:
+                self.link.close()
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> BlobCache:

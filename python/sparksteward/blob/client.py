@@ -15,10 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import hash_bytes
+from sparksteward.blob.messages import (
+    BlobAcquireRequest,
+    BlobDeleteJobRequest,
+    BlobGetReply,
+    BlobGetRequest,
+    BlobInfoRequest,
+    BlobListRequest,
+    BlobPutPathRequest,
+    BlobPutReply,
+    BlobPutRequest,
+    BlobReleaseRequest,
+    BlobStatsRequest,
+)
 from sparksteward.blob.store import verified_copy
 from sparksteward.errors import ChecksumMismatchError, ProtocolError, StewardError
+from sparksteward.hashing import hash_bytes
 from sparksteward.wire import Connection, RawReader
+from sparksteward.wire.messages import Message, ask
 
 __all__ = ["BlobClient"]
 
@@ -26,27 +40,27 @@ __all__ = ["BlobClient"]
 class BlobClient:
     """Blob operations over ``conn()`` (a callable returning this thread's Connection).
 
-    ``request(op, **fields)`` sends the small control requests; :class:`~sparksteward.client.Steward`
-    passes its own, which retries only idempotent ops. Streams use ``conn()`` directly; a stream that
-    fails part-way leaves its connection marked broken, so the next ``conn()`` opens a new one.
+    ``ask(request) -> reply`` sends the small control requests (typed, :mod:`sparksteward.blob.messages`);
+    :class:`~sparksteward.client.Steward` passes its own, which retries only idempotent ops. Streams use
+    ``conn()`` directly; a stream that fails part-way leaves its connection marked broken, so the next
+    ``conn()`` opens a new one.
     """
 
-    def __init__(self, conn: Callable[[], Connection],
-                 request: Callable[..., dict[str, Any]] | None = None) -> None:
+    def __init__(self, conn: Callable[[], Connection], ask: Callable[[Message], Any] | None = None) -> None:
         self._conn = conn
-        self._request_fn = request
+        self._ask_fn = ask
         self._incoming: str | None = None
 
-    def _request(self, op: str, **fields: Any) -> dict[str, Any]:
-        if self._request_fn is not None:
-            return self._request_fn(op, **fields)
-        return self._conn().request(op, **fields)
+    def _ask(self, request: Message) -> Any:
+        if self._ask_fn is not None:
+            return self._ask_fn(request)
+        return ask(self._conn(), request)
 
     @property
     def incoming(self) -> str:
         """The server's incoming directory (same host only)."""
         if self._incoming is None:
-            self._incoming = self._request("blob.info")["incoming"]
+            self._incoming = self._ask(BlobInfoRequest()).incoming
         return self._incoming
 
     def staging_file(self) -> tuple[int, str]:
@@ -56,16 +70,15 @@ class BlobClient:
     def put_path(self, path: str, job_id: str | None = None, *, permanent: bool = False,
                  move: bool = True) -> BlobKey:
         """Store a file that is already in :attr:`incoming` (same host: no copy through a socket)."""
-        reply = self._request("blob.put_path", path=str(path), job_id=job_id,
-                              type=(BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value, move=move)
-        return BlobKey.parse(reply["key"])
+        btype = BlobType.PERMANENT if permanent else BlobType.TRANSIENT
+        return self._ask(BlobPutPathRequest(str(path), job_id, btype, move)).key
 
     def _put(self, size: int, job_id: str | None, permanent: bool,
              send_body: Callable[[Connection, dict[str, Any]], None]) -> BlobKey:
         conn = self._conn()
         try:
-            head = {"op": "blob.put", "job_id": job_id, "size": size,
-                    "type": (BlobType.PERMANENT if permanent else BlobType.TRANSIENT).value}
+            request = BlobPutRequest(job_id, size, BlobType.PERMANENT if permanent else BlobType.TRANSIENT)
+            head = {"op": request.OP, **request.to_wire()}
             try:
                 send_body(conn, head)  # the request frame, then the body (one write when it is small)
             except OSError as exc:
@@ -76,7 +89,7 @@ class BlobClient:
                     raise exc from None
                 Connection._check(reply)
                 raise
-            return BlobKey.parse(Connection._check(conn.recv())["key"])
+            return BlobPutReply.from_wire(Connection._check(conn.recv()), f"{request.OP} reply").key
         except BaseException:
             conn.broken = True  # the stream's state is unknown: never reuse this connection
             raise
@@ -91,28 +104,34 @@ class BlobClient:
         """Store ``data`` (streamed from memory)."""
         return self._put(len(data), job_id, permanent, lambda conn, head: conn.send_body(data, head))
 
-    def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, RawReader]:
+    def _open_stream(self, key: BlobKey | str, job_id: str | None) -> tuple[BlobKey, Connection, RawReader]:
         key = key if isinstance(key, BlobKey) else BlobKey.parse(key)
         conn = self._conn()
         try:
-            conn.send({"op": "blob.get", "job_id": job_id, "key": str(key)})
-            return key, RawReader(conn, int(Connection._check(conn.recv())["size"]))
+            request = BlobGetRequest(job_id, key)
+            conn.send({"op": request.OP, **request.to_wire()})
+            raw = Connection._check(conn.recv())
         except (OSError, ProtocolError):
             conn.broken = True
+            raise
+        try:
+            return key, conn, RawReader(conn, BlobGetReply.from_wire(raw, f"{request.OP} reply").size)
+        except StewardError:
+            conn.broken = True   # a reply we cannot read: whatever follows it is not ours to read
             raise
 
     def get_to_file(self, key: BlobKey | str, dest: str | os.PathLike[str], job_id: str | None = None) -> int:
         """Download a blob into ``dest`` (verified, then renamed into place); return its size."""
-        key, reader = self._open_stream(key, job_id)
+        key, conn, reader = self._open_stream(key, job_id)
         try:
             return verified_copy(reader, Path(dest), key, "BlobServer")
         except BaseException:
-            reader.conn.broken = reader.conn.broken or reader.left > 0 or not reader._verified
+            conn.broken = conn.broken or reader.left > 0 or not reader._verified
             raise
 
     def get_bytes(self, key: BlobKey | str, job_id: str | None = None) -> bytes:
         """Download a blob into memory, verified."""
-        key, reader = self._open_stream(key, job_id)
+        key, conn, reader = self._open_stream(key, job_id)
         try:
             data = bytes(reader.read(1 << 22))
             if reader.left:  # more than one chunk
@@ -123,23 +142,27 @@ class BlobClient:
             else:
                 reader.read(1)  # the end: the tag is verified (a small body's already is)
         except BaseException:
-            reader.conn.broken = True
+            conn.broken = True
             raise
         if hash_bytes(data) != key.digest:
             raise ChecksumMismatchError(f"blob {key} from the BlobServer does not match its key")
         return data
 
     def acquire(self, key: BlobKey | str, job_id: str | None = None) -> int:
-        return self._request("blob.acquire", key=str(key), job_id=job_id)["refs"]
+        return self._ask(BlobAcquireRequest(_key(key), job_id)).refs
 
     def release(self, key: BlobKey | str, job_id: str | None = None) -> int:
-        return self._request("blob.release", key=str(key), job_id=job_id)["refs"]
+        return self._ask(BlobReleaseRequest(_key(key), job_id)).refs
 
     def delete_job(self, job_id: str | None) -> None:
-        self._request("blob.delete_job", job_id=job_id)
+        self._ask(BlobDeleteJobRequest(job_id))
 
     def list(self) -> list[dict[str, Any]]:
-        return self._request("blob.list")["blobs"]
+        return self._ask(BlobListRequest()).blobs
 
     def stats(self) -> dict[str, int]:
-        return self._request("blob.stats")["stats"]
+        return self._ask(BlobStatsRequest()).stats
+
+
+def _key(key: BlobKey | str) -> BlobKey:
+    return key if isinstance(key, BlobKey) else BlobKey.parse(key)

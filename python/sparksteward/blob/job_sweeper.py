@@ -4,7 +4,7 @@ The BlobServer deletes a job's blobs when the job's cleanup runs (``delete_job``
 executors cached live in other processes, often on other hosts. Each executor agent runs one
 :class:`CacheJobSweeper`: every ``interval`` seconds, if its cache holds blobs of any job, it asks the
 driver's BlobServer which of those jobs were deleted (``blob.deleted_jobs``, one small request on a
-kept connection) and drops their copies (:meth:`BlobCache.drop_job`, which keeps copies a running
+pooled connection of an :class:`~sparksteward.wire.link.AgentLink`) and drops their copies (:meth:`BlobCache.drop_job`, which keeps copies a running
 task still references).
 
 Thread-safety: one daemon thread; :meth:`sweep_once` may also be called directly. ``close`` is
@@ -17,8 +17,9 @@ import logging
 import threading
 from typing import Any
 
+from sparksteward.blob.messages import BlobDeletedJobsRequest
 from sparksteward.errors import ProtocolError, StewardError
-from sparksteward.wire import Connection
+from sparksteward.wire.link import AgentLink
 
 __all__ = ["CacheJobSweeper"]
 
@@ -37,7 +38,7 @@ class CacheJobSweeper:
         self._secret = secret
         self._timeout = timeout
         self.interval = interval
-        self._conn: Connection | None = None
+        self._link = AgentLink(endpoint, secret, timeout=timeout, max_pooled=1)
         self._lock = threading.Lock()  # one sweep at a time, on one connection
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="steward-cache-sweeper", daemon=True)
@@ -50,13 +51,7 @@ class CacheJobSweeper:
             jobs = sorted(self.cache.job_ids(), key=lambda j: (j is not None, j or ""))
             if not jobs or self._stop.is_set():
                 return []
-            try:
-                if self._conn is None:
-                    self._conn = Connection.connect(self.endpoint, self._secret, timeout=self._timeout)
-                deleted = self._conn.request("blob.deleted_jobs", job_ids=jobs)["deleted"]
-            except (StewardError, OSError, KeyError):
-                self._drop_connection()
-                raise
+            deleted = self._link.ask(BlobDeletedJobsRequest(jobs)).deleted
         for job_id in deleted:
             n = self.cache.drop_job(job_id)
             if n:
@@ -79,18 +74,13 @@ class CacheJobSweeper:
                     log.warning("cannot ask the BlobServer at %s which jobs finished: %s (will retry)",
                                 self.endpoint, exc)
 
-    def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
-
     def close(self) -> None:
         """Stop the thread and close the connection. Idempotent."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         with self._lock:
-            self._drop_connection()
+            self._link.close()
 
     def __enter__(self) -> CacheJobSweeper:
         return self

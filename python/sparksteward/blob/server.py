@@ -19,8 +19,8 @@ it, so an acknowledged permanent put always has its HA copy unless it finished b
 began.
 
 Every upload is staged as the server's own file (moved into ``incoming/``, or copied, never
-hard-linked, so the caller cannot change it afterwards; a streamed one into an unnamed ``O_TMPFILE``
-file where the kernel allows, else a named one), hashed and renamed or linked into place (the local
+hard-linked, so the caller cannot change it afterwards; a streamed one into an open, often unnamed,
+file of :class:`~sparksteward.blob.staging.StagingArea`), hashed and renamed or linked into place (the local
 store is scratch and is not fsynced: [decision 0008]); a permanent blob is then put to HA (durably, see
 :class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a
 dedup hit the existing local file is re-hashed before it is trusted (always before it is uploaded to
@@ -41,26 +41,51 @@ the key lock. ``close`` joins the cleanup thread.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import shutil
 import threading
-import uuid
 from pathlib import Path
 from typing import Any
 
-from sparksteward.blob.key import TYPES_BY_VALUE, BlobKey, BlobType
-from sparksteward.hashing import Hasher, hash_file
+from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.blob.locks import JobGate, KeyedLocks
+from sparksteward.blob.messages import (
+    BlobAcquireRequest,
+    BlobAddLibraryReply,
+    BlobAddLibraryRequest,
+    BlobDeletedJobsReply,
+    BlobDeletedJobsRequest,
+    BlobDeleteJobRequest,
+    BlobDone,
+    BlobGetReply,
+    BlobGetRequest,
+    BlobInfoReply,
+    BlobInfoRequest,
+    BlobLibrariesReply,
+    BlobLibrariesRequest,
+    BlobListReply,
+    BlobListRequest,
+    BlobOpenFileReply,
+    BlobOpenFileRequest,
+    BlobPutPathRequest,
+    BlobPutReply,
+    BlobPutRequest,
+    BlobRefsReply,
+    BlobReleaseRequest,
+    BlobStatsReply,
+    BlobStatsRequest,
+)
+from sparksteward.blob.staging import StagingArea, commit_staged, copy_file, link_open_file, link_staged, unlink_quietly
 from sparksteward.blob.store import job_dir_name
 from sparksteward.blob.url import BlobUrl
-from sparksteward.errors import BlobNotFoundError, ConfigError, ChecksumMismatchError, InvalidIdError, MessageTooLargeError
-from sparksteward.ids import validate_job_id
 from sparksteward.clock import SystemClock
+from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, InvalidIdError, MessageTooLargeError
+from sparksteward.hashing import Hasher, hash_file
+from sparksteward.ids import validate_job_id
 from sparksteward.libraries import validate_library_name
 from sparksteward.owner import boot_id
-from sparksteward.wire import AgentServer, Connection, Fields
+from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["BlobServer"]
 
@@ -70,88 +95,14 @@ log = logging.getLogger("sparksteward.blob.server")
 #: Identifies this machine's running kernel: equal boot ids mean the same host.
 BOOT_ID = boot_id()
 
-#: How many empty staged files the server keeps ready for uploads (refilled below half).
-_SPARES = 32
-
 #: How many deleted job ids ``blob.deleted_jobs`` remembers (oldest forgotten first).
 _DELETED_JOBS_KEPT = 4096
 
 Ref = tuple["str | None", BlobKey]
 
 
-def _key(f: Fields) -> BlobKey:
-    return BlobKey.parse(f.text("key", max_len=64))
-
-
-def _btype(f: Fields) -> BlobType:
-    return TYPES_BY_VALUE[f.text("type", default="t", choices=("p", "t"))]
-
-
 def _job(value: object) -> str | None:
     return None if value is None else validate_job_id(value)
-
-
-def copy_file(src: Path, dest: Path) -> None:
-    """Copy ``src`` into the new file ``dest``: an independent copy (a reflink where the file system
-    shares extents copy-on-write, else ``copy_file_range``), never a hard link."""
-    with open(src, "rb") as fin, open(dest, "xb", buffering=0) as fout:
-        try:
-            while os.copy_file_range(fin.fileno(), fout.fileno(), 1 << 30):
-                pass
-        except OSError:  # e.g. EXDEV on old kernels, or a file system without it
-            fin.seek(0)
-            fout.seek(0)
-            fout.truncate()
-            shutil.copyfileobj(fin, fout, 4 << 20)
-
-
-_proc_fd: int | None = None  # this process's /proc/self/fd, opened once (see _proc_fd_dir)
-
-
-def _forget_proc_fd() -> None:
-    global _proc_fd
-    _proc_fd = None  # a forked child's /proc/self is not its parent's
-
-
-os.register_at_fork(after_in_child=_forget_proc_fd)
-
-
-def _proc_fd_dir() -> int:
-    """An fd of this process's ``/proc/self/fd``: an open file is linked by its number in there."""
-    global _proc_fd
-    if _proc_fd is None:
-        _proc_fd = os.open(f"/proc/{os.getpid()}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    return _proc_fd
-
-
-def _link_open_file(fd: int, dest: str) -> None:
-    """Give the open, unnamed file ``fd`` the name ``dest`` (FileExistsError if ``dest`` exists)."""
-    os.link(str(fd), dest, src_dir_fd=_proc_fd_dir(), follow_symlinks=True)
-
-
-def _unnamed_files(directory: Path) -> bool:
-    """Whether unnamed files (``O_TMPFILE``) made in ``directory`` can be linked into it through
-    ``/proc/self/fd`` (Linux 3.11+, on most local file systems). Tried once, by doing it."""
-    probe = None
-    try:
-        probe = os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-        name = str(directory / f".probe-{uuid.uuid4().hex}")
-        _link_open_file(probe, name)
-        os.unlink(name)
-        return True
-    except (OSError, AttributeError) as exc:  # not Linux, no /proc, or a file system without O_TMPFILE
-        log.debug("staged uploads are named files: unnamed ones cannot be linked in %s (%s)", directory, exc)
-        return False
-    finally:
-        if probe is not None:
-            os.close(probe)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class BlobServer:
@@ -165,13 +116,10 @@ class BlobServer:
         self.secret = secret
         self.incoming = self.dir / "@incoming"
         self.incoming.mkdir(parents=True, exist_ok=True)
-        self._incoming_str, self._dir_str = str(self.incoming), str(self.dir)
-        self._stage_prefix = f"{self._incoming_str}/.stage-{uuid.uuid4().hex[:12]}-"
-        # spare staged files (see _make_spares) wait outside incoming/: no client can name one
+        self._dir_str = str(self.dir)
+        # spare staged files wait outside incoming/: no client can name one
         self.spare_dir = self.dir / "@spare"
         self.spare_dir.mkdir(exist_ok=True)
-        self._spare_prefix = f"{self.spare_dir}/{uuid.uuid4().hex[:12]}-"
-        self._stage_seq = itertools.count()
         os.chmod(self.dir, 0o700)
         self.ha = ha
         self.retention = retention
@@ -196,18 +144,8 @@ class BlobServer:
         self._timer = threading.Thread(target=self._run_timer, name="steward-blob-cleanup", daemon=True)
         if timer:
             self._timer.start()
-        # Empty staged files, open, made ahead of streamed uploads by a thread of their own (started by
-        # the first one): making a file (an inode) is the largest cost of a small put, and on some file
-        # systems (ext4 without a journal scans recently deleted inodes) it is most of it. Where the
-        # kernel allows, they are unnamed (O_TMPFILE): nothing to leak or for a client to name, and
-        # placing one links it into its job's directory without touching the directory the spare
-        # thread is creating in (a rename locks both directories) and without a stat first (the link
-        # fails if the blob is there). See _unnamed_files.
-        self._unnamed = unnamed_staging and _unnamed_files(self.spare_dir)
-        self._spare: collections.deque[tuple[str | None, int]] = collections.deque()
-        self._spare_low = threading.Event()
-        self._spare_thread = threading.Thread(target=self._make_spares, name="steward-blob-stage", daemon=True)
-        self._spare_started = False
+        #: the uploads' staged files, with spares made ahead of streamed uploads (see blob.staging)
+        self.staging = StagingArea(self.incoming, self.spare_dir, unnamed=unnamed_staging)
 
     def _count_gate_wait(self, what: str) -> None:
         # job_gate_waits: puts and refills that wait for their job's delete; job_delete_waits: deletes
@@ -232,7 +170,7 @@ class BlobServer:
         size = src.stat().st_size
         if size > self.max_size:
             raise MessageTooLargeError(f"blob of {size} bytes exceeds spark.steward.blob.max-size ({self.max_size})")
-        staged = self._stage_path()
+        staged = self.staging.path()
         try:
             if move:
                 if src.stat().st_dev == self.incoming.stat().st_dev:
@@ -247,55 +185,8 @@ class BlobServer:
                                            f"({self.max_size})")
             return self._place(staged, job_id, btype, hash_file(staged), size)
         except BaseException:
-            _unlink_quietly(staged)
+            unlink_quietly(staged)
             raise
-
-    def _stage_path(self) -> str:
-        return f"{self._stage_prefix}{next(self._stage_seq)}.tmp"
-
-    def _new_staged(self, spare: bool) -> tuple[str | None, int]:
-        """A new, empty staged file, open for writing: ``(None, fd)`` if it is unnamed, else
-        ``(path, fd)``, in ``@spare`` for a spare one and in ``incoming`` otherwise."""
-        if self._unnamed:
-            return None, os.open(self.spare_dir, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-        path = f"{self._spare_prefix}{next(self._stage_seq)}.tmp" if spare else self._stage_path()
-        return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-
-    def _make_spares(self) -> None:
-        while not self._closed:
-            while len(self._spare) < _SPARES and not self._closed:
-                try:
-                    path, fd = self._new_staged(spare=True)
-                except OSError as exc:  # a full disk: uploads make their own file and say so
-                    log.debug("cannot make a spare staged file: %s", exc)
-                    break
-                self._spare.append((path, fd))
-            self._spare_low.wait()
-            self._spare_low.clear()
-        self._drop_spares()
-
-    def _drop_spares(self) -> None:
-        while True:
-            try:
-                _, fd = self._spare.popleft()
-            except IndexError:
-                return
-            os.close(fd)
-
-    def _staged_file(self) -> tuple[str | None, int]:
-        """A new, empty staged file (see :meth:`_new_staged`), a spare one if there is."""
-        try:
-            path, fd = self._spare.popleft()
-        except IndexError:
-            path, fd = self._new_staged(spare=False)
-        if len(self._spare) < _SPARES // 2:
-            if not self._spare_started:
-                with self._lock:
-                    if not self._spare_started and not self._closed:
-                        self._spare_thread.start()
-                        self._spare_started = True
-            self._spare_low.set()
-        return path, fd
 
     def _place(self, staged: str | int, job_id: str | None, btype: BlobType, digest: bytes,
                size: int) -> tuple[BlobKey, int]:
@@ -323,7 +214,7 @@ class BlobServer:
         # leaves: keep the bytes (a second name of the local copy, the server's own file, in incoming/)
         # and store them again once the delete is done: the put is ordered after the delete
         try:
-            again = self._stage_path()
+            again = self.staging.path()
             os.link(dest, again)
         finally:
             gate.leave(job_id)
@@ -332,7 +223,7 @@ class BlobServer:
         try:
             return self._place(again, job_id, btype, digest, size)
         except BaseException:
-            _unlink_quietly(again)
+            unlink_quietly(again)
             raise
 
     def _store(self, staged: str | int, job_id: str | None, key: BlobKey, ref: Ref, dest: str) -> None:
@@ -347,9 +238,9 @@ class BlobServer:
                 self._put_in_pass.add(ref)
             needs_ha = key.permanent and not self.ha.exists(job_id, key)
             if isinstance(staged, int):
-                placed = self._link(staged, dest)
+                placed = link_staged(staged, dest)
             elif placed := not os.path.exists(dest):
-                self._commit(staged, dest)
+                commit_staged(staged, dest)
             if placed:
                 self.stats["uploads"] += 1
             elif (needs_ha or ref not in self._verified) and hash_file(dest) != key.digest:
@@ -357,15 +248,15 @@ class BlobServer:
                 self.stats["corrupt_replaced"] += 1
                 self._verified.discard(ref)
                 if isinstance(staged, int):  # a rename replaces, a link does not: name it first
-                    named = self._stage_path()
-                    _link_open_file(staged, named)
+                    named = self.staging.path()
+                    link_open_file(staged, named)
                     try:
-                        self._commit(named, dest)
+                        commit_staged(named, dest)
                     except BaseException:
-                        _unlink_quietly(named)
+                        unlink_quietly(named)
                         raise
                 else:
-                    self._commit(staged, dest)
+                    commit_staged(staged, dest)
             else:
                 if isinstance(staged, str):
                     os.unlink(staged)
@@ -377,32 +268,8 @@ class BlobServer:
                     self.stats["ha_uploads"] += 1
                 except Exception:
                     self._verified.discard(ref)
-                    _unlink_quietly(dest)  # acknowledged only when the HA copy is durable
+                    unlink_quietly(dest)  # acknowledged only when the HA copy is durable
                     raise
-
-    def _commit(self, staged: str, dest: str) -> None:
-        """Rename a staged, verified file into place (scratch storage: no fsync, see decision 0008)."""
-        try:
-            os.replace(staged, dest)
-        except FileNotFoundError:
-            if not os.path.exists(staged):
-                raise
-            os.makedirs(os.path.dirname(dest), exist_ok=True)  # the job's first blob
-            os.replace(staged, dest)
-
-    def _link(self, fd: int, dest: str) -> bool:
-        """Link the unnamed file ``fd`` into place as ``dest``; False if ``dest`` is there already."""
-        for attempt in (1, 2):
-            try:
-                _link_open_file(fd, dest)
-                return True
-            except FileExistsError:
-                return False
-            except FileNotFoundError:
-                if attempt == 2:
-                    raise
-                os.makedirs(os.path.dirname(dest), exist_ok=True)  # the job's first blob
-        raise AssertionError("unreachable")
 
     def in_ha(self, key: BlobKey) -> bool:
         """Whether an acknowledged put of ``key`` is stored in an HA store."""
@@ -414,14 +281,14 @@ class BlobServer:
         if not isinstance(size, int) or size < 0 or size > self.max_size:
             raise MessageTooLargeError(f"announced blob size {size!r} is not between 0 and "
                                        f"spark.steward.blob.max-size ({self.max_size})")
-        path, fd = self._staged_file()
+        path, fd = self.staging.take()
         h = Hasher()
         try:
             conn.recv_into_file(fd, size, h.update)
             return self._place(fd if path is None else path, _job(job_id), btype, h.digest(), size)
         except BaseException:
             if path is not None:
-                _unlink_quietly(path)
+                unlink_quietly(path)
             raise
         finally:
             os.close(fd)  # an unnamed file that was not linked goes with it
@@ -605,38 +472,40 @@ class BlobServer:
 
     # --- socket ------------------------------------------------------------------------------
     def register_handlers(self, server: AgentServer) -> None:
-        ops = {"blob.info": self._op_info, "blob.put": self._op_put, "blob.put_path": self._op_put_path,
-               "blob.get": self._op_get, "blob.acquire": self._op_acquire, "blob.release": self._op_release,
-               "blob.delete_job": self._op_delete_job, "blob.list": self._op_list, "blob.stats": self._op_stats,
-               "blob.add_library": self._op_add_library, "blob.libraries": self._op_libraries,
-               "blob.deleted_jobs": self._op_deleted_jobs, "blob.open_file": self._op_open_file}
-        for op, fn in ops.items():
-            server.add_handler(op, fn)
+        """Serve the ``blob.*`` ops of :mod:`sparksteward.blob.messages` on ``server``."""
+        server.serve(BlobInfoRequest, self._op_info)
+        server.serve(BlobPutRequest, self._op_put, body=True)   # a refused header closes the connection
+        server.serve(BlobPutPathRequest, self._op_put_path)
+        server.serve(BlobGetRequest, self._op_get)
+        server.serve(BlobAcquireRequest, self._op_acquire)
+        server.serve(BlobReleaseRequest, self._op_release)
+        server.serve(BlobDeleteJobRequest, self._op_delete_job)
+        server.serve(BlobListRequest, self._op_list)
+        server.serve(BlobStatsRequest, self._op_stats)
+        server.serve(BlobAddLibraryRequest, self._op_add_library)
+        server.serve(BlobLibrariesRequest, self._op_libraries)
+        server.serve(BlobDeletedJobsRequest, self._op_deleted_jobs)
+        server.serve(BlobOpenFileRequest, self._op_open_file)
 
-    def _op_info(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        return {"incoming": str(self.incoming), "pid": os.getpid()}
+    def _op_info(self, conn: Connection, req: BlobInfoRequest) -> BlobInfoReply:
+        return BlobInfoReply(str(self.incoming), os.getpid())
 
-    def _op_put(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        conn.expect_body()  # a refused header closes the connection: its body is never parsed as requests
-        f = Fields(req)
-        job_id, btype, size = f.job_id(nullable=True), _btype(f), f.integer("size", lo=0)
-        key, size = self.receive(conn, job_id, btype, size)
-        return {"key": str(key), "size": size, "ha": self.in_ha(key)}
+    def _op_put(self, conn: Connection, req: BlobPutRequest) -> BlobPutReply:
+        key, size = self.receive(conn, req.job_id, req.type, req.size)
+        return BlobPutReply(key, size, self.in_ha(key))
 
-    def _op_put_path(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        path, job_id, btype, move = f.text("path"), f.job_id(nullable=True), _btype(f), f.flag("move", default=False)
-        src = Path(os.path.realpath(path))
+    def _op_put_path(self, conn: Connection, req: BlobPutPathRequest) -> BlobPutReply:
+        src = Path(os.path.realpath(req.path))
         if src.parent != self.incoming.resolve() or not src.is_file() or src.name.startswith(".stage-"):
             # .stage-*: the server's own staged uploads, which it may still be writing into
             raise InvalidIdError(f"blob.put_path takes a file directly in {self.incoming} (ask blob.info) that a "
-                                 f"client staged there, not {path!r}")
-        key, size = self.put_file(src, job_id, btype, move=move)
-        return {"key": str(key), "size": size, "ha": self.in_ha(key)}
+                                 f"client staged there, not {req.path!r}")
+        key, size = self.put_file(src, req.job_id, req.type, move=req.move)
+        return BlobPutReply(key, size, self.in_ha(key))
 
-    def _op_get(self, conn: Connection, req: dict[str, Any]) -> None:
-        fields = Fields(req)
-        key, job_id, boot_id = _key(fields), fields.job_id(nullable=True), fields.text("boot_id", default=None)
+    def _op_get(self, conn: Connection, req: BlobGetRequest) -> None:
+        """Stream the blob after the reply, or name its file to a caller on this kernel."""
+        job_id, key = req.job_id, req.key
         path = self._local(job_id, key)
         fd = -1
         if (job_id, key) in self._verified:  # the common case: no key lock, no stat before the open
@@ -649,32 +518,30 @@ class BlobServer:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            if boot_id and boot_id == BOOT_ID:
+            if req.boot_id and req.boot_id == BOOT_ID:
                 # same kernel: the caller copies the file in-kernel (copy_file_range); no socket copy
-                conn.send({"ok": True, "size": size, "path": path})
+                conn.send({"ok": True, **BlobGetReply(size, path).to_wire()})
                 self.stats["served"] += 1
                 self.stats["served_local"] += 1
                 return None
-            conn.send_file(fd, size, head={"ok": True, "size": size})
+            conn.send_file(fd, size, head={"ok": True, **BlobGetReply(size).to_wire()})
         finally:
             os.close(fd)
         self.stats["served"] += 1
         self.stats["bytes_served"] += size
         return None
 
-    def _op_acquire(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        return {"refs": self.acquire(f.job_id(nullable=True), _key(f))}
+    def _op_acquire(self, conn: Connection, req: BlobAcquireRequest) -> BlobRefsReply:
+        return BlobRefsReply(self.acquire(req.job_id, req.key))
 
-    def _op_release(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        return {"refs": self.release(f.job_id(nullable=True), _key(f))}
+    def _op_release(self, conn: Connection, req: BlobReleaseRequest) -> BlobRefsReply:
+        return BlobRefsReply(self.release(req.job_id, req.key))
 
-    def _op_delete_job(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        self.delete_job(Fields(req).job_id(nullable=True))
-        return {}
+    def _op_delete_job(self, conn: Connection, req: BlobDeleteJobRequest) -> BlobDone:
+        self.delete_job(req.job_id)
+        return BlobDone()
 
-    def _op_list(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_list(self, conn: Connection, req: BlobListRequest) -> BlobListReply:
         out = []
         for job_dir in sorted(p for p in self.dir.iterdir() if p.is_dir() and p not in (self.incoming, self.spare_dir)):
             for f in sorted(job_dir.iterdir()):
@@ -684,38 +551,33 @@ class BlobServer:
             refs = {f"{job_dir_name(j)}/{k}": n for (j, k), n in self._refs.items()}
         for b in out:
             b["refs"] = refs.get(f"{b['job_dir']}/{b['key']}", 0)
-        return {"blobs": out}
+        return BlobListReply(out)
 
-    def _op_deleted_jobs(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        job_ids = req.get("job_ids")
-        if not isinstance(job_ids, list):
-            raise InvalidIdError(f"blob.deleted_jobs takes a list of job ids in 'job_ids', not {job_ids!r}")
-        return {"deleted": self.deleted_jobs([_job(j) for j in job_ids])}
+    def _op_deleted_jobs(self, conn: Connection, req: BlobDeletedJobsRequest) -> BlobDeletedJobsReply:
+        return BlobDeletedJobsReply(self.deleted_jobs(req.job_ids))
 
-    def _op_open_file(self, conn: Connection | None, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_open_file(self, conn: Connection | None, req: BlobOpenFileRequest) -> BlobOpenFileReply:
         """A ``steward://`` URL of this application (or its cluster): the verified local copy in this
         server's store (refilled from HA), for the driver's own reads (``addJar`` checks it exists)."""
-        url = BlobUrl.parse(Fields(req).text("url", max_len=4096))
+        url = BlobUrl.parse(req.url)
         if self.secret is None:
             raise ConfigError("this BlobServer was made without the application secret: it cannot check the "
                               "scope of steward:// URLs (pass secret= to BlobServer)")
         url.check_scope(self.secret, getattr(self.ha, "cluster_id", None))
         path = self.ensure_local(url.job_id, url.key)
         self.stats["file_opens"] += 1
-        return {"path": str(path), "size": path.stat().st_size}
+        return BlobOpenFileReply(str(path), path.stat().st_size)
 
-    def _op_stats(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        return {"stats": dict(self.stats)}
+    def _op_stats(self, conn: Connection, req: BlobStatsRequest) -> BlobStatsReply:
+        return BlobStatsReply(dict(self.stats))
 
-    def _op_add_library(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        key, job_id, name = _key(f), f.job_id(nullable=True), f.text("name", max_len=4096)  # validate_library_name bounds it
-        self.ensure_local(job_id, key)
-        return {"version": self.add_library(job_id, key, name)}
+    def _op_add_library(self, conn: Connection, req: BlobAddLibraryRequest) -> BlobAddLibraryReply:
+        self.ensure_local(req.job_id, req.key)
+        return BlobAddLibraryReply(self.add_library(req.job_id, req.key, req.name))
 
-    def _op_libraries(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_libraries(self, conn: Connection, req: BlobLibrariesRequest) -> BlobLibrariesReply:
         libs = self.libraries()
-        return {"version": len(libs), "libraries": libs}
+        return BlobLibrariesReply(len(libs), libraries=libs)
 
     def close(self) -> None:
         """Stop the cleanup timer and delete the local store. Idempotent."""
@@ -725,12 +587,7 @@ class BlobServer:
         self._stop.set()  # a running pass stops between blobs
         if self._timer.is_alive():
             self._timer.join()
-        self._spare_low.set()
-        with self._lock:
-            started = self._spare_started
-        if started:
-            self._spare_thread.join()
-        self._drop_spares()
+        self.staging.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> BlobServer:

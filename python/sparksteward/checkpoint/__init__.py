@@ -1,16 +1,62 @@
 """Checkpoints of keyed state (FLIP-428): records, storage, the executor's file cache and uploader,
 fast duplication, restore and rescale, and the coordinator the driver agent hosts. See
 ``docs/state.md``. Nothing here imports pyspark or ``agents/``.
+
+The names below are imported from their modules on first use, like the root's declarations: a process
+that needs one module of this package (the driver agent, the CLI) does not load them all.
 """
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.coordination.coordinator import BeginResult, CheckpointCoordinator
-from sparksteward.checkpoint.duplicate import Duplicator, can_fast_duplicate
-from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
-from sparksteward.checkpoint.task.subtask_restore import open_subtask, rebuild_subtask
-from sparksteward.checkpoint.restore import ClaimMode, restore_from, write_savepoint
-from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult, open_checkpoint
-from sparksteward.checkpoint.task.uploader import SnapshotUploader
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparksteward.checkpoint.coordination.coordinator import BeginResult, CheckpointCoordinator
+    from sparksteward.checkpoint.duplicate import Duplicator, can_fast_duplicate
+    from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
+    from sparksteward.checkpoint.restore import ClaimMode, restore_from, write_savepoint
+    from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
+    from sparksteward.checkpoint.task.cache import LocalFileCache
+    from sparksteward.checkpoint.task.subtask_restore import open_subtask, rebuild_subtask
+    from sparksteward.checkpoint.task.transfer import UploadResult
+    from sparksteward.checkpoint.task.uploader import SnapshotUploader
+
+#: each exported name's module (under this package)
+_EXPORTS = {
+    "BeginResult": "coordination.coordinator",
+    "CheckpointCoordinator": "coordination.coordinator",
+    "Duplicator": "duplicate",
+    "can_fast_duplicate": "duplicate",
+    "CheckpointMetadata": "records",
+    "FileHandle": "records",
+    "SubtaskHandle": "records",
+    "ClaimMode": "restore",
+    "restore_from": "restore",
+    "write_savepoint": "restore",
+    "CheckpointStorage": "storage",
+    "open_checkpoint": "storage",
+    "LocalFileCache": "task.cache",
+    "open_subtask": "task.subtask_restore",
+    "rebuild_subtask": "task.subtask_restore",
+    "UploadResult": "task.transfer",
+    "SnapshotUploader": "task.uploader",
+}
+
+
+def __getattr__(name: str) -> object:
+    """An exported name, imported from its module on first use (then kept here)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "BeginResult",

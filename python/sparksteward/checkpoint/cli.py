@@ -53,7 +53,7 @@ import orjson
 
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import read_lease
-from sparksteward.checkpoint.filemerging.file_merger import space_stats
+from sparksteward.checkpoint.filemerging.space import space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.removal import Removal, collect_garbage, find_orphans, read_records, remove_state, subdirs
 from sparksteward.checkpoint.restore import write_savepoint

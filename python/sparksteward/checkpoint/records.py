@@ -40,10 +40,10 @@ from typing import Any
 
 import orjson
 
-from sparksteward.errors import CheckpointCorruptError, InvalidRecordError
+from sparksteward.errors import CheckpointCorruptError, InvalidRecordError, ParallelismError
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, validate_parallelism
 
-__all__ = ["CheckpointMetadata", "FileHandle", "METADATA_VERSION", "SubtaskHandle"]
+__all__ = ["CheckpointMetadata", "FileHandle", "METADATA_VERSION", "SubtaskHandle", "check_max_parallelism"]
 
 METADATA_VERSION = 1
 _HEX32 = re.compile(r"^[0-9a-f]{32}$")
@@ -219,6 +219,18 @@ class CheckpointMetadata:
                        properties=dict(d.get("properties") or {}), version=version)
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorruptError(f"{source} is not a valid checkpoint record: {exc}") from exc
+
+
+def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> None:
+    """Refuse a restore of ``meta`` that changes the max parallelism, naming both values and the fix:
+    the max parallelism fixes the key groups of every record of a state."""
+    if max_parallelism != meta.max_parallelism:
+        raise ParallelismError(
+            f"Changing max_parallelism is refused: state {meta.state!r} was checkpointed with "
+            f"max_parallelism={meta.max_parallelism} (checkpoint {meta.checkpoint_id}) and cannot be restored "
+            f"with max_parallelism={max_parallelism}: "
+            f"the max parallelism fixes the key groups and cannot change. Keep "
+            f"max_parallelism={meta.max_parallelism} (any parallelism up to it works), or start a new state")
 
 
 def shared_path(checksum: str) -> str:

@@ -55,7 +55,6 @@ clean-up can touch a live checkpoint's files.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import posixpath
@@ -67,9 +66,14 @@ from dataclasses import replace
 from sparksteward.hashing import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
 from sparksteward.checkpoint.lease import read_lease
-from sparksteward.checkpoint.filemerging.file_merger import is_merged
-from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
-from sparksteward.checkpoint.task.subtask_restore import check_max_parallelism
+from sparksteward.checkpoint.filemerging.space import is_merged
+from sparksteward.checkpoint.records import (
+    CheckpointMetadata,
+    FileHandle,
+    SubtaskHandle,
+    check_max_parallelism,
+    shared_path,
+)
 from sparksteward.checkpoint.storage import (
     MERGED_DIR,
     METADATA_FILE,
@@ -78,6 +82,7 @@ from sparksteward.checkpoint.storage import (
     checkpoint_dir_name,
     open_checkpoint,
 )
+from sparksteward.enums import ParsedEnum
 from sparksteward.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -93,16 +98,13 @@ __all__ = ["ClaimMode", "check_savepoint_target", "check_sources", "restore_from
 log = logging.getLogger("sparksteward.checkpoint.restore")
 
 
-class ClaimMode(str, enum.Enum):
+class ClaimMode(ParsedEnum):
     NO_CLAIM = "no_claim"
     CLAIM = "claim"
 
     @classmethod
-    def parse(cls, value: object) -> ClaimMode:
-        try:
-            return value if isinstance(value, ClaimMode) else cls(str(value).lower())
-        except ValueError:
-            raise CheckpointError(f"claim_mode={value!r} is not valid: use 'no_claim' or 'claim'") from None
+    def _refusal(cls, value: object) -> Exception:
+        return CheckpointError(f"claim_mode={value!r} is not valid: use 'no_claim' or 'claim'")
 
 
 def _map_files(meta: CheckpointMetadata, new_path) -> CheckpointMetadata:
@@ -202,7 +204,7 @@ def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str, *,
     by_dir: dict[str, tuple[Location, str, list[tuple[FileHandle, str]]]] = {}
     for s in meta.subtasks:
         for f in (*s.files, *s.channel_state):
-            loc, path = src._abs(f.path)
+            loc, path = src.location_of(f.path)
             parent = posixpath.dirname(path.rstrip("/"))
             key = loc.display(parent)
             by_dir.setdefault(key, (loc, parent, []))[2].append((f, f"file {f.name} of subtask {s.subtask} "
@@ -210,7 +212,7 @@ def check_sources(src: CheckpointStorage, meta: CheckpointMetadata, url: str, *,
     for loc, parent, files in by_dir.values():
         sizes = {posixpath.basename(str(i["name"]).rstrip("/")): i.get("size") for i in loc.listdir(parent)}
         for f, what in files:
-            base = posixpath.basename(src._abs(f.path)[1])
+            base = posixpath.basename(src.location_of(f.path)[1])
             if base not in sizes:
                 raise CheckpointNotFoundError(
                     f"{label}: {what} is missing, so the checkpoint is incomplete (deleted by hand, "
@@ -280,7 +282,7 @@ def _verify_segments(dst: CheckpointStorage, segments: list[FileHandle], label: 
     for f in segments:
         by_file.setdefault(_dest(f), []).append(f)
     for rel, segs in sorted(by_file.items()):
-        loc, path = dst._abs(rel)
+        loc, path = dst.location_of(rel)
         with loc.fs.open(path, "rb") as fin:
             for f in sorted(segs, key=lambda x: x.offset):
                 fin.seek(f.offset)

@@ -1,57 +1,40 @@
-"""The checkpoint directory of one state, on any fsspec URL: uploads, ``_metadata`` and restores.
+"""The checkpoint directory of one state, on any fsspec URL: its layout, ``_metadata``, deletes and
+ranged reads.
 
 Layout::
 
     <checkpoint-dir>/<cluster-id>/<state>/
       chk-<N>/_metadata          CheckpointMetadata (versioned JSON), written atomically
       shared/<xxh3-128 hex>      files, named by content and shared by every checkpoint referencing them
-      merged/<uuid>              (FLIP-306, later) physical files holding several logical files
+      merged/<uuid>              (FLIP-306) physical files holding several logical files
 
-**Upload (async phase).** :meth:`CheckpointStorage.upload_snapshot` hashes every file of a local
-snapshot and uploads to ``shared/<checksum>`` only those whose checksum the caller's registry does not
-already hold (incremental checkpoints). Local stores stage a temp file, fsync it and rename it; object
-stores use one PUT, which is all-or-nothing. Content addressing makes a re-upload of the same bytes
-harmless.
-
-**Restore.** :meth:`CheckpointStorage.restore_subtask` materialises a subtask's files in a local DB
-directory: immutable SSTs are hard-linked from the executor's :class:`LocalFileCache` (downloading only
-the missing ones), the small mutable files (CURRENT, MANIFEST, OPTIONS) are copied out of it. Every
-file is verified against its checksum; a mismatch or a missing file raises an error naming the file
-and the checkpoint, and leaves no half-restored directory behind.
-
-**One pass per merged file** (decision 0021). The segments a restore still lacks are read by physical
-file, in as few ranged reads as :func:`read_ranges` plans: segments closer than 64 KB, or that would
-fill at least half of the range they span, share one read, so a merged file the subtask mostly needs
-costs one GET instead of a HEAD and a GET per segment. Each segment is still verified against its
-own checksum as it enters the cache.
+Files are put all-or-nothing (:meth:`CheckpointStorage.put_file`): local stores stage a temp file,
+fsync it and rename it; object stores use one PUT. The executor's transfers (a subtask's upload and
+restore) are in :mod:`sparksteward.checkpoint.task.transfer`; the segments of one merged file a
+restore needs are read in as few ranged reads as :func:`read_ranges` plans (decision 0021).
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import posixpath
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Container, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sparksteward.hashing import hash_file
-from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle, shared_path
-from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, StorageError
+from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle
+from sparksteward.errors import CheckpointNotFoundError, StorageError
 from sparksteward.ids import validate_id
-from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.storage import Location, NotRegularFileError, fsync_dir, fsync_file, open_location, regular_files
+from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
 
-__all__ = ["DATA_PATH_FORMS", "METADATA_FILE", "RESTORED", "CheckpointStorage", "RestoreStats", "UploadResult",
-           "checkpoint_dir_name", "is_data_path", "open_checkpoint", "read_ranges"]
+__all__ = ["DATA_PATH_FORMS", "METADATA_FILE", "RESTORED", "CheckpointStorage", "checkpoint_dir_name", "is_data_path",
+           "open_checkpoint", "read_ranges"]
 
 log = logging.getLogger("sparksteward.checkpoint.storage")
 
@@ -93,26 +76,6 @@ def checkpoint_dir_name(checkpoint_id: int) -> str:
     return "restored" if checkpoint_id == RESTORED else f"chk-{checkpoint_id}"
 
 
-@dataclass(frozen=True, slots=True)
-class UploadResult:
-    """What one subtask's async phase produced: its handle, and what it put in ``shared/``."""
-
-    handle: SubtaskHandle
-    uploaded: tuple[str, ...]   # relative paths this attempt uploaded (abort deletes only these)
-    bytes_uploaded: int
-    files_reused: int
-    merged: tuple[str, ...] = ()   # merged/<uuid> physical files its segments went to (sealed later)
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreStats:
-    files: int
-    downloaded_files: int
-    downloaded_bytes: int
-    cached_files: int
-    fetched_paths: tuple[str, ...]
-
-
 def read_ranges(segments: list[FileHandle], max_gap: int = RANGE_MAX_GAP, min_share: float = RANGE_MIN_SHARE,
                 max_bytes: int = RANGE_MAX_BYTES) -> list[tuple[int, int, list[FileHandle]]]:
     """The ranged reads ``(start, end, segments)`` that fetch ``segments`` (of one physical file).
@@ -135,19 +98,6 @@ def read_ranges(segments: list[FileHandle], max_gap: int = RANGE_MAX_GAP, min_sh
         out.append((f.offset, end, [f]))
         need = f.length
     return out
-
-
-def _is_immutable(name: str) -> bool:
-    """Never changed once a snapshot has it, so the executor's cache keeps it (by checksum): SSTs,
-    blob files, and the WAL files of a closed DB (decision 0012)."""
-    return name.endswith((".sst", ".blob", ".log"))
-
-
-def _is_linkable(name: str) -> bool:
-    """Hard-linked into a working dir at restore; everything else is copied: RocksDB rewrites CURRENT,
-    appends to MANIFEST, and truncates a replayed WAL to its length, so their inodes are never shared
-    with the cache."""
-    return name.endswith((".sst", ".blob"))
 
 
 class CheckpointStorage:
@@ -173,73 +123,15 @@ class CheckpointStorage:
         """The full URL of a handle path (relative paths are under this root)."""
         return path if "://" in path else posixpath.join(self.location.url, path)
 
-    def _abs(self, path: str) -> tuple[Location, str]:
+    def location_of(self, path: str) -> tuple[Location, str]:
+        """The location of a handle path and its path there: relative paths are under this root, an
+        absolute URL (a claimed file) opens its own location."""
         if "://" in path:
             loc = open_location(path)
             return loc, loc.root
         return self.location, self.location.path(*path.split("/"))
 
-    # --- upload (async phase) ----------------------------------------------------------------
-    def upload_snapshot(self, snapshot_dir: str | os.PathLike[str], subtask: int, key_groups: KeyGroupRange,
-                        known: Container[str] | Mapping[str, Any] = frozenset(),
-                        cache: LocalFileCache | None = None,
-                        merge: Callable[[str, Path, str], FileHandle] | None = None,
-                        merge_below: int = 0, channel: tuple[Path, ...] = ()) -> UploadResult:
-        """Upload the files of a local snapshot whose checksum ``known`` lacks; return the handle.
-
-        ``known`` holds the checksums the registry already has (the files of the base checkpoint).
-        As a mapping ``checksum -> path`` (or ``-> (path, offset)`` for a segment of a merged file)
-        it also says where a known file lives, so a file of a claimed, restored or merged checkpoint
-        keeps its place instead of being uploaded again.
-
-        ``merge(name, local, checksum)``: FLIP-306 file merging. A new file smaller than
-        ``merge_below`` bytes is appended to a merged physical file by ``merge``, which returns its
-        segment's handle; larger files are uploaded whole to ``shared/<checksum>``.
-
-        ``channel``: FLIP-76 channel-state files of the subtask (its deferred input), stored like the
-        other files and listed in the handle's ``channel_state``.
-        """
-        snapshot_dir = Path(snapshot_dir)
-        state_handles: list[FileHandle] = []
-        channel_handles: list[FileHandle] = []
-        uploaded: list[str] = []
-        merged: set[str] = set()
-        sent = reused = 0
-        try:
-            todo = [(p, state_handles) for p in regular_files(snapshot_dir)]
-        except NotRegularFileError as exc:
-            raise StorageError(f"cannot upload snapshot {snapshot_dir}: {exc}; a snapshot holds only the regular "
-                               "files of its DB, so this checkpoint is not taken") from exc
-        todo += [(Path(p), channel_handles) for p in channel]
-        for local, files in todo:
-            checksum = hash_file(local).hex()
-            size = local.stat().st_size
-            if checksum in known:
-                where = known[checksum] if isinstance(known, Mapping) else shared_path(checksum)
-                path, offset = (where, 0) if isinstance(where, str) else (str(where[0]), int(where[1]))
-                files.append(FileHandle(name=local.name, path=path, length=size, checksum=checksum,
-                                        offset=offset))
-                reused += 1
-                continue
-            if merge is not None and size < merge_below:
-                seg = merge(local.name, local, checksum)
-                files.append(seg)
-                merged.add(seg.path)
-                sent += size
-                if cache is not None and _is_immutable(local.name):
-                    cache.adopt(local, checksum)
-                continue
-            rel = shared_path(checksum)
-            files.append(FileHandle(name=local.name, path=rel, length=size, checksum=checksum))
-            self._put(local, rel)
-            uploaded.append(rel)
-            sent += size
-            if cache is not None and _is_immutable(local.name):
-                cache.adopt(local, checksum)
-        handle = SubtaskHandle(subtask=subtask, key_groups=key_groups, files=tuple(state_handles),
-                               channel_state=tuple(channel_handles))
-        return UploadResult(handle, tuple(uploaded), sent, reused, tuple(sorted(merged)))
-
+    # --- files ------------------------------------------------------------------------------
     def put_file(self, local: Path, rel: str) -> None:
         """Upload ``local`` to the relative path ``rel`` all-or-nothing (stage, fsync, rename; one PUT)."""
         self._put(local, rel)
@@ -399,106 +291,6 @@ class CheckpointStorage:
                 n += 1
         return n
 
-    # --- restore -----------------------------------------------------------------------------
-    def restore_subtask(self, meta: CheckpointMetadata, handle: SubtaskHandle, db_dir: str | os.PathLike[str],
-                        cache: LocalFileCache) -> RestoreStats:
-        """Materialise ``handle``'s files in ``db_dir`` (which must not exist), verified."""
-        db_dir = Path(db_dir)
-        if db_dir.exists():
-            raise StorageError(f"restore target {db_dir} already exists; restore into a new directory")
-        staging = db_dir.parent / f".{db_dir.name}.{uuid.uuid4().hex[:8]}.restoring"
-        staging.mkdir(parents=True)
-        downloaded = downloaded_bytes = cached = 0
-        fetched: list[str] = []
-        try:
-            with contextlib.ExitStack() as pins:
-                ahead = self._fetch_segments(meta, handle, cache, pins)   # one pass per merged file
-                for f in handle.files:
-                    with cache.pinned(f.checksum):   # no other open evicts it between the fetch and the link
-                        path, hit, n = self._fetch(meta, handle, f, cache)
-                        dest = staging / f.name
-                        if _is_linkable(f.name):
-                            os.link(path, dest)
-                        else:  # never share CURRENT's, MANIFEST's or a WAL's inode with the cache
-                            shutil.copyfile(path, dest)
-                    if hit and f.checksum in ahead:   # downloaded above
-                        hit, n = False, ahead.pop(f.checksum)
-                    if not hit:
-                        downloaded += 1
-                        downloaded_bytes += n
-                        fetched.append(f.path)
-                    else:
-                        cached += 1
-            os.replace(staging, db_dir)
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
-        return RestoreStats(len(handle.files), downloaded, downloaded_bytes, cached, tuple(fetched))
-
-    def _fetch_segments(self, meta: CheckpointMetadata, handle: SubtaskHandle, cache: LocalFileCache,
-                        pins: contextlib.ExitStack) -> dict[str, int]:
-        """Download the segments of merged files that ``cache`` lacks, by physical file in the ranged
-        reads :func:`read_ranges` plans, each verified as it enters the cache and pinned by ``pins``.
-        Returns checksum -> bytes downloaded."""
-        todo: dict[str, dict[str, FileHandle]] = {}
-        for f in handle.files:
-            if f.is_segment and not cache.path(f.checksum).exists():
-                todo.setdefault(f.path, {}).setdefault(f.checksum, f)
-        out: dict[str, int] = {}
-        for physical, by_checksum in todo.items():
-            loc, path = self._abs(physical)
-            for start, end, segments in read_ranges(list(by_checksum.values())):
-                try:
-                    data = loc.fs.cat_file(path, start=start, end=end)
-                except FileNotFoundError as exc:
-                    raise _missing(self._what(meta, handle, segments[0]), meta) from exc
-                except Exception as exc:
-                    raise StorageError(f"cannot read {self._what(meta, handle, segments[0])}: {exc}") from exc
-                view = memoryview(data)
-                for f in segments:
-                    pins.enter_context(cache.pinned(f.checksum))
-                    a = f.offset - start
-                    _, hit, n = self._fetch(meta, handle, f, cache, view[a:a + f.length])
-                    if not hit:
-                        out[f.checksum] = n
-        return out
-
-    def _what(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle) -> str:
-        loc, path = self._abs(f.path)
-        return (f"file {f.name} ({loc.display(path)}) of checkpoint {meta.checkpoint_id} of state "
-                f"{meta.state!r}, subtask {handle.subtask}")
-
-    def _fetch(self, meta: CheckpointMetadata, handle: SubtaskHandle, f: FileHandle,
-               cache: LocalFileCache, data: memoryview | None = None) -> tuple[Path, bool, int]:
-        """``f`` from ``cache``, downloaded when missing (or taken from ``data``, its bytes read already)."""
-        loc, path = self._abs(f.path)
-        what = self._what(meta, handle, f)
-
-        def open_source():
-            if data is not None:
-                return io.BytesIO(data)
-            try:
-                src = loc.fs.open(path, "rb")
-            except FileNotFoundError as exc:
-                raise _missing(what, meta) from exc
-            except Exception as exc:
-                raise StorageError(f"cannot read {what}: {exc}") from exc
-            if f.offset:
-                src.seek(f.offset)
-            return src
-
-        def mismatch(actual: str) -> Exception:
-            return CheckpointCorruptError(
-                f"{what} is corrupt: expected checksum {f.checksum}, read {actual}; nothing was restored. "
-                f"{_fix(meta)}")
-
-        try:
-            return cache.fetch(f.checksum, open_source, f.length, mismatch)
-        except (CheckpointCorruptError, CheckpointNotFoundError, StorageError):
-            raise
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(f"{what} is missing: {exc}") from exc
-
 
 def _changed_at(info: dict[str, Any]) -> float:
     """When a listed file last changed: the later of mtime and ctime locally, LastModified on S3."""
@@ -510,20 +302,6 @@ def _changed_at(info: dict[str, Any]) -> float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             times.append(float(value))
     return max(times, default=float("inf"))   # unknown: never old enough to sweep
-
-
-def _missing(what: str, meta: CheckpointMetadata) -> CheckpointNotFoundError:
-    return CheckpointNotFoundError(f"{what} is missing: the checkpoint is incomplete (deleted by hand, or by a gc "
-                                   f"that did not know it); {_fix(meta)}")
-
-
-def _fix(meta: CheckpointMetadata) -> str:
-    """What to do about a bad file of ``meta``: for a restored starting point, restore another one."""
-    source = meta.properties.get("restored_from")
-    if source:
-        return (f"It was restored from {source}: start the state again with restore_from= another retained "
-                f"checkpoint or a savepoint")
-    return "Restore an older checkpoint"
 
 
 def open_checkpoint(url: str) -> tuple[CheckpointStorage, CheckpointMetadata]:

@@ -24,13 +24,13 @@ job, as FLIP-194 keeps a job's final checkpoint with its result.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
+from sparksteward.enums import ParsedEnum
 from sparksteward.errors import CorruptRecordError, InvalidRecordError
 from sparksteward.ids import validate_id, validate_job_id
 
@@ -68,24 +68,23 @@ def _check_time(record: str, name: str, value: object, *, optional: bool = False
     return float(value)
 
 
-class JobStatus(str, enum.Enum):
-    """Final status of a job."""
+class JobStatus(ParsedEnum):
+    """Final status of a job; ``parse`` takes a JobStatus or its name in any case (``CANCELED`` is accepted)."""
 
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
     @classmethod
-    def parse(cls, value: object) -> JobStatus:
-        """``value`` as a status: a JobStatus or its name in any case (``CANCELED`` is accepted)."""
-        if isinstance(value, JobStatus):
-            return value
-        if isinstance(value, str):
-            name = value.strip().upper()
-            name = "CANCELLED" if name == "CANCELED" else name
-            if name in cls.__members__:
-                return cls[name]
-        raise InvalidRecordError(f"job status {value!r} is not one of {', '.join(m.value for m in cls)}")
+    def _text(cls, value: object) -> str | None:
+        if not isinstance(value, str):
+            return None
+        name = value.strip().upper()
+        return "CANCELLED" if name == "CANCELED" else name
+
+    @classmethod
+    def _refusal(cls, value: object) -> Exception:
+        return InvalidRecordError(f"job status {value!r} is not one of {', '.join(m.value for m in cls)}")
 
 
 @dataclass(frozen=True, slots=True)

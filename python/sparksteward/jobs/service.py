@@ -23,6 +23,9 @@ the storing, the spooling and the writing of spooled results.
 Cleanup runs on the threads of a :class:`~sparksteward.jobs.scheduler.CleanupScheduler`, so nothing
 blocks the caller's thread on cleanup I/O (FLINK-27204).
 
+Requests. :meth:`JobService.register_handlers` serves the ``jobs.*`` ops of
+:mod:`sparksteward.jobs.messages` on the driver agent's socket.
+
 Thread-safety: every public method may be called from any thread. One condition variable guards the
 running jobs, and no store I/O runs while it is held; the scheduler's own lock is only ever taken
 inside it, never the other way round.
@@ -35,14 +38,28 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
 from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import CleanupRunner, CleanupTask
 from sparksteward.jobs.delivery import ResultDelivery
+from sparksteward.jobs.messages import (
+    JobAddCleanupRequest,
+    JobBeginReply,
+    JobBeginRequest,
+    JobDone,
+    JobEntryReply,
+    JobFinishReply,
+    JobFinishRequest,
+    JobGetRequest,
+    JobListReply,
+    JobListRequest,
+)
 from sparksteward.jobs.pathguard import protect_path
 from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, JobResult, JobResultEntry,
                                       JobStatus, SparkJobOutcome)
@@ -146,6 +163,8 @@ class JobService:
         self.spool = (None if spool_dir is None
                       else ResultSpool(spool_dir, self.cluster_id, str(getattr(store, "url", repr(store)))))
         self.delivery = ResultDelivery(store, self.runner, self.spool, self.cluster_id)
+        self._application: Callable[[], str | None] = lambda: None   # see register_handlers
+        self._max_page = 8 << 20
 
     @classmethod
     def from_config(cls, cfg: Any, clock: Any = None, blob_job_dir: Any = None) -> JobService:
@@ -438,6 +457,61 @@ class JobService:
         if older_than is None and age <= 0:
             return []
         return self.store.prune(age, self.clock.now() if now is None else now)
+
+    # --- requests ------------------------------------------------------------------------------
+    def register_handlers(self, server: Any, *, application: Callable[[], str | None] = lambda: None,
+                          max_message: int = 16 << 20) -> None:
+        """Serve the ``jobs.*`` ops on ``server`` (an :class:`~sparksteward.wire.server.AgentServer`).
+        ``application()``: the Spark application id a job begun by request runs in; ``max_message``:
+        the frame bound, half of which a ``jobs.list`` page may fill."""
+        self._application = application
+        self._max_page = max_message // 2
+        server.serve(JobBeginRequest, self._op_begin)
+        server.serve(JobAddCleanupRequest, self._op_add_cleanup)
+        server.serve(JobFinishRequest, self._op_finish)
+        server.serve(JobGetRequest, self._op_get)
+        server.serve(JobListRequest, self._op_list)
+
+    def _op_begin(self, conn: Any, req: JobBeginRequest) -> JobBeginReply:
+        try:
+            self.begin(req.job_id, application_id=self._application(), force=req.force)
+        except JobAlreadyCompleted as exc:
+            return JobBeginReply(False, str(exc), None if exc.entry is None else exc.entry.to_dict())
+        self.add_cleanup_step(req.job_id, CleanupStep("blob_job_dir", req.job_id))
+        return JobBeginReply(True)
+
+    def _op_add_cleanup(self, conn: Any, req: JobAddCleanupRequest) -> JobDone:
+        self.add_cleanup_step(req.job_id, CleanupStep(req.step.kind, req.step.target))
+        return JobDone()
+
+    def _op_finish(self, conn: Any, req: JobFinishRequest) -> JobFinishReply:
+        wait = self.shutdown_timeout if req.wait is None else req.wait
+        entry = self.finish(req.job_id, req.status, failure=req.failure, payload=req.payload, wait=wait,
+                            checkpoints=req.checkpoints)
+        return JobFinishReply(entry.to_dict())
+
+    def _op_get(self, conn: Any, req: JobGetRequest) -> JobEntryReply:
+        entry = self.get(req.job_id)
+        return JobEntryReply(None if entry is None else entry.to_dict())
+
+    def _op_list(self, conn: Any, req: JobListRequest) -> JobListReply:
+        limit = 1000 if req.limit is None else req.limit
+        listing = self.store.list()
+        page: builtins.list[dict[str, Any]] = []
+        used, more, last = 0, False, None
+        for e in listing.entries:  # sorted by job id
+            if req.cursor is not None and e.job_id <= req.cursor:
+                continue
+            d = e.to_dict()
+            size = len(orjson.dumps(d))
+            if len(page) >= limit or (page and used + size > self._max_page):
+                more = True
+                break
+            page.append(d)
+            used += size
+            last = e.job_id
+        return JobListReply(page, builtins.list(listing.corrupt) if req.cursor is None else [],
+                            last if more else None)
 
     # --- shutdown ------------------------------------------------------------------------------
     def close(self, timeout: float | None = None) -> None:

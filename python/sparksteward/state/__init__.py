@@ -3,13 +3,65 @@ Arrow/pandas runners. See ``docs/state.md``.
 
 Nothing here imports pyspark, ``checkpoint/`` or ``agents/``; checkpoints (``checkpoint/``) and the
 Spark-facing ``KeyedState`` (``keyed_state.py``) build on this layer.
+
+The names below are imported from their modules on first use, like the root's declarations: importing
+``sparksteward.state.keygroups`` (as the driver agent does) loads neither rocksdict nor pyarrow.
 """
 
-from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group, key_group_range, validate_parallelism
-from sparksteward.state.runner import KeyedStateAccess, KeyState, run_arrow, run_pandas
-from sparksteward.state.snapshot import LocalSnapshot
-from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sparksteward.state.backend import RocksDBStateBackend
+    from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group, key_group_range, validate_parallelism
+    from sparksteward.state.runner import KeyedStateAccess, KeyState, run_arrow, run_pandas
+    from sparksteward.state.snapshot import LocalSnapshot
+    from sparksteward.state.views import (
+        BoundListState,
+        BoundMapState,
+        BoundValueState,
+        ListState,
+        MapState,
+        ValueState,
+    )
+
+#: each exported name's module (under this package)
+_EXPORTS = {
+    "RocksDBStateBackend": "backend",
+    "KeyGroupRange": "keygroups",
+    "KeyType": "keygroups",
+    "key_group": "keygroups",
+    "key_group_range": "keygroups",
+    "validate_parallelism": "keygroups",
+    "KeyedStateAccess": "runner",
+    "KeyState": "runner",
+    "run_arrow": "runner",
+    "run_pandas": "runner",
+    "LocalSnapshot": "snapshot",
+    "BoundListState": "views",
+    "BoundMapState": "views",
+    "BoundValueState": "views",
+    "ListState": "views",
+    "MapState": "views",
+    "ValueState": "views",
+}
+
+
+def __getattr__(name: str) -> object:
+    """An exported name, imported from its module on first use (then kept here)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __all__ = [
     "BoundListState",

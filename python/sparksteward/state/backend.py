@@ -48,6 +48,7 @@ from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_bytes, key_
 from sparksteward.state.rocksdb_options import db_options, open_db, reopen_options, write_options
 from sparksteward.state.snapshot import LocalSnapshot, snapshot_files, wal_bytes
 from sparksteward.state.views import ListState, MapState, ValueState
+from sparksteward.wire.messages import MAX_PARALLELISM
 
 __all__ = ["DB_DIR", "RocksDBStateBackend"]
 
@@ -130,7 +131,9 @@ class RocksDBStateBackend:
         self.wal_bytes = wal_bytes(self.db_path) if not create else 0
 
     # --- keys --------------------------------------------------------------------------------
-    def _key(self, key: object) -> tuple[int, bytes]:
+    def owned_key(self, key: object) -> tuple[int, bytes]:
+        """The key group and the encoded bytes of ``key``; StateEncodingError naming the key if this
+        subtask does not own its key group (the row was routed to the wrong subtask)."""
         raw = key_bytes(key, self.key_type)
         group = key_group_of_bytes(raw, self.max_parallelism)
         if group not in self.key_groups:
@@ -184,12 +187,14 @@ class RocksDBStateBackend:
         Uses an upper bound plus ``seek(lower)``: rocksdict's ``set_iterate_lower_bound`` sets the
         upper bound.
         """
-        groups = groups or KeyGroupRange(0, 0x8000)
+        groups = groups or KeyGroupRange(0, MAX_PARALLELISM)
         lower, upper = group_bounds(groups.start, groups.stop)
-        return self._scan(lower, upper, 0)
+        return self.scan(lower, upper, 0)
 
-    def _scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]:
-        """A bounded scan whose generator the backend tracks, so ``close()`` can end it."""
+    def scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]:
+        """Every stored ``(key, value)`` with ``lower <= key < upper``, in key order, each key without
+        its first ``strip`` bytes; the writes of a :meth:`buffered` run are merged in. The backend
+        tracks the generator, so ``close()`` can end it."""
         if self._buffered is not None:   # the current key's writes, merged in
             base = _bounded_scan(self.db, lower, upper, 0)
             self._iterators.add(base)

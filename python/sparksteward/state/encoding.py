@@ -43,6 +43,7 @@ from typing import Any
 import orjson
 
 from sparksteward.errors import StateEncodingError
+from sparksteward.wire.messages import MAX_PARALLELISM
 
 __all__ = [
     "KIND_LIST",
@@ -137,8 +138,8 @@ def key_prefix(group: int, kind: bytes, name: str, key: bytes) -> bytes:
     """The prefix every entry of one (group, state, key) shares: the full key of value and list state."""
     if kind not in _KINDS:
         raise StateEncodingError(f"state kind {kind!r} is not one of {_KINDS}")
-    if not 0 <= group < 0x8000:
-        raise StateEncodingError(f"key group {group} is out of range [0, 32768)")
+    if not 0 <= group < MAX_PARALLELISM:
+        raise StateEncodingError(f"key group {group} is out of range [0, {MAX_PARALLELISM})")
     raw = _name_bytes(name)
     return b"".join((_GROUP.pack(group), kind, bytes((len(raw),)), raw, _LEN.pack(len(key)), key))
 
@@ -172,6 +173,6 @@ def split_key(raw: bytes) -> tuple[int, bytes, str, bytes, bytes]:
 
 def group_bounds(start: int, stop: int) -> tuple[bytes, bytes]:
     """The byte range ``[lower, upper)`` that holds exactly key groups ``[start, stop)``."""
-    if not 0 <= start <= stop <= 0x8000:
+    if not 0 <= start <= stop <= MAX_PARALLELISM:
         raise StateEncodingError(f"key group range [{start}, {stop}) is out of range")
     return _GROUP.pack(start), _GROUP.pack(stop)

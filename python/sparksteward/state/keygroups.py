@@ -24,7 +24,6 @@ subtask ``g * P // M``.
 
 from __future__ import annotations
 
-import enum
 import numbers
 import struct
 from collections.abc import Iterable
@@ -32,10 +31,11 @@ from dataclasses import dataclass
 
 import xxhash
 
+from sparksteward.enums import ParsedEnum
 from sparksteward.errors import ParallelismError, StateEncodingError
+from sparksteward.wire.messages import MAX_PARALLELISM
 
 __all__ = [
-    "MAX_MAX_PARALLELISM",
     "SPARK_HASH_SEED",
     "KeyGroupRange",
     "KeyType",
@@ -49,13 +49,13 @@ __all__ = [
     "validate_parallelism",
 ]
 
-MAX_MAX_PARALLELISM = 1 << 15  # Flink's UPPER_BOUND_MAX_PARALLELISM; key groups fit 2 bytes
 SPARK_HASH_SEED = 42
 _LONG = struct.Struct("<q")
 _INT = struct.Struct("<i")
+_KEY_TYPE_ALIASES = {"bigint": "long", "integer": "int", "str": "string", "bytes": "binary"}
 
 
-class KeyType(str, enum.Enum):
+class KeyType(ParsedEnum):
     """The Spark SQL type of the key column; it decides the bytes that are hashed and stored."""
 
     STRING = "string"
@@ -64,17 +64,14 @@ class KeyType(str, enum.Enum):
     BINARY = "binary"
 
     @classmethod
-    def parse(cls, value: object) -> KeyType:
-        if isinstance(value, KeyType):
-            return value
-        aliases = {"bigint": "long", "integer": "int", "str": "string", "bytes": "binary"}
-        text = aliases.get(str(value).lower(), str(value).lower())
-        try:
-            return cls(text)
-        except ValueError:
-            raise StateEncodingError(
-                f"key type {value!r} is not supported: use one of string, long, int, binary "
-                f"(cast the key column to one of these)") from None
+    def _text(cls, value: object) -> str | None:
+        text = str(value).lower()
+        return _KEY_TYPE_ALIASES.get(text, text)
+
+    @classmethod
+    def _refusal(cls, value: object) -> Exception:
+        return StateEncodingError(f"key type {value!r} is not supported: use one of string, long, int, binary "
+                                  f"(cast the key column to one of these)")
 
     @classmethod
     def of(cls, key: object) -> KeyType:
@@ -131,14 +128,14 @@ def key_group(key: object, max_parallelism: int, key_type: KeyType | str | None 
 
 
 def validate_parallelism(parallelism: int, max_parallelism: int) -> None:
-    """Require ``1 <= parallelism <= max_parallelism <= 32768``."""
+    """Require ``1 <= parallelism <= max_parallelism <= MAX_PARALLELISM`` (32768)."""
     for name, value in (("parallelism", parallelism), ("max_parallelism", max_parallelism)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ParallelismError(f"{name} must be an int, not {value!r}")
-    if not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
+    if not 1 <= max_parallelism <= MAX_PARALLELISM:
         raise ParallelismError(
             f"max_parallelism={max_parallelism} is out of range: it must be between 1 and "
-            f"{MAX_MAX_PARALLELISM}. It is the number of key groups and cannot change later, so pick "
+            f"{MAX_PARALLELISM}. It is the number of key groups and cannot change later, so pick "
             f"an upper bound on the parallelism you will ever need (for example 128)")
     if not 1 <= parallelism <= max_parallelism:
         raise ParallelismError(
@@ -157,10 +154,10 @@ class KeyGroupRange:
         for v in (self.start, self.stop):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ParallelismError(f"key group bounds must be ints, not {v!r}")
-        if not 0 <= self.start <= self.stop <= MAX_MAX_PARALLELISM:
+        if not 0 <= self.start <= self.stop <= MAX_PARALLELISM:
             raise ParallelismError(
                 f"key group range [{self.start}, {self.stop}) is not valid: need 0 <= start <= stop <= "
-                f"{MAX_MAX_PARALLELISM}")
+                f"{MAX_PARALLELISM}")
 
     def __len__(self) -> int:
         return self.stop - self.start

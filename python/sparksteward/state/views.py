@@ -47,9 +47,9 @@ class StateDB(Protocol):
 
     def ingest_sorted(self, keys: Sequence[bytes], values: Sequence[bytes]) -> None: ...
 
-    def _key(self, key: object) -> tuple[int, bytes]: ...
+    def owned_key(self, key: object) -> tuple[int, bytes]: ...
 
-    def _scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]: ...
+    def scan(self, lower: bytes, upper: bytes, strip: int) -> Iterator[tuple[bytes, bytes]]: ...
 
 
 class _View:
@@ -61,7 +61,7 @@ class _View:
         self.name = name
 
     def _raw_key(self, key: object) -> bytes:
-        group, raw = self.backend._key(key)
+        group, raw = self.backend.owned_key(key)
         return key_prefix(group, self.kind, self.name, raw)
 
     def _raw_keys(self, keys: list[object]) -> list[bytes]:
@@ -91,7 +91,7 @@ def raw_keys(b: StateDB, middle: bytes, keys: list[object]) -> list[bytes]:
         u = h(raw, SPARK_HASH_SEED)
         g = (u - (1 << 64) if u >= 1 << 63 else u) % m
         if not lo <= g < hi:
-            b._key(k)  # raises the error naming the key
+            b.owned_key(k)  # raises the error naming the key
         n = len(raw)
         ln = lengths.get(n)
         if ln is None:
@@ -175,27 +175,27 @@ class MapState(_View):
     kind = KIND_MAP
 
     def get(self, key: object, map_key: object) -> Any:
-        group, raw = self.backend._key(key)
+        group, raw = self.backend.owned_key(key)
         return decode_value(self.backend.store.get(state_key(group, KIND_MAP, self.name, raw, map_key)))
 
     def put(self, key: object, map_key: object, value: object) -> None:
-        group, raw = self.backend._key(key)
+        group, raw = self.backend.owned_key(key)
         self.backend.store.put(state_key(group, KIND_MAP, self.name, raw, map_key), encode_value(value))
 
     def put_all(self, key: object, entries: dict[Any, Any]) -> None:
-        group, raw = self.backend._key(key)
+        group, raw = self.backend.owned_key(key)
         wb = self.backend.new_batch()
         for mk, v in entries.items():
             wb.put(state_key(group, KIND_MAP, self.name, raw, mk), encode_value(v))
         self.backend.store.write(wb)
 
     def remove(self, key: object, map_key: object) -> None:
-        group, raw = self.backend._key(key)
+        group, raw = self.backend.owned_key(key)
         self.backend.store.delete(state_key(group, KIND_MAP, self.name, raw, map_key))
 
     def _scan(self, key: object) -> Iterator[tuple[bytes, bytes]]:
         prefix = self._raw_key(key)
-        return self.backend._scan(prefix, _prefix_upper(prefix), len(prefix))
+        return self.backend.scan(prefix, _prefix_upper(prefix), len(prefix))
 
     def items(self, key: object) -> list[tuple[Any, Any]]:
         return [(decode_value(mk), decode_value(v)) for mk, v in self._scan(key)]

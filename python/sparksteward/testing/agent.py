@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from sparksteward import protocol
+from sparksteward import shim_protocol
 from sparksteward.wire import Connection, new_secret
 
 __all__ = ["AgentProcess"]
@@ -43,7 +43,7 @@ class AgentProcess:
         self.send(self.hello)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        self.first: dict[str, Any] = protocol.decode(line) if line else {"type": "eof"}
+        self.first: dict[str, Any] = shim_protocol.decode(line) if line else {"type": "eof"}
         self.endpoint: str | None = self.first.get("endpoint")
 
     @property

@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sparksteward.errors import StewardError
 from sparksteward.wire.connection import Connection
 from sparksteward.wire.messages import OPS, Message
 
 __all__ = ["AgentLink"]
+
+T = TypeVar("T")
 
 
 class AgentLink:
@@ -78,10 +81,17 @@ class AgentLink:
         """Send one request and return the reply; an error reply raises the matching StewardError.
         ``retry``: ``op`` may be applied twice, so a connection that breaks before the reply is
         replaced and the request sent once more. ``timeout``: this round trip's socket timeout."""
+        return self.run(lambda conn: conn.call(op, fields, timeout), retry=retry)
+
+    def run(self, exchange: Callable[[Connection], T], *, retry: bool = False) -> T:
+        """Run ``exchange(conn)`` on a pooled connection and return what it returns: for an op whose
+        body the caller sends or reads itself. ``exchange`` marks the connection broken if it leaves it
+        mid-body (``conn.broken = True``); a broken connection is closed, never pooled. ``retry``: as
+        for :meth:`request` (a reused connection that breaks is replaced and ``exchange`` run once more)."""
         for attempt in (1, 2):
             conn, reused = self._take()
             try:
-                reply = conn.call(op, fields, timeout)
+                reply = exchange(conn)
             except (OSError, StewardError):
                 if not conn.broken:   # the agent's answer (an error reply): the connection is fine
                     self._give_back(conn)
@@ -90,6 +100,9 @@ class AgentLink:
                 if not (retry and reused and attempt == 1):
                     raise
                 continue
+            except BaseException:
+                conn.close()   # interrupted (or a bug) at an unknown point of the exchange
+                raise
             self._give_back(conn)
             return reply
         raise AssertionError("unreachable")

@@ -176,7 +176,7 @@ class Op:
     reply: type[Message]
     repeatable: bool = False
     streams: bool = False          # a body follows the request or the reply
-    served_by: str = "driver"      # the agent that serves it: "driver" or "executor"
+    served_by: str = "driver"      # the agent that serves it: "driver", "executor" or "both"
 
     @property
     def doc(self) -> str:
@@ -193,9 +193,10 @@ OPS: dict[str, Op] = {}
 def op(name: str, *, reply: type[Message], repeatable: bool = False, streams: bool = False,
        served_by: str = "driver") -> Callable[[type[M]], type[M]]:
     """Register the decorated request class as op ``name`` with its ``reply`` class; ``served_by``: the
-    agent that serves it (``"driver"`` or ``"executor"``). An op name is unique across both agents."""
-    if served_by not in ("driver", "executor"):
-        raise ValueError(f"served_by must be 'driver' or 'executor', not {served_by!r}")
+    agent that serves it (``"driver"``, ``"executor"``, or ``"both"`` for an op each agent serves alike).
+    An op name is unique across both agents."""
+    if served_by not in ("driver", "executor", "both"):
+        raise ValueError(f"served_by must be 'driver', 'executor' or 'both', not {served_by!r}")
     def register(cls: type[M]) -> type[M]:
         if name in OPS and OPS[name].request is not cls:
             raise RuntimeError(f"op {name} is declared twice ({OPS[name].request.__name__}, {cls.__name__})")

@@ -76,14 +76,19 @@ class AgentServer:
         """Serve ``op`` with ``handler(conn, request dict) -> reply dict``; prefer :meth:`serve`."""
         self._handlers[op] = handler
 
-    def serve(self, request: type[Message], handler: Callable[[Connection, Any], Any]) -> None:
+    def serve(self, request: type[Message], handler: Callable[[Connection, Any], Any], *,
+              body: bool = False) -> None:
         """Serve ``request``'s op (registered in :data:`~sparksteward.wire.messages.OPS`) with
         ``handler(conn, typed request) -> reply message`` (or None when the handler streamed its reply
-        itself): the request is parsed and checked once, here, before the handler runs."""
+        itself): the request is parsed and checked once, here, before the handler runs. ``body``: a
+        body follows the request (:meth:`Connection.expect_body` is declared before the parse, so a
+        refused request closes the connection rather than read its body as requests)."""
         if OPS.get(request.OP) is None or OPS[request.OP].request is not request:
             raise RuntimeError(f"{request.__name__} is not a registered request (decorate it with wire.messages.op)")
 
         def run(conn: Connection, raw: dict[str, Any]) -> dict[str, Any] | None:
+            if body and conn is not None:
+                conn.expect_body()
             reply = handler(conn, request.from_wire(raw))
             return reply.to_wire() if isinstance(reply, Message) else reply
         self._handlers[request.OP] = run

@@ -35,16 +35,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from sparksteward.checkpoint.coordination.deleter import FileDeleter
 from sparksteward.checkpoint.lease import Fence
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions, SpaceStats, choose_no_reuse, physical_sizes, space_stats
-from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.filemerging.space import SpaceStats, choose_no_reuse, physical_sizes, space_stats
+from sparksteward.checkpoint.records import CheckpointMetadata, check_max_parallelism
 from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, is_data_path
-from sparksteward.errors import CheckpointError, StewardError
+from sparksteward.errors import CheckpointError, StateEncodingError, StewardError
+from sparksteward.state.keygroups import KeyType
 
-__all__ = ["CompletedCheckpoints"]
+__all__ = ["CompletedCheckpoints", "check_compatible", "claimed_by"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordination.completed")
 
@@ -97,6 +99,26 @@ class CompletedCheckpoints:
     def get(self, checkpoint_id: int | None) -> CheckpointMetadata | None:
         return self.records.get(checkpoint_id) if checkpoint_id is not None else None
 
+    def record(self, checkpoint_id: int) -> CheckpointMetadata:
+        """Retained checkpoint ``checkpoint_id``'s record (a clear error if it is not retained)."""
+        try:
+            return self.records[checkpoint_id]
+        except KeyError:
+            raise CheckpointError(f"checkpoint {checkpoint_id} of state {self.storage.state!r} is not a retained "
+                                  f"completed checkpoint (retained: {sorted(self.records)})") from None
+
+    def pin(self, checkpoint_id: int) -> CheckpointMetadata:
+        """Keep retained checkpoint ``checkpoint_id`` (and its files) until :meth:`unpin`; return it."""
+        meta = self.record(checkpoint_id)
+        self.pins[checkpoint_id] += 1
+        return meta
+
+    def unpin(self, checkpoint_id: int) -> None:
+        """One :meth:`pin` of ``checkpoint_id`` ended (the next :meth:`subsume` may drop it)."""
+        self.pins[checkpoint_id] -= 1
+        if self.pins[checkpoint_id] <= 0:
+            del self.pins[checkpoint_id]
+
     def newest_before(self, checkpoint_id: int) -> int | None:
         return max((c for c in self.records if c < checkpoint_id), default=None)
 
@@ -105,6 +127,36 @@ class CompletedCheckpoints:
         if base is None:
             return {}
         return {f.checksum: (f.path, f.offset) for f in base.files() if f.path not in self.no_reuse}
+
+    def sweep(self, ages: Mapping[str, float], now: float, grace: float, held: set[str],
+              skip: Callable[[], bool]) -> int:
+        """Delete the files of ``ages`` (path -> modification time) no retained checkpoint references
+        that are older than ``grace`` and not ``held`` (open ``across`` files); return how many. Only
+        under a held lease, and not when ``skip()`` (something is pending)."""
+        try:
+            self.lease.check()
+        except CheckpointError as exc:
+            log.warning("not sweeping orphans of %s: %s", self.storage.state, exc)
+            return 0
+        if skip():
+            return 0
+        orphans = sorted(p for p, t in ages.items() if self.refs[p] <= 0 and now - t >= grace and p not in held)
+        if orphans:
+            self.deleter.delete_files(orphans)
+        return len(orphans)
+
+    def missing(self, referenced: set[str]) -> list[str]:
+        """Those of the files a new record references that are not in the store. Every file no retained
+        checkpoint holds yet must be there before a record names it, whoever deleted it (this state's
+        deleter after a lost attempt's late ack, a tool, an operator): one check per new file (and per
+        file the deleter once deleted); the files of retained checkpoints were checked when those completed."""
+        once_deleted = self.deleter.deleted_among(referenced)
+        new = {p for p in referenced if self.refs[p] <= 0 and "://" not in p} | set(once_deleted)
+        missing = self.storage.missing(new)
+        for p in once_deleted:
+            if p not in missing:
+                self.deleter.seen(p)
+        return missing
 
     def space(self) -> SpaceStats:
         """Physical against live bytes of the retained checkpoints' merged files."""
@@ -178,6 +230,16 @@ class CompletedCheckpoints:
                     "space control of %s: %d merged files marked no-reuse (%s)", self.storage.state,
                     len(chosen), self.space().to_json())
         self.no_reuse = chosen
+
+
+def check_compatible(meta: CheckpointMetadata, max_parallelism: int, key_type: KeyType) -> None:
+    """Refuse a record the state cannot continue from: another max parallelism, or another key type."""
+    check_max_parallelism(meta, max_parallelism)
+    if meta.key_type is not key_type:
+        raise StateEncodingError(
+            f"state {meta.state!r} was checkpointed with {meta.key_type.value} keys (checkpoint "
+            f"{meta.checkpoint_id}) and cannot continue with {key_type.value} keys: cast the key column "
+            f"to {meta.key_type.value}, or start a new state")
 
 
 def claimed_by(meta: CheckpointMetadata) -> set[str]:

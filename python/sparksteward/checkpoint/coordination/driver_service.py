@@ -4,41 +4,16 @@ agents call (base, cut, ack, fail, merge_poll, sealed) are
 :class:`~sparksteward.checkpoint.coordination.gateway.CheckpointGateway`'s; both share one
 :class:`~sparksteward.checkpoint.coordination.registration.StateTable`.
 
-Ops (every request names its state with ``name``)::
+Ops: ``state.check``, ``state.register``, ``state.savepoint``, ``state.begin``, ``state.commit``,
+``state.abort`` and ``state.info``, each a typed request and reply in
+:mod:`~sparksteward.checkpoint.lifecycle_messages`, whose docstrings say what they do (the op table of
+``docs/architecture.md`` is generated from them). Every request names its state with ``name``.
 
-    state.check     checkpoint_dir, max_parallelism, restore_from, claim_mode (before the first apply):
-                    refuses a changed max parallelism of the state's own checkpoints, and a
-                    restore_from that is not a usable checkpoint, without writing anything
-    state.register  checkpoint_dir, parallelism, max_parallelism, key_type, num_retained,
-                    restore_from, claim_mode, alignment, file_merging
-                    -> the coordinator (created once per name; a second register must agree, except
-                    that another parallelism rescales from the next checkpoint on; another
-                    max_parallelism is refused; rescaled_from: the latest checkpoint's parallelism
-                    when the next checkpoint rescales from it); restore_from: see
-                    checkpoint/coordination/registration.py
-    state.savepoint url -> a self-contained copy of the latest completed checkpoint at url
-    state.begin     checkpoint_id (null: the next after the last completed one), parallelism (of the
-                    caller's routing: refused when the state was rescaled since), batch_id (a
-                    streaming batch: its checkpoint id skips the ids drains took, see
-                    checkpoint/unaligned/backlog.py), alignment (overrides for this checkpoint only), drain
-                    (an empty aligned batch under the next id that processes the backlog; refused
-                    while a checkpoint is pending; id null when there is no backlog)
-                    -> id, rerun, unaligned, backlog_warning, attempt
-    state.commit    checkpoint_id, wait -> waits for every ack, completes (``_metadata``), subsumes,
-                    returns the checkpoint's stats and its report (checkpoint/coordination/report.py; null for a
-                    re-run), which it logs at INFO;
-                    on a failure, a silent executor agent it waits for, or when the wait runs out
-                    the checkpoint is aborted and an error raised
-    state.abort     checkpoint_id -> files deleted
-    state.info      -> last completed, retained, pending, the latest completed metadata, restore,
-                    parallelism, and per checkpoint (acked in this application) the files and bytes
-                    uploaded and reused and each subtask's restore (old subtasks and files read,
-                    bytes downloaded); backlog (the deferred rows and bytes of the latest completed
-                    checkpoint, and for how many checkpoints it grew) and drains (ids drains took)
-
-Thread-safe: requests run on connection threads. Each state has its own lock, and storage I/O (a
-restore, a recovery, a commit's ``_metadata`` and deletions) runs only under that state's lock, never
-under the table's condition, which guards the map of states and wakes waiters.
+Thread-safe: requests run on connection threads. A state's checkpoint protocol has one lock, its
+coordinator's; storage I/O runs under it, never under the table's condition (the map of states, and
+waiters). ``st.lock`` guards only what the service keeps beside the coordinator (completed stats, drain
+record, alignment and overrides) and orders the driver's register and begin; always taken outside the
+coordinator's locks, and by no executor agent's op.
 """
 
 from __future__ import annotations
@@ -48,15 +23,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from sparksteward.checkpoint.unaligned.backlog import GROWTH_WARNING, DrainLog, growth
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.pending import Readiness, Ready
 from sparksteward.checkpoint.unaligned.channel_state import AlignmentMode, AlignmentOptions
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
-from sparksteward.checkpoint.coordination.gateway import MAX_ID, CheckpointGateway
+from sparksteward.checkpoint.coordination.gateway import CheckpointGateway
 from sparksteward.checkpoint.coordination.registration import (
     StateTable,
     CompletedStats,
@@ -67,6 +43,23 @@ from sparksteward.checkpoint.coordination.registration import (
     restore_on_register,
 )
 from sparksteward.checkpoint.coordination.report import CheckpointReport, checkpoint_report
+from sparksteward.checkpoint.lifecycle_messages import (
+    AbortReply,
+    AbortRequest,
+    BeginReply,
+    BeginRequest,
+    CheckReply,
+    CheckRequest,
+    CommitReply,
+    CommitRequest,
+    InfoReply,
+    InfoRequest,
+    ProcessingTime,
+    RegisterReply,
+    RegisterRequest,
+    SavepointReply,
+    SavepointRequest,
+)
 from sparksteward.checkpoint.restore import write_savepoint
 from sparksteward.checkpoint.coordination.stats import summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
@@ -81,13 +74,12 @@ from sparksteward.errors import (
     StorageError,
 )
 from sparksteward.ids import validate_id
-from sparksteward.wire import AgentServer, Connection, Fields
+from sparksteward.wire import AgentServer, Connection
 
 __all__ = ["StateService"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordination.driver_service")
 
-_MAX_WAIT = 7 * 86400.0
 _MAX_STATS = 1000  # checkpoints whose per-subtask ack stats state.info keeps
 
 
@@ -138,7 +130,7 @@ class StateService:
             for key, value in st.coordinator.space().to_json().items():
                 out[prefix + key] = value
             out[prefix + "no_reuse_files"] = len(st.coordinator.no_reuse())
-            with st.lock:   # FLIP-76: the latest checkpoint acked in this application
+            with st.lock:   # st.completed (the service's own data); FLIP-76: the latest checkpoint acked here
                 latest = max(st.completed, default=None)
                 summary = st.completed[latest].summary(latest) if latest is not None else None
             if summary is not None and latest is not None:
@@ -188,17 +180,19 @@ class StateService:
         if latest is None:
             return None
         per = [sum(f.length for f in s.channel_state) for s in c.completed(latest).subtasks]
-        with st.lock:
+        with st.lock:   # st.completed: the service's own data
             rows = {cid: sum(a.rows_deferred for a in done.per_subtask.values()) for cid, done in st.completed.items()}
         return {"checkpoint_id": latest, "bytes": sum(per), "rows": rows.get(latest),
                 "subtasks": [i for i, b in enumerate(per) if b], "growth": growth(rows) if latest in rows else 0}
 
     def register_handlers(self, server: AgentServer) -> None:
-        for op, fn in {"state.register": self._op_register, "state.begin": self._op_begin,
-                       "state.commit": self._op_commit, "state.abort": self._op_abort,
-                       "state.info": self._op_info, "state.check": self._op_check,
-                       "state.savepoint": self._op_savepoint}.items():
-            server.add_handler(op, fn)
+        server.serve(RegisterRequest, self._op_register)
+        server.serve(CheckRequest, self._op_check)
+        server.serve(BeginRequest, self._op_begin)
+        server.serve(CommitRequest, self._op_commit)
+        server.serve(AbortRequest, self._op_abort)
+        server.serve(InfoRequest, self._op_info)
+        server.serve(SavepointRequest, self._op_savepoint)
         self.gateway.register_handlers(server)
 
     def registered(self, name: str) -> RegisteredState:
@@ -210,16 +204,16 @@ class StateService:
 
     # --- helpers -----------------------------------------------------------------------------
     @staticmethod
-    def _checkpoint_id(f: Fields, st: RegisteredState, default: Any = None) -> int:
-        cid = f.integer("checkpoint_id", default=default, lo=0, hi=MAX_ID)
+    def _checkpoint_id(cid: int | None, st: RegisteredState) -> int:
+        """``cid``, or (None) the next after the last completed checkpoint."""
         if cid is None:
             last = st.coordinator.last_completed
             cid = 0 if last is None else last + 1
         return cid
 
     # --- ops ---------------------------------------------------------------------------------
-    def _op_register(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        reg = Registration.from_fields(Fields(req), self.default_checkpoint_dir)
+    def _op_register(self, conn: Connection, req: RegisterRequest) -> RegisterReply:
+        reg = Registration.from_request(req, self.default_checkpoint_dir)
         name = reg.name
         with self._registering_lock:
             st = self.table.get(name)
@@ -231,7 +225,7 @@ class StateService:
                     st = self._register_new(reg)
                     return self._registered(st, reg, st.restore)
         assert st is not None  # found registered, or registered while this waited for the name's lock
-        with st.lock:
+        with st.lock:   # the service's settings (st.alignment), and no begin between its checks and the rescale
             # registered before: only settings to settle
             c = st.coordinator
             st.check_max_parallelism(name, reg.max_parallelism)
@@ -242,7 +236,7 @@ class StateService:
                     f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                     f"key type {c.key_type.value}; open it with the same settings or use another name")
             if reg.states is not None or reg.delete_states:   # declared again: from the next checkpoint on
-                c.states = reg.states_of(c.states)
+                c.declare(reg.states_of)
             if reg.parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
                 c.rescale(reg.parallelism)
             if reg.alignment is not None:  # another alignment from the next batch on
@@ -255,11 +249,11 @@ class StateService:
         return self._registered(st, reg, st.restore)
 
     @staticmethod
-    def _registered(st: RegisteredState, reg: Registration, restore: dict[str, Any] | None) -> dict[str, Any]:
+    def _registered(st: RegisteredState, reg: Registration, restore: dict[str, Any] | None) -> RegisterReply:
         # rescaled_from: the parallelism of the latest checkpoint, when the next one rescales from it
-        return {"last_completed": st.coordinator.last_completed, "url": st.coordinator.storage.url,
-                "restore": restore, "rescaled_from": st.rescaled_from(reg.parallelism),
-                "states": st.coordinator.states}
+        return RegisterReply(last_completed=st.coordinator.last_completed, url=st.coordinator.storage.url,
+                             restore=restore, rescaled_from=st.rescaled_from(reg.parallelism),
+                             states=st.coordinator.states)
 
     def _register_new(self, reg: Registration) -> RegisteredState:
         """Open a state this application has not registered: the lease, restore_from, the coordinator's
@@ -343,21 +337,18 @@ class StateService:
             if st.lease is not None:
                 st.lease.release()
 
-    def _op_begin(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name, st = self.table.lookup(f)
-        parallelism = f.integer("parallelism", default=None, lo=1, hi=32768)
-        query = f.text("query", default=None, max_len=200) or None
-        batch = f.integer("batch_id", default=None, lo=0, hi=MAX_ID)
-        drain = f.flag("drain", default=False)
-        given = f.mapping("alignment", default=None)
+    def _op_begin(self, conn: Connection, req: BeginRequest) -> BeginReply:
+        name, st = self.table.lookup(req.name)
+        parallelism, batch, given = req.parallelism, req.batch_id, req.alignment
+        query = req.query or None
         try:
             override = AlignmentOptions.from_json({**st.alignment.to_json(), **given}) if given else None
         except StewardError as exc:
-            raise InvalidRequestError(f"{f.op}: {exc}") from None
+            raise InvalidRequestError(f"{req.OP}: {exc}") from None
         warning = None
         st.coordinator.flush_deletions()   # an upload of this attempt never races a delete queued before it
-        with st.lock:   # a drain record is written under this state's lock only
+        # the service's data (drain record, overrides) and the driver's ops in order (no rescale or other
+        with st.lock:   # drain between these checks and the begin); the coordinator takes its own lock inside
             c = st.coordinator
             if parallelism is not None and parallelism != c.parallelism:
                 raise ParallelismError(
@@ -365,18 +356,19 @@ class StateService:
                     f"{c.parallelism} (it was opened again with that parallelism), but this "
                     f"KeyedState object routes rows to {parallelism} subtasks: use the object returned by the "
                     f"latest st.keyed_state(...) call")
-            if drain:
+            if req.drain:
                 cid = self._drain_id(name, st)
                 if cid is None:
-                    return {"checkpoint_id": None, "rerun": False, "unaligned": False}
+                    return BeginReply(checkpoint_id=None, rerun=False, unaligned=False)
                 override = AlignmentOptions(alignment=AlignmentMode.ALIGNED)
                 last = c.last_completed
                 query = c.completed(last).properties.get("query") if last is not None else None
             else:
-                cid = st.drains.checkpoint_of(batch) if batch is not None else self._checkpoint_id(f, st)
+                cid = st.drains.checkpoint_of(batch) if batch is not None else \
+                    self._checkpoint_id(req.checkpoint_id, st)
             wanted = override or st.alignment
             begun = c.begin(cid, query=query, unaligned=wanted.unaligned)
-            states = c.states   # the record this attempt's tasks run with, its pending drops included
+            states = begun.states   # the record this attempt's tasks run with, its pending drops included
             with self._figures_lock:
                 self._begun[(name, cid)] = (time.monotonic(), batch)
             if begun.unaligned != wanted.unaligned:   # an earlier delivery of cid ran with the other alignment
@@ -400,9 +392,10 @@ class StateService:
                        f"or drain it (ks.drain(...)) when the input pauses")
             log.warning("%s", warning)
         alignment = st.overrides.get(cid, st.alignment)
-        return {"checkpoint_id": cid, "rerun": begun.rerun, "unaligned": alignment.unaligned,
-                "backlog_warning": warning, "attempt": begun.attempt,
-                "time": begun.time.to_json() if begun.time is not None else None, "states": states}
+        return BeginReply(checkpoint_id=cid, rerun=begun.rerun, unaligned=alignment.unaligned,
+                          backlog_warning=warning, attempt=begun.attempt,
+                          time=ProcessingTime(begun.time.processing_ms) if begun.time is not None else None,
+                          states=states)
 
     def _drain_id(self, name: str, st: RegisteredState) -> int | None:
         """The checkpoint id of a drain (the next after the last completed one), recorded in the
@@ -412,12 +405,13 @@ class StateService:
         completed checkpoint is re-delivered with the id after the drain's."""
         c = st.coordinator
         last = c.last_completed
-        latest = max(c.retained(), default=None)
-        if latest is None or not any(s.channel_state for s in c.completed(latest).subtasks):
+        newest = c.latest_retained()   # one answer: a commit may subsume the checkpoint meanwhile
+        if newest is None or not any(s.channel_state for s in newest.subtasks):
             return None
-        if c.pending():
+        pending = c.pending()
+        if pending:
             raise CheckpointOrderError(
-                f"keyed state {name!r} cannot drain now: checkpoint {c.pending()[-1]} is pending (a batch is "
+                f"keyed state {name!r} cannot drain now: checkpoint {pending[-1]} is pending (a batch is "
                 f"running, or was applied and neither committed nor aborted). Drain once it completed or was "
                 f"aborted; a batch processes the backlog first anyway")
         cid = 0 if last is None else last + 1
@@ -425,101 +419,79 @@ class StateService:
         st.drains.write(c.storage.location)
         return cid
 
-    def _silent_agents(self, st: RegisteredState, cid: int) -> tuple[list[str], list[int]]:
-        """Agents that have not polled for agent_timeout and hold merged files ``cid`` needs or
-        opened a subtask of it that has not acked; and those subtasks."""
-        holders = set(st.coordinator.unsealed(cid).values())
-        pending = st.coordinator.pending_checkpoint(cid)
-        opened = {} if pending is None else {i: a for i, a in pending.working.items() if i not in pending.acks}
-        silent = self.table.silent(holders | set(opened.values()), self.agent_timeout)
-        return silent, sorted(i for i, a in opened.items() if a in silent)
-
-    def _op_commit(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name, st = self.table.lookup(f)
-        wait = f.number("wait", default=None, lo=0, hi=_MAX_WAIT)
-        wait = self.commit_timeout if wait is None else wait
+    def _op_commit(self, conn: Connection, req: CommitRequest) -> CommitReply:
+        name, st = self.table.lookup(req.name)
+        wait = self.commit_timeout if req.wait is None else req.wait
         deadline = time.monotonic() + wait
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID, default=None)
+        cid = req.checkpoint_id
         if cid is None:
             pending = st.coordinator.pending()
             if not pending:
                 raise CheckpointOrderError(f"keyed state {name!r} has no pending checkpoint to commit")
             cid = pending[-1]
         try:
-            return self._complete_when_acked(st, name, cid, wait, deadline)
+            return CommitReply(**self._complete_when_acked(st, name, cid, wait, deadline))
         finally:   # the deletes it queued run outside this state's lock: its acks and seals go on meanwhile
             st.coordinator.flush_deletions()
 
     def _complete_when_acked(self, st: RegisteredState, name: str, cid: int, wait: float, deadline: float) -> dict[str, Any]:
+        """Wait until pending ``cid`` is ready (as it decides: ``CheckpointCoordinator.readiness``), then
+        complete it; abort it when it failed or the wait runs out. Only the coordinator's lock is taken:
+        no other state waits on this one's I/O, and its acks and seals go on while it waits."""
         generation = self.table.generation()
         c = st.coordinator
         while True:
-            with st.lock:   # this state only: another state's commit or heartbeat never waits on its I/O
-                self._abort_if_failed(st, name, cid)
-                waiting = c.waiting_for(cid)
-                if waiting is None:
-                    pending = c.pending_checkpoint(cid)
-                    started = time.monotonic()
-                    try:
-                        meta = c.complete(cid)
-                    except (CheckpointOrderError, StateLeaseError):
-                        raise
-                    except CheckpointError as exc:   # files it references are being or were deleted: retried
-                        waiting = str(exc)
-                    else:
-                        if pending is not None and not pending.rerun and pending.stats:
-                            st.completed[cid] = CompletedStats(dict(pending.stats), len(pending.sealed))
+            ready = c.readiness(cid, self.agent_timeout, lambda agents: self.table.silent(agents, self.agent_timeout))
+            if ready is not None and ready.state is Ready.FAILED:
+                self._abort_failed(st, name, ready)
+            waiting = None if ready is None else ready.reason
+            if ready is None or ready.state is Ready.READY:   # not pending: complete returns its record or refuses
+                started = time.monotonic()
+                try:
+                    done = c.complete_attempt(cid)
+                except (CheckpointOrderError, StateLeaseError):
+                    raise
+                except CheckpointError as exc:   # files it references are being or were deleted: retried
+                    waiting = str(exc)
+                else:
+                    meta, attempt = done.metadata, done.attempt
+                    with st.lock:   # st.completed is the service's own data (metrics and info read it)
+                        if attempt is not None and not attempt.rerun and attempt.stats:
+                            st.completed[cid] = CompletedStats(dict(attempt.stats), len(attempt.sealed))
                             while len(st.completed) > _MAX_STATS:
                                 del st.completed[min(st.completed)]
-                        done = st.completed.get(cid)
-                        stats = done.summary(cid) if done is not None else summarize(cid, {})
-                        report = None
-                        if pending is not None and not pending.rerun:
-                            report = self._completed(name, st, cid, stats, (time.monotonic() - started) * 1000,
-                                                     pending.query)
-                        break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    deleted = c.abort(cid)
-                    raise CheckpointError(f"{waiting}; waited {wait:g} s, so checkpoint {cid} was aborted "
-                                          f"({deleted} uploaded files deleted). Apply the batch again "
-                                          f"with the same checkpoint_id")
+                        kept = st.completed.get(cid)
+                    stats = kept.summary(cid) if kept is not None else summarize(cid, {})
+                    report = None
+                    if attempt is not None and not attempt.rerun:
+                        report = self._completed(name, st, cid, stats, (time.monotonic() - started) * 1000,
+                                                 attempt.query)
+                    break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                deleted = c.abort(cid)
+                raise CheckpointError(f"{waiting}; waited {wait:g} s, so checkpoint {cid} was aborted "
+                                      f"({deleted} uploaded files deleted). Apply the batch again "
+                                      f"with the same checkpoint_id")
             generation = self.table.wait(generation, min(left, 1.0))
         return {"checkpoint_id": cid, "metadata": meta.to_json(), "retained": c.retained(),
                 "path": c.storage.url_of(checkpoint_dir_name(cid)), "stats": stats,
                 "report": report.to_json() if report is not None else None}
 
-    def _abort_if_failed(self, st: RegisteredState, name: str, cid: int) -> None:
-        """Abort ``cid`` and raise when an upload or seal of it failed, or an agent it waits for is
-        silent (the caller holds ``st.lock``)."""
-        failures = st.coordinator.fatal_failures(cid, self.agent_timeout)
-        if failures:
-            st.coordinator.abort(cid)
-            raise CheckpointError(f"checkpoint {cid} of keyed state {name!r} was aborted: uploads failed "
-                                  f"({'; '.join(failures.values())})")
-        silent, lost = self._silent_agents(st, cid)
-        if silent:
-            holders = sorted(set(st.coordinator.unsealed(cid).values()) & set(silent))
-            deleted = st.coordinator.abort(cid)
-            for a in silent:
-                st.coordinator.files_closed(a)
-            what = (["hold merged checkpoint files it needs"] if holders else []) + \
-                ([f"were uploading its subtasks {lost} (not acked)"] if lost else [])
-            raise CheckpointError(
-                f"checkpoint {cid} of keyed state {name!r} was aborted ({deleted} files deleted): executor "
-                f"agents {silent} {' and '.join(what)} and have not answered for "
-                f"{self.agent_timeout:g} s (their executor was lost?). Apply the batch again with the "
-                f"same checkpoint_id")
+    @staticmethod
+    def _abort_failed(st: RegisteredState, name: str, ready: Readiness) -> NoReturn:
+        """Abort a checkpoint that cannot complete (an upload or a seal failed, or an executor agent it
+        waits for went silent: the files that agent held open are released) and raise why."""
+        deleted = st.coordinator.abort(ready.checkpoint_id)
+        for a in ready.silent:
+            st.coordinator.files_closed(a)
+        raise CheckpointError(ready.abort_error(name, deleted))
 
-    def _op_abort(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        with st.lock:
-            deleted = st.coordinator.abort(cid)
+    def _op_abort(self, conn: Connection, req: AbortRequest) -> AbortReply:
+        _, st = self.table.lookup(req.name)
+        deleted = st.coordinator.abort(req.checkpoint_id)
         st.coordinator.flush_deletions()
-        return {"deleted": deleted}
+        return AbortReply(deleted)
 
     @staticmethod
     def _check_same_key(name: str, reg: Registration, c: CheckpointCoordinator) -> None:
@@ -529,45 +501,42 @@ class StateService:
                 f"opened again with key={reg.key!r}: one state holds one kind of key. Open it with "
                 f"key={c.key_column!r}, or use another state name")
 
-    def _op_check(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        reg = Registration.from_fields(Fields(req), self.default_checkpoint_dir, check=True)
+    def _op_check(self, conn: Connection, req: CheckRequest) -> CheckReply:
+        reg = Registration.from_request(req, self.default_checkpoint_dir)
         st = self.table.get(reg.name)
         if st is not None:  # open in this application: register settles the rest
             st.check_max_parallelism(reg.name, reg.max_parallelism)
             c = st.coordinator
             self._check_same_key(reg.name, reg, c)
             latest = max(c.retained(), default=None)
-            return {"registered": True, "last_completed": c.last_completed, "key_type": c.key_type.value,
-                    "latest": None if latest is None else c.completed(latest).to_json(),
-                    "states": reg.states_of(c.states),
-                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id}
+            return CheckReply(registered=True, last_completed=c.last_completed, key_type=c.key_type.value,
+                              latest=None if latest is None else c.completed(latest).to_json(),
+                              states=reg.states_of(c.states),
+                              checkpoint_dir=st.checkpoint_dir, cluster_id=self.cluster_id)
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
-        return {**check_unregistered(reg, storage, self.merging, self.alignment),
-                "checkpoint_dir": reg.checkpoint_dir, "cluster_id": self.cluster_id}
+        return check_unregistered(reg, storage, self.merging, self.alignment, self.cluster_id)
 
-    def _op_savepoint(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name = f.text("name", max_len=200)
-        url = f.text("url", max_len=4096)
+    def _op_savepoint(self, conn: Connection, req: SavepointRequest) -> SavepointReply:
+        name, url = req.name, req.url
         states = self.table.all()
         st = states.get(name)
         checkpoint_dirs = {self.default_checkpoint_dir, *(s.checkpoint_dir for s in states.values())}
+        latest: int | None   # the checkpoint copied (RESTORED: the restored starting point)
         if st is not None:
-            with st.lock:
-                c = st.coordinator
-                latest = c.last_completed
-                latest = latest if latest is not None else (RESTORED if c.restored is not None else None)
-                if latest is None:
-                    raise CheckpointError(f"keyed state {name!r} has no completed checkpoint yet: commit one "
-                                          f"before taking a savepoint")
-                meta = c.pin(latest)  # kept (with its files) while the copy runs, even if commits subsume it
-                storage = c.storage
+            # the latest completed checkpoint (else the restored one), kept with its files while the copy
+            # runs, even if commits subsume it
+            pinned = st.coordinator.pin_latest()
+            if pinned is None:
+                raise CheckpointError(f"keyed state {name!r} has no completed checkpoint yet: commit one "
+                                      f"before taking a savepoint")
+            latest, meta = pinned
+            storage = st.coordinator.storage
         else:  # not open in this application: the latest checkpoint on storage
             try:
                 validate_id(name, "state name")
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
-            checkpoint_dir = f.text("checkpoint_dir", default=None) or self.default_checkpoint_dir
+            checkpoint_dir = req.checkpoint_dir or self.default_checkpoint_dir
             storage = CheckpointStorage.open(checkpoint_dir, name, self.cluster_id)
             own = storage.checkpoint_ids()
             latest = own[-1] if own else (RESTORED if storage.has_restored() else None)
@@ -581,35 +550,34 @@ class StateService:
                                    source=storage.location.display(storage.metadata_path(latest)))
         finally:
             if st is not None:
-                with st.lock:
-                    st.coordinator.unpin(latest)
+                st.coordinator.unpin(latest)
         log.info("savepoint of %s checkpoint %d written to %s (%d files copied on the server, %d linked, %d B "
                  "streamed)", name, meta.checkpoint_id, path, dup.stats.server_side, dup.stats.linked,
                  dup.stats.bytes_streamed)
-        return {"url": url, "metadata": path, "checkpoint_id": meta.checkpoint_id,
-                "files": len({f.path for f in meta.files()}), "bytes": meta.size,
-                "bytes_streamed": dup.stats.bytes_streamed}
+        return SavepointReply(url=url, metadata=path, checkpoint_id=meta.checkpoint_id,
+                              files=len({f.path for f in meta.files()}), bytes=meta.size,
+                              bytes_streamed=dup.stats.bytes_streamed)
 
-    def _op_info(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        name, st = self.table.lookup(f)
+    def _op_info(self, conn: Connection, req: InfoRequest) -> InfoReply:
+        name, st = self.table.lookup(req.name)
         c = st.coordinator
         backlog = self._backlog(st)
         report = self.report(name)
-        with st.lock:
+        with st.lock:   # st.drains and st.completed: the service's own data
             last = c.last_completed
-            latest = max((i for i in c.retained()), default=None)
-            meta = c.completed(latest).to_json() if latest is not None else None
-            return {"last_completed": last, "retained": c.retained(), "pending": c.pending(),
-                    "restored": RESTORED in c.retained(), "url": c.storage.url, "latest": meta,
-                    "backlog": backlog, "drains": list(st.drains.drains),
-                    "checkpoint_dir": st.checkpoint_dir, "cluster_id": self.cluster_id, "restore": st.restore,
-                    "parallelism": c.parallelism, "max_parallelism": c.max_parallelism,
-                    "file_merging": c.merging.to_json(), "space": c.space().to_json(),
-                    "no_reuse": sorted(c.no_reuse())[:1000],
-                    "report": report.to_json() if report is not None else None,
-                    "lease": st.lease.info() if st.lease is not None else None,
-                    "checkpoints": [st.completed[cid].summary(cid) for cid in sorted(st.completed)]}
+            newest = c.latest_retained()
+            meta = newest.to_json() if newest is not None else None
+            return InfoReply(
+                last_completed=last, retained=c.retained(), pending=c.pending(),
+                restored=RESTORED in c.retained(), url=c.storage.url, latest=meta,
+                backlog=backlog, drains=list(st.drains.drains),
+                checkpoint_dir=st.checkpoint_dir, cluster_id=self.cluster_id, restore=st.restore,
+                parallelism=c.parallelism, max_parallelism=c.max_parallelism,
+                file_merging=c.merging.to_json(), space=c.space().to_json(),
+                no_reuse=sorted(c.no_reuse())[:1000],
+                report=report.to_json() if report is not None else None,
+                lease=st.lease.info() if st.lease is not None else None,
+                checkpoints=[st.completed[cid].summary(cid) for cid in sorted(st.completed)])
 
 
 def default_checkpoint_dir(cfg: Any) -> str:

@@ -4,30 +4,17 @@ subtasks and each state's :class:`~sparksteward.checkpoint.coordination.coordina
 :class:`~sparksteward.checkpoint.coordination.driver_service.StateService`'s; both share one
 :class:`~sparksteward.checkpoint.coordination.registration.StateTable`.
 
-Ops (every request names its state with ``name``)::
+Ops (their typed requests and replies, each described, are in :mod:`sparksteward.checkpoint.messages`)::
 
-    state.base      checkpoint_id, subtask, agent, parallelism -> the base every attempt restores
-                    (begins N if it is not pending: a second action on a lazy output after commit
-                    re-runs N from the same base; an aborted N is refused, only state.begin restarts
-                    it). ``agent`` (the executor agent opening ``subtask``) is then expected to ack it
-    state.cut       checkpoint_id, subtask, cut, overflow -> the cut that stands (FLIP-76)
-    state.ack       checkpoint_id, attempt, handle, uploaded, merged, stats (after the async phase)
-                    -> result (acked, or replaced: another copy of the subtask acked before); an ack
-                    of another attempt than the current one is refused
-    state.fail      checkpoint_id, attempt, subtask, message (an upload or a seal failed: commit aborts),
-                    ignored when its attempt is over or another copy of the subtask acked
-    state.merge_poll agent, pools [{name, checkpoint_id}], closed [{name, path}], working [{name,
-                    checkpoint_id, subtask}], wait
-                    -> actions [{name, checkpoint_id, action: seal|wait|discard, attempt (seal)}] (FLIP-306:
-                    an executor agent holding unsealed merged files long-polls; once every subtask
-                    acked, it seals them. The polls are its heartbeat, sent too while it has subtasks
-                    open or uploading (``working``): when an agent holding merged files a pending
-                    checkpoint needs, or the agent that opened a subtask not acked yet, goes silent
-                    for agent_timeout, commit aborts the checkpoint, since that upload will never come)
-    state.sealed    name, checkpoint_id, agent, attempt, files [{path, size}] (merged files now durable;
-                    a seal of a replaced attempt records nothing)
+    state.base       BaseRequest -> BaseReply            the base every attempt of a checkpoint restores
+    state.cut        CutRequest -> CutReply              FLIP-76: the cut that stands
+    state.ack        AckRequest -> AckReply              a subtask's upload, with its stats
+    state.fail       FailRequest -> FailReply            an upload or a seal failed: commit aborts
+    state.merge_poll MergePollRequest -> MergePollReply  FLIP-306: seal, wait or discard; the heartbeat
+    state.sealed     SealedRequest -> SealedReply        merged files now durable
 
-Thread-safe: requests run on connection threads; each state's lock guards its coordinator, and an
+Thread-safe: requests run on connection threads; each state's coordinator takes its own lock (the only
+lock of its checkpoint protocol: no op here takes the service's per-state lock), and an
 agent's heartbeat is recorded when its request arrives, so no state's I/O can make it look silent.
 """
 
@@ -36,21 +23,34 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Any
+from dataclasses import replace
 
 from sparksteward.checkpoint.coordination.coordinator import BeginResult
-from sparksteward.checkpoint.messages import BaseReply
-from sparksteward.checkpoint.records import SubtaskHandle
+from sparksteward.checkpoint.messages import (
+    AckReply,
+    AckRequest,
+    BaseReply,
+    BaseRequest,
+    CheckpointRef,
+    CutReply,
+    CutRequest,
+    FailReply,
+    FailRequest,
+    MergePollReply,
+    MergePollRequest,
+    SealAction,
+    SealedReply,
+    SealedRequest,
+)
 from sparksteward.checkpoint.coordination.registration import RegisteredState, StateTable
-from sparksteward.checkpoint.coordination.stats import SubtaskStats
-from sparksteward.errors import InvalidRequestError, ParallelismError
-from sparksteward.wire import AgentServer, Connection, Fields
+from sparksteward.errors import ParallelismError
+from sparksteward.wire import MAX_CHECKPOINT_ID, AgentServer, Connection
 
 __all__ = ["MAX_ID", "CheckpointGateway"]
 
 log = logging.getLogger("sparksteward.checkpoint.coordination.gateway")
 
-MAX_ID = (1 << 62)   # the largest checkpoint id a request may name
+MAX_ID = MAX_CHECKPOINT_ID   # the largest checkpoint id a request may name
 
 
 class CheckpointGateway:
@@ -62,10 +62,12 @@ class CheckpointGateway:
         self.bases_sent: Counter[str] = Counter()   # state.base replies: "full", or "same" (base left out)
 
     def register_handlers(self, server: AgentServer) -> None:
-        for op, fn in {"state.base": self._op_base, "state.ack": self._op_ack, "state.fail": self._op_fail,
-                       "state.merge_poll": self._op_merge_poll, "state.sealed": self._op_sealed,
-                       "state.cut": self._op_cut}.items():
-            server.add_handler(op, fn)
+        server.serve(BaseRequest, self._op_base)
+        server.serve(AckRequest, self._op_ack)
+        server.serve(FailRequest, self._op_fail)
+        server.serve(MergePollRequest, self._op_merge_poll)
+        server.serve(SealedRequest, self._op_sealed)
+        server.serve(CutRequest, self._op_cut)
 
     def _reply_base(self, st: RegisteredState, cid: int, begun: BeginResult, cut: int | None) -> BaseReply:
         c = st.coordinator
@@ -88,165 +90,101 @@ class CheckpointGateway:
         started = st.coordinator.stage_started(cid)
         return max(0.0, alignment.aligned_checkpoint_timeout - (time.monotonic() - started))
 
-    def _op_cut(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
+    def _op_cut(self, conn: Connection, req: CutRequest) -> CutReply:
         """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
         group) and gets the cut that stands; ``overflow``: its channel state at that cut passes the byte
         cap, so it processes everything."""
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        subtask = f.integer("subtask", lo=0, hi=32768)
-        proposed = f.integer("cut", lo=0, hi=32768)
-        if f.integer("overflow", default=0, lo=0, hi=1):
-            return {"cut": st.coordinator.amend_cut(cid, subtask, proposed)}
-        return {"cut": st.coordinator.cut(cid, subtask, proposed)}
+        _, st = self.table.lookup(req.name)
+        cid, subtask, proposed = req.checkpoint_id, req.subtask, req.cut
+        if req.overflow:
+            return CutReply(st.coordinator.amend_cut(cid, subtask, proposed))
+        stands = st.coordinator.cut(cid, subtask, proposed)
+        assert stands is not None   # the proposal stands unless another attempt's cut does
+        return CutReply(stands)
 
-    def _op_base(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        subtask = f.integer("subtask", default=None, lo=0, hi=32768)
-        agent = f.text("agent", default="", max_len=200)
-        routed = f.integer("parallelism", default=None, lo=1, hi=32768)
-        have = f.text("have", default="", max_len=64)   # the attempt whose base the agent holds
+    def _op_base(self, conn: Connection, req: BaseRequest) -> BaseReply:
+        _, st = self.table.lookup(req.name)
+        cid, subtask, agent, routed = req.checkpoint_id, req.subtask, req.agent, req.parallelism
+        have = req.have   # the attempt whose base the agent holds
         if routed is not None and routed != st.coordinator.parallelism:
             raise ParallelismError(
                 f"the rows of checkpoint {cid} of keyed state {st.coordinator.storage.state!r} were routed to {routed} "
                 f"subtasks, but the state now has parallelism {st.coordinator.parallelism} (it was opened again with "
                 f"another parallelism): apply the batch again with the KeyedState of the latest st.keyed_state(...) call")
         self.table.heard(agent)
-        with st.lock:  # one begin per checkpoint, even when every task asks at once
-            if cid in st.coordinator.pending():
-                begun = st.coordinator.base(cid)
-            else:  # a second action after commit re-runs N; an aborted N is refused (see begin)
-                begun = st.coordinator.begin(cid, by_task=True)
-            if agent and subtask is not None:
-                st.coordinator.working_on(cid, subtask, agent)
+        # base, or begin (once, even when every task asks at once: a second action after commit re-runs N;
+        # an aborted N is refused), and note the agent at work, in one step of the coordinator
+        begun = st.coordinator.open_subtask(cid, subtask, agent)
         cut = None if subtask is None else st.coordinator.cut(cid, subtask)   # FLIP-76: recorded by an earlier attempt
         reply = self._reply_base(st, cid, begun, cut)
         full = not have or have != begun.attempt
         self.bases_sent["full" if full else "same"] += 1
-        return reply.to_json(with_base=full)
+        return reply if full else replace(reply, same_base=True)
 
-    def _op_ack(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        handle = SubtaskHandle.from_json(f.mapping("handle"))
-        uploaded = req.get("uploaded") or []
-        if not isinstance(uploaded, list) or not all(isinstance(p, str) for p in uploaded):
-            raise InvalidRequestError(f"{f.op}: field 'uploaded' must be a list of paths")
-        merged = req.get("merged") or []
-        if not isinstance(merged, list) or not all(isinstance(p, str) for p in merged):
-            raise InvalidRequestError(f"{f.op}: field 'merged' must be a list of paths")
-        agent = f.text("agent", default="", max_len=200)
-        attempt = f.text("attempt", max_len=64)
-        raw_stats = f.mapping("stats", default=None)
-        stats = None if raw_stats is None else SubtaskStats.from_fields(Fields({**raw_stats, "op": f"{f.op} stats"}))
+    def _op_ack(self, conn: Connection, req: AckRequest) -> AckReply:
+        _, st = self.table.lookup(req.name)
+        cid, agent = req.checkpoint_id, req.agent
         self.table.heard(agent)
-        with st.lock:
-            result = st.coordinator.ack(cid, handle, tuple(uploaded), tuple(merged), agent, attempt=attempt,
-                                        stats=stats)
+        result = st.coordinator.ack(cid, req.handle, tuple(req.uploaded), tuple(req.merged), agent,
+                                    attempt=req.attempt, stats=req.stats)
         self.table.notify()
-        return {"result": result.value}
+        return AckReply(result.value)
 
-    def _op_fail(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        subtask = f.integer("subtask", lo=0, default=None)
-        message = f.text("message", default="")
-        attempt = f.text("attempt", max_len=64)
-        agent = f.text("agent", default="", max_len=200)
-        others = f.integer("others", default=0, lo=0, hi=1 << 20)   # copies of the subtask still at work there
+    def _op_fail(self, conn: Connection, req: FailRequest) -> FailReply:
+        _, st = self.table.lookup(req.name)
+        cid, subtask, message, attempt, agent = req.checkpoint_id, req.subtask, req.message, req.attempt, req.agent
+        others = req.others   # copies of the subtask still at work there
         who = f"subtask {subtask}" if subtask is not None else f"executor agent {agent or '?'}"
-        with st.lock:
-            ignored = st.coordinator.fail(cid, attempt, who, message, subtask, agent=agent, others=others)
+        ignored = st.coordinator.fail(cid, attempt, who, message, subtask, agent=agent, others=others)
         if ignored is not None:
             log.info("ignoring a failure report of %s for checkpoint %d of %s: %s (%s)",
                      who, cid, st.coordinator.storage.state, ignored, message)
-            return {"ignored": True}
+            return FailReply(ignored=True)
         self.table.notify()
-        return {"ignored": False}
+        return FailReply(ignored=False)
 
-    def _op_merge_poll(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        agent = f.text("agent", max_len=200)
-        wait = f.number("wait", default=1.0, lo=0, hi=5.0)
-        pools = req.get("pools") or []
-        closed = req.get("closed") or []
-        working = req.get("working") or []
-        if not all(isinstance(x, list) and len(x) <= 100_000 for x in (pools, closed, working)):
-            raise InvalidRequestError(f"{f.op}: fields 'pools', 'closed' and 'working' must be lists")
-        asked = []
-        for p in pools:
-            pf = _sub(f, p)
-            asked.append((pf.text("name", max_len=200), pf.integer("checkpoint_id", lo=0, hi=MAX_ID)))
-        busy = []
-        for w in working:
-            wf = _sub(f, w)
-            busy.append((wf.text("name", max_len=200), wf.integer("checkpoint_id", lo=0, hi=MAX_ID),
-                         wf.integer("subtask", lo=0, hi=32768)))
+    def _op_merge_poll(self, conn: Connection, req: MergePollRequest) -> MergePollReply:
+        agent, wait = req.agent, req.wait
+        asked = [(p.name, p.checkpoint_id) for p in req.pools]
+        busy = [(w.name, w.checkpoint_id, w.subtask) for w in req.working]
         self.table.heard(agent)   # on arrival: a state busy with storage I/O never makes an agent look silent
         by_name: dict[str, set[str]] = {}
-        for c in closed:
-            cf = _sub(f, c)
-            by_name.setdefault(cf.text("name", max_len=200), set()).add(cf.text("path", max_len=300))
+        for c in req.closed:
+            by_name.setdefault(c.name, set()).add(c.path)
         states = self.table.all()
         for name, cid, subtask in busy:
             if name in states:
-                with states[name].lock:
-                    states[name].coordinator.working_on(cid, subtask, agent)
+                states[name].coordinator.working_on(cid, subtask, agent)
         for name, paths in by_name.items():
             if name in states:
-                with states[name].lock:
-                    states[name].coordinator.files_closed(agent, paths)
+                states[name].coordinator.files_closed(agent, paths)
         deadline = time.monotonic() + wait
         generation = self.table.generation()
         while True:
             actions = [self._seal_action(states, n, c) for n, c in asked]
             left = deadline - time.monotonic()
-            if left <= 0 or any(a["action"] != "wait" for a in actions):
+            if left <= 0 or any(a.action != "wait" for a in actions):
                 break
             generation = self.table.wait(generation, left)
         self.table.heard(agent)
         pending = {n: set(states[n].coordinator.pending()) for n, _, _ in busy if n in states}
         stale = sorted({(n, c) for n, c, _ in busy if n in pending and c not in pending[n]})
         # the agent releases what it still holds open of those (a task killed before its upload)
-        return {"actions": actions, "stale": [{"name": n, "checkpoint_id": c} for n, c in stale]}
+        return MergePollReply(actions, [CheckpointRef(n, c) for n, c in stale])
 
     @staticmethod
-    def _seal_action(states: dict[str, RegisteredState], name: str, cid: int) -> dict[str, Any]:
+    def _seal_action(states: dict[str, RegisteredState], name: str, cid: int) -> SealAction:
         """What the agent does with its pool of ``cid``; a seal carries the attempt it is for."""
         st = states.get(name)
         action = "discard" if st is None else st.coordinator.seal_wanted(cid)
-        out: dict[str, Any] = {"name": name, "checkpoint_id": cid, "action": action}
-        if st is not None and action == "seal":
-            out["attempt"] = st.coordinator.attempt(cid)
-        return out
+        attempt = st.coordinator.attempt(cid) if st is not None and action == "seal" else None
+        return SealAction(name, cid, action, attempt)
 
-    def _op_sealed(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
-        f = Fields(req)
-        _, st = self.table.lookup(f)
-        cid = f.integer("checkpoint_id", lo=0, hi=MAX_ID)
-        agent = f.text("agent", max_len=200)
-        attempt = f.text("attempt", max_len=64)
-        files = req.get("files")
-        if not isinstance(files, list) or len(files) > 100_000:
-            raise InvalidRequestError(f"{f.op}: field 'files' must be a list of {{path, size}}")
-        sealed = {}
-        for x in files:
-            xf = _sub(f, x)
-            sealed[xf.text("path", max_len=300)] = xf.integer("size", lo=0)
+    def _op_sealed(self, conn: Connection, req: SealedRequest) -> SealedReply:
+        _, st = self.table.lookup(req.name)
+        cid, agent, attempt = req.checkpoint_id, req.agent, req.attempt
+        sealed = {x.path: x.size for x in req.files}
         self.table.heard(agent)
-        with st.lock:
-            st.coordinator.sealed(cid, sealed, agent, attempt)
+        st.coordinator.sealed(cid, sealed, agent, attempt)
         self.table.notify()
-        return {}
-
-
-def _sub(f: Fields, item: Any) -> Fields:
-    """Typed access to one element of a list field, named after the request's op."""
-    if not isinstance(item, dict):
-        raise InvalidRequestError(f"{f.op}: list element {str(item)[:80]!r} is not an object")
-    return Fields({**item, "op": f.op})
+        return SealedReply()

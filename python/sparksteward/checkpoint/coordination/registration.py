@@ -1,5 +1,6 @@
-"""Opening a keyed state on the driver agent: the typed ``state.register`` / ``state.check`` request
-(:class:`Registration`), the settings it resolves against the application's, what ``restore_from``
+"""Opening a keyed state on the driver agent: what a ``state.register`` / ``state.check`` request
+(:mod:`~sparksteward.checkpoint.lifecycle_messages`) asks for, resolved against the application's
+settings (:class:`Registration`), what ``restore_from``
 does for a state without checkpoints of its own, and what a state open in this application keeps
 (:class:`RegisteredState`). The :class:`~sparksteward.checkpoint.coordination.driver_service.StateService` serves the ops.
 
@@ -21,14 +22,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest, RegisterRequest
 from sparksteward.checkpoint.unaligned.backlog import DrainLog
 from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.lease import StateLease, refuse_if_held
-from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.records import CheckpointMetadata, check_max_parallelism
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
-from sparksteward.checkpoint.task.subtask_restore import check_max_parallelism
 from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
 from sparksteward.checkpoint.coordination.stats import SubtaskStats, summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
@@ -40,9 +41,6 @@ from sparksteward.errors import (
     StewardError,
     StorageError,
 )
-from sparksteward.ids import validate_id
-from sparksteward.state.declared import resolve
-from sparksteward.wire import Fields
 
 __all__ = ["CompletedStats", "RegisteredState", "Registration", "StateTable", "check_unregistered", "restore_on_register",
            "unusable_dir"]
@@ -52,7 +50,8 @@ log = logging.getLogger("sparksteward.checkpoint.coordination.registration")
 
 @dataclass(frozen=True, slots=True)
 class Registration:
-    """A ``state.register`` (or ``state.check``) request, read and bounded."""
+    """What a ``state.register`` (or ``state.check``) request asks for, resolved against the
+    application's defaults."""
 
     name: str
     checkpoint_dir: str
@@ -72,34 +71,22 @@ class Registration:
     op: str = "state.register"
 
     @classmethod
-    def from_fields(cls, f: Fields, default_checkpoint_dir: str, *, check: bool = False) -> Registration:
-        name = f.text("name", max_len=200)
-        try:
-            validate_id(name, "state name")
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        checkpoint_dir = f.text("checkpoint_dir", default=None) or default_checkpoint_dir
-        parallelism = 0 if check else f.integer("parallelism", lo=1, hi=32768)
-        max_parallelism = f.integer("max_parallelism", lo=1, hi=32768)
-        key_type = "" if check else f.text("key_type", max_len=16)
-        num_retained = 1 if check else f.integer("num_retained", default=1, lo=1, hi=10_000)
-        source = f.text("restore_from", default=None, max_len=4096) or None
-        mode = ClaimMode.parse(f.text("claim_mode", default=None, max_len=32) or ClaimMode.NO_CLAIM.value)
-        states = f.sequence("states", default=None, max_items=256)
-        if states is not None and not all(isinstance(s, dict) for s in states):
-            raise InvalidRequestError(f"{f.op}: field 'states' must be an array of state declarations (objects)")
-        roots = f.sequence("claimed_roots", default=None, max_items=64) or []
-        if not all(isinstance(r, str) and 0 < len(r) <= 4096 for r in roots):
-            raise InvalidRequestError(f"{f.op}: field 'claimed_roots' must be an array of URLs or paths")
-        deleted = f.sequence("delete_states", default=None, max_items=256) or []
-        if not all(isinstance(n, str) and 0 < len(n) <= 100 for n in deleted):
-            raise InvalidRequestError(f"{f.op}: field 'delete_states' must be an array of state variable names")
-        return cls(name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, parallelism=parallelism,
-                   key_type=key_type, num_retained=num_retained, source=source, claim_mode=mode,
-                   alignment=f.mapping("alignment", default=None), file_merging=f.mapping("file_merging", default=None),
-                   states=None if states is None else tuple(states), delete_states=tuple(deleted),
-                   key=f.text("key", default="", max_len=1000), writer=f.flag("writer", default=False),
-                   claimed_roots=tuple(roots), op=f.op)
+    def from_request(cls, req: RegisterRequest | CheckRequest, default_checkpoint_dir: str) -> Registration:
+        """The settings of a ``state.register`` or ``state.check`` request (a check names no
+        parallelism, key type or number of checkpoints to retain)."""
+        register = req if isinstance(req, RegisterRequest) else None
+        return cls(name=req.name, checkpoint_dir=req.checkpoint_dir or default_checkpoint_dir,
+                   max_parallelism=req.max_parallelism,
+                   parallelism=register.parallelism if register is not None else 0,
+                   key_type=register.key_type if register is not None else "",
+                   num_retained=register.num_retained if register is not None else 1,
+                   source=req.restore_from or None,
+                   claim_mode=ClaimMode.parse(req.claim_mode or ClaimMode.NO_CLAIM.value),
+                   alignment=req.alignment, file_merging=req.file_merging,
+                   states=None if req.states is None else tuple(req.states),
+                   delete_states=tuple(req.delete_states or ()), key=req.key,
+                   writer=isinstance(req, CheckRequest) and req.writer,
+                   claimed_roots=tuple(req.claimed_roots or ()), op=req.OP)
 
     def check_key(self, meta: CheckpointMetadata | None, key_type: str | None = None) -> None:
         """Refuse a key column (or, with ``key_type``, a key type) other than the one checkpoint
@@ -126,6 +113,8 @@ class Registration:
         :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
         if self.states is None and not self.delete_states and not recorded:
             return recorded
+        from sparksteward.state.declared import resolve   # pyarrow: not when the driver agent starts
+
         return resolve(recorded, self.states or (), self.delete_states, state=self.name)
 
     def alignment_of(self, defaults: AlignmentOptions) -> AlignmentOptions:
@@ -166,8 +155,8 @@ class RegisteredState:
     restore: dict[str, Any] | None = None  # what register did with restore_from
     alignment: AlignmentOptions = AlignmentOptions()
     lease: StateLease | None = None   # this application's writer lease on the state root
-    lock: threading.RLock = field(default_factory=threading.RLock)   # this state's ops; storage I/O only
-                                                                      # under it, never under the service's
+    lock: threading.RLock = field(default_factory=threading.RLock)   # the service's data here (completed,
+                                       # overrides, drains, alignment), outside the coordinator's own lock
     overrides: dict[int, AlignmentOptions] = field(default_factory=dict)  # checkpoint -> its own alignment
     drains: DrainLog = DrainLog()     # the ids drains took (read at registration)
     warned: int | None = None         # the checkpoint whose growing backlog was last warned about
@@ -223,7 +212,7 @@ def restore_on_register(storage: CheckpointStorage, reg: Registration) -> dict[s
 
 
 def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: MergingOptions,
-                       alignment: AlignmentOptions) -> dict[str, Any]:
+                       alignment: AlignmentOptions, cluster_id: str) -> CheckReply:
     """``state.check`` of a state not open in this application (see the module docstring)."""
     reg.merging_of(merging, storage)
     reg.alignment_of(alignment)
@@ -237,18 +226,21 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         latest = storage.read_metadata(own[-1])
         check_max_parallelism(latest, reg.max_parallelism)
         reg.check_key(latest)
-        return {"registered": False, "last_completed": own[-1], "restore_from": "ignored" if reg.source else None,
-                "key_type": latest.key_type.value, "latest": latest.to_json(),
-                "states": reg.states_of(latest.properties.get("states"))}
+        return CheckReply(registered=False, last_completed=own[-1], restore_from="ignored" if reg.source else None,
+                          key_type=latest.key_type.value, latest=latest.to_json(),
+                          states=reg.states_of(latest.properties.get("states")),
+                          checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
     if reg.source:
         src, meta = open_checkpoint(reg.source)
         check_max_parallelism(meta, reg.max_parallelism)
         reg.check_key(meta)
         check_sources(src, meta, reg.source, claimed_roots=reg.claimed_roots)
-        return {"registered": False, "last_completed": None, "restore_from": reg.claim_mode.value,
-                "checkpoint_id": meta.checkpoint_id, "key_type": meta.key_type.value,
-                "states": reg.states_of(meta.properties.get("states"))}
-    return {"registered": False, "last_completed": None, "restore_from": None, "states": reg.states_of(None)}
+        return CheckReply(registered=False, last_completed=None, restore_from=reg.claim_mode.value,
+                          checkpoint_id=meta.checkpoint_id, key_type=meta.key_type.value,
+                          states=reg.states_of(meta.properties.get("states")),
+                          checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
+    return CheckReply(registered=False, last_completed=None, restore_from=None, states=reg.states_of(None),
+                      checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
 
 
 def unusable_dir(reg: Registration, exc: StorageError) -> StorageError:
@@ -288,9 +280,8 @@ class StateTable:
         with self._cond:
             return dict(self._states)
 
-    def lookup(self, f: Fields) -> tuple[str, RegisteredState]:
-        """The state a request names (field ``name``), or a clear error when it is not open here."""
-        name = f.text("name", max_len=200)
+    def lookup(self, name: str) -> tuple[str, RegisteredState]:
+        """The state a request names, or a clear error when it is not open here."""
         st = self.get(name)
         if st is None:
             raise StateNotRegisteredError(f"keyed state {name!r} is not registered with the driver agent: create it "

@@ -29,6 +29,7 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``channel_bytes``        the deferred rows' bytes (the unaligned backlog this checkpoint holds)
 ``sync_ms``              the sync phase (close the DB, link its files), slowest subtask
 ``async_ms``             the async phase (upload or merge, until the ack), slowest subtask
+``ttl_sweep_ms``         the sweep of expired state entries (state TTL), slowest subtask
 ``commit_ms``            completing: writing ``_metadata`` and subsuming
 ``duration_ms``          from the driver's begin to the written ``_metadata`` (the whole batch)
 ``restore_ms``           the slowest subtask's restore of its base; ``rescale_ms`` the same for a
@@ -101,6 +102,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
         "objects_written": int(summary.get("objects_written", 0)), "channel_bytes": int(summary.get("channel_bytes", 0)),
         "sync_ms": round(float(summary.get("sync_ms_max", 0.0)), 3),
         "async_ms": round(float(summary.get("async_ms_max", 0.0)), 3),
+        "ttl_sweep_ms": max((int(ms) for ms in summary.get("ttl_sweep_ms") or []), default=0),
         "commit_ms": round(commit_ms, 3), "duration_ms": round(duration_ms, 3),
         "restore_ms": slowest(restores), "rescale_ms": slowest(rescaled),
         "restore_bytes_downloaded": sum(int(r.get("bytes_downloaded") or 0) for r in restores)}

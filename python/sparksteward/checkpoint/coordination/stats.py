@@ -1,63 +1,29 @@
-"""The stats of a checkpoint: what each subtask's ack reports (:class:`SubtaskStats`, checked field by
-field when the ack arrives) and their sum per checkpoint (:func:`summarize`, the ``stats`` of a
-commit's reply and the ``checkpoints`` of ``ks.info()``)."""
+"""The stats of a checkpoint: what each subtask's ack reports (:class:`SubtaskStats`: the task's
+:class:`~sparksteward.checkpoint.messages.TaskCounters` and the executor agent's measurements, checked
+field by field when the ack arrives) and their sum per checkpoint (:func:`summarize`, the ``stats`` of a
+commit's reply and the ``checkpoints`` of ``ks.info()``, from which the checkpoint's report and its
+metrics are made).
+
+Every field of :class:`~sparksteward.checkpoint.messages.TaskCounters` is summed over the subtasks under
+its own name, unless :data:`PER_SUBTASK` lists it (then its value per subtask, in subtask order); the
+``unaligned`` flag becomes ``unaligned_subtasks``. So a new counter needs no change here.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from sparksteward.wire.fields import Fields
+from sparksteward.checkpoint.messages import SubtaskStats, TaskCounters
 
-__all__ = ["SubtaskStats", "summarize"]
+__all__ = ["PER_SUBTASK", "SubtaskStats", "summarize"]
 
-
-@dataclass(frozen=True, slots=True)
-class SubtaskStats:
-    """One subtask's ack: its upload (files and bytes written and reused), its sync phase, its
-    restore (None unless this attempt restored from a base) and, FLIP-76, the rows it processed
-    and deferred into the channel state."""
-
-    files_uploaded: int = 0
-    bytes_uploaded: int = 0
-    whole_files_uploaded: int | None = None   # files written whole (the rest are merged segments)
-    segments_written: int = 0
-    files_reused: int = 0
-    files: int = 0
-    bytes: int = 0
-    sync_ms: float = 0.0
-    flush_ms: float = 0.0                      # within sync_ms: a flush, or the wait for one
-    restore: dict[str, Any] | None = None
-    rows_processed: int = 0
-    rows_deferred: int = 0
-    channel_bytes: int = 0
-    unaligned: bool = False
-    wal_bytes: int = 0
-    ttl_expired_removed: int = 0              # expired state entries the subtask's sweep removed
-    rows_out: int = 0                         # rows the state function returned
-    keys_touched: int = 0                     # distinct keys of the rows processed
-    entries_estimate: int = 0                 # RocksDB's estimate-num-keys at the sync phase
-    entries_ingested: int = 0                 # entries the task put in as ingested SSTs (decision 0023)
-    local_bytes: int = 0                      # the local snapshot (the DB's live files) on the executor
-    async_ms: float = 0.0                     # the async phase: upload (and merge) until the ack
-
-    @classmethod
-    def from_fields(cls, f: Fields) -> SubtaskStats:
-        """The stats an ack carries, each field checked by type (a bad one raises
-        :class:`~sparksteward.errors.InvalidRequestError` naming it); missing ones default."""
-        counts = {name: f.integer(name, default=0) for name in _COUNTS}   # no bound: segments_written
-        return cls(**counts,                                               # is a difference
-                   whole_files_uploaded=f.integer("whole_files_uploaded", default=None),
-                   sync_ms=float(f.number("sync_ms", default=0.0, lo=0)),
-                   flush_ms=float(f.number("flush_ms", default=0.0, lo=0)),
-                   async_ms=float(f.number("async_ms", default=0.0, lo=0)),
-                   restore=f.mapping("restore", default=None), unaligned=f.flag("unaligned", default=False))
-
-
-_COUNTS = ("files_uploaded", "bytes_uploaded", "segments_written", "files_reused", "files", "bytes",
-           "rows_processed", "rows_deferred", "channel_bytes", "wal_bytes", "ttl_expired_removed", "rows_out",
-           "keys_touched", "entries_estimate", "entries_ingested", "local_bytes")
+#: Task counters the checkpoint's stats show per subtask (a list in subtask order) instead of summed.
+PER_SUBTASK = frozenset({"entries_ingested", "ttl_sweep_ms"})
+#: Task counters shown in their own way (``unaligned``: the ids of the subtasks that deferred rows).
+_SHOWN_APART = frozenset({"unaligned"})
+_COUNTERS = tuple(f.name for f in dataclasses.fields(TaskCounters) if f.name not in _SHOWN_APART)
 
 
 def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
@@ -72,24 +38,21 @@ def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
 
     whole = total("whole_files_uploaded") if any(a.whole_files_uploaded is not None for a in acks) \
         else total("files_uploaded")
+    counters = {name: [getattr(a, name) for a in acks] if name in PER_SUBTASK else total(name) for name in _COUNTERS}
     return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
             "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
             "segments_written": total("segments_written"), "whole_files_uploaded": whole,
             "merged_files_written": merged_files_written,
             # objects a checkpoint writes to the store: whole files, merged physical files, _metadata
             "objects_written": whole + merged_files_written + 1,
-            "files": total("files"), "bytes": total("bytes"), "ttl_expired_removed": total("ttl_expired_removed"),
-            "rows_out": total("rows_out"), "keys_touched": total("keys_touched"),
-            "entries_estimate": total("entries_estimate"), "local_bytes": total("local_bytes"),
+            "files": total("files"), "bytes": total("bytes"), "local_bytes": total("local_bytes"),
             "sync_ms_max": max((a.sync_ms for a in acks), default=0.0),
             "async_ms_max": max((a.async_ms for a in acks), default=0.0),
             "sync_ms": [a.sync_ms for a in acks],  # per subtask, in subtask order
             "flush_ms": [a.flush_ms for a in acks],
-            "entries_ingested": [a.entries_ingested for a in acks],   # per subtask, as flush_ms
             "restores": [a.restore for a in acks if a.restore],
-            # FLIP-76: what each subtask processed and deferred into the checkpoint (channel state)
-            "rows_processed": total("rows_processed"), "rows_deferred": total("rows_deferred"),
-            "channel_bytes": total("channel_bytes"),
+            # the task's counters: rows, keys, entries, TTL sweep and, FLIP-76, the channel state
+            **counters,
             "unaligned_subtasks": [i for i, a in zip(ids, acks) if a.unaligned],
             "per_subtask": [{"subtask": i, "rows_processed": a.rows_processed, "rows_deferred": a.rows_deferred,
                              "channel_bytes": a.channel_bytes, "unaligned": a.unaligned} for i, a in zip(ids, acks)]}

@@ -14,7 +14,7 @@ files), then the driver completes the checkpoint. ``within`` mode keeps one pool
 ``across`` mode (local stores only) keeps appending to the same physical file, in place, across
 checkpoints, and a seal is an fsync.
 
-**Driver side** (:func:`space_stats`, :func:`choose_no_reuse`): the coordinator owns the reference
+**Driver side** (:mod:`sparksteward.checkpoint.filemerging.space`): the coordinator owns the reference
 counts (placement changes every batch in Spark, so no executor can own a file; see
 docs/decisions/0010). From the retained records it computes physical and live logical bytes, and when
 physical bytes exceed live bytes times ``max_space_amplification`` it marks the most wasteful physical
@@ -29,50 +29,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle
+from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import MERGED_DIR
+from sparksteward.enums import ParsedEnum
 from sparksteward.errors import CheckpointError, ConfigError
 from sparksteward.storage import fsync_dir, fsync_file
 
-__all__ = ["MERGED_DIR", "FileMerger", "MergingMode", "MergingOptions", "SealedFile", "SpaceStats",
-           "choose_no_reuse", "is_merged", "space_stats"]
+__all__ = ["MERGED_DIR", "FileMerger", "MergingMode", "MergingOptions", "SealedFile"]
 
 log = logging.getLogger("sparksteward.checkpoint.filemerging.file_merger")
 
 _MIN_FILE_SIZE = 64 << 10
 
 
-_MERGED_NAME = re.compile(r"^[0-9a-f]{32}$")
-
-
-def is_merged(path: str) -> bool:
-    """True for a physical file of this state's ``merged/`` directory: ``merged/<32 hex>`` exactly, so
-    a path a peer sends (``merged/../x``) is never taken for one."""
-    head, _, name = path.partition("/")
-    return head == MERGED_DIR and bool(_MERGED_NAME.match(name))
-
-
-class MergingMode(str, Enum):
+class MergingMode(ParsedEnum):
     WITHIN = "within"
     ACROSS = "across"
 
     @classmethod
-    def parse(cls, value: object) -> MergingMode:
-        try:
-            return value if isinstance(value, MergingMode) else cls(str(value).lower())
-        except ValueError:
-            raise ConfigError(f"file-merging mode {value!r} is not valid: use 'within' (every store) or "
-                              f"'across' (local file systems only)") from None
+    def _refusal(cls, value: object) -> Exception:
+        return ConfigError(f"file-merging mode {value!r} is not valid: use 'within' (every store) or "
+                           f"'across' (local file systems only)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,86 +323,3 @@ def _keep_open(pool: _Pool) -> None:
     """Forget the closed files no pending checkpoint of ``pool`` still has to seal."""
     pending = set().union(*pool.touched.values()) if pool.touched else set()
     pool.files = [p for p in pool.files if not p.closed or p.rel in pending]
-
-
-# --- driver side ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class SpaceStats:
-    """Physical against live logical bytes of a state's merged files (FLIP-306's ``SpaceStat``)."""
-
-    physical_files: int
-    physical_bytes: int
-    logical_files: int
-    logical_bytes: int
-    whole_files: int        # files outside merged/ (large SSTs kept whole)
-    whole_bytes: int
-
-    @property
-    def amplification(self) -> float:
-        return self.physical_bytes / self.logical_bytes if self.logical_bytes else 1.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {"physical_files": self.physical_files, "physical_bytes": self.physical_bytes,
-                "logical_files": self.logical_files, "logical_bytes": self.logical_bytes,
-                "whole_files": self.whole_files, "whole_bytes": self.whole_bytes,
-                "amplification": round(self.amplification, 3)}
-
-
-def physical_sizes(metas: Iterable[CheckpointMetadata]) -> dict[str, int]:
-    """The size of every merged physical file the records name (``properties.merged``)."""
-    out: dict[str, int] = {}
-    for m in metas:
-        listed = m.properties.get("merged")
-        if isinstance(listed, dict):
-            for path, size in listed.items():
-                if isinstance(path, str) and isinstance(size, int) and not isinstance(size, bool):
-                    out[path] = max(out.get(path, 0), size)
-    return out
-
-
-def _segments(metas: Iterable[CheckpointMetadata]) -> dict[str, dict[tuple[int, int], int]]:
-    live: dict[str, dict[tuple[int, int], int]] = {}
-    for m in metas:
-        for f in m.files():
-            if is_merged(f.path):
-                live.setdefault(f.path, {})[(f.offset, f.length)] = f.length
-    return live
-
-
-def space_stats(metas: Iterable[CheckpointMetadata]) -> SpaceStats:
-    """Physical and live bytes over the retained records ``metas``."""
-    metas = list(metas)
-    sizes = physical_sizes(metas)
-    live = _segments(metas)
-    whole = {f.path: f.length for m in metas for f in m.files() if not is_merged(f.path)}
-    return SpaceStats(physical_files=len(live), physical_bytes=sum(sizes.get(p, sum(s.values()))
-                                                                  for p, s in live.items()),
-                      logical_files=sum(len(s) for s in live.values()),
-                      logical_bytes=sum(sum(s.values()) for s in live.values()),
-                      whole_files=len(whole), whole_bytes=sum(whole.values()))
-
-
-def choose_no_reuse(metas: Iterable[CheckpointMetadata], amplification: float) -> set[str]:
-    """The physical files whose live segments the next checkpoint writes again (space control).
-
-    When physical bytes exceed live bytes times ``amplification``, take files in order of most
-    wasted bytes until the bytes left would be within the bound. ``amplification`` below 1 turns it
-    off (Flink's semantics).
-    """
-    if amplification < 1:
-        return set()
-    metas = list(metas)
-    sizes = physical_sizes(metas)
-    live = _segments(metas)
-    physical = sum(sizes.get(p, sum(s.values())) for p, s in live.items())
-    logical = sum(sum(s.values()) for s in live.values())
-    if physical <= logical * amplification:
-        return set()
-    waste = sorted(((sizes.get(p, 0) - sum(s.values()), p) for p, s in live.items()), reverse=True)
-    chosen: set[str] = set()
-    for wasted, path in waste:
-        if physical <= logical * amplification or wasted <= 0:
-            break
-        chosen.add(path)
-        physical -= wasted   # its live bytes move to a new file; the waste goes with the old one
-    return chosen

@@ -21,20 +21,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-
-import rocksdict
+from typing import TYPE_CHECKING
 
 from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
+from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle, check_max_parallelism
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.errors import ParallelismError, StateEncodingError
-from sparksteward.state.backend import DB_DIR, RocksDBStateBackend
-from sparksteward.state.rocksdb_options import db_options
-from sparksteward.state.rows import expired
-from sparksteward.state.typed import KIND_EXPIRY, index_expiry
+from sparksteward.checkpoint.task.transfer import restore_subtask
+from sparksteward.errors import StateEncodingError
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism
 
-__all__ = ["RescaleStats", "check_max_parallelism", "open_subtask", "overlapping_subtasks", "prepare_subtask",
+if TYPE_CHECKING:   # RocksDB is imported where a DB is opened: the driver agent checks max parallelism only
+    from sparksteward.state.backend import RocksDBStateBackend
+
+__all__ = ["RescaleStats", "open_subtask", "overlapping_subtasks", "prepare_subtask",
            "rebuild_subtask", "restore_subtask_backend"]
 
 log = logging.getLogger("sparksteward.checkpoint.task.subtask_restore")
@@ -65,17 +64,6 @@ class RescaleStats:
                 "expired_dropped": self.expired_dropped}
 
 
-def check_max_parallelism(meta: CheckpointMetadata, max_parallelism: int) -> None:
-    """Refuse a restore that changes the max parallelism, naming both values and the fix."""
-    if max_parallelism != meta.max_parallelism:
-        raise ParallelismError(
-            f"Changing max_parallelism is refused: state {meta.state!r} was checkpointed with "
-            f"max_parallelism={meta.max_parallelism} (checkpoint {meta.checkpoint_id}) and cannot be restored "
-            f"with max_parallelism={max_parallelism}: "
-            f"the max parallelism fixes the key groups and cannot change. Keep "
-            f"max_parallelism={meta.max_parallelism} (any parallelism up to it works), or start a new state")
-
-
 def overlapping_subtasks(meta: CheckpointMetadata, new_range: KeyGroupRange) -> list[tuple[SubtaskHandle, int]]:
     """Old subtasks overlapping ``new_range``, largest overlap first (ties: lower index first)."""
     found = [(h, h.key_groups.overlap(new_range)) for h in meta.subtasks]
@@ -92,6 +80,8 @@ def open_subtask(storage: CheckpointStorage, base: CheckpointMetadata | None, pa
     files restored, rescaled when ``parallelism`` differs from the base's. A changed max parallelism or
     key type is refused.
     """
+    from sparksteward.state.backend import RocksDBStateBackend
+
     if base is None:
         return RocksDBStateBackend(workdir, key_group_range(max_parallelism, parallelism, index), max_parallelism,
                                    key_type, create=True), None
@@ -152,6 +142,8 @@ def _rebuild(storage: CheckpointStorage, meta: CheckpointMetadata, new_paralleli
              keep_open: bool) -> tuple[RocksDBStateBackend | None, RescaleStats]:
     """:func:`rebuild_subtask`, also refusing another ``key_type`` (when given) and, unless
     ``keep_open``, leaving unopened (None) a DB that needs no change."""
+    from sparksteward.state.backend import DB_DIR, RocksDBStateBackend
+
     started = time.perf_counter()
     m = meta.max_parallelism if max_parallelism is None else max_parallelism
     check_max_parallelism(meta, m)
@@ -173,7 +165,7 @@ def _rebuild(storage: CheckpointStorage, meta: CheckpointMetadata, new_paralleli
                                      old_parallelism=meta.parallelism)
 
     base, _ = overlaps[0]
-    st = storage.restore_subtask(meta, base, workdir / DB_DIR, cache)
+    st = restore_subtask(storage, meta, base, workdir / DB_DIR, cache)
     files_read += [f.path for f in base.files]
     read_bytes = sum(f.length for f in base.files)
     downloaded += st.downloaded_files
@@ -190,7 +182,7 @@ def _rebuild(storage: CheckpointStorage, meta: CheckpointMetadata, new_paralleli
         for other, _ in overlaps[1:]:
             scratch = workdir.parent / f".{workdir.name}.rescale-{other.subtask}-{uuid.uuid4().hex[:8]}"
             try:
-                st = storage.restore_subtask(meta, other, scratch / DB_DIR, cache)
+                st = restore_subtask(storage, meta, other, scratch / DB_DIR, cache)
                 files_read += [f.path for f in other.files]
                 read_bytes += sum(f.length for f in other.files)
                 downloaded += st.downloaded_files
@@ -223,6 +215,12 @@ def _write_sst(old: RocksDBStateBackend, groups: KeyGroupRange, target: Path,
                now_ms: int | None = None) -> tuple[int, int]:
     """Copy the entries of ``groups`` into one SstFileWriter file, without what expired at ``now_ms``;
     return how many were copied (0 writes nothing) and how many expired ones were left out."""
+    import rocksdict
+
+    from sparksteward.state.rocksdb_options import db_options
+    from sparksteward.state.rows import expired
+    from sparksteward.state.typed import KIND_EXPIRY, index_expiry
+
     writer = None
     n = skipped = 0
     for k, v in old.iter_raw(groups):

@@ -5,7 +5,7 @@ pool of threads prepares the snapshot (its WAL folded into an SST past ``wal-flu
 ``wal-flush-files``, then a fully compacted copy when its files carry too much garbage or are too
 many, or when it is small and was just folded, :func:`~sparksteward.state.snapshot.compact_snapshot`),
 uploads its new files
-(:meth:`CheckpointStorage.upload_snapshot`), deletes the local snapshot (and the copy), and reports
+(:func:`~sparksteward.checkpoint.task.transfer.upload_snapshot`), deletes the local snapshot (and the copy), and reports
 the :class:`UploadResult` to ``on_done`` (the agent acks it to the driver agent's coordinator) or the
 error to ``on_error`` (the agent reports the subtask failed, so the coordinator aborts the
 checkpoint).
@@ -25,7 +25,9 @@ from pathlib import Path
 
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
-from sparksteward.checkpoint.storage import CheckpointStorage, UploadResult
+from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task import transfer
+from sparksteward.checkpoint.task.transfer import UploadResult
 from sparksteward.errors import CheckpointError
 from sparksteward.state.snapshot import CompactionPolicy, LocalSnapshot, SnapshotCompaction, compact_snapshot, fold_wal
 
@@ -70,9 +72,9 @@ class SnapshotUploader:
                     if compaction is not None:   # decisions 0019, 0021, after the fold: an SST outgrows its ZSTD WAL
                         compacted = compact_snapshot(snapshot.path, compaction, folded=folded)
                     local = compacted.path if compacted is not None else snapshot.path
-                    result = storage.upload_snapshot(local, subtask, snapshot.key_groups, known=known,
-                                                     cache=self._cache, merge=merge, merge_below=merge_below,
-                                                     channel=channel)
+                    result = transfer.upload_snapshot(storage, local, subtask, snapshot.key_groups, known=known,
+                                                      cache=self._cache, merge=merge, merge_below=merge_below,
+                                                      channel=channel)
                 except BaseException as exc:
                     log.warning("upload of checkpoint %d subtask %d of %s failed: %s", checkpoint_id, subtask,
                                 storage.state, exc)

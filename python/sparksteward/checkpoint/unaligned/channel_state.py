@@ -37,15 +37,15 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.ipc as ipc
-
+from sparksteward.enums import ParsedEnum
 from sparksteward.errors import CheckpointCorruptError, ConfigError
+
+if TYPE_CHECKING:   # pyarrow is imported where it is used: the driver agent reads only AlignmentOptions
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
 
 __all__ = ["CHANNEL_STATE_VERSION", "AlignmentMode", "AlignmentOptions", "ChannelStateWriter", "ChannelStats",
            "logical_size", "read_channel_state"]
@@ -56,18 +56,15 @@ _HEADER = MAGIC + bytes([CHANNEL_STATE_VERSION])
 _COALESCE_BYTES = 1 << 20
 
 
-class AlignmentMode(str, Enum):
+class AlignmentMode(ParsedEnum):
     ALIGNED = "aligned"
     UNALIGNED = "unaligned"
     UNALIGNED_MAX_INFLIGHT = "unaligned_max_inflight"
 
     @classmethod
-    def parse(cls, value: object) -> AlignmentMode:
-        try:
-            return value if isinstance(value, AlignmentMode) else cls(str(value).lower())
-        except ValueError:
-            raise ConfigError(f"alignment={value!r} is not valid: use 'aligned', 'unaligned' or "
-                              f"'unaligned_max_inflight'") from None
+    def _refusal(cls, value: object) -> Exception:
+        return ConfigError(f"alignment={value!r} is not valid: use 'aligned', 'unaligned' or "
+                           f"'unaligned_max_inflight'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +123,9 @@ class ChannelStats:
 def logical_size(batch: pa.RecordBatch) -> int:
     """The bytes of ``batch``'s values (variable-width values plus 4 per row, fixed-width values by
     their bit width), the same however the rows are split into batches."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     bits = 0
     for col in batch.columns:
         t = col.type
@@ -170,6 +170,9 @@ class ChannelStateWriter:
         rescale yields many small pieces, and each written batch costs its own IPC header. Pieces
         are joined up to the largest buffer seen, so a replayed buffer is never larger than an input
         buffer (a batch processes at least one, and its size bounds that batch's time)."""
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
         if not self._pending:
             return
         if len(self._pending) == 1:
@@ -275,6 +278,9 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
     Raises :class:`CheckpointCorruptError` naming the file (``name``, default the path) for a bad
     magic, a newer version, or a torn or corrupt stream.
     """
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
     what = name or str(source)
     f = open(source, "rb") if isinstance(source, (str, os.PathLike)) else source
     try:
@@ -305,6 +311,7 @@ def replay(sources: Iterable[tuple[str, BinaryIO | str | os.PathLike[str]]], key
     is in ``keep`` (a :class:`KeyGroupRange`): after a rescale a new subtask replays the overlapping
     old subtasks' files and drops the rows another subtask now owns, so the channel state does not
     grow when it is deferred again."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from sparksteward.state.keygroups import key_groups

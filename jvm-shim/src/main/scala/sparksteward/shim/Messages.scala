@@ -4,7 +4,7 @@ package sparksteward.shim
  *  Each returns one JSON line without the trailing newline; key order is fixed, as in the goldens. */
 object Messages {
   val Version = 1
-  /** How every agent -> shim `metrics` line begins (protocol.encode_metrics). */
+  /** How every agent -> shim `metrics` line begins (shim_protocol.encode_metrics). */
   val MetricsPrefix = "{\"v\":1,\"type\":\"metrics\","
 
   /** Scala values as the Java values Jackson writes: a Map becomes a sorted map, None null. */

@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sparksteward.checkpoint.filemerging.file_merger import (
-    FileMerger,
-    MergingMode,
-    MergingOptions,
-    choose_no_reuse,
-    space_stats,
-)
+from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
+from sparksteward.checkpoint.filemerging.space import choose_no_reuse, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import ConfigError, StewardError
@@ -59,7 +54,7 @@ def test_segments_of_many_subtasks_share_physical_files_rotated_at_max_size(tmp_
     assert storage.merged_files() == set(physical)
     assert merger.pending() == [] and not any((tmp_path / "staging").iterdir())
     for h, src in zip(handles, srcs):  # every segment reads back byte for byte
-        loc, path = storage._abs(h.path)
+        loc, path = storage.location_of(h.path)
         with loc.fs.open(path, "rb") as f:
             f.seek(h.offset)
             assert f.read(h.length) == src.read_bytes()
@@ -276,9 +271,7 @@ def test_an_executor_agent_gone_before_its_seal_aborts_the_commit_promptly(tmp_p
         rig.batch(0, {"a": 1, "b": 2})
         rig.dconn.request("state.begin", name="s", checkpoint_id=1)
         svc = rig.execs[1][1]
-        svc._stop.set()  # the agent's poller dies with it; its merged files are never sealed
-        svc._wake.set()
-        svc._poller.join(5)
+        svc.poller.close()  # the agent's poller dies with it; its merged files are never sealed
         k0, k1 = (next(f"k{i}" for i in range(1000) if subtask_for_key_group(M, 2, key_group(f"k{i}", M)) == s)
                   for s in (0, 1))
         rig.task(1, 0, {k0: 1}, executor=0)

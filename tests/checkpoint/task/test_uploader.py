@@ -9,6 +9,7 @@ import pytest
 
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task import transfer
 from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import RocksDBStateBackend
@@ -20,18 +21,18 @@ from tests.helpers import wait_until
 M, P = 16, 4
 
 
-def test_uploads_run_off_the_task_thread_and_ack(tmp_path, store_url):
+def test_uploads_run_off_the_task_thread_and_ack(tmp_path, store_url, monkeypatch):
     storage = CheckpointStorage.open(store_url, "s")
     coord = CheckpointCoordinator(storage, P, M)
     begun = coord.begin(0)
     gate = threading.Event()
-    real = storage.upload_snapshot
+    real = transfer.upload_snapshot
 
     def slow_upload(*a, **kw):
         gate.wait(30)
         return real(*a, **kw)
 
-    storage.upload_snapshot = slow_upload
+    monkeypatch.setattr(transfer, "upload_snapshot", slow_upload)
     acked = []
     with SnapshotUploader(threads=2) as up:
         snaps = []
@@ -54,7 +55,7 @@ def test_uploads_run_off_the_task_thread_and_ack(tmp_path, store_url):
     up.close()  # idempotent
 
 
-def test_a_failed_upload_is_reported(tmp_path, store_url):
+def test_a_failed_upload_is_reported(tmp_path, store_url, monkeypatch):
     storage = CheckpointStorage.open(store_url, "s")
     with RocksDBStateBackend(tmp_path / "w", key_group_range(M, 1, 0), M) as b:
         b.value("v").update("k", 1)
@@ -64,7 +65,7 @@ def test_a_failed_upload_is_reported(tmp_path, store_url):
     def broken(*a, **kw):
         raise OSError("disk gone")
 
-    storage.upload_snapshot = broken
+    monkeypatch.setattr(transfer, "upload_snapshot", broken)
     with SnapshotUploader() as up:
         fut = up.submit(storage, 3, 0, snap, on_error=lambda cid, i, exc: errors.append((cid, i, str(exc))))
         with pytest.raises(OSError, match="disk gone"):
@@ -72,7 +73,7 @@ def test_a_failed_upload_is_reported(tmp_path, store_url):
     assert errors == [(3, 0, "disk gone")] and not snap.path.exists()
 
 
-def test_an_upload_that_ends_before_submit_returns_does_not_hang_the_caller(tmp_path, store_url):
+def test_an_upload_that_ends_before_submit_returns_does_not_hang_the_caller(tmp_path, store_url, monkeypatch):
     """An upload can end on a pool thread before ``submit`` registers its done-callback (a new pool
     thread starts and runs it while the caller waits for that thread to start); the callback then
     runs in the caller's thread, which must not be holding the uploader's lock."""
@@ -83,7 +84,7 @@ def test_an_upload_that_ends_before_submit_returns_does_not_hang_the_caller(tmp_
     def broken(*a, **kw):
         raise OSError("disk gone")
 
-    storage.upload_snapshot = broken
+    monkeypatch.setattr(transfer, "upload_snapshot", broken)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(0.5)  # the new pool thread keeps the GIL until its upload has failed
 

@@ -17,6 +17,7 @@ from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinat
 from sparksteward.checkpoint.coordination.pending import AckResult
 from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.testing.clock import FakeClock
@@ -118,6 +119,7 @@ UPLOADER = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
     from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.checkpoint.task.transfer import upload_snapshot
     from sparksteward.state.keygroups import KeyGroupRange
     url, work = sys.argv[1], Path(sys.argv[2])
     storage = CheckpointStorage.open(url, "clicks")
@@ -135,7 +137,7 @@ UPLOADER = textwrap.dedent("""
     for i in range(5):
         (work / "snap").mkdir(parents=True, exist_ok=True)
         (work / "snap" / f"00000{i}.sst").write_bytes(os.urandom(1000 + i))
-    storage.upload_snapshot(work / "snap", 0, KeyGroupRange(0, 8))  # dies after its second upload
+    upload_snapshot(storage, work / "snap", 0, KeyGroupRange(0, 8))  # dies after its second upload
 """)
 
 
@@ -336,7 +338,7 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
         coord.begin(0)
         for i in range(P):   # the same snapshot uploaded again: the same content-addressed paths
             snap = tmp_path / f"snap-0-a-{i}"
-            result = storage.upload_snapshot(snap, i, key_group_range(M, P, i), known=begun.known)
+            result = upload_snapshot(storage, snap, i, key_group_range(M, P, i), known=begun.known)
             referenced |= {f.path for f in result.handle.all_files}
             coord.ack(0, result)
         with pytest.raises(CheckpointError, match=r"deleted after their upload\)\. Apply the batch again"):

@@ -113,19 +113,19 @@ def test_a_released_task_leaves_nothing_and_bad_fields_are_named(rig):
 def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_it(rig, monkeypatch):
     import threading
 
-    from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.checkpoint.task import transfer
     from tests.helpers import wait_until
 
     dconn, econn, subtasks, tmp = rig
     root = tmp / "chk" / "c1" / "s"
     gate = threading.Event()  # holds the async phase until the checkpoint is aborted: the acks come late
-    real_upload = CheckpointStorage.upload_snapshot
+    real_upload = transfer.upload_snapshot
 
     def held_upload(self, *args, **kwargs):
         gate.wait(30)
         return real_upload(self, *args, **kwargs)
 
-    monkeypatch.setattr(CheckpointStorage, "upload_snapshot", held_upload)
+    monkeypatch.setattr(transfer, "upload_snapshot", held_upload)
     dconn.request("state.begin", name="s", checkpoint_id=0)
     for i, part in enumerate(split({f"k{i}": i for i in range(10)})):
         run_task(econn, 0, i, part)
@@ -182,6 +182,7 @@ def test_the_agent_folds_a_wal_past_wal_flush_size_before_the_upload(rig):
 def _handle_of(dconn, econn, cid: int, subtask: int, delta: dict[str, int]) -> tuple[dict, dict]:
     """A subtask's upload as an executor agent acks it, without the ack: (handle, the open reply)."""
     from sparksteward.checkpoint.storage import CheckpointStorage
+    from sparksteward.checkpoint.task.transfer import upload_snapshot
 
     opened = econn.request("state.open", name="s", checkpoint_id=cid, subtask=subtask)
     backend = RocksDBStateBackend(opened["workdir"], key_group_range(M, P, subtask), M, "string", create=False)
@@ -191,7 +192,7 @@ def _handle_of(dconn, econn, cid: int, subtask: int, delta: dict[str, int]) -> t
     snap = backend.snapshot(opened["snapshot"])
     backend.close()
     storage = CheckpointStorage.open(dconn.request("state.info", name="s")["checkpoint_dir"], "s", "c1")
-    result = storage.upload_snapshot(snap.path, subtask, key_group_range(M, P, subtask))
+    result = upload_snapshot(storage, snap.path, subtask, key_group_range(M, P, subtask))
     econn.request("state.release", token=opened["token"])
     return result.handle.to_json(), opened, list(result.uploaded)
 

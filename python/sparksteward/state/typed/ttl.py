@@ -1,0 +1,137 @@
+"""Time to live of declared state (decision 0017): the expiry index, the sweep that removes what
+expired through it, and the drop of deleted variables.
+
+**The expiry index.** A value, element or entry of a variable with a TTL carries its expiry in its
+header (:data:`~sparksteward.state.rows.TAG_EXPIRING`); a read never returns an expired one (see
+:mod:`sparksteward.state.typed.base`). Each such write also puts an index key ``group | 'x' | expiry
+(8, big-endian) | the entry's key without its group`` with an empty value (:func:`index_key`), so
+:func:`sweep_expired` finds what expired in key order, without a scan of the state. An index key whose
+entry was written again later is stale; the sweep deletes it alone.
+
+**Dropped variables.** :func:`drop_variables` deletes a dropped variable's entries
+(``delete_states``) and its expiry-index keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import rocksdict
+
+from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE
+from sparksteward.state.rows import expired, expiry_of
+from sparksteward.state.views import StateDB, _prefix_upper, state_middle
+
+__all__ = ["KIND_EXPIRY", "SweepStats", "drop_variables", "index_expiry", "index_key", "sweep_expired"]
+
+KIND_EXPIRY = b"x"
+_EXPIRY_LEN = 8
+
+
+def index_key(entry: bytes, expiry: int) -> bytes:
+    """The expiry-index key of entry key ``entry`` expiring at ``expiry`` ms (same key group)."""
+    return b"".join((entry[:2], KIND_EXPIRY, expiry.to_bytes(_EXPIRY_LEN, "big"), entry[2:]))
+
+
+def index_expiry(key: bytes) -> int:
+    """The expiry an expiry-index key records."""
+    return int.from_bytes(key[3:3 + _EXPIRY_LEN], "big")
+
+
+@dataclass(frozen=True)
+class SweepStats:
+    """What one :func:`sweep_expired` did."""
+
+    deleted: int        # expired entries removed
+    stale: int          # index keys whose entry had been written again (or removed) since
+    more: bool          # the budget ran out before everything expired was swept
+    ms: float
+
+
+def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries: int = 100_000,
+                  max_ms: float = 200.0) -> SweepStats:
+    """Remove what expired at or before ``now_ms`` in the backend's key groups, through the expiry
+    index, within ``max_entries`` index keys and about ``max_ms``. Key groups are visited from the
+    ``start``-th on (rotate it per batch so that a spent budget does not always favour the first)."""
+    began = time.perf_counter()
+    db = backend.db
+    groups = list(range(backend.key_groups.start, backend.key_groups.stop))
+    if groups:
+        at = start % len(groups)
+        groups = groups[at:] + groups[:at]
+    deleted = stale = seen = 0
+    more = False
+    wb = rocksdict.WriteBatch(raw_mode=True)
+    bound = (now_ms + 1).to_bytes(_EXPIRY_LEN, "big") if now_ms >= 0 else b""
+    for g in groups:
+        gb = g.to_bytes(2, "big")
+        lower = gb + KIND_EXPIRY
+        if not bound:
+            break
+        ro = rocksdict.ReadOptions()
+        ro.set_iterate_upper_bound(lower + bound)
+        it = db.iter(ro)
+        try:
+            it.seek(lower)
+            while it.valid():
+                if seen >= max_entries or (seen % 256 == 0 and (time.perf_counter() - began) * 1000 > max_ms):
+                    more = True
+                    break
+                ik = it.key()
+                entry = gb + ik[3 + _EXPIRY_LEN:]
+                stored = db.get(entry)
+                if stored is not None and expired(stored, now_ms) and expiry_of(stored) == int.from_bytes(
+                        ik[3:3 + _EXPIRY_LEN], "big"):
+                    wb.delete(entry)
+                    deleted += 1
+                else:
+                    stale += 1
+                wb.delete(ik)
+                seen += 1
+                it.next()
+        finally:
+            del it
+        if more:
+            break
+    if not wb.is_empty():
+        db.write(wb)
+    return SweepStats(deleted, stale, more, (time.perf_counter() - began) * 1000)
+
+
+def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
+    """Delete every entry of the variables ``names`` (``delete_states``) in the backend's key groups,
+    with their expiry-index keys; returns the range deletions written plus the index keys deleted.
+
+    The index is ordered by expiry, not by variable, so finding a variable's index keys reads the
+    whole index of each key group once (one pass for all ``names``); a drop runs once per variable.
+    Running it again deletes nothing more."""
+    middles = tuple(state_middle(kind, name) for name in names for kind in (KIND_VALUE, KIND_LIST, KIND_MAP))
+    if not middles:
+        return 0
+    wb = rocksdict.WriteBatch(raw_mode=True)
+    n = 0
+    db = backend.db
+    start = 3 + _EXPIRY_LEN   # an index key: group, 'x', expiry, then the entry's key from its kind on
+    for g in range(backend.key_groups.start, backend.key_groups.stop):
+        gb = g.to_bytes(2, "big")
+        for middle in middles:
+            wb.delete_range(gb + middle, _prefix_upper(gb + middle))
+            n += 1
+        lower = gb + KIND_EXPIRY
+        ro = rocksdict.ReadOptions()
+        ro.set_iterate_upper_bound(_prefix_upper(lower))
+        it = db.iter(ro)
+        try:
+            it.seek(lower)
+            while it.valid():
+                ik = it.key()
+                if ik.startswith(middles, start):
+                    wb.delete(ik)
+                    n += 1
+                it.next()
+        finally:
+            del it
+    db.write(wb)
+    return n
