@@ -1,7 +1,8 @@
 """Authenticated, size-bounded sockets between clients and agents (wire version 2).
 
-- :mod:`~sparksteward.wire.connection`: :class:`Connection` (the handshake, frame and body MACs and
-  the bounds are described there) and :class:`RawReader`;
+- :mod:`~sparksteward.wire.connection`: :class:`Connection` (frames and their MACs; the bounds are
+  described there), with the handshake in :mod:`~sparksteward.wire.handshake` and body streams in
+  :mod:`~sparksteward.wire.body` (:class:`RawReader`);
 - :mod:`~sparksteward.wire.server`: :class:`AgentServer`, which authenticates and dispatches;
 - :mod:`~sparksteward.wire.fields`: :class:`Fields`, typed access to a request's fields;
 - :mod:`~sparksteward.wire.messages`: :class:`Message`, the typed requests and replies, and
