@@ -190,10 +190,9 @@ def main() -> int:
         ceiling_server(args.ceiling_server)
         return 0
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    import sparksteward
     from pyspark import SparkFiles
     from pyspark.sql import SparkSession
-
-    import sparksteward
 
     spark = sparksteward.configure(
         SparkSession.builder.master("local-cluster[2,1,3072]").config("spark.executor.memory", "2g")

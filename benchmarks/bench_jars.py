@@ -52,13 +52,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import spark_session, wait_until  # noqa: E402
-from tests.test_jars_cluster import build_udf_jar  # noqa: E402
-
 from sparksteward import Steward  # noqa: E402
 from sparksteward.blob.cli import put  # noqa: E402
 from sparksteward.jar import shim_jar  # noqa: E402
 from sparksteward.testing.s3 import local_s3  # noqa: E402
+from tests.test_jars_cluster import build_udf_jar  # noqa: E402
+
+from tests.conftest import spark_session, wait_until  # noqa: E402
 
 
 def _padded_jar(out: Path, mb: int) -> Path:

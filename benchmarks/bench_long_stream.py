@@ -39,7 +39,6 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
-
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.keyed_tasks import _run_subtask, read_table
 from sparksteward.state.keygroups import key_group, subtask_for_key_group

@@ -57,10 +57,9 @@ def write_inputs(root: Path) -> list[Path]:
 
 
 def start(root: Path, s3: Any) -> Any:
+    import sparksteward
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
-
-    import sparksteward
     from sparksteward.jar import shim_jar
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # the executors' Python workers: this venv
@@ -131,9 +130,8 @@ class Query:
 
 def run_merging(root: Path) -> dict[str, Any]:
     """Run the three queries; print per batch and return the medians of the steady batches."""
-    from sparksteward.testing.s3 import local_s3
-
     from pyspark import cloudpickle
+    from sparksteward.testing.s3 import local_s3
 
     cloudpickle.register_pickle_by_value(bench_state)  # executors cannot import the bench's modules
     files = write_inputs(root)

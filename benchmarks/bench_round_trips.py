@@ -20,9 +20,8 @@ import pyarrow as pa
 import sparksteward
 from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
-from sparksteward.jar import shim_jar
 from sparksteward import Steward
-
+from sparksteward.jar import shim_jar
 
 ROWS = KEYS = 2000
 P, M = 8, 128

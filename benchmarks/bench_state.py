@@ -40,6 +40,7 @@ transformWithStateInPandas needs ``protobuf`` (6.x) installed. Run under the Spa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -162,10 +163,8 @@ def scan(root: Path) -> dict[str, int]:
     for dirpath, _, files in os.walk(root):
         for f in files:
             p = os.path.join(dirpath, f)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 found[p] = os.path.getsize(p)
-            except FileNotFoundError:
-                pass
     return found
 
 
@@ -191,10 +190,9 @@ class Written:
 
 
 def start_session(root: Path, label: str) -> Any:
+    import sparksteward
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
-
-    import sparksteward
     from sparksteward.jar import shim_jar
 
     # only the jar on the JVM's class path: later sessions of this process must not inherit settings
@@ -234,7 +232,6 @@ def start_session(root: Path, label: str) -> Any:
 def _warm(batches):
     import pandas  # noqa: F401
     import pyarrow.compute  # noqa: F401
-
     import sparksteward.state.runner  # noqa: F401
 
     yield from batches
@@ -517,7 +514,6 @@ def run(root: Path) -> int:
 
 def bench_duplication(root: Path) -> dict[str, float]:
     import bench_state_core
-
     from sparksteward.checkpoint.storage import CheckpointStorage
 
     src = CheckpointStorage.open(str(root / "ours-chk"), "ours-arrow")

@@ -88,7 +88,6 @@ SPLITS: dict[str, list[tuple[float, ...]]] = {}
 
 def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, float]:
     from pyspark.sql import functions as F
-
     from sparksteward import Steward, value_state
     from sparksteward.routing import subtask_sql
 
@@ -137,7 +136,13 @@ def time_state_work(batches: int = 16) -> str:
     from sparksteward.state.backend import RocksDBStateBackend
     from sparksteward.state.declared import resolve, value_state
     from sparksteward.state.keygroups import key_group_range, key_groups
-    from sparksteward.state.snapshot import TASK_FLUSH_BYTES, WAL_FLUSH_FILES, CompactionPolicy, compact_snapshot, fold_wal
+    from sparksteward.state.snapshot import (
+        TASK_FLUSH_BYTES,
+        WAL_FLUSH_FILES,
+        CompactionPolicy,
+        compact_snapshot,
+        fold_wal,
+    )
     from sparksteward.state.typed import TypedStates, _raw_keys
 
     tmp = Path(tempfile.mkdtemp(prefix="ceil-time-"))

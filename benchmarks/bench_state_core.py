@@ -27,15 +27,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
 from sparksteward.checkpoint.task.transfer import restore_subtask, upload_snapshot
-from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.config import StewardConfig
+from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 
 KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))

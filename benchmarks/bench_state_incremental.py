@@ -24,10 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import spark_session, wait_until  # noqa: E402
+from sparksteward import Steward  # noqa: E402
 from tests.test_state_rescale_spark import SCHEMA, add_counts  # noqa: E402
 
-from sparksteward import Steward  # noqa: E402
+from tests.conftest import spark_session, wait_until  # noqa: E402
 
 KEYS = int(os.environ.get("BENCH_KEYS", "1000000"))
 BATCHES = int(os.environ.get("BENCH_BATCHES", "25"))

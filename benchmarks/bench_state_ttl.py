@@ -83,14 +83,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import bench_state
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-
-import bench_state
-from bench_state import M, MB, P, Written, add_input, pct, scan, start_session
+from bench_state import MB, M, P, Written, add_input, pct, scan, start_session
 
 KEYS = int(os.environ.get("BENCH_KEYS", "20000"))
 ROWS = int(os.environ.get("BENCH_ROWS", "20000"))
@@ -395,7 +394,6 @@ def db_bytes(workdir: Path) -> int:
 def open_aside(side: Path, name: str, aside: dict[str, Any]) -> tuple[Any, Any]:
     """The storage and the metadata of a checkpoint set aside under ``side``."""
     import orjson
-
     from sparksteward.checkpoint.records import CheckpointMetadata
     from sparksteward.checkpoint.storage import CheckpointStorage
 
@@ -425,7 +423,6 @@ def look_restored(side: Path, name: str, aside: dict[str, Any], into: Path) -> d
     """Restore every subtask of a set-aside checkpoint once more to look at the DBs: their bytes as
     restored and after a full compaction, and their entries by kind."""
     import rocksdict
-
     from sparksteward.checkpoint.task.cache import LocalFileCache
     from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 

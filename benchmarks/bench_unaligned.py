@@ -82,10 +82,9 @@ def write_inputs(root: Path) -> tuple[list[Path], int]:
 
 
 def start(root: Path) -> Any:
+    import sparksteward
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
-
-    import sparksteward
     from sparksteward.jar import shim_jar
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -18,8 +18,8 @@ from pathlib import Path
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
-from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
+from sparksteward.wire import connection as wire
 
 MB = 1 << 20
 

@@ -10,9 +10,8 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-from pyspark.sql import SparkSession
-
 import sparksteward
+from pyspark.sql import SparkSession
 
 spark = sparksteward.configure(SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")).getOrCreate()
 st = sparksteward.Steward.get(spark)

@@ -18,9 +18,8 @@ import time
 from pathlib import Path
 
 import pandas as pd
-from pyspark.sql import SparkSession
-
 import sparksteward
+from pyspark.sql import SparkSession
 from sparksteward import list_state, map_state, value_state
 from sparksteward.errors import StateSchemaError
 

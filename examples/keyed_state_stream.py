@@ -17,9 +17,8 @@ import tempfile
 from pathlib import Path
 
 import pandas as pd
-from pyspark.sql import SparkSession
-
 import sparksteward
+from pyspark.sql import SparkSession
 
 
 def update(key, rows: pd.DataFrame, state) -> pd.DataFrame:

@@ -9,9 +9,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from pyspark.sql import SparkSession
-
 import sparksteward
+from pyspark.sql import SparkSession
 
 
 def main() -> None:

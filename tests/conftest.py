@@ -26,8 +26,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from sparksteward.testing.s3 import local_s3
+
 from tests.helpers import MARKER, REPO, SESSION, agent_processes, shared_spark, stop_shared_spark, wait_until
 from tests.helpers.s3 import clear_delays, new_bucket
 

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from sparksteward.config import (
     OPTIONS,
     StewardConfig,

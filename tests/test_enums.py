@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.checkpoint.filemerging.file_merger import MergingMode
 from sparksteward.checkpoint.restore import ClaimMode
 from sparksteward.checkpoint.unaligned.channel_state import AlignmentMode

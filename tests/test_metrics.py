@@ -9,10 +9,9 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from sparksteward import shim_protocol
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import ProtocolError
 from sparksteward.state.backend import RocksDBStateBackend

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import spark_session, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.compat]

@@ -26,7 +26,7 @@ def test_every_op_has_a_description_and_typed_classes():
     assert len(ops) >= 37
     for name, o in ops.items():
         assert o.doc, f"{o.request.__name__} ({name}) has no docstring: its first sentence is the op's description"
-        assert o.request.OP == name and o.reply is not None
+        assert name == o.request.OP and o.reply is not None
         assert re.fullmatch(r"(state|blob|jobs)\.[a-z_]+", name), name
 
 

@@ -20,7 +20,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from sparksteward.jar import shim_jar
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-
 import sparksteward
 from sparksteward.shim_protocol import PLUGIN_CLASS
 

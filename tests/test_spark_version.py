@@ -10,11 +10,11 @@ import subprocess
 
 import pyspark
 import pytest
-
 import sparksteward
 from sparksteward.config import TESTED_SPARK_VERSIONS
 from sparksteward.errors import ConfigError
 from sparksteward.session import VERSION_CHECK_KEY
+
 from tests.helpers import REPO
 
 pytestmark = pytest.mark.compat

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from sparksteward.testing import standalone
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from sparksteward.storage import PROBE_PREFIX, open_location, probe_conditional_writes
+
 from tests.helpers.s3 import new_bucket
 from tests.helpers.stores import ignoring_s3, no_mode_memory
 

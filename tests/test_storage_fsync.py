@@ -14,7 +14,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
 from sparksteward.storage import open_location

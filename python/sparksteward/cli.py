@@ -17,8 +17,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from sparksteward.errors import ConfigError, StewardError
 from sparksteward.config import parse_setting
+from sparksteward.errors import ConfigError, StewardError
 from sparksteward.storage import OPTIONS_KEY, set_default_options
 
 __all__ = ["main"]

@@ -7,6 +7,7 @@ authenticated connection per thread, so a ``Steward`` may be shared across threa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -471,10 +472,8 @@ class JobResults:
 
 def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:
     """Release a broadcast's reference; the session may already be gone (then the job's end cleans up)."""
-    try:
+    with contextlib.suppress(StewardError, OSError):
         blobs.release(key, job)
-    except (StewardError, OSError):
-        pass
 
 
 def _declarations(states: list[Any] | None, delete_states: list[str] | None) -> tuple[list[dict[str, Any]] | None,

@@ -30,10 +30,11 @@ def _executor_libraries() -> tuple[int, list[str]]:
 if __name__ == "__main__":
     install_finder(_executor_libraries)
     # Workers fork from this process: load what h.value needs once, not in every new worker.
+    from pyspark.daemon import manager
+
     import sparksteward.blob.broadcast
     import sparksteward.blob.payload
     import sparksteward.worker  # noqa: F401
-    from pyspark.daemon import manager
 
     # the objects loaded so far are never walked by a worker's collections, nor copied by them
     # (sparksteward.worker.settle_heap)

@@ -15,10 +15,9 @@ from __future__ import annotations
 import traceback
 from types import TracebackType
 from typing import Any, Protocol
+from urllib.parse import quote, unquote
 
 import orjson
-
-from urllib.parse import quote, unquote
 
 from sparksteward.errors import InvalidIdError, JobAlreadyCompleted
 from sparksteward.ids import validate_job_id
@@ -81,7 +80,7 @@ class JobScope:
         self._active = False
 
     def __enter__(self) -> JobScope:
-        from sparksteward.jobs.messages import JobBeginRequest   # the jobs package loads on first use
+        from sparksteward.jobs.messages import JobBeginRequest  # the jobs package loads on first use
         from sparksteward.jobs.result import JobResultEntry
 
         reply = self.steward.ask(JobBeginRequest(self.job_id, self.force))

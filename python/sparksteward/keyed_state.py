@@ -563,11 +563,8 @@ class KeyedState:
         from sparksteward.checkpoint.reader import variable_schema
         from sparksteward.checkpoint.records import CheckpointMetadata
 
-        info: InfoReply | CheckReply
-        if self._registered:
-            info = self._ask(InfoRequest(self.name))
-        else:   # not applied in this application: the driver agent reads the latest record, no lease taken
-            info = self._check()
+        # not applied in this application: the driver agent reads the latest record, no lease taken
+        info: InfoReply | CheckReply = self._ask(InfoRequest(self.name)) if self._registered else self._check()
         spark = self._st.spark
         meta_json = info.latest
         if meta_json is None:

@@ -187,10 +187,8 @@ def private_dir(path: Path) -> Path:
     """Create ``path`` (and missing parents) and make it 0700; refuse a symlink, a non-directory or
     another user's directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
     flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags)  # no TOCTOU: check and chmod the directory we opened

@@ -7,14 +7,14 @@ import logging
 from pathlib import Path
 
 import pytest
-
 from sparksteward.agents.logs import log_file_name
-from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range
 from sparksteward.testing.agent import AgentProcess
+
 from tests.helpers.state import checkpoint_backends
 
 

@@ -6,7 +6,6 @@ import os
 import time
 
 import pytest
-
 from sparksteward.errors import AuthenticationError, MessageTooLargeError, ProtocolError
 from sparksteward.rendezvous import Rendezvous
 from sparksteward.testing.agent import AgentProcess
@@ -51,9 +50,8 @@ def test_wrong_secret_is_refused_without_crashing_the_agent(state_conf):
 
 def test_oversized_and_malformed_requests_are_refused(state_conf):
     with AgentProcess("driver", state_conf) as agent:
-        with agent.connect() as conn:
-            with pytest.raises(ProtocolError, match="unknown request op"):
-                conn.request("no-such-op")
+        with agent.connect() as conn, pytest.raises(ProtocolError, match="unknown request op"):
+            conn.request("no-such-op")
         with agent.connect() as conn:
             conn.sock.sendall((64 << 20).to_bytes(4, "big"))  # announce 64 MiB: over the 16 MiB bound
             with pytest.raises((ProtocolError, OSError)):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-
 from sparksteward.blob.store import FileSystemBlobStore
+
 from tests.helpers.blob import BlobRig
 
 _n = itertools.count()

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
@@ -229,6 +228,7 @@ def test_the_sweeper_drops_a_deleted_jobs_blobs_but_not_what_a_task_still_uses(s
 
 def test_the_sweeper_thread_drops_within_its_interval_and_close_joins_it(server, tmp_path):
     from sparksteward.blob.job_sweeper import CacheJobSweeper
+
     from tests.helpers import wait_until
 
     key, _ = _blob(server, 1000, "short-job")

@@ -7,9 +7,9 @@ import os
 import sys
 
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.cli import main
+from sparksteward.hashing import hash_file
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.service import JobService
 

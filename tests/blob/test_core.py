@@ -10,13 +10,13 @@ import threading
 import time
 
 import pytest
-
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, BlobNotFoundError, ChecksumMismatchError, InvalidIdError
 from sparksteward.wire import Connection
+
 from tests.helpers import wait_until
 from tests.helpers.blob import BlobRig, staged_bytes, staged_fds
 

@@ -19,14 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-
 from sparksteward.agents.driver import _server_dir
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
 from sparksteward.blob.staging import unnamed_files
+from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.errors import StewardError
 from sparksteward.hashing import hash_file
-from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.testing.agent import AgentProcess
 
 _UPLOADER = r"""

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.key import BlobKey
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.wire import Connection
+
 from tests.helpers.blob import BlobRig
 
 _n = itertools.count()

@@ -8,12 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore
 from sparksteward.errors import ChecksumMismatchError
+from sparksteward.hashing import hash_file
 from sparksteward.testing.s3 import local_s3
+
 from tests.helpers.blob import BlobRig
 
 

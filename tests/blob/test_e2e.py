@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import spark_session, wait_until
 
 
@@ -101,7 +101,7 @@ def test_add_library_is_importable_in_workers_and_shipped_once(spark, tmp_path):
         import stewlib
         import stewsingle
 
-        return [stewlib.VALUE + 1 == stewsingle.answer()]
+        return [stewsingle.answer() == stewlib.VALUE + 1]
 
     assert spark.sparkContext.parallelize(range(4), 4).flatMap(use).collect() == [True] * 4
     after = _cache_stats(spark)

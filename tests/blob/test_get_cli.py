@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sparksteward.blob.cli import put
 from sparksteward.blob.url import BlobUrl, app_scope
 from sparksteward.cli import main
@@ -78,9 +77,8 @@ def test_an_application_scoped_url_is_refused_with_the_fix(tmp_path, jar, capsys
 
 
 def test_configure_hands_the_ha_path_to_the_file_system(tmp_path):
-    from pyspark.sql import SparkSession
-
     import sparksteward
+    from pyspark.sql import SparkSession
 
     ha = str(tmp_path / "ha")
     builder = SparkSession.Builder().config("spark.steward.blob.ha.storage-path", ha)

@@ -13,19 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sparksteward.agents.driver import _server_dir
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import hash_file
 from sparksteward.blob.payload import write_payload
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import FileSystemBlobStore, VoidBlobStore
 from sparksteward.errors import BlobNotFoundError, InvalidIdError
+from sparksteward.hashing import hash_file
 from sparksteward.owner import OwnerRecord, process_start_time
 from sparksteward.rendezvous import Rendezvous
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import AgentServer
+
 from tests.helpers import wait_until
 from tests.helpers.blob import BlobRig
 

@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from sparksteward.blob.cli import put
 from sparksteward.jar import shim_jar
+
 from tests.helpers import spark_session, wait_until
-from tests.helpers.jars import JAVAC, cache_stats_by_executor, build_udf_jar
+from tests.helpers.jars import JAVAC, build_udf_jar, cache_stats_by_executor
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -64,7 +64,6 @@ def test_a_url_naming_no_blob_fails_the_start_with_the_url_and_the_fix():
         ha = str(Path(tmp) / "ha")
         url = "steward://cluster-64656661756c74/~/p-" + "0" * 32 + "/missing.jar"
         conf = {"spark.steward.blob.ha.storage-path": ha, "spark.jars": url}
-        with pytest.raises(Exception) as err:
-            with spark_session("local-cluster[2,1,1024]", **conf):
-                pass
+        with pytest.raises(Exception) as err, spark_session("local-cluster[2,1,1024]", **conf):
+            pass
         assert url in str(err.value) and "steward blobs put" in str(err.value), str(err.value)[:2000]

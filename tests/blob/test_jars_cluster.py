@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import agent_processes, spark_session, wait_until
 from tests.helpers.jars import JAVAC, build_udf_jar, cache_stats_by_executor
 

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sparksteward.blob.cli import put
 from sparksteward.jar import shim_jar
+
 from tests.helpers.jars import JAVAC, build_udf_jar
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

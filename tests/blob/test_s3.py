@@ -6,8 +6,8 @@ import zipfile
 
 import numpy as np
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import spark_session, wait_until
 
 

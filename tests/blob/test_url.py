@@ -9,7 +9,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from sparksteward import shim_protocol
 from sparksteward.blob.cache import BlobCache
 from sparksteward.blob.client import BlobClient

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
+
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 
 

@@ -5,14 +5,14 @@ restarted driver or driver agent), on file:// and moto S3. Issue 35, items 2 and
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.checkpoint.begun import BEGUN_FILE, BegunRecord, CheckpointTime, read_begun, time_of
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.unaligned.coordinator_cuts import translate_cuts
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.unaligned.coordinator_cuts import translate_cuts
 from sparksteward.errors import CheckpointOrderError, CorruptRecordError
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.testing.clock import FakeClock
+
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import StateLease, read_lease
 from sparksteward.checkpoint.restore import restore_from

@@ -6,7 +6,6 @@ import sys
 
 import orjson
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main

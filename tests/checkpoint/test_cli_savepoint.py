@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.restore import restore_from
@@ -121,7 +120,6 @@ def test_the_default_checkpoint_dir_is_the_embedded_one(tmp_path, monkeypatch, c
 
 def test_the_storage_options_reach_the_copy(s3, tmp_path, monkeypatch, capsys):
     import s3fs
-
     from sparksteward import storage as storage_module
     from sparksteward.storage import OPTIONS_KEY
 

@@ -14,11 +14,10 @@ import textwrap
 
 import pytest
 import rocksdict
-
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.errors import ConfigError, StateBackendError
 from sparksteward.state import snapshot as snapshot_mod

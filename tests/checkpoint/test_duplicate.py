@@ -6,11 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from sparksteward.checkpoint.duplicate import Duplicator, can_fast_duplicate
 from sparksteward.errors import CheckpointNotFoundError
 from sparksteward.storage import open_location
-
 
 PAYLOAD = os.urandom(3 << 20)
 

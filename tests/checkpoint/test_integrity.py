@@ -5,10 +5,10 @@ it before ``_metadata`` names it, with one check per file the retained checkpoin
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError
+
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 
 

@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-
 from sparksteward.checkpoint.lease import LEASE_FILE, StateLease, read_lease
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CorruptRecordError, StateLeaseError
@@ -137,7 +136,8 @@ def test_a_corrupt_lease_record_is_refused_by_name(tmp_path):
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator  # noqa: E402
 from sparksteward.errors import CheckpointError  # noqa: E402
 from sparksteward.testing.clock import FakeClock  # noqa: E402
-from tests.helpers.checkpoint import BATCHES, M, P, stored_counts, expected_counts, run_batch  # noqa: E402
+
+from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts  # noqa: E402
 
 
 def test_a_restart_sweeps_only_old_orphans_and_never_completes_on_a_deleted_upload(tmp_path, store_url):

@@ -9,12 +9,12 @@ import logging
 import shutil
 
 import pytest
-
-from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import StewardError
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers import wait_until
 
 P, M = 2, 8

@@ -14,16 +14,16 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.filemerging.space import is_merged
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, read_ranges
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.transfer import restore_subtask
 from sparksteward.errors import StewardError
 from sparksteward.state.snapshot import WAL_FLUSH_FILES
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import new_secret
+
 from tests.helpers import wait_until
 from tests.helpers.merging import MergingRig
 from tests.helpers.state import split_by_subtask, write_subtask

@@ -69,9 +69,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from sparksteward.clock import OFFSET_FILE_ENV
 from sparksteward.testing.s3 import local_s3
+
 from tests.helpers import MARKER, REPO, agent_processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.cluster]

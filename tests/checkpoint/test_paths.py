@@ -9,14 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from sparksteward.hashing import hash_file
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.records import FileHandle, SubtaskHandle
 from sparksteward.checkpoint.restore import restore_from
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, InvalidRecordError, InvalidRequestError, StewardError
+from sparksteward.hashing import hash_file
 from sparksteward.state.keygroups import key_group_range
 
 from tests.helpers.merging import MergingRig

@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.lease import LEASE_FILE, StateLease, read_lease
 from sparksteward.checkpoint.removal import collect_garbage, remove_state
@@ -17,6 +16,7 @@ from sparksteward.errors import CheckpointError, CheckpointNotFoundError, Invali
 from sparksteward.owner import OwnerRecord
 from sparksteward.storage import open_location
 from sparksteward.testing.clock import FakeClock
+
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 
 pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")

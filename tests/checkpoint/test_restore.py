@@ -3,14 +3,11 @@ CLAIM without copying, savepoints, and the errors for bad sources; on file:// an
 
 from __future__ import annotations
 
-
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
-from sparksteward.storage import open_location
 from sparksteward.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -19,9 +16,9 @@ from sparksteward.errors import (
     StateEncodingError,
     StorageError,
 )
+from sparksteward.storage import open_location
 
-from tests.helpers.checkpoint import BATCHES, M, P, FailingHalfway, expected_counts, run_batch, stored_counts
-
+from tests.helpers.checkpoint import BATCHES, FailingHalfway, M, P, expected_counts, run_batch, stored_counts
 
 pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
 

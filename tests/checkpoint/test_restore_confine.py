@@ -14,20 +14,19 @@ import uuid
 from dataclasses import replace
 
 import pytest
-
-from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.cli import find_orphans
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.duplicate import Duplicator
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle
 from sparksteward.checkpoint.restore import restore_from, write_savepoint
-from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.cli import main
 from sparksteward.errors import CheckpointCorruptError, CheckpointError, StorageError
 from sparksteward.storage import open_location
 from sparksteward.wire import AgentServer, Connection, new_secret
 
-from tests.helpers.checkpoint import BATCHES, M, P, FailingHalfway, expected_counts, run_batch, stored_counts
+from tests.helpers.checkpoint import BATCHES, FailingHalfway, M, P, expected_counts, run_batch, stored_counts
 
 pytestmark = pytest.mark.usefixtures("deletes_stay_in_tmp_path")
 

@@ -46,8 +46,8 @@ import orjson
 import pandas as pd
 import psutil
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import MARKER, agent_processes, spark_session, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.cluster]

@@ -8,15 +8,13 @@ import shutil
 
 import orjson
 import pytest
-
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.transfer import restore_subtask, upload_snapshot
 from sparksteward.errors import CheckpointCorruptError, CheckpointNotFoundError, InvalidRecordError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange
-
 
 M = 16
 ALL = KeyGroupRange(0, M)

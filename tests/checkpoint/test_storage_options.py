@@ -15,11 +15,11 @@ import sys
 
 import orjson
 import pytest
-
 from sparksteward.cli import main
-from sparksteward.errors import ConfigError
 from sparksteward.config import parse_setting
+from sparksteward.errors import ConfigError
 from sparksteward.storage import OPTIONS_KEY, open_location, options_scope
+
 from tests.helpers import REPO
 from tests.helpers.keyed import make_batches, reference
 
@@ -104,7 +104,6 @@ def test_an_options_scope_applies_to_opens_in_its_context_only(s3, monkeypatch):
 
 def test_a_streamed_duplicate_reads_its_source_with_the_options(s3, tmp_path, monkeypatch):
     import s3fs
-
     from sparksteward.checkpoint.duplicate import Duplicator
 
     for k in [k for k in os.environ if k.startswith("AWS_ENDPOINT_URL")]:

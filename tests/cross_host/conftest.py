@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sparksteward.testing.standalone import isolation_unavailable, standalone_cluster
+
 from tests.helpers import spark_session
 from tests.helpers.s3 import new_bucket
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from sparksteward import Steward
 from sparksteward.blob.server import BOOT_ID
 from sparksteward.blob.store import job_dir_name
 from sparksteward.storage import PROBE_PREFIX
+
 from tests.helpers import wait_until
 from tests.helpers.cross_host import executor_cache_stats, on_executor
 
@@ -124,8 +124,8 @@ def test_declared_states_with_ttl_on_s3_across_hosts(spark, s3):
     driver's files nor its boot id: each batch restores them from S3, and a distributed read decodes
     every variable there with the declarations the checkpoint recorded."""
     import pandas as pd
-
     from sparksteward import list_state, map_state, value_state
+
     from tests.helpers.keyed import declared_count_events, make_batches
 
     st = Steward.get(spark)
@@ -155,7 +155,6 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
     agent there uploads both to S3."""
     import pandas as pd
     import pyarrow as pa
-
     from sparksteward import value_state
 
     def fn(keys, rows, state):
@@ -199,7 +198,6 @@ def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s
     first batch's SSTs leave the checkpoint, which shrinks, and a restore reads only the live keys. The
     checkpoint's report carries what that agent and its tasks measured."""
     import pandas as pd
-
     from sparksteward import value_state
 
     def count(key, rows, state):

@@ -7,8 +7,8 @@ so its executor agent cannot copy the BlobServer's file: the jar must be streame
 from __future__ import annotations
 
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers.cross_host import executor_cache_stats, on_executor
 from tests.helpers.jars import JAVAC, build_udf_jar
 

@@ -16,8 +16,8 @@ import uuid
 
 import psutil
 import pytest
-
 from sparksteward import Steward, value_state
+
 from tests.helpers import agent_processes, wait_until
 
 pytestmark = pytest.mark.slow

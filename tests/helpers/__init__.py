@@ -25,9 +25,9 @@ def agent_processes() -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if any("sparksteward.agents" in part for part in proc.info["cmdline"] or ()):
-                if proc.environ().get(MARKER) == SESSION:
-                    found.append(proc)
+            if (any("sparksteward.agents" in part for part in proc.info["cmdline"] or ())
+                    and proc.environ().get(MARKER) == SESSION):
+                found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
@@ -79,10 +79,9 @@ def stop_shared_spark() -> None:
 
 @contextlib.contextmanager
 def _session(master: str, conf: dict[str, str]) -> Iterator[object]:
+    import sparksteward
     from pyspark import SparkConf, SparkContext
     from pyspark.sql import SparkSession
-
-    import sparksteward
     from sparksteward.jar import shim_jar
 
     # Launch the JVM with only the jar on its class path: spark-submit turns the first session's

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -41,10 +42,8 @@ def staged_bytes(server) -> int:
     total = 0
     for d in (server.incoming, server.spare_dir):
         for f in d.iterdir():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 total += f.stat().st_size
-            except FileNotFoundError:
-                pass
     return total + sum(size for _, size in staged_fds(server))
 
 

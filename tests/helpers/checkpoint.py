@@ -3,8 +3,8 @@ restore their base, count keys, snapshot, upload and ack; and what the counts mu
 
 from __future__ import annotations
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.subtask_restore import open_subtask, restore_subtask_backend
 from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.errors import StorageError

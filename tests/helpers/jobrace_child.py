@@ -20,12 +20,11 @@ import sys
 import time
 
 import orjson
-
 from sparksteward.errors import StewardError
+from sparksteward.jobs.fs_store import open_store
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
-from sparksteward.jobs.fs_store import open_store
 from sparksteward.storage import set_default_options
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, SparkJobOutcome, StepState
 from sparksteward.jobs.store import InMemoryJobResultStore

@@ -6,12 +6,13 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers.state import split_by_subtask, write_subtask
 
 M = 64

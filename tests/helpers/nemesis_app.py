@@ -154,10 +154,9 @@ def main() -> None:
 
     from datetime import timedelta
 
+    import sparksteward
     from pyspark.errors import StreamingQueryException
     from pyspark.sql import SparkSession
-
-    import sparksteward
     from sparksteward import Steward, list_state, value_state
 
     builder = (SparkSession.builder.master("local-cluster[2,1,1024]").appName(f"steward-nemesis-{app}")

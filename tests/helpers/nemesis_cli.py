@@ -23,7 +23,6 @@ def main() -> None:
     where = Path(sys.argv[1])
     argv = sys.argv[2:]
     import s3fs  # noqa: F401 - imported before the signal, as the command would import it
-
     from sparksteward.cli import main as steward
 
     (where / "ready").touch()

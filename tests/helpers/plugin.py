@@ -8,7 +8,6 @@ def task_probe(_):
     import time
 
     from pyspark import TaskContext
-
     from sparksteward.worker import executor_connection
 
     tid = TaskContext.get().taskAttemptId()

@@ -97,9 +97,8 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, required=True)
     args = ap.parse_args()
 
-    from pyspark.sql import SparkSession
-
     import sparksteward
+    from pyspark.sql import SparkSession
     from sparksteward import Steward
 
     builder = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("steward-process-driver")

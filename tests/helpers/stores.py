@@ -14,7 +14,6 @@ from typing import Any, ClassVar
 
 import s3fs
 from fsspec.implementations.memory import MemoryFileSystem
-
 from sparksteward.storage import Location
 from sparksteward.testing.s3 import LocalS3
 
@@ -50,7 +49,7 @@ class NoModeMemory(MemoryFileSystem):
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         out = super().info(path, **kwargs)
         if out.get("type") == "file":
-            out["ETag"] = '"%s"' % hashlib.md5(self.cat_file(path)).hexdigest()
+            out["ETag"] = f'"{hashlib.md5(self.cat_file(path)).hexdigest()}"'
         return out
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from sparksteward.config import StewardConfig
 from sparksteward.errors import InvalidRecordError, JobAlreadyCompleted, JobStoreError
 from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
@@ -30,6 +29,7 @@ from sparksteward.jobs.steps import BlobJobDirCleanup, CleanupStep, StepRegistry
 from sparksteward.jobs.store import InMemoryJobResultStore
 from sparksteward.testing.clock import FakeClock
 from sparksteward.testing.s3 import local_s3
+
 from tests.helpers import wait_until
 
 
@@ -229,8 +229,8 @@ def test_steps_are_idempotent(tmp_path, s3):
 
 def test_default_blob_job_dir_deletes_the_ha_directory(tmp_path, s3):
     from sparksteward.blob.key import BlobKey, BlobType
-    from sparksteward.hashing import hash_file
     from sparksteward.blob.store import FileSystemBlobStore
+    from sparksteward.hashing import hash_file
 
     src = tmp_path / "lib.whl"
     src.write_bytes(b"wheel" * 100)

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from sparksteward.errors import InvalidRecordError
 from sparksteward.jobs.cleanup import CleanupOutcome, CleanupRunner
 from sparksteward.jobs.fs_store import FileSystemJobResultStore

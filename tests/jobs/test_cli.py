@@ -13,7 +13,6 @@ import sys
 
 import orjson
 import pytest
-
 from sparksteward.errors import StewardError
 from sparksteward.jobs.cli import add_subcommands
 from sparksteward.jobs.fs_store import FileSystemJobResultStore

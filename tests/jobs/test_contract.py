@@ -12,12 +12,17 @@ import threading
 
 import orjson
 import pytest
-
-from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultExistsError,
-                                 JobResultNotFoundError)
+from sparksteward.errors import (
+    CorruptRecordError,
+    InvalidIdError,
+    InvalidRecordError,
+    JobResultExistsError,
+    JobResultNotFoundError,
+)
 from sparksteward.jobs.result import Failure, FinalCheckpoint, JobResult, JobStatus, SparkJobOutcome, StepState
 from sparksteward.jobs.store import JobResultStore, JobResultView, JobResultWriter
 from sparksteward.testing.clock import FakeClock
+
 from tests.helpers.jobs import names, needs_files, result
 
 

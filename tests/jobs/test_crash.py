@@ -10,8 +10,8 @@ import random
 import time
 
 import pytest
-
 from sparksteward.testing.agent import AgentProcess
+
 from tests.helpers import wait_until
 
 RUNS = 12

@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sparksteward import JobAlreadyCompleted, Steward
 from sparksteward.jar import shim_jar
 from sparksteward.jobs.result import JobStatus
+
 from tests.helpers import spark_session, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,10 +60,9 @@ def test_scoped_job_that_fails(spark, state, tmp_path):
     def boom(_):
         raise RuntimeError("steward-task-boom")
 
-    with pytest.raises(Exception, match="steward-task-boom"):
-        with st.job("failing-job") as job:
-            job.cleanup_path(str(target))
-            spark.sparkContext.parallelize([1], 1).map(boom).collect()
+    with pytest.raises(Exception, match="steward-task-boom"), st.job("failing-job") as job:
+        job.cleanup_path(str(target))
+        spark.sparkContext.parallelize([1], 1).map(boom).collect()
     entry = st.job_results.get("failing-job")
     assert entry.status is JobStatus.FAILED and entry.clean
     assert "steward-task-boom" in entry.result.failure.message and entry.result.failure.where
@@ -82,11 +81,10 @@ def test_scoped_job_that_is_cancelled(spark, tmp_path):
         time.sleep(30)
         return x
 
-    with pytest.raises(Exception, match="(?i)cancel"):
-        with st.job("cancelled-job") as job:
-            job.cleanup_path(str(target))
-            threading.Timer(2.0, lambda: sc.cancelJobsWithTag(job.tag)).start()
-            sc.parallelize(range(2), 2).map(slow).collect()
+    with pytest.raises(Exception, match="(?i)cancel"), st.job("cancelled-job") as job:
+        job.cleanup_path(str(target))
+        threading.Timer(2.0, lambda: sc.cancelJobsWithTag(job.tag)).start()
+        sc.parallelize(range(2), 2).map(slow).collect()
     entry = st.job_results.get("cancelled-job")
     assert entry.status is JobStatus.CANCELLED and entry.clean and not target.exists()
 
@@ -95,9 +93,8 @@ def test_a_job_with_a_result_is_never_rerun_silently(spark):
     st = Steward.get(spark)
     with st.job("once") as job:
         job.set_result(1)
-    with pytest.raises(JobAlreadyCompleted) as info:
-        with st.job("once"):
-            pytest.fail("the body must not run")
+    with pytest.raises(JobAlreadyCompleted) as info, st.job("once"):
+        pytest.fail("the body must not run")
     assert info.value.entry.status is JobStatus.SUCCEEDED
     assert "'once'" in str(info.value) and "force=True" in str(info.value)
 
@@ -139,7 +136,6 @@ def test_an_app_end_the_listener_bus_delivers_late_still_ends_the_app_job_clean(
     end) delivered app_end after the driver agent had been told to shut down: the application's job
     never ended, no result was stored (a CI run showed it). The driver plugin now waits for app_end."""
     from pyspark.java_gateway import ensure_callback_server_started
-
     from sparksteward.jobs.fs_store import FileSystemJobResultStore
 
     with spark_session("local[1]", **{"spark.steward.state-dir": str(state)}) as spark:

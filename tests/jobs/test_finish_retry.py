@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult
@@ -28,6 +27,7 @@ from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
 from sparksteward.storage import open_location
 from sparksteward.testing.s3 import local_s3
+
 from tests.helpers import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

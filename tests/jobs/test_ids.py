@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-
+from sparksteward.agents.driver import _scoped_jobs
 from sparksteward.errors import CorruptRecordError, InvalidIdError
 from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id, validate_job_id
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult
-from sparksteward.agents.driver import _scoped_jobs
 from sparksteward.jobscope import job_tag
 
 

@@ -13,7 +13,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from sparksteward.errors import CorruptRecordError
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import JobResult, JobStatus, StepState
@@ -44,10 +43,9 @@ def test_a_cli_recovery_skips_leased_jobs(tmp_path):
     url = str(tmp_path / "jrs")
     store = FileSystemJobResultStore(url)
     _dirty(store, tmp_path / "out")
-    with FileSystemJobResultStore(url).lease("j", "r1"):
-        with JobService(store, policy=RetryPolicy.fixed(0.05)) as svc:
-            assert svc.recover(defer_leased=False) == []
-            assert svc.wait_idle(1)
+    with FileSystemJobResultStore(url).lease("j", "r1"), JobService(store, policy=RetryPolicy.fixed(0.05)) as svc:
+        assert svc.recover(defer_leased=False) == []
+        assert svc.wait_idle(1)
     assert store.get("j").dirty
 
 
@@ -68,9 +66,8 @@ def test_a_refused_begin_never_holds_the_lease(tmp_path, clean):
     _dirty(store, tmp_path / "out")
     if clean:
         store.mark_clean("j", "r1")
-    with JobService(store, policy=RetryPolicy.fixed(0.05)) as svc:
-        with pytest.raises(JobAlreadyCompleted):
-            svc.begin("j")
+    with JobService(store, policy=RetryPolicy.fixed(0.05)) as svc, pytest.raises(JobAlreadyCompleted):
+        svc.begin("j")
     assert store.seen and not any(store.seen), store.seen
     assert not store.is_leased("j")
 

@@ -25,11 +25,10 @@ from pathlib import Path
 
 import orjson
 import pytest
-
+from sparksteward.jobs.fs_store import open_store
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.service import JobService
 from sparksteward.jobs.steps import CleanupStep
-from sparksteward.jobs.fs_store import open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")

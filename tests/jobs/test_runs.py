@@ -9,10 +9,10 @@ import multiprocessing
 from dataclasses import replace
 
 import pytest
-
 from sparksteward.errors import JobStoreError, RunConflictError
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.jobs.result import StepState
+
 from tests.helpers.jobs import names, needs_files, result
 
 

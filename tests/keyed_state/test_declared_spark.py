@@ -11,7 +11,6 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
 from sparksteward import Steward, list_state, map_state, value_state
 from sparksteward.errors import StateSchemaError
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
 
 pytestmark = pytest.mark.slow

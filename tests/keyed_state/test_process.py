@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointOrderError, StateError
+
 from tests.helpers import spark_session, wait_until
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
@@ -142,7 +142,6 @@ def test_retries_and_second_actions_over_batches_that_flush_in_their_tasks(spark
     retried from the base; without persist, the sink's second action runs the stage again, whose
     snapshots race the first's for the ack. State and output stay exactly once."""
     import numpy as np
-
     from sparksteward import value_state
 
     st = Steward.get(spark)

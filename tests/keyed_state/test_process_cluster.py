@@ -26,12 +26,12 @@ from pathlib import Path
 import psutil
 import pytest
 from pyspark.errors import StreamingQueryException
-
 from sparksteward import Steward
 from sparksteward.checkpoint.storage import CheckpointStorage
+
 from tests.helpers import spark_session, wait_until
-from tests.helpers.state_process_driver import KILL_KEY, count_sum_fn, expected, start_query, write_inputs
 from tests.helpers.keyed import state_of
+from tests.helpers.state_process_driver import KILL_KEY, count_sum_fn, expected, start_query, write_inputs
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 

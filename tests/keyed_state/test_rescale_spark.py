@@ -18,7 +18,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from sparksteward import Steward
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks
@@ -39,7 +38,7 @@ def add_counts(keys, rows, state):
     old = state.get_many(ks)
     state.put_many(ks, [[(o[0] if o else 0) + c, (o[1] if o else 0) + s]
                         for o, c, s in zip(old, t.column("v_count").to_pylist(), t.column("v_sum").to_pylist())])
-    return None
+    return
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ checkpoint lacks. Run under the Spark lock."""
 from __future__ import annotations
 
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import agent_processes, spark_session, wait_until
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 from tests.helpers.restore import CLUSTER, checksums, listing, metadata, object_bytes, puts_under, root

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
-
 from sparksteward import Steward
 from sparksteward.errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError, ParallelismError
+
 from tests.helpers import spark_session
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 from tests.helpers.restore import CLUSTER, DATA_OPS, checksums, listing, metadata, object_bytes, puts_under, root
@@ -216,6 +216,7 @@ def _previous_run(s3, tmp_path, checkpoint_dir: str, name: str, max_parallelism:
     process), so no executor of this application has its files cached; returns its ``chk-0`` URL."""
     from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
     from sparksteward.checkpoint.storage import CheckpointStorage
+
     from tests.helpers.checkpoint import BATCHES, run_batch
 
     storage = CheckpointStorage.open(s3.url(checkpoint_dir), name, CLUSTER)

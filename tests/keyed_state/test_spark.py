@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
 from sparksteward.errors import CheckpointError, StateEncodingError
+
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = pytest.mark.slow
@@ -151,7 +151,7 @@ def test_a_value_that_cannot_be_encoded_fails_the_task_naming_it_and_writes_noth
 
     def keeps_a_set(key, rows, state):
         state.update({"seen": {datetime.date(2026, 11, 22)}, "n": len(rows)})
-        return None
+        return
 
     with pytest.raises(Exception, match=r"state value .* of type dict cannot be encoded.*convert other objects"):
         ks.apply(spark.createDataFrame(batches[1]), keeps_a_set, SCHEMA, checkpoint_id=1).collect()

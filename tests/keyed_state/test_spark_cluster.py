@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

@@ -21,9 +21,9 @@ import sys
 import urllib.request
 
 import pytest
-
 from sparksteward import Steward
 from sparksteward.testing.standalone import isolation_unavailable, standalone_cluster
+
 from tests.helpers import spark_session
 from tests.helpers.keyed import make_batches
 
@@ -163,7 +163,6 @@ def test_a_speculative_copy_of_a_batch_that_ingests_its_puts_counts_once(cluster
     second batch builds on it, and the output has one row per key."""
     import numpy as np
     import pandas as pd
-
     from sparksteward import value_state
 
     rng = np.random.default_rng(23)

@@ -10,8 +10,8 @@ import uuid
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward, value_state
+
 from tests.helpers import spark_session, wait_until
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
 from sparksteward.errors import ConfigError, StewardError
+
 from tests.helpers import spark_session
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 

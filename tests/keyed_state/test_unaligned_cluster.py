@@ -5,9 +5,9 @@ executors + 2 objects to moto's S3 server. Run under the Spark lock."""
 from __future__ import annotations
 
 import pytest
-
 from sparksteward import Steward
 from sparksteward.storage import PROBE_PREFIX
+
 from tests.helpers import spark_session
 from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
 

@@ -8,7 +8,6 @@ import logging
 
 import pandas as pd
 import pytest
-
 from sparksteward import Steward
 from sparksteward.errors import StorageError
 

@@ -9,8 +9,8 @@ import time
 
 import psutil
 import pytest
-
 from sparksteward import Steward
+
 from tests.helpers import agent_processes, spark_session, wait_until
 from tests.helpers.plugin import task_probe
 
@@ -32,10 +32,8 @@ def _executors(spark):
         import os
 
         import psutil
-
-        from sparksteward.worker import executor_connection
-
         from pyspark import SparkFiles
+        from sparksteward.worker import executor_connection
 
         health = executor_connection().request("health")
         jvm = psutil.Process(os.getpid()).parent().parent()  # worker -> pyspark daemon -> executor JVM

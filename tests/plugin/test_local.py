@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-
 import sparksteward
 from sparksteward import Steward
+
 from tests.helpers import agent_processes, wait_until
 from tests.helpers.plugin import task_probe
 

@@ -6,7 +6,6 @@ import os
 import zipfile
 
 import pytest
-
 from sparksteward.errors import ShimBuildError
 from sparksteward.jar import run_shim_tests, shim_jar
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import orjson
 import pytest
-
 from sparksteward import shim_protocol
 from sparksteward.errors import ProtocolError
 

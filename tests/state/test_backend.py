@@ -10,11 +10,10 @@ import textwrap
 
 import pyarrow as pa
 import pytest
-
 from sparksteward.errors import StateBackendError, StateEncodingError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.snapshot import fold_wal
 from sparksteward.state.keygroups import KeyGroupRange, key_group, key_group_range
+from sparksteward.state.snapshot import fold_wal
 
 M = 128
 ALL = KeyGroupRange(0, M)
@@ -149,9 +148,8 @@ def test_a_snapshot_that_keeps_the_db_open_is_a_rocksdb_checkpoint(tmp_path):
 
 def test_snapshot_into_existing_dir_is_refused(tmp_path):
     (tmp_path / "s").mkdir()
-    with RocksDBStateBackend(tmp_path / "w", ALL, M) as b:
-        with pytest.raises(StateBackendError, match="already exists"):
-            b.snapshot(tmp_path / "s")
+    with RocksDBStateBackend(tmp_path / "w", ALL, M) as b, pytest.raises(StateBackendError, match="already exists"):
+        b.snapshot(tmp_path / "s")
 
 
 def test_open_without_a_db_never_creates_an_empty_one(tmp_path):
@@ -283,7 +281,6 @@ def test_column_family_options_reach_a_db_that_exists(tmp_path):
     ``open_db`` passes them apart, so a fold or a compaction copy really opens without RocksDB's own
     compactions (RocksDB records what it applied in the OPTIONS file it writes at each open)."""
     import rocksdict
-
     from sparksteward.state.rocksdb_options import db_options, open_db
 
     def applied(path):

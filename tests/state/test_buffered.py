@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import list_state, map_state, resolve, value_state
 from sparksteward.state.keygroups import KeyGroupRange
@@ -100,7 +99,7 @@ def test_buffered_per_key_writes_make_a_fraction_of_the_wal(tmp_path, declared):
             state.value("c").update(int(frame["v"].sum()))
         else:
             state.update({"n": len(frame), "s": int(frame["v"].sum())})
-        return None
+        return
 
     sizes = {}
     for mode in ("buffered", "one record per update"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from sparksteward.errors import StateEncodingError
 from sparksteward.state.encoding import (
     KIND_MAP,

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.state.runner import run_pandas
-
 
 M, P = 32, 3
 OUT = pa.schema([("user", pa.string()), ("clicks", pa.int64())])

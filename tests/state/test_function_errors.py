@@ -8,7 +8,6 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 import pytest
-
 from sparksteward.errors import StateError, StateFunctionError, StateNotRegisteredError
 from sparksteward.keyed_state import KeyedState
 from sparksteward.keyed_tasks import guarded

@@ -4,12 +4,10 @@ declaration by name."""
 
 from __future__ import annotations
 
-
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
 from sparksteward import list_state, map_state, value_state
 from sparksteward.errors import StateSchemaError
 from sparksteward.testing import KeyedStateHarness
@@ -72,7 +70,7 @@ def test_both_forms_keep_state_and_expire_it_when_time_moves(form):
 def test_a_restart_evolves_or_refuses_a_declaration_by_name():
     def last(key, rows, state):
         state.value("last").update({"v": int(rows["v"].iloc[-1]), "note": "n"})
-        return None
+        return
 
     with KeyedStateHarness(last, key="k", schema="k string",
                            states=[value_state("last", "v int, note string")]) as h:
@@ -102,7 +100,7 @@ def test_a_restart_with_the_same_arrow_declarations_keeps_their_versions():
         state.map("by_ts").put(when, "v")
         state.value("s").update("w")
         state.list("l").append({"t": when.replace(tzinfo=dt.timezone.utc), "b": b"x"})
-        return None
+        return
 
     with KeyedStateHarness(fn, key="k", schema="k string", states=specs) as h:
         h.process([{"k": "a"}])
@@ -120,7 +118,7 @@ def test_a_name_dropped_then_declared_anew_takes_a_new_version_and_starts_empty(
     with another type never reuses the version its old bytes were written with."""
     def fn(key, rows, state):
         state.value("x").update("abcd")
-        return None
+        return
 
     with KeyedStateHarness(fn, key="k", schema="k string", states=[value_state("x", "string")]) as h:
         h.process([{"k": "a"}])

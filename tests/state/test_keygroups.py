@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.errors import ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import (
     KeyGroupRange,
@@ -14,6 +13,7 @@ from sparksteward.state.keygroups import (
     subtask_for_key_group,
     validate_parallelism,
 )
+
 from tests.helpers import spark_session
 
 # computed with pyspark 4.3.0: F.xxhash64(col) and pmod(xxhash64(col), 128) in a local[1] session

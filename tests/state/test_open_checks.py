@@ -7,11 +7,11 @@ is not."""
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import StateEncodingError, StateLeaseError
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers.state import split_by_subtask, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")

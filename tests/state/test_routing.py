@@ -4,10 +4,10 @@ reproduced, and (slow, under the Spark lock) rows land on exactly their subtask'
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.errors import ParallelismError, StateEncodingError
-from sparksteward.state.keygroups import key_group, subtask_for_key_group
 from sparksteward.routing import key_group_sql, route_sql, routing_values, spark_hash_int, subtask_sql
+from sparksteward.state.keygroups import key_group, subtask_for_key_group
+
 from tests.helpers import spark_session
 
 

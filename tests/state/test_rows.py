@@ -9,7 +9,6 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 import pytest
-
 from sparksteward.errors import StateEncodingError
 from sparksteward.state.rows import TAG_TYPED, RowCodec, evolve, expiry_of, tag_of
 

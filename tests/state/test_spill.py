@@ -7,7 +7,6 @@ import random
 
 import pyarrow as pa
 import pytest
-
 from sparksteward.errors import StateError
 from sparksteward.state.spill import KeyedRowBuffer
 

@@ -10,7 +10,6 @@ import time
 
 import pyarrow as pa
 import pytest
-
 from sparksteward.errors import StateBackendError, StateEncodingError, StateError, StateSchemaError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import list_state, map_state, parse_ddl, resolve, value_state, variables_of

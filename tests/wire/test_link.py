@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from sparksteward.errors import AgentUnavailableError, StewardError
 from sparksteward.wire import AgentServer, new_secret
 from sparksteward.wire.link import AgentLink
+
 from tests.helpers import wait_until
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-
 from sparksteward.errors import InvalidRequestError
 from sparksteward.wire import AgentServer, Connection, new_secret
 from sparksteward.wire.link import AgentLink

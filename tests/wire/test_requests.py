@@ -8,14 +8,14 @@ import time
 
 import orjson
 import pytest
-
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.client import Steward
 from sparksteward.errors import AgentUnavailableError, MessageTooLargeError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
-from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
+from sparksteward.wire import connection as wire
+
 from tests.helpers import wait_until
 
 

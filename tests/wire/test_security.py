@@ -7,6 +7,7 @@ relay thread that passes one real handshake through and then injects, replays or
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -15,14 +16,14 @@ import time
 
 import orjson
 import pytest
-
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import VoidBlobStore
 from sparksteward.errors import AuthenticationError, ProtocolError, StewardError
 from sparksteward.testing.agent import AgentProcess
-from sparksteward.wire import connection as wire
 from sparksteward.wire import AgentServer, Connection, new_secret
+from sparksteward.wire import connection as wire
+
 from tests.helpers import wait_until
 from tests.helpers.blob import staged_bytes, staged_fds
 
@@ -88,7 +89,7 @@ def test_handshake_has_a_hard_deadline_even_for_a_peer_that_keeps_trickling():
                 if s.recv(4096) == b"":
                     closed = True
                     break
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 closed = True
@@ -184,10 +185,8 @@ class Relay:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def inject(self, data: bytes) -> None:
         with self.lock:
@@ -197,10 +196,8 @@ class Relay:
     def close(self) -> None:
         self.listener.close()
         if self.upstream is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self.upstream.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for t in self.threads:
             t.join(5)
 
@@ -528,13 +525,10 @@ def test_a_download_whose_temp_file_takes_short_writes_lands_whole_or_not_at_all
         with Connection.connect(server.endpoint, secret) as conn:
             key = BlobClient(lambda: conn).put_bytes(data, "job-w")
         monkeypatch.setattr(store, "open", lambda path, mode="r", **kw: _ShortWrites(path, mode) if "w" in mode
-                            else io.open(path, mode, **kw), raising=False)
+                            else open(path, mode, **kw), raising=False)
         dest = tmp_path / "out" / "blob"
-        with Connection.connect(server.endpoint, secret) as conn:
-            try:
-                BlobClient(lambda: conn).get_to_file(key, dest, "job-w")
-            except (StewardError, OSError):
-                pass
+        with Connection.connect(server.endpoint, secret) as conn, contextlib.suppress(StewardError, OSError):
+            BlobClient(lambda: conn).get_to_file(key, dest, "job-w")
         assert not dest.exists() or dest.read_bytes() == data, "a short copy was renamed into place"
     finally:
         server.close()

@@ -31,9 +31,9 @@ import orjson
 
 from sparksteward import shim_protocol
 from sparksteward.agents import logs
+from sparksteward.clock import SystemClock
 from sparksteward.config import StewardConfig
 from sparksteward.errors import ConfigError, JobAlreadyCompleted, ProtocolError, StewardError
-from sparksteward.clock import SystemClock
 from sparksteward.storage import set_default_options
 from sparksteward.wire import AgentServer, Connection, Fields
 

@@ -33,9 +33,9 @@ from sparksteward import shim_protocol
 from sparksteward.agents.base import Agent, run_agent
 from sparksteward.blob.server import BlobServer
 from sparksteward.blob.store import open_blob_store
-from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService, default_checkpoint_dir
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
 from sparksteward.config import StewardConfig
 from sparksteward.errors import JobAlreadyCompleted
 from sparksteward.jobs.service import JobService

@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from sparksteward.blob.key import BlobKey, BlobType
-from sparksteward.hashing import hash_file
 from sparksteward.blob.store import FileSystemBlobStore, job_dir_name
 from sparksteward.blob.url import BlobUrl, cluster_scope, validate_file_name
-from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, ConfigError, InvalidIdError
-from sparksteward.ids import validate_job_id
 from sparksteward.config import StewardConfig
+from sparksteward.errors import BlobNotFoundError, BlobScopeError, ChecksumMismatchError, ConfigError, InvalidIdError
+from sparksteward.hashing import hash_file
+from sparksteward.ids import validate_job_id
 from sparksteward.jobs.fs_store import FileSystemJobResultStore
 from sparksteward.progress import TerminalProgress
 from sparksteward.tables import table

@@ -80,7 +80,13 @@ from sparksteward.blob.staging import StagingArea, commit_staged, copy_file, lin
 from sparksteward.blob.store import job_dir_name
 from sparksteward.blob.url import BlobUrl
 from sparksteward.clock import SystemClock
-from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, ConfigError, InvalidIdError, MessageTooLargeError
+from sparksteward.errors import (
+    BlobNotFoundError,
+    ChecksumMismatchError,
+    ConfigError,
+    InvalidIdError,
+    MessageTooLargeError,
+)
 from sparksteward.hashing import Hasher, hash_file
 from sparksteward.ids import validate_job_id
 from sparksteward.libraries import validate_library_name
@@ -523,13 +529,13 @@ class BlobServer:
                 conn.send({"ok": True, **BlobGetReply(size, path).to_wire()})
                 self.stats["served"] += 1
                 self.stats["served_local"] += 1
-                return None
+                return
             conn.send_file(fd, size, head={"ok": True, **BlobGetReply(size).to_wire()})
         finally:
             os.close(fd)
         self.stats["served"] += 1
         self.stats["bytes_served"] += size
-        return None
+        return
 
     def _op_acquire(self, conn: Connection, req: BlobAcquireRequest) -> BlobRefsReply:
         return BlobRefsReply(self.acquire(req.job_id, req.key))

@@ -20,6 +20,7 @@ Thread-safety: :meth:`StagingArea.take` and :meth:`StagingArea.path` may be call
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -122,10 +123,8 @@ def link_staged(fd: int, dest: str) -> bool:
 
 def unlink_quietly(path: str) -> None:
     """Remove ``path`` if it is there."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 class StagingArea:

@@ -30,8 +30,8 @@ from typing import Any, Protocol
 from fsspec.callbacks import Callback
 
 from sparksteward.blob.key import BlobKey
-from sparksteward.hashing import Hasher
 from sparksteward.errors import BlobNotFoundError, ChecksumMismatchError, StorageError
+from sparksteward.hashing import Hasher
 from sparksteward.ids import job_id_from_filename, job_id_to_filename, validate_id
 from sparksteward.storage import Location, fsync_dir, fsync_file, open_location
 from sparksteward.wire.connection import write_all

@@ -51,13 +51,13 @@ from collections.abc import Iterator
 
 import orjson
 
+from sparksteward.checkpoint.coordination.driver_service import default_checkpoint_dir
 from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.filemerging.space import space_stats
+from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.removal import Removal, collect_garbage, find_orphans, read_records, remove_state, subdirs
 from sparksteward.checkpoint.restore import write_savepoint
-from sparksteward.checkpoint.coordination.driver_service import default_checkpoint_dir
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.config import StewardConfig, parse_duration
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, ConfigError, StateLeaseError

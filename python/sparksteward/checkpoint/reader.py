@@ -27,10 +27,10 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import variables_of

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.duplicate import place
-from sparksteward.checkpoint.lease import LOCK_FILE, LEASE_FILE, StateLease, read_lease
+from sparksteward.checkpoint.lease import LEASE_FILE, LOCK_FILE, StateLease, read_lease
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import MERGED_DIR, RESTORED, CheckpointStorage, checkpoint_dir_name, is_data_path
 from sparksteward.errors import CheckpointError, CheckpointNotFoundError, StateLeaseError, StewardError

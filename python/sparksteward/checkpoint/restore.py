@@ -63,10 +63,9 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 
-from sparksteward.hashing import Hasher
 from sparksteward.checkpoint.duplicate import Duplicator, overlaps, place
-from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.filemerging.space import is_merged
+from sparksteward.checkpoint.lease import read_lease
 from sparksteward.checkpoint.records import (
     CheckpointMetadata,
     FileHandle,
@@ -90,6 +89,7 @@ from sparksteward.errors import (
     StateEncodingError,
     StewardError,
 )
+from sparksteward.hashing import Hasher
 from sparksteward.state.keygroups import KeyType
 from sparksteward.storage import Location, open_location
 

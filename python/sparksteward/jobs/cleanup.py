@@ -27,8 +27,14 @@ from dataclasses import replace
 from typing import Any
 
 from sparksteward.clock import SystemClock
-from sparksteward.errors import (CorruptRecordError, InvalidIdError, InvalidRecordError, JobResultNotFoundError,
-                                 RunConflictError, StewardError)
+from sparksteward.errors import (
+    CorruptRecordError,
+    InvalidIdError,
+    InvalidRecordError,
+    JobResultNotFoundError,
+    RunConflictError,
+    StewardError,
+)
 from sparksteward.jobs.result import JobResult, JobResultEntry, StepState
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.steps import CleanupStep, StepRegistry
@@ -287,7 +293,7 @@ class CleanupRunner:
     @staticmethod
     def _end(task: CleanupTask, outcome: CleanupOutcome) -> None:
         task.end(outcome)
-        return None
+        return
 
 
 def _describe(exc: BaseException) -> str:

@@ -40,13 +40,24 @@ import threading
 import uuid
 from collections.abc import Iterator
 
-from sparksteward.errors import (CorruptRecordError, InvalidIdError, JobResultExistsError, JobResultNotFoundError,
-                                 StorageError)
+from sparksteward.errors import (
+    CorruptRecordError,
+    InvalidIdError,
+    JobResultExistsError,
+    JobResultNotFoundError,
+    StorageError,
+)
 from sparksteward.ids import is_hashed_filename, job_id_from_filename, validate_id
 from sparksteward.jobs.lease import Lease, acquire_file_lease, is_file_leased, store_lock
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus
-from sparksteward.jobs.store import (CLEAN_SUFFIX, DIRTY_SUFFIX, InMemoryJobResultStore, Listing, StoreBase,
-                                     job_file_stem)
+from sparksteward.jobs.store import (
+    CLEAN_SUFFIX,
+    DIRTY_SUFFIX,
+    InMemoryJobResultStore,
+    Listing,
+    StoreBase,
+    job_file_stem,
+)
 from sparksteward.storage import Location, NotRegularFileError, open_location, read_regular
 
 __all__ = ["FileSystemJobResultStore", "open_store"]

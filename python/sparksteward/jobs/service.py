@@ -44,10 +44,12 @@ from typing import Any
 
 import orjson
 
+from sparksteward.clock import SystemClock
 from sparksteward.errors import JobAlreadyCompleted, JobStoreError, StewardError
 from sparksteward.ids import validate_job_id
 from sparksteward.jobs.cleanup import CleanupRunner, CleanupTask
 from sparksteward.jobs.delivery import ResultDelivery
+from sparksteward.jobs.fs_store import open_store
 from sparksteward.jobs.messages import (
     JobAddCleanupRequest,
     JobBeginReply,
@@ -61,15 +63,20 @@ from sparksteward.jobs.messages import (
     JobListRequest,
 )
 from sparksteward.jobs.pathguard import protect_path
-from sparksteward.jobs.result import (MAX_SPARK_JOBS, Failure, FinalCheckpoint, JobResult, JobResultEntry,
-                                      JobStatus, SparkJobOutcome)
+from sparksteward.jobs.result import (
+    MAX_SPARK_JOBS,
+    Failure,
+    FinalCheckpoint,
+    JobResult,
+    JobResultEntry,
+    JobStatus,
+    SparkJobOutcome,
+)
 from sparksteward.jobs.retry import RetryPolicy
 from sparksteward.jobs.scheduler import CleanupScheduler
 from sparksteward.jobs.spool import SPOOL_DIR, ResultSpool
 from sparksteward.jobs.steps import CleanupStep, StepRegistry
-from sparksteward.jobs.fs_store import open_store
 from sparksteward.jobs.store import Listing, job_file_stem
-from sparksteward.clock import SystemClock
 
 __all__ = ["JobService"]
 

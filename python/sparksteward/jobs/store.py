@@ -30,8 +30,13 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol, TypeVar, runtime_checkable
 
-from sparksteward.errors import (InvalidRecordError, JobResultExistsError, JobResultNotFoundError, JobStoreError,
-                                 RunConflictError)
+from sparksteward.errors import (
+    InvalidRecordError,
+    JobResultExistsError,
+    JobResultNotFoundError,
+    JobStoreError,
+    RunConflictError,
+)
 from sparksteward.ids import MAX_STEM_BYTES, job_id_to_filename, validate_id
 from sparksteward.jobs.lease import Lease
 from sparksteward.jobs.result import JobResult, JobResultEntry, JobStatus

@@ -119,7 +119,7 @@ class RowCodec:
         spec.append(("nulls", "u1", ((len(fields) + 7) // 8,)))
         for i, f in enumerate(fields):
             t = _storable(f.type)
-            spec.append((f"f{i}", _FIXED[t] if t in _FIXED else "<u4"))
+            spec.append((f"f{i}", _FIXED.get(t, "<u4")))
         return np.dtype(spec)
 
     @property

@@ -84,10 +84,7 @@ def raw_keys(b: StateDB, middle: bytes, keys: list[object]) -> list[bytes]:
     append = out.append
     fast = kt is KeyType.STRING
     for k in keys:
-        if fast and type(k) is str:
-            raw = k.encode("utf-8")
-        else:
-            raw = key_bytes(k, kt)
+        raw = k.encode("utf-8") if fast and type(k) is str else key_bytes(k, kt)
         u = h(raw, SPARK_HASH_SEED)
         g = (u - (1 << 64) if u >= 1 << 63 else u) % m
         if not lo <= g < hi:

@@ -5,6 +5,7 @@ Used by the agent, protocol and crash tests. The process is real, so it can be S
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -74,10 +75,8 @@ class AgentProcess:
     def stop(self, timeout: float = 30) -> int:
         """Send shutdown, close stdin, wait for exit; kill if it does not exit in time."""
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(BrokenPipeError, ValueError):
                 self.event("shutdown", reason="test")
-            except (BrokenPipeError, ValueError):
-                pass
             self.close_stdin()
             try:
                 return self.proc.wait(timeout)

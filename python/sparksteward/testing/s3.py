@@ -142,8 +142,8 @@ class _RequestLog:
 
 def _logging_server(port: int, log: list[S3Request], lock: threading.Lock,
                     in_flight: dict[int, tuple[str, str, str]], delays: dict[str, float]) -> ThreadedMotoServer:
-    from moto.server import ThreadedMotoServer
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from moto.server import ThreadedMotoServer
     from werkzeug.serving import make_server
 
     class Server(ThreadedMotoServer):

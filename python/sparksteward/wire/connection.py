@@ -34,6 +34,7 @@ thread-safe. A :class:`Connection` is not thread-safe; use one per thread.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -274,10 +275,8 @@ class Connection(BodyStreams):
 
     def close(self) -> None:
         self.broken = True
-        try:
+        with contextlib.suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
     def __enter__(self) -> Connection:
         return self
@@ -288,10 +287,8 @@ class Connection(BodyStreams):
 
 def shutdown_socket(sock: socket.socket) -> None:
     """Shut a socket down both ways; a socket that is gone already is left alone."""
-    try:
+    with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
 
 
 def new_secret() -> str:

@@ -4,6 +4,7 @@ and dispatches its requests to handlers, within the bounds described in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -172,10 +173,8 @@ class AgentServer:
         if isinstance(exc, AuthenticationError):
             self.auth_failures += 1
         log.warning("refused connection from %s: %s", conn.peer, exc)
-        try:
+        with contextlib.suppress(OSError):
             conn.send({"ok": False, "error": exc.to_wire()})
-        except OSError:
-            pass
 
     def _dispatch(self, conn: Connection, req: dict[str, Any]) -> bool:
         """Run one request; return False if the connection must close."""
@@ -192,10 +191,8 @@ class AgentServer:
         except StewardError as exc:
             if conn.broken:  # the stream in is untrusted; still say why on the way out, then close
                 if isinstance(exc, AuthenticationError):
-                    try:
+                    with contextlib.suppress(OSError):
                         conn.send({"ok": False, "error": exc.to_wire()})
-                    except OSError:
-                        pass
                 return False
             conn.send({"ok": False, "error": exc.to_wire()})
             return not isinstance(exc, ProtocolError) and not conn.unread_body

@@ -11,16 +11,16 @@ import sys
 import textwrap
 
 import pytest
-
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.coordination.pending import AckResult
-from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
+from sparksteward.checkpoint.task.subtask_restore import open_subtask
 from sparksteward.checkpoint.task.transfer import upload_snapshot
 from sparksteward.errors import CheckpointError, CheckpointOrderError, ParallelismError, StateEncodingError
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.testing.clock import FakeClock
+
 from tests.helpers.checkpoint import BATCHES, M, P, expected_counts, run_batch, stored_counts
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.errors import CheckpointError
+
 from tests.helpers.state import split_by_subtask, state_agents, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 from sparksteward.checkpoint.coordination.deleter import FileDeleter
 from sparksteward.checkpoint.lease import StateLease, read_lease
 from sparksteward.checkpoint.storage import CheckpointStorage

@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CheckpointError, InvalidRequestError, StewardError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers.state import split_by_subtask, state_agents, timed, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path
@@ -114,6 +114,7 @@ def test_an_aborted_checkpoint_leaves_nothing_and_its_stragglers_cannot_restart_
     import threading
 
     from sparksteward.checkpoint.task import transfer
+
     from tests.helpers import wait_until
 
     dconn, econn, subtasks, tmp = rig

@@ -8,9 +8,9 @@ from collections import Counter
 
 import orjson
 import pytest
-
 from sparksteward.checkpoint.messages import BaseReply
 from sparksteward.errors import InvalidRecordError
+
 from tests.helpers.merging import MergingRig
 from tests.helpers.state import split_by_subtask
 

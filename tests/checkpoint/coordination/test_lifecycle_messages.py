@@ -4,7 +4,6 @@ JSON each sends is the one the ops sent before them, and the receiver's one chec
 from __future__ import annotations
 
 import pytest
-
 from sparksteward.checkpoint.lifecycle_messages import (
     BeginReply,
     BeginRequest,

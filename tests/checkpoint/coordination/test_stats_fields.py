@@ -11,7 +11,6 @@ import typing
 from typing import Any
 
 import orjson
-
 from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.coordination.report import checkpoint_report
 from sparksteward.checkpoint.coordination.stats import PER_SUBTASK, SubtaskStats, summarize

@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.filemerging.space import choose_no_reuse, space_stats
 from sparksteward.checkpoint.records import CheckpointMetadata, FileHandle, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import ConfigError, StewardError
 from sparksteward.state.keygroups import KeyGroupRange, key_group, subtask_for_key_group
+
 from tests.helpers import wait_until
 from tests.helpers.merging import M, MergingRig
 

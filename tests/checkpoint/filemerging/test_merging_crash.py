@@ -29,13 +29,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import StewardError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.wire import new_secret
+
 from tests.helpers import wait_until
 from tests.helpers.state import split_by_subtask, write_subtask
 

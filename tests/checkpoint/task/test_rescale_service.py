@@ -10,14 +10,14 @@ from pathlib import Path
 
 import orjson
 import pytest
-
-from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks
-from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.records import CheckpointMetadata
+from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks
 from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.errors import CheckpointOrderError, ParallelismError
 from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers.state import split_by_subtask, write_subtask
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path

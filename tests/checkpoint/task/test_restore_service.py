@@ -7,15 +7,15 @@ from __future__ import annotations
 import uuid
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointError, ParallelismError
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers import wait_until
-from tests.helpers.state import timed
 from tests.helpers.checkpoint import BATCHES, M, P, run_batch
+from tests.helpers.state import timed
 
 
 @pytest.fixture

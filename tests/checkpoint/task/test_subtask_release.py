@@ -22,17 +22,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
-from sparksteward.hashing import hash_file
-from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter, read_channel_state
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.driver_service import StateService
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.task_state import SubtaskService
+from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter, read_channel_state
 from sparksteward.errors import CheckpointOrderError
+from sparksteward.hashing import hash_file
 from sparksteward.testing.agent import AgentProcess
 from sparksteward.testing.clock import FakeClock
 from sparksteward.wire import AgentServer, Connection, new_secret
+
 from tests.helpers import wait_until
 from tests.helpers.state import split_by_subtask, write_subtask
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 
 import pytest
-
+from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.subtask_restore import overlapping_subtasks, rebuild_subtask, restore_subtask_backend
-from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.errors import CheckpointNotFoundError, ParallelismError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range, subtask_for_key_group

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sparksteward.checkpoint.task.task_state import STATE_DIR_PREFIX, SubtaskService
 
 pytestmark = pytest.mark.usefixtures("guarded_rmtree")  # deletes stay under tmp_path

@@ -6,15 +6,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task import transfer
 from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.errors import CheckpointError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.snapshot import LocalSnapshot
 from sparksteward.state.keygroups import key_group, key_group_range
+from sparksteward.state.snapshot import LocalSnapshot
 
 from tests.helpers import wait_until
 

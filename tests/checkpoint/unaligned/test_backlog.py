@@ -10,14 +10,13 @@ import logging
 
 import pyarrow as pa
 import pytest
-
-from sparksteward.checkpoint.unaligned.backlog import DrainLog, growth
-from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter
 from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.task.task_state import SubtaskService
+from sparksteward.checkpoint.unaligned.backlog import DrainLog, growth
+from sparksteward.checkpoint.unaligned.channel_state import ChannelStateWriter
 from sparksteward.errors import CorruptRecordError, StateError, StewardError
-from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.keyed_tasks import KG_COL, unaligned_input
+from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange, key_group_range
 from sparksteward.wire import AgentServer, Connection, new_secret
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
-
 from sparksteward.checkpoint.unaligned.channel_state import (
     AlignmentOptions,
     ChannelStateWriter,

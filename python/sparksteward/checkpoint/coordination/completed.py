@@ -38,9 +38,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 
 from sparksteward.checkpoint.coordination.deleter import FileDeleter
-from sparksteward.checkpoint.lease import Fence
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.filemerging.space import SpaceStats, choose_no_reuse, physical_sizes, space_stats
+from sparksteward.checkpoint.lease import Fence
 from sparksteward.checkpoint.records import CheckpointMetadata, check_max_parallelism
 from sparksteward.checkpoint.storage import DATA_PATH_FORMS, RESTORED, CheckpointStorage, is_data_path
 from sparksteward.errors import CheckpointError, StateEncodingError, StewardError

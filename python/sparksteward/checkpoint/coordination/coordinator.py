@@ -60,7 +60,6 @@ from sparksteward.checkpoint.coordination.begin_rules import check_begin
 from sparksteward.checkpoint.coordination.begun_recorder import BegunRecorder
 from sparksteward.checkpoint.coordination.completed import CompletedCheckpoints, check_compatible
 from sparksteward.checkpoint.coordination.deleter import FileDeleter
-from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.coordination.peer_paths import check_handle, check_subtask, check_uploads
 from sparksteward.checkpoint.coordination.pending import (
     AckResult,
@@ -70,12 +69,12 @@ from sparksteward.checkpoint.coordination.pending import (
     PendingView,
     Readiness,
 )
-
 from sparksteward.checkpoint.coordination.seals import MergedFileSeals
+from sparksteward.checkpoint.coordination.stats import SubtaskStats
 from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.filemerging.space import SpaceStats, space_stats
+from sparksteward.checkpoint.lease import CallerIsTheOnlyWriter, Fence
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
-from sparksteward.checkpoint.coordination.stats import SubtaskStats
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage
 from sparksteward.checkpoint.task.transfer import UploadResult
 from sparksteward.clock import Clock, SystemClock
@@ -316,7 +315,7 @@ class CheckpointCoordinator:
         else:  # a new attempt: earlier acks are replaced as the new ones arrive
             pending.new_attempt(query)
         if not by_task and not rerun:   # the record state.begin hands this attempt's tasks lists these drops
-            from sparksteward.state.declared import pending_drops   # pyarrow: not when the agent starts
+            from sparksteward.state.declared import pending_drops  # pyarrow: not when the agent starts
 
             self._drops_given[checkpoint_id] = pending_drops(self.states)
         if rerun:
@@ -499,7 +498,7 @@ class CheckpointCoordinator:
             self.lease.check()
             self._done.sealed(pending.sealed)   # the durable size each segment lies within
             # the declared variables and the drops not yet run by a completed checkpoint's tasks, for every reader
-            from sparksteward.state.declared import drops_ran, recorded_form   # pyarrow: not when the agent starts
+            from sparksteward.state.declared import drops_ran, recorded_form  # pyarrow: not when the agent starts
 
             states = drops_ran(self.states, self._drops_given.pop(checkpoint_id, ()))
             properties = pending.record_properties(

@@ -25,24 +25,23 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from sparksteward.checkpoint.unaligned.backlog import GROWTH_WARNING, DrainLog, growth
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.coordination.pending import Readiness, Ready
-from sparksteward.checkpoint.unaligned.channel_state import AlignmentMode, AlignmentOptions
-from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.lease import StateLease
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
 from sparksteward.checkpoint.coordination.gateway import CheckpointGateway
+from sparksteward.checkpoint.coordination.pending import Readiness, Ready
 from sparksteward.checkpoint.coordination.registration import (
-    StateTable,
     CompletedStats,
     RegisteredState,
     Registration,
+    StateTable,
     check_unregistered,
-    unusable_dir,
     restore_on_register,
+    unusable_dir,
 )
 from sparksteward.checkpoint.coordination.report import CheckpointReport, checkpoint_report
+from sparksteward.checkpoint.coordination.stats import summarize
+from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.lifecycle_messages import (
     AbortReply,
     AbortRequest,
@@ -61,8 +60,9 @@ from sparksteward.checkpoint.lifecycle_messages import (
     SavepointRequest,
 )
 from sparksteward.checkpoint.restore import write_savepoint
-from sparksteward.checkpoint.coordination.stats import summarize
 from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, checkpoint_dir_name
+from sparksteward.checkpoint.unaligned.backlog import GROWTH_WARNING, DrainLog, growth
+from sparksteward.checkpoint.unaligned.channel_state import AlignmentMode, AlignmentOptions
 from sparksteward.errors import (
     CheckpointError,
     CheckpointOrderError,

@@ -26,6 +26,7 @@ from collections import Counter
 from dataclasses import replace
 
 from sparksteward.checkpoint.coordination.coordinator import BeginResult
+from sparksteward.checkpoint.coordination.registration import RegisteredState, StateTable
 from sparksteward.checkpoint.messages import (
     AckReply,
     AckRequest,
@@ -42,7 +43,6 @@ from sparksteward.checkpoint.messages import (
     SealedReply,
     SealedRequest,
 )
-from sparksteward.checkpoint.coordination.registration import RegisteredState, StateTable
 from sparksteward.errors import ParallelismError
 from sparksteward.wire import MAX_CHECKPOINT_ID, AgentServer, Connection
 

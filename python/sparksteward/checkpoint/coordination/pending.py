@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sparksteward.checkpoint.begun import CheckpointTime
+from sparksteward.checkpoint.coordination.stats import SubtaskStats
 from sparksteward.checkpoint.filemerging.space import is_merged
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
-from sparksteward.checkpoint.coordination.stats import SubtaskStats
 
 __all__ = ["AckResult", "BeginResult", "Completion", "PendingCheckpoint", "PendingView", "Readiness", "Ready"]
 

@@ -22,17 +22,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
+from sparksteward.checkpoint.coordination.stats import SubtaskStats, summarize
+from sparksteward.checkpoint.duplicate import Duplicator
+from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
+from sparksteward.checkpoint.lease import StateLease, refuse_if_held
 from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest, RegisterRequest
+from sparksteward.checkpoint.records import CheckpointMetadata, check_max_parallelism
+from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
+from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
 from sparksteward.checkpoint.unaligned.backlog import DrainLog
 from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
-from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
-from sparksteward.checkpoint.duplicate import Duplicator
-from sparksteward.checkpoint.lease import StateLease, refuse_if_held
-from sparksteward.checkpoint.records import CheckpointMetadata, check_max_parallelism
-from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
-from sparksteward.checkpoint.restore import ClaimMode, check_sources, restore_from
-from sparksteward.checkpoint.coordination.stats import SubtaskStats, summarize
-from sparksteward.checkpoint.storage import RESTORED, CheckpointStorage, open_checkpoint
 from sparksteward.errors import (
     InvalidRequestError,
     ParallelismError,
@@ -113,7 +113,7 @@ class Registration:
         :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
         if self.states is None and not self.delete_states and not recorded:
             return recorded
-        from sparksteward.state.declared import resolve   # pyarrow: not when the driver agent starts
+        from sparksteward.state.declared import resolve  # pyarrow: not when the driver agent starts
 
         return resolve(recorded, self.states or (), self.delete_states, state=self.name)
 

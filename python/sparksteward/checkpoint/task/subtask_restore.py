@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle, check_max_parallelism
 from sparksteward.checkpoint.storage import CheckpointStorage
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.transfer import restore_subtask
 from sparksteward.errors import StateEncodingError
 from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range, validate_parallelism

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.filemerging.file_merger import FileMerger, MergingMode, MergingOptions
 from sparksteward.checkpoint.messages import (
     AckRequest,
@@ -77,10 +76,11 @@ from sparksteward.checkpoint.messages import (
     WorkingSubtask,
 )
 from sparksteward.checkpoint.records import CheckpointMetadata
-from sparksteward.checkpoint.task.subtask_restore import prepare_subtask
 from sparksteward.checkpoint.storage import CheckpointStorage
-from sparksteward.checkpoint.task.transfer import UploadResult, fetch_file
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.seal_poller import SealPoller
+from sparksteward.checkpoint.task.subtask_restore import prepare_subtask
+from sparksteward.checkpoint.task.transfer import UploadResult, fetch_file
 from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.clock import Clock, SystemClock
 from sparksteward.errors import (
@@ -91,6 +91,7 @@ from sparksteward.errors import (
     ParallelismError,
 )
 from sparksteward.owner import OwnerRecord, private_dir, sweep_dead
+from sparksteward.state.keygroups import key_group_range
 from sparksteward.state.snapshot import (
     TASK_FLUSH_BYTES,
     WAL_FLUSH_BYTES,
@@ -98,7 +99,6 @@ from sparksteward.state.snapshot import (
     CompactionPolicy,
     LocalSnapshot,
 )
-from sparksteward.state.keygroups import key_group_range
 from sparksteward.wire import AgentServer, Connection, Message
 from sparksteward.wire.link import AgentLink
 

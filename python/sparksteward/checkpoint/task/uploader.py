@@ -23,10 +23,10 @@ from collections.abc import Callable, Container, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.records import FileHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task import transfer
+from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.transfer import UploadResult
 from sparksteward.errors import CheckpointError
 from sparksteward.state.snapshot import CompactionPolicy, LocalSnapshot, SnapshotCompaction, compact_snapshot, fold_wal

@@ -295,8 +295,7 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
                 f"up to {CHANNEL_STATE_VERSION}): upgrade spark-steward to restore it")
         try:
             reader = ipc.open_stream(f)
-            for batch in reader:
-                yield batch
+            yield from reader
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
             raise CheckpointCorruptError(f"channel-state file {what} is corrupt or torn ({exc}); nothing of it was "
                                          f"replayed. Restore an older checkpoint") from exc

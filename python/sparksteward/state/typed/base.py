@@ -115,7 +115,7 @@ class TypedView:
     def _decode(self, stored: bytes) -> Any:
         """One stored value (alive) as a Python value of the current declaration."""
         tag = stored[0]
-        if tag == TAG_TYPED or tag == TAG_EXPIRING:
+        if tag in (TAG_TYPED, TAG_EXPIRING):
             version = stored[1] | stored[2] << 8
             if version < self._first:
                 return None
