@@ -1,41 +1,38 @@
 """The BlobServer, hosted by the driver agent (FLIP-19).
 
-Local store ``<dir>/<job>/<key>`` (a fresh directory per agent, deleted on close), plus an HA store
-on any fsspec URL laid out the same way. Uploads land in the local store and, for permanent blobs,
-in the HA store before they are acknowledged. Downloads are served from the local store with
-``sendfile``; a missing or corrupt local copy is refilled from HA. Content addressing makes a second
-upload of the same content a no-op (counted in ``stats["dedup"]``).
+Local store ``<dir>/<job>/<key>`` (a fresh directory per agent, deleted on close), plus an HA store on any fsspec
+URL laid out the same way. Uploads land in the local store and, for permanent blobs, in the HA store before they are
+acknowledged. Downloads are served from the local store with ``sendfile``; a missing or corrupt local copy is
+refilled from HA. Content addressing makes a second upload of the same content a no-op (counted in
+``stats["dedup"]``).
 
-Ref counts live per (job, key). A blob whose count reaches 0 enters staged cleanup: the first pass
-after the release marks it, the next pass deletes its local copy, so it lives between one and two
-``retention`` intervals. The HA copy of a permanent blob stays until its job is final, except for
-orphans (``retain_jobs``: blobs of jobs that are gone) and job-less blobs, whose HA copies staged
-cleanup deletes too. A failed HA delete is logged and retried on the next pass; it never stops the
-pass. ``delete_job`` removes a job's directory from local and HA storage whatever the counts say;
-executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs. A put of the job is
-ordered against it (a forced re-run may put while the old run's cleanup deletes): a put waits while
-the job's delete runs, and a put that was storing when the delete began stores its copies again after
-it, so an acknowledged permanent put always has its HA copy unless it finished before the delete
-began.
+Ref counts live per (job, key). A blob whose count reaches 0 enters staged cleanup: the first pass after the release
+marks it, the next pass deletes its local copy, so it lives between one and two ``retention`` intervals. The HA copy
+of a permanent blob stays until its job is final, except for orphans (``retain_jobs``: blobs of jobs that are gone)
+and job-less blobs, whose HA copies staged cleanup deletes too. A failed HA delete is logged and retried on the next
+pass; it never stops the pass. ``delete_job`` removes a job's directory from local and HA storage whatever the
+counts say; executor caches ask ``blob.deleted_jobs`` and drop their copies of such jobs. A put of the job is
+ordered against it (a forced re-run may put while the old run's cleanup deletes): a put waits while the job's delete
+runs, and a put that was storing when the delete began stores its copies again after it, so an acknowledged
+permanent put always has its HA copy unless it finished before the delete began.
 
-Every upload is staged as the server's own file (moved into ``incoming/``, or copied, never
-hard-linked, so the caller cannot change it afterwards; a streamed one into an open, often unnamed,
-file of :class:`~sparksteward.blob.staging.StagingArea`), hashed and renamed or linked into place (the local
-store is scratch and is not fsynced: [decision 0008]); a permanent blob is then put to HA (durably, see
-:class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a
-dedup hit the existing local file is re-hashed before it is trusted (always before it is uploaded to
-HA); a corrupt one is replaced by the incoming, verified bytes.
+Every upload is staged as the server's own file (moved into ``incoming/``, or copied, never hard-linked, so the
+caller cannot change it afterwards; a streamed one into an open, often unnamed, file of
+:class:`~sparksteward.blob.staging.StagingArea`), hashed and renamed or linked into place (the local store is
+scratch and is not fsynced: [decision 0008]); a permanent blob is then put to HA (durably, see
+:class:`~sparksteward.blob.store.FileSystemBlobStore`) before the reply says ``"ha": true``. On a dedup hit the
+existing local file is re-hashed before it is trusted (always before it is uploaded to HA); a corrupt one is
+replaced by the incoming, verified bytes.
 
-Same-host uploads (``blob.put_path``) never cross a socket: the client writes into ``incoming/`` and
-the server renames it into place (``move``) or copies it. Paths outside ``incoming/`` are refused.
-Same-host downloads (a caller with this kernel's boot id) get the file's path instead of a stream and
-copy it in-kernel into their own, independently verified file; if that path is not visible to them
-(another mount namespace) they ask again for a stream.
+Same-host uploads (``blob.put_path``) never cross a socket: the client writes into ``incoming/`` and the server
+renames it into place (``move``) or copies it. Paths outside ``incoming/`` are refused. Same-host downloads (a
+caller with this kernel's boot id) get the file's path instead of a stream and copy it in-kernel into their own,
+independently verified file; if that path is not visible to them (another mount namespace) they ask for a stream.
 
-Thread-safety: one lock guards the bookkeeping; a lock per key (:class:`KeyedLocks`, which forgets
-free keys) serializes placing, refilling and deleting a blob. A gate per job (:class:`JobGate`) lets
-the puts and refills of a job run side by side and ``delete_job`` of it run alone; it is taken before
-the key lock. ``close`` joins the cleanup thread.
+Thread-safety: one lock guards the bookkeeping; a lock per key (:class:`KeyedLocks`, which forgets free keys)
+serializes placing, refilling and deleting a blob. A gate per job (:class:`JobGate`) lets the puts and refills of a
+job run side by side and ``delete_job`` of it run alone; it is taken before the key lock. ``close`` joins the
+cleanup thread.
 """
 
 from __future__ import annotations
