@@ -131,6 +131,18 @@ def _kind(of: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
+_SPECS: dict[type, tuple[tuple[str, _Spec | None], ...]] = {}
+
+
+def _specs(cls: type) -> tuple[tuple[str, _Spec | None], ...]:
+    """``(field name, its wire spec)`` of a message class, in declaration order (computed once per class)."""
+    specs = _SPECS.get(cls)
+    if specs is None:
+        specs = _SPECS[cls] = tuple((fld.name, fld.metadata.get("wire"))
+                                    for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return specs
+
+
 class Message:
     """The base of every request and reply: a frozen dataclass whose fields are declared with this
     module's field functions. ``OP`` is set on requests by :func:`op`."""
@@ -141,13 +153,14 @@ class Message:
     def to_wire(self) -> dict[str, Any]:
         """The JSON object of this message (without ``op``)."""
         out: dict[str, Any] = {}
-        for fld in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, fld.name)
-            spec: _Spec | None = fld.metadata.get("wire")
-            if spec is not None and value is None and spec.omit_none:
-                continue
-            out[fld.name] = spec.dump(value) if spec is not None and spec.dump is not None and value is not None \
-                else value
+        for name, spec in _specs(type(self)):
+            value = getattr(self, name)
+            if value is None:
+                if spec is not None and spec.omit_none:
+                    continue
+                out[name] = None
+            else:
+                out[name] = spec.dump(value) if spec is not None and spec.dump is not None else value
         return out
 
     @classmethod
@@ -156,14 +169,9 @@ class Message:
         if not isinstance(raw, dict):
             raise InvalidRequestError(f"{op or cls.OP or cls.__name__}: expected a JSON object, got "
                                       f"{type(raw).__name__}")
-        f = Fields({**raw, "op": op or cls.OP or cls.__name__})
-        values = {}
-        for fld in dataclasses.fields(cls):  # type: ignore[arg-type]
-            spec: _Spec | None = fld.metadata.get("wire")
-            if spec is None:
-                continue
-            values[fld.name] = spec.parse(f, fld.name)
-        return cls(**values)
+        f = Fields(raw)
+        f.op = op or cls.OP or cls.__name__   # errors name the op, whatever the peer put in "op"
+        return cls(**{name: spec.parse(f, name) for name, spec in _specs(cls) if spec is not None})
 
 
 @dataclass(frozen=True, slots=True)
