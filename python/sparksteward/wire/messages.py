@@ -139,7 +139,7 @@ def _specs(cls: type) -> tuple[tuple[str, _Spec | None], ...]:
     specs = _SPECS.get(cls)
     if specs is None:
         specs = _SPECS[cls] = tuple((fld.name, fld.metadata.get("wire"))
-                                    for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
+                                    for fld in dataclasses.fields(cls))
     return specs
 
 
