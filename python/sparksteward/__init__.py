@@ -17,6 +17,7 @@ from sparksteward.errors import (
     JobAlreadyCompleted,
     StewardError,
 )
+from sparksteward.lazy import lazy_face
 from sparksteward.session import PLUGIN_CLASS, configure
 
 __version__ = "0.1.0"
@@ -24,14 +25,9 @@ __version__ = "0.1.0"
 _DECLARATIONS = ("list_state", "map_state", "value_state")
 
 
-def __getattr__(name: str) -> object:
-    """``value_state``, ``list_state`` and ``map_state`` (state declarations), imported on first use:
-    they need pyarrow, which the agents and the CLI do not always load."""
-    if name in _DECLARATIONS:
-        from sparksteward.state import declared
-
-        return getattr(declared, name)
-    raise AttributeError(f"module 'sparksteward' has no attribute {name!r}")
+#: value_state, list_state and map_state (state declarations), imported on first use: they need pyarrow,
+#: which the agents and the CLI do not always load
+__getattr__, __dir__ = lazy_face(__name__, dict.fromkeys(_DECLARATIONS, "state.declared"), globals())
 
 __all__ = [
     "PLUGIN_CLASS",

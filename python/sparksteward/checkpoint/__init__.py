@@ -8,8 +8,9 @@ that needs one module of this package (the driver agent, the CLI) does not load 
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from sparksteward.lazy import lazy_face
 
 if TYPE_CHECKING:
     from sparksteward.checkpoint.coordination.coordinator import BeginResult, CheckpointCoordinator
@@ -44,18 +45,7 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """An exported name, imported from its module on first use (then kept here)."""
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS, globals())
 
 
 __all__ = [
