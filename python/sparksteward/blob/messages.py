@@ -44,11 +44,6 @@ def _type() -> Any:
                   default=BlobType.TRANSIENT)
 
 
-def _optional_text(max_len: int = 1 << 16) -> Any:
-    """A string that is left out of the JSON object when None."""
-    return custom(lambda f, n: f.text(n, default=None, max_len=max_len), default=None, omit_none=True)
-
-
 def _job_or_none(value: object) -> str | None:
     return None if value is None else validate_job_id(value)
 
@@ -85,7 +80,7 @@ class BlobGetReply(Message):
     server's file and nothing follows."""
 
     size: int = integer(lo=0)
-    path: str | None = _optional_text()
+    path: str | None = text(default=None, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +114,8 @@ class BlobLibrariesReply(Message):
     importable ``paths`` of its cached copies."""
 
     version: int = integer(lo=0)
-    libraries: list[dict[str, Any]] | None = custom(lambda f, n: f.sequence(n, default=None, max_items=_ANY),
-                                                    default=None, omit_none=True)
-    paths: list[str] | None = custom(lambda f, n: f.sequence(n, default=None, max_items=_ANY), default=None,
-                                     omit_none=True)
+    libraries: list[dict[str, Any]] | None = sequence(default=None, max_items=_ANY, omit_none=True)
+    paths: list[str] | None = sequence(default=None, max_items=_ANY, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +167,7 @@ class BlobGetRequest(Message):
 
     job_id: str | None = job_field(nullable=True)
     key: BlobKey = _key()
-    boot_id: str | None = _optional_text()
+    boot_id: str | None = text(default=None, omit_none=True)
 
 
 @op("blob.acquire", reply=BlobRefsReply)

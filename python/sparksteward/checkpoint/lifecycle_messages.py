@@ -223,7 +223,7 @@ class BeginRequest(Message):
     query: str | None = text(default=None, max_len=200)   # the streaming query that runs the batch
     batch_id: int | None = integer(default=None, lo=0, hi=MAX_CHECKPOINT_ID)
     drain: bool = flag(default=False)
-    alignment: dict[str, Any] | None = custom(lambda f, n: f.mapping(n, default=None), default=None, omit_none=True)
+    alignment: dict[str, Any] | None = mapping(default=None, omit_none=True)
     checkpoint_id: int | None = integer(default=None, lo=0, hi=MAX_CHECKPOINT_ID)
 
 

@@ -41,6 +41,7 @@ from sparksteward.wire.messages import (
     flag,
     integer,
     mapping,
+    message_list,
     nested,
     number,
     op,
@@ -59,17 +60,6 @@ _MANY = 1 << 20   # the bound of lists that name files or subtasks (a request is
 def _name() -> Any:
     """The state a request names."""
     return text(max_len=200)
-
-
-def _list_of(cls: type[Message], *, max_items: int = 100_000, required: bool = False) -> Any:
-    """A JSON array of at most ``max_items`` messages ``cls`` (empty when missing, unless ``required``)."""
-    def parse(f: Fields, n: str) -> Any:
-        items = f.sequence(n, max_items=max_items) if required else f.sequence(n, default=[], max_items=max_items)
-        return [cls.from_wire(item, f"{f.op} {n}") for item in items]
-
-    def dump(items: list[Message]) -> list[dict[str, Any]]:
-        return [m.to_wire() for m in items]
-    return custom(parse, dump) if required else custom(parse, dump, default=[])
 
 
 def _zero_or_one() -> Any:
@@ -292,7 +282,7 @@ class FailRequest(Message):
     checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
     attempt: str = text(max_len=64)
     message: str = text(default="")
-    subtask: int | None = custom(lambda f, n: f.integer(n, lo=0, default=None), default=None, omit_none=True)
+    subtask: int | None = integer(default=None, lo=0, omit_none=True)
     agent: str = text(default="", max_len=200)
     others: int = integer(default=0, lo=0, hi=1 << 20)
 
@@ -329,7 +319,7 @@ class SealAction(Message):
     name: str = _name()
     checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
     action: str = text(choices=("seal", "wait", "discard"))
-    attempt: str | None = custom(lambda f, n: f.text(n, default=None, max_len=64), default=None, omit_none=True)
+    attempt: str | None = text(default=None, max_len=64, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,8 +327,8 @@ class MergePollReply(Message):
     """The action on each pool asked about, and the working checkpoints that are no longer pending (the
     agent releases what it still holds open of those: a task killed before its upload)."""
 
-    actions: list[SealAction] = _list_of(SealAction)
-    stale: list[CheckpointRef] = _list_of(CheckpointRef)
+    actions: list[SealAction] = message_list(SealAction)
+    stale: list[CheckpointRef] = message_list(CheckpointRef)
 
 
 @op("state.merge_poll", reply=MergePollReply, repeatable=True)
@@ -354,9 +344,9 @@ class MergePollRequest(Message):
 
     agent: str = text(max_len=200)
     wait: float = number(default=1.0, lo=0, hi=5.0)
-    pools: list[CheckpointRef] = _list_of(CheckpointRef)
-    closed: list[ClosedFile] = _list_of(ClosedFile)
-    working: list[WorkingSubtask] = _list_of(WorkingSubtask)
+    pools: list[CheckpointRef] = message_list(CheckpointRef)
+    closed: list[ClosedFile] = message_list(ClosedFile)
+    working: list[WorkingSubtask] = message_list(WorkingSubtask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,7 +374,7 @@ class SealedRequest(Message):
     checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
     agent: str = text(max_len=200)
     attempt: str = text(max_len=64)
-    files: list[SealedFile] = _list_of(SealedFile, required=True)
+    files: list[SealedFile] = message_list(SealedFile, required=True)
 
 
 # --- a Python worker's ops on its executor agent ---------------------------------------------------
@@ -411,7 +401,7 @@ class OpenReply(Message):
     alignment: dict[str, Any] = mapping(default={})
     deadline_in: float | None = number(default=None, lo=0)
     channel: str = text(max_len=4096)                        # where the task writes its deferred input
-    replay: list[ReplayFile] = _list_of(ReplayFile, max_items=_MANY)
+    replay: list[ReplayFile] = message_list(ReplayFile, max_items=_MANY)
     cut: int | None = integer(default=None, lo=0)
     attempt: str = text(default="", max_len=64)
     replay_filter: bool = flag(default=False)                # the base has another parallelism: filter by key group

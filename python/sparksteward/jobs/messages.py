@@ -17,7 +17,7 @@ from typing import Any
 from sparksteward.errors import InvalidRequestError
 from sparksteward.jobs.result import MAX_CHECKPOINTS, FinalCheckpoint, JobStatus
 from sparksteward.wire import Fields
-from sparksteward.wire.messages import Message, custom, flag, mapping, nested, number, op, sequence, text
+from sparksteward.wire.messages import Message, custom, flag, integer, mapping, nested, number, op, sequence, text
 from sparksteward.wire.messages import job_id as job_field
 
 __all__ = ["MAX_WAIT", "JobAddCleanupRequest", "JobBeginReply", "JobBeginRequest", "JobCleanupStep", "JobDone",
@@ -36,11 +36,6 @@ def _checkpoints(f: Fields, name: str) -> tuple[FinalCheckpoint, ...]:
     return tuple(FinalCheckpoint.from_dict(c) for c in raw)
 
 
-def _omitted(parse: Any) -> Any:
-    """An optional field that is left out of the JSON object when None."""
-    return custom(parse, default=None, omit_none=True)
-
-
 # --- replies --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class JobDone(Message):
@@ -52,8 +47,8 @@ class JobBeginReply(Message):
     """``started``, or not: then ``message`` says why and ``entry`` is the stored result that refused it."""
 
     started: bool = flag()
-    message: str | None = _omitted(lambda f, n: f.text(n, default=None))
-    entry: dict[str, Any] | None = _omitted(lambda f, n: f.mapping(n, default=None))
+    message: str | None = text(default=None, omit_none=True)
+    entry: dict[str, Any] | None = mapping(default=None, omit_none=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,5 +126,5 @@ class JobGetRequest(Message):
 class JobListRequest(Message):
     """List the stored results of this cluster id, a page at a time (after ``cursor``, at most ``limit``)."""
 
-    limit: int | None = _omitted(lambda f, n: f.integer(n, default=None, lo=1, hi=100_000))   # None: 1000
-    cursor: str | None = _omitted(lambda f, n: f.text(n, default=None))
+    limit: int | None = integer(default=None, lo=1, hi=100_000, omit_none=True)   # None: 1000
+    cursor: str | None = text(default=None, omit_none=True)

@@ -36,7 +36,7 @@ from sparksteward.errors import InvalidRequestError
 from sparksteward.wire.fields import _REQUIRED, Fields
 
 __all__ = ["MAX_CHECKPOINT_ID", "MAX_PARALLELISM", "Message", "OPS", "Op", "ask", "custom", "flag",
-           "integer", "job_id", "mapping", "nested", "number", "op", "ops_table", "sequence", "text"]
+           "integer", "job_id", "mapping", "message_list", "nested", "number", "op", "ops_table", "sequence", "text"]
 
 #: The largest max parallelism a state may have (Flink's UPPER_BOUND_MAX_PARALLELISM: a key group fits
 #: two bytes); every parallelism, subtask and key group a request names is below or at it.
@@ -69,9 +69,12 @@ def _or(default: Any, value: Any) -> Any:
     return default if value is None else value
 
 
-def text(*, default: Any = _REQUIRED, max_len: int = 1 << 16, choices: tuple[str, ...] = ()) -> Any:
-    """A string of at most ``max_len`` characters (one of ``choices`` when given)."""
-    return _field(lambda f, n: _or(default, f.text(n, default=default, max_len=max_len, choices=choices)), default)
+def text(*, default: Any = _REQUIRED, max_len: int = 1 << 16, choices: tuple[str, ...] = (),
+         omit_none: bool = False) -> Any:
+    """A string of at most ``max_len`` characters (one of ``choices`` when given). ``omit_none`` (with
+    every field function that takes it): a None value is left out of the JSON object."""
+    return _field(lambda f, n: _or(default, f.text(n, default=default, max_len=max_len, choices=choices)), default,
+                  omit_none=omit_none)
 
 
 def flag(*, default: Any = _REQUIRED) -> Any:
@@ -79,9 +82,9 @@ def flag(*, default: Any = _REQUIRED) -> Any:
     return _field(lambda f, n: f.flag(n, default=default), default)
 
 
-def integer(*, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None) -> Any:
+def integer(*, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None, omit_none: bool = False) -> Any:
     """An integer within ``[lo, hi]``."""
-    return _field(lambda f, n: f.integer(n, default=default, lo=lo, hi=hi), default)
+    return _field(lambda f, n: f.integer(n, default=default, lo=lo, hi=hi), default, omit_none=omit_none)
 
 
 def number(*, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None) -> Any:
@@ -89,12 +92,13 @@ def number(*, default: Any = _REQUIRED, lo: float | None = None, hi: float | Non
     return _field(lambda f, n: f.number(n, default=default, lo=lo, hi=hi), default)
 
 
-def mapping(*, default: Any = _REQUIRED) -> Any:
+def mapping(*, default: Any = _REQUIRED, omit_none: bool = False) -> Any:
     """A JSON object, passed as it is (the handler checks what is inside)."""
-    return _field(lambda f, n: _or(default, f.mapping(n, default=default)), default)
+    return _field(lambda f, n: _or(default, f.mapping(n, default=default)), default, omit_none=omit_none)
 
 
-def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tuple[type, ...] | None = None) -> Any:
+def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tuple[type, ...] | None = None,
+             omit_none: bool = False) -> Any:
     """A JSON array of at most ``max_items`` items, each of type ``of`` when given."""
     def parse(f: Fields, n: str) -> Any:
         value = f.sequence(n, default=default, max_items=max_items)
@@ -103,7 +107,7 @@ def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tupl
         if of is not None and not all(isinstance(v, of) and not isinstance(v, bool) for v in value):
             f._bad(n, value, f"a JSON array of {_kind(of)}")
         return value
-    return _field(parse, default)
+    return _field(parse, default, omit_none=omit_none)
 
 
 def job_id(*, nullable: bool = False) -> Any:
@@ -117,6 +121,17 @@ def nested(cls: type[Message], *, default: Any = _REQUIRED) -> Any:
         value = f.mapping(n, default=default)
         return value if value is default else cls.from_wire(value, f"{f.op} {n}")
     return _field(parse, default, dump=lambda v: v.to_wire(), omit_none=default is None)
+
+
+def message_list(cls: type[Message], *, max_items: int = 100_000, required: bool = False) -> Any:
+    """A JSON array of at most ``max_items`` messages ``cls`` (empty when missing, unless ``required``)."""
+    def parse(f: Fields, n: str) -> Any:
+        items = f.sequence(n, max_items=max_items) if required else f.sequence(n, default=[], max_items=max_items)
+        return [cls.from_wire(item, f"{f.op} {n}") for item in items]
+
+    def dump(items: list[Message]) -> list[dict[str, Any]]:
+        return [m.to_wire() for m in items]
+    return _field(parse, _REQUIRED if required else [], dump=dump)
 
 
 def custom(parse: Parse, dump: Callable[[Any], Any] | None = None, *, default: Any = _REQUIRED,
