@@ -103,6 +103,16 @@ class TypedView:
             c = self._codecs[(tag, version)] = self.var.codec(version, ttl=tag == TAG_EXPIRING)
         return c
 
+    def _read(self, k: bytes) -> Any:
+        """The value stored under raw key ``k``, or None when there is none alive (an on-read TTL renews it)."""
+        stored = self.backend.store.get(k)
+        if not self._alive(stored):
+            return None
+        assert stored is not None
+        if self.on_read:
+            self._touch(self.backend.store, k, stored)
+        return self._decode(stored)
+
     def _alive(self, stored: bytes | None) -> bool:
         return stored is not None and not expired(stored, self.states.now_ms) and not self._dropped(stored)
 

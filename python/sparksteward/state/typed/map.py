@@ -42,14 +42,7 @@ class TypedMap(TypedView):
         return decode_value(suffix)   # a map key an untyped view wrote
 
     def get(self, key: object, map_key: Any) -> Any:
-        k = self._entry(key, map_key)
-        stored = self.backend.store.get(k)
-        if not self._alive(stored):
-            return None
-        assert stored is not None
-        if self.on_read:
-            self._touch(self.backend.store, k, stored)
-        return self._decode(stored)
+        return self._read(self._entry(key, map_key))
 
     def contains(self, key: object, map_key: Any) -> bool:
         return self._alive(self.backend.store.get(self._entry(key, map_key)))

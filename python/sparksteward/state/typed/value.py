@@ -22,14 +22,7 @@ class TypedValue(TypedView):
     kind = KIND_VALUE
 
     def get(self, key: object) -> Any:
-        k = self._prefix(key)
-        stored = self.backend.store.get(k)
-        if not self._alive(stored):
-            return None
-        assert stored is not None
-        if self.on_read:
-            self._touch(self.backend.store, k, stored)
-        return self._decode(stored)
+        return self._read(self._prefix(key))
 
     def update(self, key: object, value: Any) -> None:
         """Set the value; ``None`` clears it."""
