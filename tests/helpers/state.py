@@ -75,7 +75,7 @@ def write_subtask(econn, opened: dict, subtask: int, parallelism: int, max_paral
 @contextlib.contextmanager
 def state_agents(tmp_path, parallelism: int, max_parallelism: int, **service: Any):
     """A driver agent's StateService and an executor agent's SubtaskService on real sockets, with state
-    ``s`` registered; yields (driver connection, executor connection, subtasks). ``service``: the
+    ``s`` registered; yields (driver connection, executor connection, subtasks, states). ``service``: the
     StateService's keyword arguments."""
     from sparksteward.checkpoint.coordination.driver_service import StateService
     from sparksteward.checkpoint.task.task_state import SubtaskService
@@ -93,7 +93,7 @@ def state_agents(tmp_path, parallelism: int, max_parallelism: int, **service: An
     try:
         dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=parallelism,
                       max_parallelism=max_parallelism, key_type="string", num_retained=1)
-        yield dconn, econn, subtasks
+        yield dconn, econn, subtasks, states
     finally:
         dconn.close()
         econn.close()

@@ -21,8 +21,8 @@ KEYS = {f"k{i}": i for i in range(10)}
 
 @pytest.fixture()
 def rig(tmp_path):
-    with state_agents(tmp_path, P, M, agent_timeout=3.0, merging=MergingOptions(enabled=True)) as agents:
-        yield agents
+    with state_agents(tmp_path, P, M, agent_timeout=3.0, merging=MergingOptions(enabled=True)) as (d, e, sub, _):
+        yield d, e, sub
 
 
 def _fail(dconn, opened, agent: str, others: int) -> None:

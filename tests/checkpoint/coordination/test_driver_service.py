@@ -26,7 +26,7 @@ P, M = 2, 8
 @pytest.fixture(params=["merged", "whole"])
 def rig(tmp_path, request):
     """Driver and executor agents; checkpoints with file merging (FLIP-306) on, and off."""
-    with state_agents(tmp_path, P, M, merging=MergingOptions(enabled=request.param == "merged")) as (d, e, sub):
+    with state_agents(tmp_path, P, M, merging=MergingOptions(enabled=request.param == "merged")) as (d, e, sub, _):
         yield d, e, sub, tmp_path
 
 

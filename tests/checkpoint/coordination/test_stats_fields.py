@@ -11,7 +11,6 @@ import typing
 from typing import Any
 
 import orjson
-from sparksteward.checkpoint.coordination.driver_service import StateService
 from sparksteward.checkpoint.coordination.report import checkpoint_report
 from sparksteward.checkpoint.coordination.stats import PER_SUBTASK, SubtaskStats, summarize
 from sparksteward.checkpoint.messages import (
@@ -22,11 +21,11 @@ from sparksteward.checkpoint.messages import (
     UploadRequest,
 )
 from sparksteward.checkpoint.records import SubtaskHandle
-from sparksteward.checkpoint.task.task_state import SubtaskService
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyGroupRange, key_group_range
-from sparksteward.wire import AgentServer, Connection, new_secret
 from sparksteward.wire.messages import ask, integer, number
+
+from tests.helpers.state import state_agents
 
 P, M = 2, 8
 SUBTASKS = (0, 1)
@@ -165,38 +164,23 @@ def test_a_tasks_counters_reach_commit_info_and_the_metrics_over_real_agents(tmp
     """The worker's typed state.open and state.upload (as keyed_tasks sends them) on a real executor
     agent, acked to a real driver agent: the commit's stats and report, state.info's checkpoints and
     the driver agent's metrics."""
-    secret = new_secret()
-    driver = AgentServer("127.0.0.1", 0, secret, {})
-    states = StateService(str(tmp_path / "chk"), "c1", commit_timeout=30)
-    states.register_handlers(driver)
-    executor = AgentServer("127.0.0.1", 0, secret, {})
-    subtasks = SubtaskService(tmp_path / "exec", driver.endpoint, secret, upload_threads=2)
-    subtasks.register_handlers(executor)
-    try:
-        with Connection.connect(driver.endpoint, secret) as dconn, Connection.connect(executor.endpoint, secret) as econn:
-            dconn.request("state.register", name="s", checkpoint_dir=None, parallelism=P, max_parallelism=M,
-                          key_type="string", num_retained=1)
-            dconn.request("state.begin", name="s", checkpoint_id=0)
-            for subtask in range(P):
-                opened: OpenReply = ask(econn, OpenRequest("s", 0, subtask, P))
-                backend = RocksDBStateBackend(opened.workdir, key_group_range(M, P, subtask), M, "string",
-                                              create=False)
-                try:
-                    snap = backend.snapshot(opened.snapshot)
-                finally:
-                    backend.close()
-                counters = TaskCounters.counted({"rows_processed": 3, "ttl_expired_removed": 2, "wal_bytes": 9,
-                                                 "ttl_sweep_ms": 4 + subtask, "channel_bytes": 50 * (subtask + 1),
-                                                 "unaligned": 1})
-                ask(econn, UploadRequest(opened.token, snap.sync_ms, snap.flush_ms, counters))
-            reply = dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)
-            info = dconn.request("state.info", name="s")
-            metrics = states.metrics()
-    finally:
-        subtasks.close()
-        executor.close()
-        driver.close()
-        states.close()
+    with state_agents(tmp_path, P, M) as (dconn, econn, _, states):
+        dconn.request("state.begin", name="s", checkpoint_id=0)
+        for subtask in range(P):
+            opened: OpenReply = ask(econn, OpenRequest("s", 0, subtask, P))
+            backend = RocksDBStateBackend(opened.workdir, key_group_range(M, P, subtask), M, "string",
+                                          create=False)
+            try:
+                snap = backend.snapshot(opened.snapshot)
+            finally:
+                backend.close()
+            counters = TaskCounters.counted({"rows_processed": 3, "ttl_expired_removed": 2, "wal_bytes": 9,
+                                             "ttl_sweep_ms": 4 + subtask, "channel_bytes": 50 * (subtask + 1),
+                                             "unaligned": 1})
+            ask(econn, UploadRequest(opened.token, snap.sync_ms, snap.flush_ms, counters))
+        reply = dconn.request("state.commit", name="s", checkpoint_id=0, wait=30)
+        info = dconn.request("state.info", name="s")
+        metrics = states.metrics()
     stats = reply["stats"]
     assert stats["ttl_sweep_ms"] == [4, 5] and stats["channel_bytes"] == 150 and stats["wal_bytes"] == 18
     assert stats["ttl_expired_removed"] == 4 and stats["rows_processed"] == 6 and stats["unaligned_subtasks"] == [0, 1]
