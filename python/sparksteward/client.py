@@ -25,18 +25,28 @@ from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.shim_protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
+from sparksteward.wire.messages import OPS
 
-__all__ = ["IDEMPOTENT_OPS", "JobResults", "Steward"]
+__all__ = ["JobResults", "Steward", "repeatable"]
 
 _CONF_PREFIX = f"spark.plugins.internal.conf.{PLUGIN_CLASS}."
 
 
-#: Ops the client may send again after a timeout or a dropped connection: they change nothing, or
-#: nothing that a repeat could change twice. Every other op (jobs.begin, jobs.finish,
-#: jobs.add_cleanup, blob.acquire, blob.release, blob.put, blob.put_path, blob.add_library,
-#: blob.delete_job, ...) is sent at most once: its outcome after a lost reply is unknown.
-IDEMPOTENT_OPS = frozenset({"health", "events", "jobs.get", "jobs.list", "blob.info", "blob.get", "blob.list",
-                            "blob.stats", "blob.libraries", "blob.cache_stats", "blob.open_file"})
+#: The agents' own ops (not in the op registry) that change nothing, so the client may send them again
+_REPEATABLE_AGENT_OPS = frozenset({"health", "events"})
+
+
+def repeatable(op: str) -> bool:
+    """Whether the client may send ``op`` again after a timeout or a dropped connection: it changes
+    nothing, or nothing a repeat could change twice (the registry's ``repeatable``,
+    :data:`~sparksteward.wire.messages.OPS`). Every other op (jobs.begin, jobs.finish, blob.put,
+    blob.acquire, state.commit, ...) is sent at most once: its outcome after a lost reply is unknown."""
+    if op in _REPEATABLE_AGENT_OPS:
+        return True
+    from sparksteward.ops import all_ops  # only after a failure: the message modules, loaded once
+
+    known = all_ops().get(op)
+    return known is not None and known.repeatable
 
 
 def _client_settings(conf: Any) -> dict[str, Any]:
@@ -55,7 +65,7 @@ class Steward:
 
     ``timeout`` is the socket timeout of a request (``spark.steward.rpc.timeout``); a request with a
     ``wait`` gets the wait on top (``default_wait`` when the wait is null). After a timeout or a
-    dropped connection only :data:`IDEMPOTENT_OPS` are sent again, once.
+    dropped connection only :func:`repeatable` ops are sent again, once.
     """
 
     _instances: dict[str, Steward] = {}
@@ -133,7 +143,6 @@ class Steward:
     def ask(self, request: Any) -> Any:
         """Send a typed request (a :class:`~sparksteward.wire.messages.Message`) to the driver agent and
         return its op's typed reply; retries as :meth:`request` does."""
-        from sparksteward.wire.messages import OPS
         name = type(request).OP
         return OPS[name].reply.from_wire(self.request(name, **request.to_wire()), f"{name} reply")
 
@@ -141,7 +150,7 @@ class Steward:
         """Send one request to the driver agent and return its reply.
 
         A stale connection is replaced before sending. After a timeout or a connection lost
-        mid-request, an op in :data:`IDEMPOTENT_OPS` is sent once more on a new connection; any
+        mid-request, a :func:`repeatable` op is sent once more on a new connection; any
         other op raises :class:`AgentUnavailableError` saying it was not retried.
         """
         timeout = self._op_timeout(op, fields)
@@ -153,7 +162,7 @@ class Steward:
                 if not conn.broken:
                     raise  # the agent's answer (an error reply): the connection is fine
                 self._drop()
-                if op not in IDEMPOTENT_OPS:
+                if not repeatable(op):
                     raise AgentUnavailableError(
                         f"{op} to the agent at {self.endpoint} got no reply ({type(exc).__name__}: {exc}); it "
                         f"was not retried because {op} is not idempotent, so the agent may or may not have "

@@ -20,7 +20,7 @@ from sparksteward.wire.messages import MAX_PARALLELISM, OPS
 def test_the_state_ops_are_registered_and_never_sent_twice():
     for name in ("state.register", "state.check", "state.begin", "state.commit", "state.abort", "state.info",
                  "state.savepoint"):
-        assert OPS[name].served_by == "driver" and not OPS[name].repeatable   # none is in IDEMPOTENT_OPS
+        assert OPS[name].served_by == "driver" and not OPS[name].repeatable   # none is sent twice (client.repeatable)
 
 
 def test_a_check_reply_leaves_out_what_its_kind_never_had():
