@@ -25,7 +25,7 @@ from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.shim_protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
-from sparksteward.wire.messages import OPS
+from sparksteward.wire.messages import read_reply
 
 __all__ = ["JobResults", "Steward", "repeatable"]
 
@@ -143,8 +143,7 @@ class Steward:
     def ask(self, request: Any) -> Any:
         """Send a typed request (a :class:`~sparksteward.wire.messages.Message`) to the driver agent and
         return its op's typed reply; retries as :meth:`request` does."""
-        name = type(request).OP
-        return OPS[name].reply.from_wire(self.request(name, **request.to_wire()), f"{name} reply")
+        return read_reply(request, self.request(request.OP, **request.to_wire()))
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one request to the driver agent and return its reply.

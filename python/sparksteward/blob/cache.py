@@ -65,6 +65,7 @@ from sparksteward.owner import OwnerRecord, private_dir
 from sparksteward.owner import boot_id as host_boot_id
 from sparksteward.wire import AgentServer, Connection, RawReader
 from sparksteward.wire.link import AgentLink
+from sparksteward.wire.messages import read_reply
 
 __all__ = ["BlobCache"]
 
@@ -205,7 +206,7 @@ class BlobCache:
         conn.send({"op": request.OP, **request.to_wire()})
         reply = Connection._check(conn.recv())
         try:
-            return BlobGetReply.from_wire(reply, f"{request.OP} reply")
+            return read_reply(request, reply)
         except StewardError:
             conn.broken = True   # a reply we cannot read: whatever follows it is not ours to read
             raise

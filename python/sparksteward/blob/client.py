@@ -18,12 +18,10 @@ from sparksteward.blob.key import BlobKey, BlobType
 from sparksteward.blob.messages import (
     BlobAcquireRequest,
     BlobDeleteJobRequest,
-    BlobGetReply,
     BlobGetRequest,
     BlobInfoRequest,
     BlobListRequest,
     BlobPutPathRequest,
-    BlobPutReply,
     BlobPutRequest,
     BlobReleaseRequest,
     BlobStatsRequest,
@@ -32,7 +30,7 @@ from sparksteward.blob.store import verified_copy
 from sparksteward.errors import ChecksumMismatchError, ProtocolError, StewardError
 from sparksteward.hashing import hash_bytes
 from sparksteward.wire import Connection, RawReader
-from sparksteward.wire.messages import Message, ask
+from sparksteward.wire.messages import Message, ask, read_reply
 
 __all__ = ["BlobClient"]
 
@@ -89,7 +87,7 @@ class BlobClient:
                     raise exc from None
                 Connection._check(reply)
                 raise
-            return BlobPutReply.from_wire(Connection._check(conn.recv()), f"{request.OP} reply").key
+            return read_reply(request, Connection._check(conn.recv())).key
         except BaseException:
             conn.broken = True  # the stream's state is unknown: never reuse this connection
             raise
@@ -115,7 +113,7 @@ class BlobClient:
             conn.broken = True
             raise
         try:
-            return key, conn, RawReader(conn, BlobGetReply.from_wire(raw, f"{request.OP} reply").size)
+            return key, conn, RawReader(conn, read_reply(request, raw).size)
         except StewardError:
             conn.broken = True   # a reply we cannot read: whatever follows it is not ours to read
             raise

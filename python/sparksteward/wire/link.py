@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from sparksteward.errors import StewardError
 from sparksteward.wire.connection import Connection
-from sparksteward.wire.messages import OPS, Message
+from sparksteward.wire.messages import OPS, Message, read_reply
 
 __all__ = ["AgentLink"]
 
@@ -111,8 +111,8 @@ class AgentLink:
         """Send a typed request and return its op's typed reply; a connection that breaks before the
         reply is replaced and the request sent once more only for an op registered as repeatable."""
         name = type(request).OP
-        raw = self.request(name, retry=OPS[name].repeatable, timeout=timeout, **request.to_wire())
-        return OPS[name].reply.from_wire(raw, f"{name} reply")
+        return read_reply(request, self.request(name, retry=OPS[name].repeatable, timeout=timeout,
+                                                **request.to_wire()))
 
     def close(self) -> None:
         """Close the idle connections; the ones in use are closed when their request ends. Idempotent."""

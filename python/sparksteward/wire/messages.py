@@ -36,7 +36,7 @@ from sparksteward.errors import InvalidRequestError
 from sparksteward.wire.fields import _REQUIRED, Fields
 
 __all__ = ["MAX_CHECKPOINT_ID", "MAX_PARALLELISM", "Message", "OPS", "Op", "ask", "custom", "flag",
-           "integer", "job_id", "mapping", "message_list", "nested", "number", "op", "ops_table", "sequence", "text"]
+           "integer", "job_id", "mapping", "message_list", "nested", "number", "op", "read_reply", "sequence", "text"]
 
 #: The largest max parallelism a state may have (Flink's UPPER_BOUND_MAX_PARALLELISM: a key group fits
 #: two bytes); every parallelism, subtask and key group a request names is below or at it.
@@ -229,20 +229,12 @@ def op(name: str, *, reply: type[Message], repeatable: bool = False, streams: bo
     return register
 
 
-def reply_of(request: Message) -> type[Message]:
-    """The reply class of ``request``'s op."""
-    return OPS[type(request).OP].reply
+def read_reply(request: Message, raw: dict[str, Any]) -> Any:
+    """``raw``, the reply to ``request``, parsed and checked as its op's reply class."""
+    name = type(request).OP
+    return OPS[name].reply.from_wire(raw, f"{name} reply")
 
 
 def ask(conn: Any, request: Message, timeout: float | None = None) -> Any:
     """Send ``request`` on one connection and parse the reply as its op's reply class."""
-    cls = type(request)
-    raw = conn.call(cls.OP, request.to_wire(), timeout)
-    return OPS[cls.OP].reply.from_wire(raw, f"{cls.OP} reply")
-
-
-def ops_table(prefixes: tuple[str, ...] = ()) -> list[tuple[str, str, str, str, str]]:
-    """``(op, served by, request, reply, what it does)`` of every registered op (starting with one of
-    ``prefixes``), sorted by name: the table docs/architecture.md shows."""
-    return [(o.name, o.served_by, o.request.__name__, o.reply.__name__, o.doc)
-            for o in sorted(OPS.values(), key=lambda o: o.name) if not prefixes or o.name.startswith(prefixes)]
+    return read_reply(request, conn.call(request.OP, request.to_wire(), timeout))
