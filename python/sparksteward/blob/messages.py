@@ -35,7 +35,8 @@ _ANY = sys.maxsize   # replies: a list is as long as the agent made it (the fram
 
 def _key() -> Any:
     """A blob key: its text (``p-<32 hex>`` or ``t-<32 hex>``) on the wire, a :class:`BlobKey` here."""
-    return custom(lambda f, n: BlobKey.parse(f.text(n, max_len=64)), str)
+    return custom(lambda f, n: BlobKey.parse(f.text(n, max_len=64)), str, fast="type(v) is str and len(v) == 34",
+                  convert=BlobKey.parse)
 
 
 def _type() -> Any:

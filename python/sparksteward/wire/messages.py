@@ -53,10 +53,18 @@ class _Spec:
     parse: Parse
     dump: Callable[[Any], Any] | None = None   # None: the value is sent as it is
     omit_none: bool = False                      # a None value is left out of the JSON object
+    default: Any = _REQUIRED
+    #: a Python expression over the raw value ``v`` (never None) that is true when ``v`` is taken as it is,
+    #: with no call: the common case of a well-formed message. Anything else goes through ``parse``, which
+    #: converts it or raises naming the field. "": always ``parse``.
+    fast: str = ""
+    null: bool = False   # a null that is present is the value None (a missing field still goes to ``parse``)
+    convert: Callable[[Any], Any] | None = None   # applied to a value that passed ``fast``
 
 
-def _field(parse: Parse, default: Any, *, dump: Callable[[Any], Any] | None = None, omit_none: bool = False) -> Any:
-    spec = _Spec(parse, dump, omit_none)
+def _field(parse: Parse, default: Any, *, dump: Callable[[Any], Any] | None = None, omit_none: bool = False,
+           fast: str = "", null: bool = False, convert: Callable[[Any], Any] | None = None) -> Any:
+    spec = _Spec(parse, dump, omit_none, default, fast, null, convert)
     if default is _REQUIRED:
         return dataclasses.field(metadata={"wire": spec})
     if isinstance(default, (dict, list)):
@@ -73,18 +81,20 @@ def text(*, default: Any = _REQUIRED, max_len: int = 1 << 16, choices: tuple[str
          omit_none: bool = False) -> Any:
     """A string of at most ``max_len`` characters (one of ``choices`` when given). ``omit_none`` (with
     every field function that takes it): a None value is left out of the JSON object."""
+    fast = f"type(v) is str and len(v) <= {max_len}" + (f" and v in {choices!r}" if choices else "")
     return _field(lambda f, n: _or(default, f.text(n, default=default, max_len=max_len, choices=choices)), default,
-                  omit_none=omit_none)
+                  omit_none=omit_none, fast=fast)
 
 
 def flag(*, default: Any = _REQUIRED) -> Any:
     """A JSON boolean."""
-    return _field(lambda f, n: f.flag(n, default=default), default)
+    return _field(lambda f, n: f.flag(n, default=default), default, fast="(v is True or v is False)")
 
 
 def integer(*, default: Any = _REQUIRED, lo: int | None = None, hi: int | None = None, omit_none: bool = False) -> Any:
     """An integer within ``[lo, hi]``."""
-    return _field(lambda f, n: f.integer(n, default=default, lo=lo, hi=hi), default, omit_none=omit_none)
+    fast = "type(v) is int" + ("" if lo is None else f" and v >= {lo!r}") + ("" if hi is None else f" and v <= {hi!r}")
+    return _field(lambda f, n: f.integer(n, default=default, lo=lo, hi=hi), default, omit_none=omit_none, fast=fast)
 
 
 def number(*, default: Any = _REQUIRED, lo: float | None = None, hi: float | None = None) -> Any:
@@ -94,7 +104,8 @@ def number(*, default: Any = _REQUIRED, lo: float | None = None, hi: float | Non
 
 def mapping(*, default: Any = _REQUIRED, omit_none: bool = False) -> Any:
     """A JSON object, passed as it is (the handler checks what is inside)."""
-    return _field(lambda f, n: _or(default, f.mapping(n, default=default)), default, omit_none=omit_none)
+    return _field(lambda f, n: _or(default, f.mapping(n, default=default)), default, omit_none=omit_none,
+                  fast="type(v) is dict")
 
 
 def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tuple[type, ...] | None = None,
@@ -107,12 +118,13 @@ def sequence(*, default: Any = _REQUIRED, max_items: int = 1024, of: type | tupl
         if of is not None and not all(isinstance(v, of) and not isinstance(v, bool) for v in value):
             f._bad(n, value, f"a JSON array of {_kind(of)}")
         return value
-    return _field(parse, default, omit_none=omit_none)
+    return _field(parse, default, omit_none=omit_none,
+                  fast="" if of is not None else f"type(v) is list and len(v) <= {max_items}")
 
 
 def job_id(*, nullable: bool = False) -> Any:
     """A job id, validated; present, and null only if ``nullable``."""
-    return _field(lambda f, n: f.job_id(n, nullable=nullable), _REQUIRED)
+    return _field(lambda f, n: f.job_id(n, nullable=nullable), _REQUIRED, null=nullable)
 
 
 def nested(cls: type[Message], *, default: Any = _REQUIRED) -> Any:
@@ -135,9 +147,11 @@ def message_list(cls: type[Message], *, max_items: int = 100_000, required: bool
 
 
 def custom(parse: Parse, dump: Callable[[Any], Any] | None = None, *, default: Any = _REQUIRED,
-           omit_none: bool = False) -> Any:
-    """A field read by ``parse(fields, name)`` (which raises by name on a bad value) and written by ``dump``."""
-    return _field(parse, default, dump=dump, omit_none=omit_none)
+           omit_none: bool = False, fast: str = "", convert: Callable[[Any], Any] | None = None) -> Any:
+    """A field read by ``parse(fields, name)`` (which raises by name on a bad value) and written by ``dump``.
+    ``fast`` and ``convert``, for a field on a hot path: a raw value ``v`` for which the expression ``fast``
+    holds is read as ``convert(v)``, which must give what ``parse`` would."""
+    return _field(parse, default, dump=dump, omit_none=omit_none, fast=fast, convert=convert)
 
 
 def _kind(of: type | tuple[type, ...]) -> str:
@@ -146,16 +160,67 @@ def _kind(of: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types)
 
 
-_SPECS: dict[type, tuple[tuple[str, _Spec | None], ...]] = {}
+@dataclass(frozen=True, slots=True)
+class _Codec:
+    """A message class's ``to_wire`` and ``from_wire``, generated once per class from its fields' specs:
+    straight-line code with the common case inline (a message is parsed and built on every request)."""
+
+    to_wire: Callable[[Any], dict[str, Any]]
+    from_wire: Callable[[dict[str, Any], str], Any]
 
 
-def _specs(cls: type) -> tuple[tuple[str, _Spec | None], ...]:
-    """``(field name, its wire spec)`` of a message class, in declaration order (computed once per class)."""
-    specs = _SPECS.get(cls)
-    if specs is None:
-        specs = _SPECS[cls] = tuple((fld.name, fld.metadata.get("wire"))
-                                    for fld in dataclasses.fields(cls))
-    return specs
+_CODECS: dict[type, _Codec] = {}
+
+
+def _fields_of(raw: dict[str, Any], op: str) -> Fields:
+    f = Fields(raw)
+    f.op = op   # errors name the op, whatever the peer put in "op"
+    return f
+
+
+def _codec(cls: type) -> _Codec:
+    """The generated codec of ``cls`` (a field's ``fast`` test is a constant expression built by this
+    module's field functions from their own bounds, never from a message's data)."""
+    codec = _CODECS.get(cls)
+    if codec is not None:
+        return codec
+    env: dict[str, Any] = {"cls": cls, "_fields_of": _fields_of}
+    dump_lines, parse_lines, args = ["def to_wire(self):", "    out = {}"], ["def from_wire(raw, op):", "    f = None"], []
+    for i, fld in enumerate(dataclasses.fields(cls)):
+        spec: _Spec | None = fld.metadata.get("wire")
+        if spec is None:
+            continue
+        name = fld.name
+        env[f"P{i}"], env[f"D{i}"], env[f"X{i}"], env[f"C{i}"] = spec.parse, spec.default, spec.dump, spec.convert
+        dumped = f"X{i}(v)" if spec.dump is not None else "v"
+        dump_lines.append(f"    v = self.{name}")
+        if spec.omit_none:
+            dump_lines.append(f"    if v is not None: out[{name!r}] = {dumped}")
+        elif spec.dump is not None:
+            dump_lines.append(f"    out[{name!r}] = None if v is None else {dumped}")
+        else:
+            dump_lines.append(f"    out[{name!r}] = v")
+        slow = ["        if f is None: f = _fields_of(raw, op)", f"        v = P{i}(f, {name!r})"]
+        parse_lines.append(f"    v = raw.get({name!r})")
+        if spec.default is not _REQUIRED and spec.fast:
+            copy = f"type(D{i})(D{i})" if isinstance(spec.default, (dict, list)) else f"D{i}"
+            parse_lines += [f"    if v is None: v = {copy}", f"    elif not ({spec.fast}):", *slow]
+        elif spec.null:
+            parse_lines += [f"    if v is None and {name!r} in raw: pass",
+                            f"    elif {'v is None or not (' + spec.fast + ')' if spec.fast else 'True'}:", *slow]
+        elif spec.fast:
+            parse_lines += [f"    if v is None or not ({spec.fast}):", *slow]
+        else:
+            parse_lines += ["    if True:", *slow]
+        if spec.convert is not None and spec.fast:
+            parse_lines.append(f"    else: v = C{i}(v)")
+        parse_lines.append(f"    a{i} = v")
+        args.append(f"{name}=a{i}")
+    dump_lines.append("    return out")
+    parse_lines.append(f"    return cls({', '.join(args)})")
+    exec(compile("\n".join(dump_lines + parse_lines), f"<codec of {cls.__qualname__}>", "exec"), env)  # noqa: S102
+    codec = _CODECS[cls] = _Codec(env["to_wire"], env["from_wire"])
+    return codec
 
 
 class Message:
@@ -167,16 +232,7 @@ class Message:
 
     def to_wire(self) -> dict[str, Any]:
         """The JSON object of this message (without ``op``)."""
-        out: dict[str, Any] = {}
-        for name, spec in _specs(type(self)):
-            value = getattr(self, name)
-            if value is None:
-                if spec is not None and spec.omit_none:
-                    continue
-                out[name] = None
-            else:
-                out[name] = spec.dump(value) if spec is not None and spec.dump is not None else value
-        return out
+        return _codec(type(self)).to_wire(self)
 
     @classmethod
     def from_wire(cls: type[M], raw: dict[str, Any], op: str | None = None) -> M:
@@ -184,9 +240,7 @@ class Message:
         if not isinstance(raw, dict):
             raise InvalidRequestError(f"{op or cls.OP or cls.__name__}: expected a JSON object, got "
                                       f"{type(raw).__name__}")
-        f = Fields(raw)
-        f.op = op or cls.OP or cls.__name__   # errors name the op, whatever the peer put in "op"
-        return cls(**{name: spec.parse(f, name) for name, spec in _specs(cls) if spec is not None})
+        return _codec(cls).from_wire(raw, op or cls.OP or cls.__name__)
 
 
 @dataclass(frozen=True, slots=True)
