@@ -20,7 +20,7 @@ import sparksteward.checkpoint.messages
 import sparksteward.jobs.messages  # noqa: F401  (fill the registry)
 from sparksteward.errors import StewardError
 from sparksteward.wire.fields import Fields
-from sparksteward.wire.messages import OPS, Message, mapping, sequence
+from sparksteward.wire.messages import OPS, Message, _codec, integer, mapping, sequence
 
 _MISSING = object()
 _POOL: list[Any] = [
@@ -65,7 +65,7 @@ def test_generated_codecs_accept_and_refuse_what_the_field_specs_do():
     rng = random.Random(seed)
     classes = _classes()
     assert len(classes) > 60 and {c for op in OPS.values() for c in (op.request, op.reply)} <= set(classes)
-    accepted = 0
+    accepted = checked_dumps = 0
     for cls in classes:
         names = [fld.name for fld in dataclasses.fields(cls) if "wire" in fld.metadata]
         for _ in range(60):
@@ -83,10 +83,11 @@ def test_generated_codecs_accept_and_refuse_what_the_field_specs_do():
                     if spec is None or (value is None and spec.omit_none):
                         continue
                     reference_dump[fld.name] = spec.dump(value) if spec.dump and value is not None else value
-                if type(message).to_wire is Message.to_wire:
+                if type(message).__dict__.get("to_wire") is _codec(type(message)).to_wire:   # not its own
+                    checked_dumps += 1
                     assert message.to_wire() == reference_dump, f"seed {seed}: {cls.__name__}"
                 assert cls.from_wire(message.to_wire(), "test.op") == message, f"seed {seed}: {cls.__name__}"
-    assert accepted > 200   # the stream reaches the accepting paths, not only the refusals
+    assert accepted > 200 and checked_dumps > 150   # the stream reaches the accepting paths, not only the refusals
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,3 +103,21 @@ def test_a_mutable_default_is_a_new_object_per_message():
     assert a.items is not b.items and a.extra is not b.extra
     a.items.append("x")
     assert _Defaults.from_wire({}).items == []
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Base(Message):
+    a: int = integer(default=0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Sub(_Base):
+    b: int = integer(default=0)
+
+
+def test_a_subclass_uses_its_own_codec_whichever_class_is_used_first():
+    # the codec is installed on the class it was made for; a subclass inheriting it hands over to its own
+    assert _Base(1).to_wire() == {"a": 1} and _Base.from_wire({"a": 1, "b": 2}) == _Base(1)
+    assert _Sub(1, 2).to_wire() == {"a": 1, "b": 2}
+    got = _Sub.from_wire({"a": 1, "b": 2})
+    assert type(got) is _Sub and got == _Sub(1, 2)

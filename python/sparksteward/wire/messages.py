@@ -166,7 +166,7 @@ class _Codec:
     straight-line code with the common case inline (a message is parsed and built on every request)."""
 
     to_wire: Callable[[Any], dict[str, Any]]
-    from_wire: Callable[[dict[str, Any], str], Any]
+    from_wire: Callable[[type, dict[str, Any], str | None], Any]
 
 
 _CODECS: dict[type, _Codec] = {}
@@ -184,8 +184,17 @@ def _codec(cls: type) -> _Codec:
     codec = _CODECS.get(cls)
     if codec is not None:
         return codec
-    env: dict[str, Any] = {"cls": cls, "_fields_of": _fields_of}
-    dump_lines, parse_lines, args = ["def to_wire(self):", "    out = {}"], ["def from_wire(raw, op):", "    f = None"], []
+    env: dict[str, Any] = {"cls": cls, "_fields_of": _fields_of, "_codec": _codec, "_not_an_object": _not_an_object}
+    # installed on the class itself (below), so a subclass that inherits them hands over to its own codec
+    dump_lines = ["def to_wire(self):",
+                  "    if self.__class__ is not cls: return _codec(self.__class__).to_wire(self)",
+                  "    out = {}"]
+    parse_lines = ["def from_wire(klass, raw, op=None):",
+                   "    if klass is not cls: return _codec(klass).from_wire(klass, raw, op)",
+                   "    if type(raw) is not dict: _not_an_object(cls, raw, op)",
+                   "    op = op or cls.OP or cls.__name__",
+                   "    f = None"]
+    args = []
     for i, fld in enumerate(dataclasses.fields(cls)):
         spec: _Spec | None = fld.metadata.get("wire")
         if spec is None:
@@ -220,7 +229,16 @@ def _codec(cls: type) -> _Codec:
     parse_lines.append(f"    return cls({', '.join(args)})")
     exec(compile("\n".join(dump_lines + parse_lines), f"<codec of {cls.__qualname__}>", "exec"), env)  # noqa: S102
     codec = _CODECS[cls] = _Codec(env["to_wire"], env["from_wire"])
+    if "to_wire" not in cls.__dict__:   # a class that writes itself (a reply with a legacy shape) keeps its own
+        setattr(cls, "to_wire", codec.to_wire)  # noqa: B010  (an attribute of the class, not of its instances)
+    setattr(cls, "from_wire", classmethod(codec.from_wire))  # noqa: B010
     return codec
+
+
+def _not_an_object(cls: type, raw: object, op: str | None) -> None:
+    if not isinstance(raw, dict):
+        raise InvalidRequestError(f"{op or getattr(cls, 'OP', '') or cls.__name__}: expected a JSON object, got "
+                                  f"{type(raw).__name__}")
 
 
 class Message:
@@ -230,17 +248,16 @@ class Message:
     __slots__ = ()
     OP: ClassVar[str] = ""
 
+    # Both are replaced on each class by its generated codec on first use (see _codec).
     def to_wire(self) -> dict[str, Any]:
         """The JSON object of this message (without ``op``)."""
         return _codec(type(self)).to_wire(self)
 
     @classmethod
     def from_wire(cls: type[M], raw: dict[str, Any], op: str | None = None) -> M:
-        """Parse and check ``raw`` once; a bad field raises :class:`InvalidRequestError` naming it."""
-        if not isinstance(raw, dict):
-            raise InvalidRequestError(f"{op or cls.OP or cls.__name__}: expected a JSON object, got "
-                                      f"{type(raw).__name__}")
-        return _codec(cls).from_wire(raw, op or cls.OP or cls.__name__)
+        """Parse and check ``raw`` once; a bad field raises :class:`InvalidRequestError` naming it (the
+        error names ``op``, else the class's op, whatever the peer put in ``"op"``)."""
+        return _codec(cls).from_wire(cls, raw, op)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,7 @@ class AgentServer:
         """Serve ``op`` with ``handler(conn, request dict) -> reply dict``; prefer :meth:`serve`."""
         self._handlers[op] = handler
 
-    def serve(self, request: type[Message], handler: Callable[[Connection, Any], Any], *,
+    def serve(self, request: type[Message], handler: Callable[[Connection, Any], Message | None], *,
               body: bool = False) -> None:
         """Serve ``request``'s op (registered in :data:`~sparksteward.wire.messages.OPS`) with
         ``handler(conn, typed request) -> reply message`` (or None when the handler streamed its reply
@@ -87,11 +87,13 @@ class AgentServer:
         if OPS.get(request.OP) is None or OPS[request.OP].request is not request:
             raise RuntimeError(f"{request.__name__} is not a registered request (decorate it with wire.messages.op)")
 
+        parse = request.from_wire
+
         def run(conn: Connection, raw: dict[str, Any]) -> dict[str, Any] | None:
             if body and conn is not None:
                 conn.expect_body()
-            reply = handler(conn, request.from_wire(raw))
-            return reply.to_wire() if isinstance(reply, Message) else reply
+            reply = handler(conn, parse(raw))
+            return None if reply is None else reply.to_wire()
         self._handlers[request.OP] = run
 
     def handler(self, op: str) -> Handler | None:
