@@ -423,6 +423,12 @@ OPTIONS = OPTIONS + (
            "The most expired entries (expiry index keys) one subtask removes in a batch, after the state "
            "function ran; the rest are removed by the next batches. An expired entry is never returned "
            "either way; this bounds the time a batch spends on removal.", check=_positive),
+    Option("spark.steward.state.keep-open", "int", "8",
+           "How many subtask DBs a Python worker keeps open between batches (decision 0026). A task whose "
+           "subtask's DB its worker still holds, and whose base checkpoint is exactly what that DB holds, goes "
+           "on with it instead of opening the restored copy; its snapshot then flushes the memtable instead of "
+           "closing the DB. Each held DB keeps its memtable and open files. 0 opens and closes each batch's DB "
+           "(the behaviour before). Tasks read it from the session's conf.", check=_nonneg),
     Option("spark.steward.state.spill-threshold", "bytes", "64m",
            "The per-key (pandas) form calls its function once per key per batch with all of the key's rows, "
            "so each task reads its subtask's whole input first: this much of it in memory, the rest spilled "
@@ -533,6 +539,7 @@ class StewardConfig:
     state_cache_max_size: int = 10 << 30
     state_ttl_sweep_max_entries: int = 100_000
     state_spill_threshold: int = 64 << 20
+    state_keep_open: int = 8
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:

@@ -27,6 +27,7 @@ inside the functions, on the worker. Keep it so: nothing here holds state of the
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -142,16 +143,32 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     from sparksteward.worker import executor_connection, settle_heap
 
     settle_heap()   # the modules above stay out of the collections PySpark runs after each task
+    from pyspark import TaskContext
+
     conn = executor_connection()
-    opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms")))
+    limit = _keep_open(TaskContext.get())
+    keep = limit > 0
+    held = _HELD.of(name) if keep else []
+    try:
+        opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms"),
+                                                  held=held, dropped=_HELD.take_dropped(name), pid=os.getpid()))
+    except BaseException:
+        _HELD.close(held)   # the agent may have deleted their dirs: never use them again
+        raise
+    _HELD.close(opened.stale)
     token = opened.token
     uploaded = False
     writer = None
+    backend = None
     try:
         p, m = opened.parallelism, opened.max_parallelism
         kg = key_group_range(m, p, subtask)
-        backend = RocksDBStateBackend(opened.workdir, kg, m, opened.key_type, create=False,
-                                      flush_wal_above=opened.flush_wal_above)
+        backend = _HELD.take(opened.kept) if opened.kept else None
+        if backend is None:
+            backend = RocksDBStateBackend(opened.workdir, kg, m, opened.key_type, create=False,
+                                          flush_wal_above=opened.flush_wal_above)
+        else:   # decision 0026: the DB this worker kept open is exactly the base
+            backend.entries_ingested = backend.wal_bytes = 0
         try:
             now_ms = int(declared.get("now_ms") or 0)
             typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
@@ -167,8 +184,6 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             source, writer, counters = unaligned_input(   # counters: counted as the input is read
                 opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-            from pyspark import TaskContext
-
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
                 options: dict[str, Any] = {
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
@@ -184,16 +199,24 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             channel = writer.close() if writer is not None else None
             writer = None
             counters["entries_estimate"] = backend.db.property_int_value("rocksdb.estimate-num-keys") or 0
-            snap = backend.snapshot(opened.snapshot)  # the sync phase
-        finally:
+            snap = backend.snapshot(opened.snapshot, keep_open=keep)  # the sync phase
+        except BaseException:
+            backend.close()   # a DB the task failed in is never kept
+            raise
+        if not keep:
             backend.close()
         counters["channel_bytes"] = channel.bytes if channel is not None else 0
         counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
         counters["entries_ingested"] = backend.entries_ingested
         ask(conn, UploadRequest(token, snap.sync_ms, snap.flush_ms,   # the async phase
-                                TaskCounters.counted(counters)))
+                                TaskCounters.counted(counters), keep=keep))
         uploaded = True
+        if keep:
+            _HELD.put(token, name, backend, limit)
+            backend = None
     finally:
+        if backend is not None and keep:
+            backend.close()   # an upload the agent refused: the DB is not kept
         if writer is not None:
             writer.abort()
         if not uploaded:
@@ -201,6 +224,61 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 ask(conn, ReleaseRequest(token))
             except Exception:  # noqa: BLE001 - the task's own error matters more
                 pass
+
+
+class _HeldDBs:
+    """The DBs this Python worker keeps open after their uploads (decision 0026), by the open's token,
+    oldest first; at most ``spark.steward.state.keep-open`` of them. Only a task of the same state and
+    subtask takes one, and only when the executor agent names it as exactly its base. A DB closed here
+    on its own is named to the agent at the next open of its state (``dropped``), so its dir goes."""
+
+    def __init__(self) -> None:
+        self._dbs: dict[str, tuple[str, Any]] = {}   # token -> (state, backend)
+        self._dropped: dict[str, list[str]] = {}     # state -> tokens closed here since its last open
+        self._pid = os.getpid()
+
+    def _mine(self) -> None:
+        if self._pid != os.getpid():   # a forked child holds none of its parent's DBs
+            self._dbs, self._dropped, self._pid = {}, {}, os.getpid()
+
+    def of(self, name: str) -> list[str]:
+        self._mine()
+        return [t for t, (n, _) in self._dbs.items() if n == name]
+
+    def take_dropped(self, name: str) -> list[str]:
+        self._mine()
+        return self._dropped.pop(name, [])
+
+    def take(self, token: str) -> Any:
+        entry = self._dbs.pop(token, None)
+        return entry[1] if entry is not None else None
+
+    def close(self, tokens: list[str]) -> None:
+        for token in tokens:
+            entry = self._dbs.pop(token, None)
+            if entry is not None:
+                entry[1].close()
+
+    def put(self, token: str, name: str, backend: Any, limit: int) -> None:
+        self._mine()
+        self._dbs[token] = (name, backend)
+        while len(self._dbs) > limit:
+            old = next(iter(self._dbs))
+            old_name, old_backend = self._dbs.pop(old)
+            old_backend.close()
+            self._dropped.setdefault(old_name, []).append(old)
+
+
+_HELD = _HeldDBs()
+
+
+def _keep_open(ctx: Any) -> int:
+    """``spark.steward.state.keep-open`` from the task's local properties (0: close each batch's DB)."""
+    from sparksteward.config import StewardConfig
+
+    key = "spark.steward.state.keep-open"
+    raw = ctx.getLocalProperty(key) if ctx is not None else None
+    return StewardConfig.from_conf({key: raw} if raw else {}).state_keep_open
 
 
 def _spill_threshold(ctx: Any) -> int:

@@ -218,8 +218,9 @@ def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s
         return {s["subtask"]: {f["checksum"] for f in s["files"] if f["name"].endswith(".sst")}
                 for s in ks.info()["latest"]["subtasks"]}
 
-    def size() -> int:
-        return sum(f["length"] for s in ks.info()["latest"]["subtasks"] for f in s["files"])
+    def size() -> int:   # the data: SSTs and WAL (OPTIONS, MANIFEST and CURRENT are a fixed 8 KB a subtask)
+        return sum(f["length"] for s in ks.info()["latest"]["subtasks"] for f in s["files"]
+                   if f["name"].endswith((".sst", ".log")))
 
     batch(0, range(2000))
     first, first_size = ssts(), size()
@@ -232,7 +233,7 @@ def test_expired_state_is_compacted_away_by_the_agent_on_the_other_host(spark, s
     assert report["rows_in"] == report["keys_touched"] == 10 and report["state_bytes_local"] > 0, report
     assert report["bytes_uploaded"] > 0 and report["async_ms"] > 0 and report["restore_ms"] >= 0, report
     assert all(not (last[s] & first[s]) for s in first), (first, last)
-    assert size() < first_size / 3, (first_size, size())
+    assert size() < first_size / 5, (first_size, size())
     assert {r.key for r in ks.read("n", distributed=True).collect()} <= {f"key-{k:05d}" for k in range(5010, 5030)}
 
 

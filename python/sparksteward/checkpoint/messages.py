@@ -55,6 +55,8 @@ __all__ = ["AckReply", "AckRequest", "BaseReply", "BaseRequest", "CheckpointRef"
            "SubtaskStats", "TaskCounters", "TaskCutRequest", "UploadReply", "UploadRequest", "WorkingSubtask"]
 
 _MANY = 1 << 20   # the bound of lists that name files or subtasks (a request is bounded in bytes anyway)
+#: the most DBs a Python worker holds open after their uploads (decision 0026)
+_HELD_MAX = 64
 
 
 def _name() -> Any:
@@ -406,6 +408,12 @@ class OpenReply(Message):
     attempt: str = text(default="", max_len=64)
     replay_filter: bool = flag(default=False)                # the base has another parallelism: filter by key group
     flush_wal_above: int | None = integer(default=None, lo=0)   # the task flushes a larger WAL (decision 0022)
+    #: decision 0026: the token of a DB the worker holds open that is exactly the base; the task goes on
+    #: with it (its dir is ``workdir``) instead of opening the restored one
+    kept: str = text(default="", max_len=64)
+    #: tokens of held DBs that can never be a base again (or that this agent does not know): the
+    #: worker closes them now
+    stale: list[str] = sequence(default=[], of=str, max_items=_HELD_MAX)
 
 
 @op("state.open", reply=OpenReply, served_by="executor")
@@ -424,6 +432,11 @@ class OpenRequest(Message):
     subtask: int = integer(lo=0)
     parallelism: int | None = integer(default=None, lo=1)
     now_ms: int | None = integer(default=None, lo=0, hi=1 << 62)
+    #: decision 0026: the tokens of the DBs of this state the worker holds open after their uploads
+    #: (any subtask), and of those it closed on its own since its last open
+    held: list[str] = sequence(default=[], of=str, max_items=_HELD_MAX)
+    dropped: list[str] = sequence(default=[], of=str, max_items=_HELD_MAX)
+    pid: int | None = integer(default=None, lo=1)   # the worker's process: its held DBs go when it does
 
 
 @op("state.task_cut", reply=CutReply, served_by="executor")
@@ -457,6 +470,7 @@ class UploadRequest(Message):
     sync_ms: float = number(default=0.0, lo=0)
     flush_ms: float = number(default=0.0, lo=0)
     counters: TaskCounters = nested(TaskCounters, default=TaskCounters())
+    keep: bool = flag(default=False)   # the task keeps its DB open: its working dir is lent, not deleted (0026)
 
 
 @dataclass(frozen=True, slots=True)

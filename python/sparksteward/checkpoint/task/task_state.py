@@ -43,6 +43,7 @@ root on exit, and at start it sweeps the roots of agents proven dead on this hos
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -128,14 +129,37 @@ class _Open:
     replay: Path | None = None     # the links to the base's channel state the task replays
     opened_at: float = 0.0         # clock.now() at the open (the open timeout counts from it)
     attempt: str = ""              # the checkpoint attempt's token, carried by the ack and a failure
+    parallelism: int = 0
+    pid: int | None = None         # the worker's process (decision 0026)
+    discard: tuple[Path, ...] = ()   # dirs of held DBs the worker closes after this open's reply
 
     def delete(self) -> None:
         """Delete everything of this open on the executor's disk."""
-        for d in (self.workdir, self.snapshot, self.replay):
+        for d in (self.workdir, self.snapshot, self.replay, *self.discard):
             if d is not None:
                 shutil.rmtree(d, ignore_errors=True)
         if self.channel is not None:
             self.channel.unlink(missing_ok=True)
+
+
+@dataclass(slots=True)
+class _Lent:
+    """The working dir of a DB a worker keeps open after its upload (decision 0026): the state after
+    checkpoint ``checkpoint_id`` of ``subtask``, as the upload of that open sent it (``files``: the
+    names and checksums of its handle, set before its ack; None until then or when it failed)."""
+
+    name: str
+    subtask: int
+    checkpoint_id: int
+    parallelism: int
+    workdir: Path
+    pid: int | None
+    files: frozenset[tuple[str, str]] | None = None
+
+
+def _fingerprint(files: Any) -> frozenset[tuple[str, str]]:
+    """What a subtask's files hold: their names and checksums (where they were put does not matter)."""
+    return frozenset((f.name, f.checksum) for f in files)
 
 
 class SubtaskService:
@@ -166,6 +190,7 @@ class SubtaskService:
         self._open: dict[str, _Open] = {}
         self._released: OrderedDict[str, str] = OrderedDict()   # token -> why the agent released it
         self._bases: OrderedDict[tuple[str, int], BaseReply] = OrderedDict()   # (state, checkpoint) -> its base
+        self._lent: dict[str, _Lent] = {}   # token -> the dir of a DB a worker holds open (decision 0026)
         self.open_timeout = open_timeout
         self.clock = clock or SystemClock()
         self._closed = False
@@ -205,24 +230,33 @@ class SubtaskService:
         storage = CheckpointStorage.open(base.checkpoint_dir, name, base.cluster_id)
         meta = base.base
         token = uuid.uuid4().hex
-        workdir = self.root / "work" / token
+        kept_token, kept, stale = self._claim_held(req, meta, p)
+        workdir = kept.workdir if kept is not None else self.root / "work" / token
         replay_dir = self.root / "replay" / token
+        discard = tuple(lent.workdir for lent in stale.values() if lent is not None)
         try:
-            stats = prepare_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
-                                    key_type=base.key_type, now_ms=now_ms)
+            if kept is None:
+                stats = prepare_subtask(storage, meta, p, subtask, workdir, self.cache, max_parallelism=m,
+                                        key_type=base.key_type, now_ms=now_ms)
             replay = self._replay(storage, meta, p, subtask, m, replay_dir) if meta is not None else []
         except BaseException:
-            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(workdir, ignore_errors=True)   # a kept DB goes too: the task fails, the worker closes it
             shutil.rmtree(replay_dir, ignore_errors=True)
+            for d in discard:
+                shutil.rmtree(d, ignore_errors=True)
             raise
         restore = None
-        if stats is not None and meta is not None:
+        if kept is not None and meta is not None:
+            restore = {"subtask": subtask, "base": subtask, "base_checkpoint": meta.checkpoint_id, "kept_open": True,
+                       "files_read": [], "bytes_read": 0, "files_downloaded": 0, "bytes_downloaded": 0,
+                       "ingested_from": [], "keys_ingested": 0, "seconds": 0.0}
+        elif stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
                        base.known, key_group_range(m, p, subtask), restore,
                        MergingOptions.from_json(base.merging),
                        self.root / "snapshots" / f"channel-{subtask}-{token}", replay_dir, self.clock.now(),
-                       base.attempt)
+                       base.attempt, p, req.pid, discard)
         with self._lock:
             if self._closed:
                 opened.delete()
@@ -237,7 +271,36 @@ class SubtaskService:
                          alignment=base.alignment, deadline_in=base.deadline_in,
                          channel=str(opened.channel), replay=replay, cut=base.cut, attempt=opened.attempt,
                          replay_filter=meta is not None and meta.parallelism != p,
-                         flush_wal_above=self.task_flush_bytes or None)
+                         flush_wal_above=self.task_flush_bytes or None,
+                         kept=kept_token, stale=sorted(stale))
+
+    def _claim_held(self, req: OpenRequest, meta: CheckpointMetadata | None,
+                    parallelism: int) -> tuple[str, _Lent | None, dict[str, _Lent | None]]:
+        """Decision 0026: of the DBs the worker holds open for this state (``req.held``), the one that is
+        exactly the base of this open, if any (taken out of the lent dirs: it becomes this open's), and
+        those that can never be a base again or that this agent does not know (``stale``: the worker closes
+        them; their dirs go with this open). The dirs of DBs the worker closed on its own go now."""
+        kept_token, kept = "", None
+        stale: dict[str, _Lent | None] = {}
+        with self._lock:
+            dropped = [self._lent.pop(t) for t in req.dropped if t in self._lent and self._lent[t].name == req.name]
+            for token in req.held:
+                lent = self._lent.get(token)
+                if lent is None or lent.name != req.name:
+                    stale[token] = None   # not this agent's (another executor's, or forgotten): close it
+                    continue
+                mine = lent.subtask == req.subtask
+                if (kept is None and mine and meta is not None and lent.files is not None
+                        and lent.checkpoint_id == meta.checkpoint_id and lent.parallelism == parallelism
+                        == meta.parallelism and req.subtask < len(meta.subtasks)
+                        and lent.files == _fingerprint(meta.subtasks[req.subtask].files)):
+                    kept_token, kept = token, self._lent.pop(token)
+                elif meta is None or lent.checkpoint_id < meta.checkpoint_id or (
+                        mine and lent.checkpoint_id == meta.checkpoint_id):
+                    stale[token] = self._lent.pop(token)   # older than the base, or another attempt's
+        for lent in dropped:
+            shutil.rmtree(lent.workdir, ignore_errors=True)
+        return kept_token, kept, stale
 
     def _base(self, name: str, cid: int, subtask: int, routed: int | None) -> BaseReply:
         """``state.base`` for one subtask; the base record of an attempt crosses the wire once per agent
@@ -318,10 +381,15 @@ class SubtaskService:
                      opened.checkpoint_id, opened.name, why)
 
     def expire(self) -> None:
-        """Release the opens older than ``open_timeout``."""
+        """Release the opens older than ``open_timeout``, and delete the lent dirs of workers that are gone."""
         now = self.clock.now()
         with self._lock:
             expired = [t for t, o in self._open.items() if now - o.opened_at >= self.open_timeout]
+            gone = [self._lent.pop(t) for t, lent in list(self._lent.items()) if not _alive(lent.pid)]
+        for lent in gone:
+            shutil.rmtree(lent.workdir, ignore_errors=True)
+            log.info("deleted the kept DB of subtask %d of checkpoint %d of %s: its worker %s is gone",
+                     lent.subtask, lent.checkpoint_id, lent.name, lent.pid)
         if expired:
             self.release(expired, f"it was open for more than {self.open_timeout:g} s without an upload "
                                   f"(spark.steward.state.open-timeout)")
@@ -331,9 +399,20 @@ class SubtaskService:
         sync_ms, flush_ms = req.sync_ms, req.flush_ms
         opened = self._take(req.token, req.OP)
         channel = (opened.channel,) if opened.channel is not None and opened.channel.is_file() else ()
-        shutil.rmtree(opened.workdir, ignore_errors=True)
-        if opened.replay is not None:
-            shutil.rmtree(opened.replay, ignore_errors=True)
+        lent = None
+        linked: frozenset[str] = frozenset()
+        if req.keep:   # the worker keeps the DB open (decision 0026): its dir is lent until it comes back or goes
+            lent = _Lent(opened.name, opened.subtask, opened.checkpoint_id, opened.parallelism, opened.workdir,
+                         opened.pid)
+            with self._lock:
+                self._lent[req.token] = lent
+            with contextlib.suppress(OSError):
+                linked = frozenset(os.listdir(opened.snapshot))   # the live DB's files, as the sync phase took them
+        else:
+            shutil.rmtree(opened.workdir, ignore_errors=True)
+        for d in (opened.replay, *opened.discard):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
         if not opened.snapshot.is_dir():
             raise InvalidRequestError(f"{req.OP}: no snapshot in {opened.snapshot}: take it before the upload")
         snap = LocalSnapshot(opened.snapshot, opened.key_groups, sync_ms, flush_ms)
@@ -357,6 +436,11 @@ class SubtaskService:
                     files_reused=result.files_reused, files=len(result.handle.files), bytes=result.handle.size,
                     sync_ms=sync_ms, flush_ms=flush_ms, restore=opened.restore, local_bytes=local_bytes,
                     async_ms=round((time.monotonic() - started) * 1000, 3))
+                if lent is not None and {f.name for f in result.handle.files} <= linked:
+                    # before the ack: once the checkpoint completes, the DB is known to be its state. A
+                    # snapshot the agent folded or compacted is uploaded as other files: the next batch
+                    # restores them instead, so the live DB does not keep the garbage it shed
+                    lent.files = _fingerprint(result.handle.files)
                 self._ask(AckRequest(opened.name, cid, result.handle, opened.attempt, list(result.uploaded),
                                      list(result.merged), self.agent_id, stats))
             except Exception as exc:  # noqa: BLE001 - the coordinator refused it (aborted) or is gone
@@ -438,6 +522,19 @@ class SubtaskService:
         self._link.close()
         self.merger.close()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _alive(pid: int | None) -> bool:
+    """Whether process ``pid`` (a Python worker on this host) still runs; None: not known, so not kept."""
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process took the pid: ours is gone
+        return False
+    return True
 
 
 def _size_of(directory: Path) -> int:
