@@ -306,6 +306,25 @@ class Run:
 # --- report ------------------------------------------------------------------------------------
 
 
+def print_phases(engine: str, stats: dict[int, dict]) -> None:
+    """Our per-subtask phases of the steady batches (batch 0 apart: it starts the Python workers): the
+    state.open round trip (base and restore), the RocksDB open in the task (0 for a kept DB, decision
+    0026), the sync phase, and how many tasks went on with the DB their worker kept."""
+    def line(ids: list[int]) -> str:
+        out = []
+        for name in ("open_ms", "db_open_ms", "sync_ms"):
+            v = [x for i in ids for x in (stats[i].get(name) or [])]
+            out.append(f"{name} p50 {statistics.median(v):.1f} max {max(v):.1f}" if v else f"{name} -")
+        kept = sum(stats[i].get("kept_open") or 0 for i in ids)
+        tasks = sum(stats[i].get("subtasks") or 0 for i in ids)
+        return ", ".join(out) + f"; kept open {kept} of {tasks} tasks"
+    ids = sorted(stats)
+    if ids:
+        print(f"    {engine} phases per subtask, batch 0: {line(ids[:1])}")
+    if len(ids) > 1:
+        print(f"    {engine} phases per subtask, batches 1-{ids[-1]} ({len(ids) - 1}): {line(ids[1:])}")
+
+
 def pct(values: list[float], q: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
@@ -381,6 +400,8 @@ def run(root: Path) -> int:
             acked[engine] = [(c["files_uploaded"] + 1, c["bytes_uploaded"])  # + chk-N/_metadata
                              for _, c in sorted(r.stats.items())]
         print(f"  {engine}: {len(steady[engine])} batches in {r.wall:.1f} s", flush=True)
+        if r.ks is not None:
+            print_phases(engine, r.stats)
     spark.stop()
     if ENGINES != ALL_ENGINES:   # the steady batches of the engines asked for, nothing else
         print(f"\n{'engine':28} {'records/s':>10} {'batch p50':>10} {'p99':>8}")

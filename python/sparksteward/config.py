@@ -538,8 +538,8 @@ class StewardConfig:
     state_open_timeout: float = 6 * 3600.0
     state_cache_max_size: int = 10 << 30
     state_ttl_sweep_max_entries: int = 100_000
-    state_spill_threshold: int = 64 << 20
     state_keep_open: int = 8
+    state_spill_threshold: int = 64 << 20
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -149,12 +150,14 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     limit = _keep_open(TaskContext.get())
     keep = limit > 0
     held = _HELD.of(name) if keep else []
+    started = time.perf_counter()
     try:
         opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms"),
                                                   held=held, dropped=_HELD.take_dropped(name), pid=os.getpid()))
     except BaseException:
         _HELD.close(held)   # the agent may have deleted their dirs: never use them again
         raise
+    open_ms = int((time.perf_counter() - started) * 1000)
     _HELD.close(opened.stale)
     token = opened.token
     uploaded = False
@@ -164,11 +167,14 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         p, m = opened.parallelism, opened.max_parallelism
         kg = key_group_range(m, p, subtask)
         backend = _HELD.take(opened.kept) if opened.kept else None
+        started = time.perf_counter()
+        kept = backend is not None
         if backend is None:
             backend = RocksDBStateBackend(opened.workdir, kg, m, opened.key_type, create=False,
                                           flush_wal_above=opened.flush_wal_above)
         else:   # decision 0026: the DB this worker kept open is exactly the base
             backend.entries_ingested = backend.wal_bytes = 0
+        db_open_ms = int((time.perf_counter() - started) * 1000)
         try:
             now_ms = int(declared.get("now_ms") or 0)
             typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
@@ -208,6 +214,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         counters["channel_bytes"] = channel.bytes if channel is not None else 0
         counters["wal_bytes"] = backend.wal_bytes  # the WAL this open replayed
         counters["entries_ingested"] = backend.entries_ingested
+        counters.update(open_ms=open_ms, db_open_ms=db_open_ms, kept_open=int(kept))
         ask(conn, UploadRequest(token, snap.sync_ms, snap.flush_ms,   # the async phase
                                 TaskCounters.counted(counters), keep=keep))
         uploaded = True
@@ -315,7 +322,6 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
     channel-state writer instead (returned, for the caller to close), with the counts of the rows
     processed and deferred (fields of :class:`~sparksteward.checkpoint.messages.TaskCounters`).
     ``opened``: the ``state.open`` reply's JSON object. See :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
-    import time
 
     from sparksteward.checkpoint.unaligned.channel_state import (
         AlignmentMode,

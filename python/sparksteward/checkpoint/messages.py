@@ -87,6 +87,9 @@ class TaskCounters(Message):
     keys_touched: int = integer(default=0, lo=0)        # distinct keys of the rows processed
     entries_estimate: int = integer(default=0, lo=0)    # RocksDB's estimate-num-keys at the sync phase
     entries_ingested: int = integer(default=0, lo=0)    # entries put in as ingested SSTs (decision 0023)
+    open_ms: int = integer(default=0, lo=0)             # state.open as the task waited for it (base and restore)
+    db_open_ms: int = integer(default=0, lo=0)          # opening RocksDB in the task (0: a kept DB, decision 0026)
+    kept_open: int = integer(default=0, lo=0)           # 1 a task that went on with the DB its worker kept (0026)
 
     @classmethod
     def counted(cls, counts: Mapping[str, int]) -> TaskCounters:

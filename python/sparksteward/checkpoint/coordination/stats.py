@@ -20,7 +20,7 @@ from sparksteward.checkpoint.messages import SubtaskStats, TaskCounters
 __all__ = ["PER_SUBTASK", "SubtaskStats", "summarize"]
 
 #: Task counters the checkpoint's stats show per subtask (a list in subtask order) instead of summed.
-PER_SUBTASK = frozenset({"entries_ingested", "ttl_sweep_ms"})
+PER_SUBTASK = frozenset({"entries_ingested", "ttl_sweep_ms", "open_ms", "db_open_ms"})
 #: Task counters shown in their own way (``unaligned``: the ids of the subtasks that deferred rows).
 _SHOWN_APART = frozenset({"unaligned"})
 _COUNTERS = tuple(f.name for f in dataclasses.fields(TaskCounters) if f.name not in _SHOWN_APART)
