@@ -115,7 +115,7 @@ def tws_processor():
                                                                StructField("s", LongType())]))
 
         def handleInputRows(self, key, rows, timerValues):
-            n, s = self.agg.get() if self.agg.exists() else (0, 0)
+            n, s = self.agg.get() or (0, 0)   # get() is None when unset: no second round trip (exists())
             for pdf in rows:
                 n, s = n + len(pdf), s + int(pdf["v"].sum())
             self.agg.update((n, s))

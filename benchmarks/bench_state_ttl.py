@@ -151,7 +151,8 @@ def tws_processor(ttl_ms: int):
             self.events = handle.getListState("events", "v long", ttlDurationMs=ttl_ms)
 
         def handleInputRows(self, key, rows, timerValues):
-            n = self.count.get()[0] if self.count.exists() else 0
+            got = self.count.get()   # None when unset: no second round trip (exists())
+            n = got[0] if got is not None else 0
             for pdf in rows:
                 n += len(pdf)
                 self.events.appendList([(int(v),) for v in pdf["v"]])
