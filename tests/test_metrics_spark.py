@@ -158,5 +158,6 @@ def test_a_stream_reports_its_state_in_the_progress_a_listener_and_the_metrics_s
         events = [(obs, rep) for batch, obs, rep in seen if batch == b]
         assert events and events[0][0]["steward.stream"]["rows_in"] == len(frame)
         assert events[0][1] == report   # the listener read the batch's report: its checkpoint was committed
-    assert ks.report(2)["restore_ms"] > 0 and ks.report(2)["rescale_ms"] == 0
+    last = ks.report(2)   # a subtask restores its base unless its worker kept its DB open (decision 0026)
+    assert (last["restore_ms"] > 0 or last["kept_open"] == 2) and last["rescale_ms"] == 0, last
     assert ks.info()["report"] == ks.report()

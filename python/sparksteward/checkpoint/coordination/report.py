@@ -35,6 +35,8 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``restore_ms``           the slowest subtask's restore of its base; ``rescale_ms`` the same for a
                          restore that rebuilt subtasks of another parallelism (0 without a rescale)
 ``restore_bytes_downloaded``  bytes restores fetched from the store (not in the local file cache)
+``kept_open``            subtasks whose task went on with the DB its Python worker kept open (no
+                         restore, no open: decision 0026)
 =======================  ==========================================================================
 """
 
@@ -105,7 +107,8 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
         "ttl_sweep_ms": max((int(ms) for ms in summary.get("ttl_sweep_ms") or []), default=0),
         "commit_ms": round(commit_ms, 3), "duration_ms": round(duration_ms, 3),
         "restore_ms": slowest(restores), "rescale_ms": slowest(rescaled),
-        "restore_bytes_downloaded": sum(int(r.get("bytes_downloaded") or 0) for r in restores)}
+        "restore_bytes_downloaded": sum(int(r.get("bytes_downloaded") or 0) for r in restores),
+        "kept_open": int(summary.get("kept_open", 0))}
     if batch_id is not None:
         figures["batch_id"] = int(batch_id)
     return CheckpointReport(state, figures, query)
