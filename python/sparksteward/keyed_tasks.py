@@ -151,11 +151,13 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     keep = limit > 0
     held = _HELD.of(name) if keep else []
     started = time.perf_counter()
+    dropped = _HELD.take_dropped(name)
     try:
         opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms"),
-                                                  held=held, dropped=_HELD.take_dropped(name), pid=os.getpid()))
+                                                  held=held, dropped=dropped, pid=os.getpid()))
     except BaseException:
         _HELD.close(held)   # the agent may have deleted their dirs: never use them again
+        _HELD.drop_later(name, held + dropped)   # named at the next open, so the agent deletes their dirs
         raise
     open_ms = int((time.perf_counter() - started) * 1000)
     _HELD.close(opened.stale)
@@ -255,6 +257,9 @@ class _HeldDBs:
     def take_dropped(self, name: str) -> list[str]:
         self._mine()
         return self._dropped.pop(name, [])
+
+    def drop_later(self, name: str, tokens: list[str]) -> None:
+        self._dropped.setdefault(name, []).extend(tokens)
 
     def take(self, token: str) -> Any:
         entry = self._dbs.pop(token, None)
