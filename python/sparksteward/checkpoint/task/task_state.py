@@ -80,7 +80,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.seal_poller import SealPoller
-from sparksteward.checkpoint.task.subtask_restore import prepare_subtask
+from sparksteward.checkpoint.task.subtask_restore import RescaleStats, prepare_subtask
 from sparksteward.checkpoint.task.transfer import UploadResult, fetch_file
 from sparksteward.checkpoint.task.uploader import SnapshotUploader
 from sparksteward.clock import Clock, SystemClock
@@ -247,9 +247,9 @@ class SubtaskService:
             raise
         restore = None
         if kept is not None and meta is not None:
-            restore = {"subtask": subtask, "base": subtask, "base_checkpoint": meta.checkpoint_id, "kept_open": True,
-                       "files_read": [], "bytes_read": 0, "files_downloaded": 0, "bytes_downloaded": 0,
-                       "ingested_from": [], "keys_ingested": 0, "seconds": 0.0}
+            nothing_read = RescaleStats(subtask, key_group_range(m, p, subtask), subtask, (), (), 0, 0, 0.0,
+                                        old_parallelism=meta.parallelism)
+            restore = {**nothing_read.to_json(), "base_checkpoint": meta.checkpoint_id, "kept_open": True}
         elif stats is not None and meta is not None:
             restore = {**stats.to_json(), "base_checkpoint": meta.checkpoint_id}
         opened = _Open(name, cid, subtask, workdir, self.root / "snapshots" / token, storage,
