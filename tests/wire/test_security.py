@@ -464,6 +464,29 @@ def test_bytes_read_ahead_are_verified_when_used_and_unasked_ones_make_the_conne
         server.close()
 
 
+def test_a_connection_closed_after_an_error_reply_is_stale_at_once_and_after_an_ok_reply_soon():
+    """``is_stale`` skips its poll for a moment after an ok reply (a get's hot path), never after an
+    error reply: an agent closes a connection right after some errors, and the next request must
+    reconnect, not fail on the closed socket."""
+    client, server = _session_pair()
+    try:
+        server._sendall(server._frame(b'{"ok":false,"error":{"code":"PROTOCOL","message":"no"}}'))
+        assert client.recv()["ok"] is False
+        server.close()
+        assert client.is_stale(), "closed after an error reply: the next request must reconnect"
+    finally:
+        client.close()
+    client, server = _session_pair()
+    try:
+        server._sendall(server._frame(b'{"ok":true}'))
+        assert client.recv() == {"ok": True}
+        server.close()
+        time.sleep(2 * wire._FRESH)
+        assert client.is_stale(), "the peer closed the connection: it must not be reused"
+    finally:
+        client.close()
+
+
 class _ShortWrites(io.FileIO):
     """A file whose ``write`` takes only part of what it is given, as write(2) may (a disk that fills
     up mid-write, RLIMIT_FSIZE): the count it returns is all that landed."""

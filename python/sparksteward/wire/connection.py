@@ -64,6 +64,8 @@ log = logging.getLogger("sparksteward.wire")
 PRE_AUTH_LIMIT = 1024
 _LEN = struct.Struct(">I")
 _SEQ = struct.Struct(">Q")
+#: is_stale does not poll a connection whose peer answered ok this recently (seconds)
+_FRESH = 0.001
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -99,6 +101,7 @@ class Connection(BodyStreams):
         self._ahead = bytearray()  # bytes received beyond what was asked for (authenticated only)
         self._scratch: bytearray | None = None
         self._poller: Any = None  # is_stale's, made on its first call
+        self._answered = -1.0     # when the last ok reply arrived (monotonic)
 
     # --- session ---------------------------------------------------------------------------------
     def _start_session(self, secret: str, server_nonce: bytes, client_nonce: bytes, body_mac: str) -> None:
@@ -166,6 +169,8 @@ class Connection(BodyStreams):
             raise self._fail(ProtocolError(f"peer {self.peer} sent a message that is not JSON")) from exc
         if not isinstance(msg, dict):
             raise self._fail(ProtocolError(f"peer {self.peer} sent a JSON {type(msg).__name__}, not an object"))
+        if msg.get("ok") is True:   # an agent closes a connection only after an error reply
+            self._answered = time.monotonic()
         return msg
 
     def recv_exact(self, n: int) -> bytes:
@@ -261,6 +266,10 @@ class Connection(BodyStreams):
         something unasked. Never blocks; call it before reusing a cached connection."""
         if self.broken or self.sock.fileno() < 0 or self._ahead:
             return True
+        if time.monotonic() - self._answered < _FRESH:
+            # the peer answered on it a moment ago: no agent closes or restarts that fast, and a peer
+            # that died since fails the next request as it would a moment after the poll
+            return False
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.sock, select.POLLIN | select.POLLERR | select.POLLHUP)

@@ -226,6 +226,9 @@ def _codec(cls: type) -> _Codec:
         parse_lines.append(f"    a{i} = v")
         args.append(f"{name}=a{i}")
     dump_lines.append("    return out")
+    every = [f for f in dataclasses.fields(cls) if f.init]
+    if len(args) == len(every) and all(f.metadata.get("wire") is not None and not f.kw_only for f in every):
+        args = [a.split("=", 1)[1] for a in args]   # every field, in order: positional is cheaper
     parse_lines.append(f"    return cls({', '.join(args)})")
     exec(compile("\n".join(dump_lines + parse_lines), f"<codec of {cls.__qualname__}>", "exec"), env)  # noqa: S102
     codec = _CODECS[cls] = _Codec(env["to_wire"], env["from_wire"])
