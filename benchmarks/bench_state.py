@@ -1,13 +1,22 @@
-"""Keyed state in Spark against Spark's own stateful Python operators (issue 8, must-show 5), in one run.
+"""Keyed state in Spark against Spark's own stateful operators (issue 8 must-show 5, issue 37), in one run.
 
 The same input (``BENCH_FILES`` parquet files of ``BENCH_ROWS`` rows over ``BENCH_KEYS`` string keys,
 read as a stream with ``maxFilesPerTrigger=1``) and the same count-and-sum-per-key workload, with the
-same sink (``foreachBatch`` appending the updated ``(k, n, s)`` rows to parquet), four ways:
+same sink (``foreachBatch`` appending the updated ``(k, n, s)`` rows to parquet), eight ways:
 
-- ``ours-pandas``: ``ks.apply(df, fn(key, rows, state))``;
-- ``ours-arrow``: ``ks.apply_arrow(df, fn(keys, rows, state))`` with ``state.get_many/put_many``;
-- ``applyInPandasWithState`` and ``transformWithStateInPandas`` on Spark's RocksDB state store with
-  changelog checkpointing, ``spark.sql.shuffle.partitions`` = our parallelism (8).
+- ``stateless``: the ceiling, no state: the same routing as ours (``repartitionById`` on each key's
+  subtask) and the per-batch count and sum in pyarrow (``mapInArrow``);
+- ``ours-pandas``: ``ks.apply(df, fn(key, rows, state))`` then ``ks.commit``;
+- ``ours-arrow``: ``ks.apply_arrow(df, fn(keys, rows, state))`` with ``state.get_many/put_many``, then
+  ``ks.commit``;
+- ``ours-pandas-process`` and ``ours-arrow-process``: the same functions through ``ks.process(...)``
+  with its defaults, as the README shows it;
+- ``spark-agg``: Spark's native streaming aggregation, ``groupBy(k).agg(count, sum)``, the line of
+  Spark SQL a user would write for this workload;
+- ``applyInPandasWithState`` and ``transformWithStateInPandas``.
+
+Spark's three use its RocksDB state store with changelog checkpointing and
+``spark.sql.shuffle.partitions`` = our parallelism (8).
 
 Three applications on ``local-cluster[2,1,1024]`` (two executors of one core, closer to a real cluster
 than local[2]), one after the other in this process:
@@ -68,7 +77,12 @@ EXTRA_CONF: dict[str, str] = orjson.loads(os.environ.get("BENCH_CONF", "{}"))
 _LOCAL_DIRS: list[str] = []  # made under LOCAL_DIR, deleted at exit
 P, P_NEW, M = 8, 4, 128
 SCHEMA = "k string, n long, s long"
-ALL_ENGINES = ("ours-pandas", "ours-arrow", "applyInPandasWithState", "transformWithStateInPandas")
+ALL_ENGINES = ("stateless", "ours-pandas", "ours-arrow", "ours-pandas-process", "ours-arrow-process", "spark-agg",
+               "applyInPandasWithState", "transformWithStateInPandas")
+#: no per-key state across batches: the ceiling (the same routing and Arrow work as ours, no state)
+STATELESS = "stateless"
+#: ours through ``process()`` with its defaults, as the README shows it (the others: ``apply`` + ``commit``)
+PROCESS = ("ours-pandas-process", "ours-arrow-process")
 #: BENCH_ENGINES=ours-arrow (a comma list): only the steady batches of those engines, for A/B rounds of one
 #: engine against another commit (benchmarks/ab_commits.sh); the restart, rescale, duplication and merging
 #: parts and the peer ratios need every engine
@@ -103,6 +117,25 @@ def aipws_fn(key, pdfs, state):
         n, s = n + len(pdf), s + int(pdf["v"].sum())
     state.update((n, s))
     yield pd.DataFrame({"k": [key[0]], "n": [n], "s": [s]})
+
+
+def stateless_fn(batches):
+    """The ceiling's per-subtask work: count and sum per key of the batch in pyarrow, nothing kept."""
+    for b in batches:
+        t = pa.Table.from_batches([b]).drop_columns(["__steward_subtask"])
+        g = t.group_by("k").aggregate([("v", "count"), ("v", "sum")])
+        yield from pa.table({"k": g["k"], "n": g["v_count"], "s": g["v_sum"]}).to_batches()
+
+
+def stateless_write(df: Any, parallelism: int, out: str) -> None:
+    """The same routing as ours (each key's subtask, ``repartitionById`` into ``parallelism`` partitions),
+    then :func:`stateless_fn`, appended to parquet at ``out``."""
+    from pyspark.sql import functions as F
+    from sparksteward.routing import subtask_sql
+
+    routed = df.withColumn("__steward_subtask", F.expr(subtask_sql("k", parallelism, M))).repartitionById(
+        parallelism, "__steward_subtask")
+    routed.mapInArrow(stateless_fn, SCHEMA).write.mode("append").parquet(out)
 
 
 def tws_processor():
@@ -257,9 +290,19 @@ class Run:
         else:
             self.written = Written(self.chk / "state")
         self.stats: dict[int, dict[str, Any]] = {}  # ours: per checkpoint, the acks' stats (state.info)
+        self.process = None
+        if engine in PROCESS:   # the README's path: process() with its defaults
+            arrow = engine == "ours-arrow-process"
+            self.process = self.ks.process(ours_arrow_fn if arrow else ours_pandas_fn, SCHEMA,
+                                           sink=lambda out, _: out.write.mode("append").parquet(str(self.out)),
+                                           form="arrow" if arrow else "pandas")
 
     def sink(self, df: Any, batch_id: int) -> None:
-        if self.ks is None:
+        if self.engine == STATELESS:
+            stateless_write(df, self.parallelism, str(self.out))
+        elif self.process is not None:
+            self.process(df, batch_id)
+        elif self.ks is None:
             df.write.mode("append").parquet(str(self.out))
         else:
             fn = ours_pandas_fn if self.engine == "ours-pandas" else ours_arrow_fn
@@ -280,6 +323,10 @@ class Run:
                                                          GroupStateTimeout.NoTimeout)
         elif self.engine == "transformWithStateInPandas":
             df = src.groupBy("k").transformWithStateInPandas(tws_processor(), SCHEMA, "Update", "None")
+        elif self.engine == "spark-agg":   # the one line of Spark SQL a user would write for this workload
+            from pyspark.sql import functions as F
+
+            df = src.groupBy("k").agg(F.count("v").alias("n"), F.sum("v").alias("s"))
         else:
             df = src
         started = time.perf_counter()
@@ -441,7 +488,7 @@ def run(root: Path) -> int:
     rebuilt: dict[str, str] = {}
     for engine in ENGINES:
         offline = 0.0
-        if not engine.startswith("ours"):
+        if not engine.startswith("ours") and engine != STATELESS:   # the stateless query has no state to move
             t = time.perf_counter()
             spark._streamingCheckpointManager.repartition(str(root / "queries" / engine), P_NEW)
             offline = (time.perf_counter() - t) * 1000
@@ -460,11 +507,12 @@ def run(root: Path) -> int:
     # 4. NO_CLAIM restore of our latest checkpoint: fast duplication vs download + re-upload
     dup = bench_duplication(root)
 
-    # the same final state everywhere
-    states = {e: final_state(root / "out" / e) for e in ENGINES}
-    same = all(states[e] == states[ENGINES[0]] for e in ENGINES)
+    # the same final state in every stateful engine
+    stateful = [e for e in ENGINES if e != STATELESS]
+    states = {e: final_state(root / "out" / e) for e in stateful}
+    same = all(states[e] == states[stateful[0]] for e in stateful)
     total_rows = ROWS * (FILES + 2)
-    check_n = sum(n for n, _ in states[ENGINES[0]].values())
+    check_n = sum(n for n, _ in states[stateful[0]].values())
 
     # --- print ---
     print()
@@ -495,11 +543,16 @@ def run(root: Path) -> int:
         print(f"  {e} (acked stats, incl. _metadata): files {[f for f, _ in a]}, KB {[round(n / 1024) for _, n in a]}")
     tws = rate["transformWithStateInPandas"]
     aip = rate["applyInPandasWithState"]
+    agg, ceiling = rate["spark-agg"], rate[STATELESS]
+    print("ratios to the stateless pipeline (the ceiling) and to Spark's native aggregation (spark-agg):")
+    for e in ENGINES:
+        if e != STATELESS:
+            print(f"  {e:28} {rate[e] / ceiling:5.2f} of stateless, {rate[e] / agg:5.2f}x spark-agg")
     print(f"ratios: ours-arrow / transformWithStateInPandas {rate['ours-arrow'] / tws:.1f}x, "
           f"ours-arrow / applyInPandasWithState {rate['ours-arrow'] / aip:.1f}x, "
           f"ours-pandas / transformWithStateInPandas {rate['ours-pandas'] / tws:.1f}x, "
           f"ours-pandas / applyInPandasWithState {rate['ours-pandas'] / aip:.1f}x")
-    for peer in ("applyInPandasWithState", "transformWithStateInPandas"):
+    for peer in ("spark-agg", "applyInPandasWithState", "transformWithStateInPandas"):
         print(f"  restore ours-arrow vs {peer}: {restore[peer] / restore['ours-arrow']:.1f}x faster; rescale: "
               f"{sum(rescale[peer]) / sum(rescale['ours-arrow']):.1f}x faster")
     for e, what in rebuilt.items():
@@ -520,7 +573,7 @@ def run(root: Path) -> int:
         print(f"NO_CLAIM restore of a {DUP_KEYS:,}-key checkpoint ({d['mb']:.1f} MB, {d['files']} files) on {label}: "
               f"best of 3: fast duplication {d['fast'] * 1000:.0f} ms ({d['streamed']} B through the process), "
               f"download + re-upload {d['slow'] * 1000:.0f} ms ({d['slow'] / d['fast']:.1f}x)")
-    print(f"final per-key (count, sum) equal in all four engines: {same} ({len(states[ENGINES[0]]):,} keys, "
+    print(f"final per-key (count, sum) equal in all {len(stateful)} stateful engines: {same} ({len(states[stateful[0]]):,} keys, "
           f"counts sum to {check_n:,} of {total_rows:,} rows)")
     # FLIP-306 (issue 9): objects and PUTs per checkpoint at parallelism 32 on moto S3, against Spark
     import bench_merging
@@ -538,6 +591,10 @@ def run(root: Path) -> int:
          "through the process on file:// and S3", big_dup["file"]["slow"] >= 5 * big_dup["file"]["fast"]
          and all(d["streamed"] == 0 for d in big_dup.values())),
         ("same final state in all engines", same and check_n == total_rows),
+        # issue 37 must-show 1, through process() with its defaults and through apply_arrow + commit
+        *[(f"{e} >= 0.85 of the stateless pipeline and >= 1.3x spark-agg (issue 37)",
+           rate[e] >= 0.85 * ceiling and rate[e] >= 1.3 * agg) for e in ("ours-arrow", "ours-arrow-process")],
+        *[(f"{e} >= 0.75x spark-agg (issue 37)", rate[e] >= 0.75 * agg) for e in ("ours-pandas", "ours-pandas-process")],
     ]
     for name, ok in targets:
         print(f"TARGET {'PASS' if ok else 'FAIL'}: {name}")

@@ -54,15 +54,6 @@ ENGINES = ("stateless", "ours-typed", "ours-json")
 ROUNDS = int(os.environ.get("CEIL_ROUNDS", "4"))   # round 0 warms the JVM up; the median of the rest counts
 
 
-def stateless_fn(batches):
-    import pyarrow as pa
-
-    for b in batches:
-        t = pa.Table.from_batches([b]).drop_columns(["__steward_subtask"])
-        g = t.group_by("k").aggregate([("v", "count"), ("v", "sum")])
-        yield from pa.table({"k": g["k"], "n": g["v_count"], "s": g["v_sum"]}).to_batches()
-
-
 def typed_fn(keys, rows, state):
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -87,9 +78,7 @@ SPLITS: dict[str, list[tuple[float, ...]]] = {}
 
 
 def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, float]:
-    from pyspark.sql import functions as F
     from sparksteward import Steward, value_state
-    from sparksteward.routing import subtask_sql
 
     out = root / "out" / engine
     ks = None
@@ -101,9 +90,7 @@ def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, fl
     def sink(df: Any, batch_id: int) -> None:
         if ks is None:
             began = time.perf_counter()
-            routed = df.withColumn("__steward_subtask", F.expr(subtask_sql("k", P, M))).repartitionById(
-                P, "__steward_subtask")
-            routed.mapInArrow(stateless_fn, SCHEMA).write.mode("append").parquet(str(out))
+            bench_state.stateless_write(df, P, str(out))
             SPLITS.setdefault(engine, []).append(((time.perf_counter() - began) * 1000, 0.0, 0.0, 0.0, 0.0))
         else:
             began = time.perf_counter()
