@@ -31,9 +31,10 @@ place. If the state already has checkpoints, ``restore_from`` is ignored and a w
 (``restore_info`` says so): the latest checkpoint of the state itself wins, as in Flink.
 
 ``process(fn, schema, sink=...)`` returns the ``foreachBatch`` function that does all of it for
-micro-batch N: apply with ``checkpoint_id=N``, persist the output and run the state stage once on
-every subtask, ``sink(out, N)``, ``commit(N)``; if anything fails it aborts N (the files only N
-uploaded are deleted) and re-raises, so the query fails and Spark re-delivers N when it restarts.
+micro-batch N: apply with ``checkpoint_id=N``, ``sink(out, N)`` (the state stage runs inside the
+sink's job; persisted first with ``persist=True``, or once a sink took several actions),
+``commit(N)``; if anything fails it aborts N (the files only N uploaded are deleted) and re-raises,
+so the query fails and Spark re-delivers N when it restarts.
 
 **Drain** (FLIP-76). Spark runs no micro-batch without input, so the rows unaligned batches deferred
 wait until input comes again. ``drain()`` processes them now: an empty batch, aligned, under the
@@ -71,11 +72,16 @@ from sparksteward.checkpoint.lifecycle_messages import (
     CommitRequest,
     InfoReply,
     InfoRequest,
+    OpenedReply,
+    OpenedRequest,
     RegisterReply,
     RegisterRequest,
     SavepointRequest,
 )
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
+from sparksteward.keyed_spark import arrow_schema as _arrow_schema
+from sparksteward.keyed_spark import function_failure as _function_failure
+from sparksteward.keyed_spark import streaming_query as _streaming_query
 from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
 from sparksteward.wire.messages import Message
 
@@ -95,49 +101,6 @@ def _batch_lock(name: str) -> threading.Lock:
     state (and the next batch for the drain), so a drain never takes an id a running batch began."""
     with _BATCH_LOCKS_GUARD:
         return _BATCH_LOCKS.setdefault(name, threading.Lock())
-
-
-def _arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
-    """``(StructType, pyarrow.Schema)`` of a StructType or DDL string."""
-    from pyspark.sql.types import StructType
-
-    if isinstance(schema, str):
-        struct = spark.createDataFrame([], schema).schema
-    elif isinstance(schema, StructType):
-        struct = schema
-    else:
-        raise StateError(f"schema {schema!r} must be a pyspark StructType or a DDL string like 'k string, n long'")
-    try:
-        from pyspark.sql.pandas.types import to_arrow_schema
-
-        return struct, to_arrow_schema(struct)
-    except Exception as exc:
-        raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
-
-
-def _function_failure(exc: BaseException, name: str, max_lines: int = 30) -> str | None:
-    """The :class:`~sparksteward.errors.StateFunctionError` of state ``name`` inside ``exc``'s text
-    (a task's error, as Spark reports it): its first line and the function's traceback, or None."""
-    marker = f"StateFunctionError: keyed state {name!r}"
-    lines = str(exc).splitlines()
-    at = next((i for i, line in enumerate(lines) if marker in line), None)
-    if at is None:
-        return None
-    out = [lines[at][lines[at].index(marker) + len("StateFunctionError: "):]]
-    for line in lines[at + 1:at + 1 + max_lines]:
-        if not line.strip() or line.startswith(("\tat ", "JVM stacktrace")):
-            break
-        out.append(line)
-    return "\n".join(out)
-
-
-def _streaming_query(df: Any) -> str | None:
-    """The id of the streaming query whose ``foreachBatch`` runs this (Spark sets it as a local
-    property of the batch's thread); None outside a streaming query."""
-    try:
-        return df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId") or None
-    except Exception:  # noqa: BLE001 - Spark Connect has no SparkContext: no query to record
-        return None
 
 
 class KeyedState:
@@ -284,7 +247,7 @@ class KeyedState:
         count). Figures known only inside ``foreachBatch`` or after the commit (rows out, bytes,
         durations) cannot enter the progress from PySpark: read them with :meth:`report` by the
         progress's ``batchId``. The input is counted as often as the batch's DataFrame is computed:
-        once with ``process(..., persist=True)`` (the default).
+        once a batch with ``process``, unless its sink takes several actions on an unpersisted output.
 
         Parameters
         ----------
@@ -353,7 +316,7 @@ class KeyedState:
         return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
-                persist: bool = True, wait: float | None = None) -> Callable[[Any, int], None]:
+                persist: bool | None = None, wait: float | None = None) -> Callable[[Any, int], None]:
         """The ``writeStream.foreachBatch`` function that applies ``fn``, writes and commits each batch.
 
         Parameters
@@ -367,13 +330,15 @@ class KeyedState:
             ``sink(out, checkpoint_id)`` writes the batch's output DataFrame ``out``. The id is
             Spark's batch id, plus one for every :meth:`drain` before the batch (drains take ids
             of their own), so it rises with every batch and drain and is the same in every attempt.
-        persist : bool
-            Persist ``out`` (memory and disk) and materialise it on every subtask before the sink
-            runs, so that the sink's actions read it instead of running the state stage again
-            (another run would give the same state, from the same base, but costs a stage). A sink
-            with a single action (one write) is faster with False: the state stage then runs inside
-            the sink's job, one job a batch instead of two, as Spark runs its own stateful operators
-            (20-25% less time a batch in ``benchmarks/bench_state_ttl.py``).
+        persist : bool, optional
+            True: persist ``out`` (memory and disk) and materialise it on every subtask before the
+            sink runs, so that the sink's actions read it (two jobs a batch). False: the state stage
+            runs inside the sink's job, one job a batch, as Spark runs its own stateful operators;
+            each further action of the sink on ``out`` runs the stage again, from the same base, so
+            its rows are the first run's only if ``fn`` is deterministic. None (the default): False
+            until a batch's sink takes a second action on ``out`` (the commit's report counts the
+            runs, ``stage_runs``), then True from the next batch on, with a warning. Pass True for a
+            sink that always takes several actions, or whose ``fn`` is not deterministic.
         wait : float, optional
             How long ``commit`` waits for the acks (default ``spark.steward.checkpoint.commit-timeout``).
 
@@ -398,12 +363,21 @@ class KeyedState:
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist,
                               "wait": wait}
 
+        learned = [False]   # persist=None: a sink took several actions on an unpersisted output
+
         def run(batch_df: Any, batch_id: int) -> None:
             with _batch_lock(self.name):
                 # begins the batch's checkpoint, or refuses an old one
                 out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id))
                 assert cid is not None  # only a drain can begin no checkpoint
-                self._write_and_commit(out, cid, sink, persist, wait, f"batch {batch_id}")
+                cached = persist if persist is not None else learned[0]
+                self._write_and_commit(out, cid, sink, cached, wait, f"batch {batch_id}")
+                runs = int((self._reports.get(cid) or {}).get("stage_runs", 1))
+                if not cached and persist is None and runs > 1:
+                    learned[0] = True
+                    log.warning("the sink of keyed state %s ran the state stage %d times in batch %s (it took that "
+                                "many actions on the output): process() persists the output from the next batch "
+                                "on. Pass persist=True to do so from the first batch", self.name, runs, batch_id)
 
         return run
 
@@ -422,6 +396,8 @@ class KeyedState:
                 out.count()  # the state stage, once, on every subtask
             if sink is not None:
                 sink(out, cid)
+            if not cached and sink is not None:
+                self._run_unopened(out, cid)
             self.commit(cid, wait=wait)
         except BaseException as exc:
             failure = _function_failure(exc, self.name)
@@ -441,6 +417,16 @@ class KeyedState:
         if cached:
             out.unpersist()
         return None
+
+    def _run_unopened(self, out: Any, cid: int) -> None:
+        """After a sink on an unpersisted ``out``: if its actions left subtasks unrun (``take``,
+        ``isEmpty``, a ``limit``), run the state stage on all of them (those that ran run again from
+        the same base), so that the commit finds every ack instead of waiting for it."""
+        opened: OpenedReply = self._ask(OpenedRequest(name=self.name, checkpoint_id=cid))
+        if opened.unopened:
+            log.info("the sink of keyed state %s left subtasks %s of checkpoint %s unrun: running the state stage",
+                     self.name, opened.unopened, cid)
+            out.count()
 
     def drain(self, fn: Callable[..., Any] | None = None, schema: Any = None,
               sink: Callable[[Any, int], Any] | None = None, form: str | None = None, *,

@@ -84,7 +84,7 @@ def test_retried_tasks_second_actions_and_reruns_give_one_clean_run(spark, tmp_p
         assert {tuple(r) for r in out.collect()} == rows  # a second action reads the same output
         outputs[batch_id] = rows
 
-    run = ks.process(counting(log, fail="first"), SCHEMA, sink=sink)
+    run = ks.process(counting(log, fail="first"), SCHEMA, sink=sink, persist=True)
     for i, b in enumerate(batches):
         run(spark.createDataFrame(b), i)
     assert state_of(ks) == reference(batches)
@@ -192,6 +192,51 @@ def test_without_persist_a_second_action_runs_the_stage_again_from_the_same_base
     assert seen.count(("user-3", 0)) == 2 * _keys_in(batches, "user-3")  # two actions, two stage runs
 
 
+def test_by_default_one_job_a_batch_until_a_sink_takes_two_actions_and_a_partial_sink_still_commits(
+        spark, tmp_path, caplog):
+    """``process()`` with its defaults (issue 37 item 4): the state stage runs inside the sink's one
+    action (``out`` is not persisted); a sink that takes two actions runs it twice in that batch, which
+    the commit's report counts, and from the next batch on the output is persisted (one run); a sink
+    whose action computes only some subtasks (``take``) still commits, every subtask run."""
+    st = Steward.get(spark)
+    batches = make_batches(14, count=6)
+    log = tmp_path / "calls.log"
+    ks = st.keyed_state("auto", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(tmp_path / "chk"))
+    cached: dict[int, bool] = {}
+    actions = {"n": 1}
+
+    def sink(out, batch_id):
+        cached[batch_id] = out.is_cached
+        if actions["n"] == 0:
+            out.take(1)   # computes the first partition only
+            return
+        for _ in range(actions["n"]):
+            out.collect()
+
+    run = ks.process(counting(log), SCHEMA, sink=sink)
+    run(spark.createDataFrame(batches[0]), 0)
+    run(spark.createDataFrame(batches[1]), 1)
+    assert cached == {0: False, 1: False} and ks.report(checkpoint_id=1)["stage_runs"] == 1
+    assert len(calls(log)) == sum(b["k"].nunique() for b in batches[:2])   # each key once a batch
+
+    actions["n"] = 2
+    with caplog.at_level("WARNING", logger="sparksteward"):
+        run(spark.createDataFrame(batches[2]), 2)
+    assert ks.report(checkpoint_id=2)["stage_runs"] == 2 and not cached[2]
+    assert "persists the output from the next batch on" in caplog.text
+    run(spark.createDataFrame(batches[3]), 3)
+    assert cached[3] and ks.report(checkpoint_id=3)["stage_runs"] == 1
+
+    partial = ks.process(counting(log), SCHEMA, sink=sink)   # a new process(): not persisted again
+    actions["n"] = 0
+    run_at = len(calls(log))
+    partial(spark.createDataFrame(batches[4]), 4)
+    assert not cached[4] and ks.info()["last_completed"] == 4
+    assert len(calls(log)) - run_at >= batches[4]["k"].nunique()   # every key's subtask ran
+    partial(spark.createDataFrame(batches[5]), 5)
+    assert state_of(ks) == reference(batches)
+
+
 def test_a_failing_sink_or_function_aborts_the_batch_and_leaves_nothing(spark, tmp_path):
     st = Steward.get(spark)
     chk = tmp_path / "chk"
@@ -205,7 +250,8 @@ def test_a_failing_sink_or_function_aborts_the_batch_and_leaves_nothing(spark, t
             raise ConnectionError(f"sink is down for batch {batch_id}")
         out.write.mode("append").parquet(str(tmp_path / "out"))
 
-    good = ks.process(counting(tmp_path / "good.log"), SCHEMA, sink=sink)
+    # persisted: the state stage runs (and uploads) before the sink fails
+    good = ks.process(counting(tmp_path / "good.log"), SCHEMA, sink=sink, persist=True)
     good(spark.createDataFrame(batches[0]), 0)
     files_of_0 = {p.name for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()}
 
@@ -217,7 +263,7 @@ def test_a_failing_sink_or_function_aborts_the_batch_and_leaves_nothing(spark, t
     wait_until(lambda: {p.name for d in ("shared", "merged") if (root / d).is_dir() for p in (root / d).iterdir()} == files_of_0, timeout=30,
                what="the aborted checkpoint's uploads (late acks included) to go")
 
-    failing = ks.process(counting(tmp_path / "bad.log", fail="always"), SCHEMA, sink=sink)
+    failing = ks.process(counting(tmp_path / "bad.log", fail="always"), SCHEMA, sink=sink, persist=True)
     with pytest.raises(Exception, match="user function fails on user-3"):
         failing(spark.createDataFrame(batches[1]), 1)
     assert calls(tmp_path / "bad.log").count(("user-3", 2)) == 1  # the task was tried 3 times

@@ -274,6 +274,26 @@ class AbortRequest(Message):
     checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
 
 
+# --- state.opened ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class OpenedReply(Message):
+    """The subtasks of a pending checkpoint that no task of its attempt opened (empty when it is not
+    pending), and how many times its whole state stage ran."""
+
+    unopened: list[int] = sequence(max_items=_MANY, of=int)
+    stage_runs: int = integer(lo=0)
+
+
+@op("state.opened", reply=OpenedReply)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenedRequest(Message):
+    """Which subtasks of pending checkpoint ``checkpoint_id`` of keyed state ``name`` ran: ``process()``
+    asks after a sink that took no action on every subtask's output (``take``, ``isEmpty``)."""
+
+    name: str = text(max_len=200)
+    checkpoint_id: int = integer(lo=0, hi=MAX_CHECKPOINT_ID)
+
+
 # --- state.info -----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class InfoReply(Message):

@@ -247,7 +247,7 @@ class CheckpointCoordinator:
 
     def snapshot(self, checkpoint_id: int) -> PendingView | None:
         """A copy of pending checkpoint ``checkpoint_id``'s current attempt (None if not pending)."""
-        return self._with_pending(checkpoint_id, lambda p: p.view(self._unsealed(p)), None)
+        return self._with_pending(checkpoint_id, lambda p: p.view(self._unsealed(p), self.parallelism), None)
 
     def readiness(self, checkpoint_id: int, agent_timeout: float,
                   silent: Callable[[set[str]], list[str]]) -> Readiness | None:
@@ -368,7 +368,10 @@ class CheckpointCoordinator:
         # the caller holds _lock, and _begun_io too unless checkpoint_id is pending
         pending = checkpoint_id in self._pending
         begun = self.base(checkpoint_id) if pending else self._begin(checkpoint_id, True, None, False)
-        if agent and subtask is not None:
+        opened = self._pending.get(checkpoint_id)
+        if subtask is not None and opened is not None:
+            opened.opens[subtask] = opened.opens.get(subtask, 0) + 1
+        if subtask is not None and agent:
             self.working_on(checkpoint_id, subtask, agent)
         return begun
 
@@ -475,7 +478,7 @@ class CheckpointCoordinator:
             ready = pending.fully_acknowledged(self.parallelism, self.storage.state, unsealed)
             if ready.reason:
                 raise CheckpointError(ready.reason)
-            attempt = pending.view(unsealed)
+            attempt = pending.view(unsealed, self.parallelism)
             if pending.rerun:  # the first result stands; this attempt's extra files go
                 meta = self._done.records[checkpoint_id]
                 del self._pending[checkpoint_id]

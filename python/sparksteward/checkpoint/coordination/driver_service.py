@@ -53,6 +53,8 @@ from sparksteward.checkpoint.lifecycle_messages import (
     CommitRequest,
     InfoReply,
     InfoRequest,
+    OpenedReply,
+    OpenedRequest,
     ProcessingTime,
     RegisterReply,
     RegisterRequest,
@@ -157,7 +159,7 @@ class StateService:
             return self._reports.get(name)
 
     def _completed(self, name: str, st: RegisteredState, cid: int, stats: dict[str, Any], commit_ms: float,
-                   query: str | None) -> CheckpointReport:
+                   query: str | None, stage_runs: int = 1) -> CheckpointReport:
         """Make, keep and log the report of checkpoint ``cid``, just completed."""
         with self._figures_lock:
             begun, batch = self._begun.get((name, cid), (None, None))
@@ -165,7 +167,7 @@ class StateService:
                 del self._begun[key]
         duration = (time.monotonic() - begun) * 1000 if begun is not None else commit_ms
         report = checkpoint_report(name, stats, parallelism=st.coordinator.parallelism, batch_id=batch,
-                                   commit_ms=commit_ms, duration_ms=duration, query=query)
+                                   commit_ms=commit_ms, duration_ms=duration, query=query, stage_runs=stage_runs)
         with self._figures_lock:
             self._reports[name] = report
         report.log()
@@ -191,6 +193,7 @@ class StateService:
         server.serve(BeginRequest, self._op_begin)
         server.serve(CommitRequest, self._op_commit)
         server.serve(AbortRequest, self._op_abort)
+        server.serve(OpenedRequest, self._op_opened)
         server.serve(InfoRequest, self._op_info)
         server.serve(SavepointRequest, self._op_savepoint)
         self.gateway.register_handlers(server)
@@ -465,7 +468,7 @@ class StateService:
                     report = None
                     if attempt is not None and not attempt.rerun:
                         report = self._completed(name, st, cid, stats, (time.monotonic() - started) * 1000,
-                                                 attempt.query)
+                                                 attempt.query, attempt.stage_runs)
                     break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -492,6 +495,11 @@ class StateService:
         deleted = st.coordinator.abort(req.checkpoint_id)
         st.coordinator.flush_deletions()
         return AbortReply(deleted)
+
+    def _op_opened(self, conn: Connection, req: OpenedRequest) -> OpenedReply:
+        _, st = self.table.lookup(req.name)
+        view = st.coordinator.snapshot(req.checkpoint_id)
+        return OpenedReply([], 0) if view is None else OpenedReply(list(view.unopened), view.stage_runs)
 
     @staticmethod
     def _check_same_key(name: str, reg: Registration, c: CheckpointCoordinator) -> None:

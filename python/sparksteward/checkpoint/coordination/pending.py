@@ -81,6 +81,8 @@ class PendingView:
     stats: Mapping[int, SubtaskStats]     # subtask -> its ack's stats
     sealed: Mapping[str, int]             # merged path -> the durable size a seal reported
     unsealed: Mapping[str, str]           # merged path the acks need beyond a sealed size -> its agent ("": unknown)
+    stage_runs: int = 1                   # times the whole state stage ran in this attempt (PendingCheckpoint.stage_runs)
+    unopened: tuple[int, ...] = ()        # subtasks no task of this attempt opened yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,7 @@ class PendingCheckpoint:
                                                              # there, when) of its latest failed upload
     stage_started: float | None = None                       # monotonic time of the attempt's first open
     time: CheckpointTime | None = None                       # the checkpoint's time (every attempt and delivery)
+    opens: dict[int, int] = field(default_factory=dict)     # subtask -> how many tasks opened it in this attempt
 
     def new_attempt(self, query: str | None) -> None:
         """The driver begins the checkpoint again: earlier acks are replaced as the new ones arrive."""
@@ -142,6 +145,7 @@ class PendingCheckpoint:
         self.stats.clear()
         self.failures.clear()
         self.failed.clear()
+        self.opens.clear()
         self.stage_started = None
         self.attempt = _token()
         self.query = self.query or query
@@ -150,10 +154,16 @@ class PendingCheckpoint:
         """The subtasks that have not acked this attempt."""
         return sorted(set(range(parallelism)) - set(self.acks))
 
-    def view(self, unsealed: Mapping[str, str]) -> PendingView:
+    def stage_runs(self, parallelism: int) -> int:
+        """How many times this attempt's whole state stage ran: the fewest opens of any subtask (a
+        second action on a lazy output runs every subtask again; a retried or speculative task, one)."""
+        return min((self.opens.get(s, 0) for s in range(parallelism)), default=0)
+
+    def view(self, unsealed: Mapping[str, str], parallelism: int) -> PendingView:
         """A copy of the current attempt (``unsealed``: from :meth:`unsealed_by`)."""
         return PendingView(self.checkpoint_id, self.attempt, self.rerun, self.query, frozenset(self.acks),
-                           dict(self.stats), dict(self.sealed), dict(unsealed))
+                           dict(self.stats), dict(self.sealed), dict(unsealed), self.stage_runs(parallelism),
+                           tuple(s for s in range(parallelism) if not self.opens.get(s)))
 
     # --- readiness ---------------------------------------------------------------------------------
     def readiness(self, parallelism: int, state: str, unsealed: Mapping[str, str], *, now: float,

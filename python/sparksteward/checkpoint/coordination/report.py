@@ -37,6 +37,8 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``restore_bytes_downloaded``  bytes restores fetched from the store (not in the local file cache)
 ``kept_open``            subtasks whose task went on with the DB its Python worker kept open (no
                          restore, no open: decision 0026)
+``stage_runs``           how many times the whole state stage ran in the attempt that completed: 2
+                         or more when the sink took several actions on an unpersisted output
 =======================  ==========================================================================
 """
 
@@ -81,7 +83,8 @@ class CheckpointReport:
 
 
 def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: int, batch_id: int | None = None,
-                      commit_ms: float = 0.0, duration_ms: float = 0.0, query: str | None = None) -> CheckpointReport:
+                      commit_ms: float = 0.0, duration_ms: float = 0.0, query: str | None = None,
+                      stage_runs: int = 1) -> CheckpointReport:
     """The report of a checkpoint from its :func:`~sparksteward.checkpoint.coordination.stats.summarize` ``summary``
     and what the driver agent timed. ``parallelism``: the checkpoint's (a restore from another
     parallelism is a rescale)."""
@@ -108,7 +111,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
         "commit_ms": round(commit_ms, 3), "duration_ms": round(duration_ms, 3),
         "restore_ms": slowest(restores), "rescale_ms": slowest(rescaled),
         "restore_bytes_downloaded": sum(int(r.get("bytes_downloaded") or 0) for r in restores),
-        "kept_open": int(summary.get("kept_open", 0))}
+        "kept_open": int(summary.get("kept_open", 0)), "stage_runs": int(stage_runs)}
     if batch_id is not None:
         figures["batch_id"] = int(batch_id)
     return CheckpointReport(state, figures, query)
