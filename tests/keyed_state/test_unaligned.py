@@ -260,9 +260,9 @@ def test_drain_processes_the_backlog_and_the_next_batch_is_not_taken_for_its_rer
                         alignment="unaligned", aligned_checkpoint_timeout=0)
     seen = []
 
-    def sink(out, cid):
-        seen.append(cid)
+    def sink(out, cid):   # the ids written: the state stage runs inside the write (process() does not persist)
         out.write.mode("append").parquet(str(tmp_path / f"id={cid}"))
+        seen.append(cid)
 
     run = ks.process(count_sum, SCHEMA, sink=sink)
     for i in range(2):
