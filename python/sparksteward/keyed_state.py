@@ -363,18 +363,19 @@ class KeyedState:
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist,
                               "wait": wait}
 
-        learned = [False]   # persist=None: a sink took several actions on an unpersisted output
+        learned = False   # persist=None: a sink took several actions on an unpersisted output
 
         def run(batch_df: Any, batch_id: int) -> None:
+            nonlocal learned
             with _batch_lock(self.name):
                 # begins the batch's checkpoint, or refuses an old one
                 out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id))
                 assert cid is not None  # only a drain can begin no checkpoint
-                cached = persist if persist is not None else learned[0]
+                cached = persist if persist is not None else learned
                 self._write_and_commit(out, cid, sink, cached, wait, f"batch {batch_id}")
                 runs = int((self._reports.get(cid) or {}).get("stage_runs", 1))
                 if not cached and persist is None and runs > 1:
-                    learned[0] = True
+                    learned = True
                     log.warning("the sink of keyed state %s ran the state stage %d times in batch %s (it took that "
                                 "many actions on the output): process() persists the output from the next batch "
                                 "on. Pass persist=True to do so from the first batch", self.name, runs, batch_id)

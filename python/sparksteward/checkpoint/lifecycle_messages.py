@@ -278,10 +278,9 @@ class AbortRequest(Message):
 @dataclass(frozen=True, slots=True)
 class OpenedReply(Message):
     """The subtasks of a pending checkpoint that no task of its attempt opened (empty when it is not
-    pending), and how many times its whole state stage ran."""
+    pending)."""
 
     unopened: list[int] = sequence(max_items=_MANY, of=int)
-    stage_runs: int = integer(lo=0)
 
 
 @op("state.opened", reply=OpenedReply)

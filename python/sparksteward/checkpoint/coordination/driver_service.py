@@ -499,7 +499,7 @@ class StateService:
     def _op_opened(self, conn: Connection, req: OpenedRequest) -> OpenedReply:
         _, st = self.table.lookup(req.name)
         view = st.coordinator.snapshot(req.checkpoint_id)
-        return OpenedReply([], 0) if view is None else OpenedReply(list(view.unopened), view.stage_runs)
+        return OpenedReply([] if view is None else list(view.unopened))
 
     @staticmethod
     def _check_same_key(name: str, reg: Registration, c: CheckpointCoordinator) -> None:
