@@ -149,6 +149,8 @@ def test_sigkill_during_finish_loses_no_acknowledged_result(s3, tmp_path):
                 s3.stop()
                 stats["outage_runs"] += 1
             time.sleep(rng.uniform(0.2, 2.5) if outage else rng.uniform(0.05, 1.0))  # retries, then the spool
+            if run == 1:   # one kill surely after a spool write (on a loaded machine the retries outlast the sleep)
+                wait_until(lambda spool=spool: _spooled(spool), timeout=60, interval=0.05, what="a spooled result")
         finally:
             proc.kill()  # SIGKILL, at a random point of a begin/finish (store write, retry or spool write)
             proc.wait(30)
