@@ -98,7 +98,7 @@ def ours_pandas_fn(key, rows, state):
     n, s = state.get() or (0, 0)
     n, s = n + len(rows), s + int(rows["v"].sum())
     state.update([n, s])
-    return pd.DataFrame({"k": [key], "n": [n], "s": [s]})
+    return key, n, s   # a row, as the README shows it (a one-row DataFrame per key costs ~100 us more)
 
 
 def ours_arrow_fn(keys, rows, state):

@@ -21,10 +21,10 @@ import sparksteward
 from pyspark.sql import SparkSession
 
 
-def update(key, rows: pd.DataFrame, state) -> pd.DataFrame:
+def update(key, rows: pd.DataFrame, state) -> tuple[str, int]:
     n = (state.get() or 0) + len(rows)  # ValueState: get() / update(v) / clear()
     state.update(n)
-    return pd.DataFrame({"user": [key], "clicks": [n]})
+    return key, n  # one output row (user, clicks); a list of rows or a DataFrame also do
 
 
 def write_events(src: Path, batch: int, users: list[str]) -> None:

@@ -268,7 +268,8 @@ class KeyedState:
         return self._apply(df, fn, schema, checkpoint_id, "arrow")
 
     def apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
-        """``fn(key, rows: pandas.DataFrame, state) -> pandas.DataFrame | None`` per key; lazy."""
+        """``fn(key, rows: pandas.DataFrame, state)`` per key, returning a row (tuple or dict), a list of
+        rows, a DataFrame or None; lazy."""
         return self._apply(df, fn, schema, checkpoint_id, "pandas")
 
     def _apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str) -> Any:

@@ -69,8 +69,8 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
         try:
             yield from _run_subtask(batches, name, checkpoint_id, subtask, key, guarded(fn, form, where), schema,
                                     form, parallelism, declared or {})
-        except StateFunctionError as exc:
-            failed = exc
+        except StateFunctionError as exc:   # raised by the function, or its output refused by the runner
+            failed = exc if str(exc).startswith(where) else StateFunctionError(f"{where}, {exc}")
         if failed is not None:  # the first line of the task's error: the state function failed
             raise failed.with_traceback(None)
 
@@ -79,8 +79,8 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
 
 def guarded(fn: Callable[..., Any], form: str, where: str) -> Callable[..., Any]:
     """``fn`` as the runner calls it, raising :class:`StateFunctionError` (from the function's own
-    exception) when it raises, or, in the per-key form, when it returns anything but a pandas DataFrame
-    or None. ``where`` names the state, the checkpoint and the subtask."""
+    exception) when it raises, or, in the per-key form, when it returns anything but a row (tuple or
+    dict), a list of rows, a pandas DataFrame or None. ``where`` names the state, the checkpoint and the subtask."""
 
     def call(first: Any, rows: Any, state: Any) -> Any:
         try:
@@ -90,10 +90,11 @@ def guarded(fn: Callable[..., Any], form: str, where: str) -> Callable[..., Any]
         if form == "pandas" and result is not None:
             import pandas as pd
 
-            if not isinstance(result, pd.DataFrame):
+            if not isinstance(result, (tuple, list, dict, pd.DataFrame)):
                 raise StateFunctionError(
                     f"{where}, {_keys_of(form, first)}: the state function returned {type(result).__name__}; "
-                    f"return a pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None")
+                    f"return a row (a tuple in the schema's column order, or a dict), a list of rows, a pandas "
+                    f"DataFrame, or None")
         return result
 
     return call

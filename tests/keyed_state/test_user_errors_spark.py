@@ -37,14 +37,23 @@ def test_a_failing_function_names_the_state_and_its_error_first_in_a_batch(spark
     assert 'raise ValueError("bad row 42")' in str(info.value)  # the function's own traceback follows
 
 
-def test_a_per_key_function_returning_a_dict_is_told_what_to_return(spark, tmp_path):
-    ks = Steward.get(spark).keyed_state("returns-dict", key="k", parallelism=1, max_parallelism=8,
+def test_a_per_key_function_returning_a_string_or_a_row_of_the_wrong_width_is_told_what_to_return(spark, tmp_path):
+    ks = Steward.get(spark).keyed_state("returns-str", key="k", parallelism=1, max_parallelism=8,
                                         checkpoint_dir=str(tmp_path / "chk"))
     df = spark.createDataFrame(pd.DataFrame({"k": ["a"], "v": [1]}))
     with pytest.raises(Exception) as info:
-        ks.apply(df, lambda key, rows, state: {"k": key, "n": 1}, "k string, n long", checkpoint_id=0).collect()
-    assert ("keyed state 'returns-dict', checkpoint 0, subtask 0, key 'a': the state function returned dict; "
-            "return a pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None") in head(info.value)
+        ks.apply(df, lambda key, rows, state: key, "k string, n long", checkpoint_id=0).collect()
+    assert ("keyed state 'returns-str', checkpoint 0, subtask 0, key 'a': the state function returned str; "
+            "return a row (a tuple in the schema's column order, or a dict), a list of rows, a pandas DataFrame, "
+            "or None") in head(info.value)
+    with pytest.raises(Exception) as info:
+        ks.apply(df, lambda key, rows, state: (key,), "k string, n long", checkpoint_id=0).collect()
+    assert ("key 'a': the state function returned a row of 1 values ('a',); the declared schema has 2 columns "
+            "['k', 'n']: return one value per column, in that order") in head(info.value)
+    # rows are the cheap output of the per-key form: a tuple, a dict or a list of them
+    out = ks.apply(df, lambda key, rows, state: [(key, 1), {"n": 2, "k": key}], "k string, n long",
+                   checkpoint_id=0).collect()
+    assert sorted((r.k, r.n) for r in out) == [("a", 1), ("a", 2)]
 
 
 def test_a_failing_function_names_the_state_and_its_error_first_in_a_streaming_query(spark, tmp_path, caplog):

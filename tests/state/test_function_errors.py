@@ -38,18 +38,21 @@ def test_an_arrow_function_names_the_first_keys_of_its_batch():
         guarded(lambda keys, rows, state: {}["x"], "arrow", WHERE)(pa.array(list("abcde")), None, None)
 
 
-@pytest.mark.parametrize("result", [{"k": "a", "n": 1}, [1, 2], pa.table({"k": ["a"]}), "text"])
-def test_a_per_key_function_returning_anything_but_a_dataframe_is_told_what_to_return(result):
+@pytest.mark.parametrize("result", [pa.table({"k": ["a"]}), "text", 42, {"a"}])
+def test_a_per_key_function_returning_anything_but_rows_or_a_dataframe_is_told_what_to_return(result):
     with pytest.raises(StateFunctionError) as info:
         guarded(lambda key, rows, state: result, "pandas", WHERE)("a", None, None)
     assert str(info.value) == (f"{WHERE}, key 'a': the state function returned {type(result).__name__}; return a "
-                               f"pyarrow Table (Arrow form) or a pandas DataFrame (pandas form), or None")
+                               f"row (a tuple in the schema's column order, or a dict), a list of rows, a pandas "
+                               f"DataFrame, or None")
 
 
 def test_what_a_function_returns_passes_through():
     frame = pd.DataFrame({"k": ["a"]})
     assert guarded(lambda key, rows, state: frame, "pandas", WHERE)("a", None, None) is frame
     assert guarded(lambda key, rows, state: None, "pandas", WHERE)("a", None, None) is None
+    for rows in (("a", 1), {"k": "a"}, [("a", 1), ("a", 2)]):
+        assert guarded(lambda key, r, state, rows=rows: rows, "pandas", WHERE)("a", None, None) is rows
     table = pa.table({"k": ["a"]})
     assert guarded(lambda keys, rows, state: table, "arrow", WHERE)(pa.array(["a"]), None, None) is table
 

@@ -99,6 +99,52 @@ def test_bad_inputs_are_named(backend):
         list(run_pandas(_batches(["a"]), "user", boom, backend, OUT))
 
 
+def test_the_per_key_form_returns_rows_as_tuples_dicts_or_lists_of_them_beside_dataframes(backend):
+    def rows_out(key, rows, state):
+        n = (state.get() or 0) + len(rows)
+        state.update(n)
+        return {"a": (key, n), "b": {"clicks": n, "user": key, "extra": 1}, "c": [(key, n), (key, -n)],
+                "d": pd.DataFrame({"user": [key], "clicks": [n]}), "e": None, "f": []}[key]
+
+    out = pa.Table.from_batches(list(run_pandas(_batches(list("abcdefab")), "user", rows_out, backend, OUT)),
+                                schema=OUT)
+    assert sorted(zip(out.column("user").to_pylist(), out.column("clicks").to_pylist())) == [
+        ("a", 2), ("b", 2), ("c", -1), ("c", 1), ("d", 1)]
+
+
+@pytest.mark.parametrize(("result", "message"), [
+    (("a",), r"^key 'a': the state function returned a row of 1 values \('a',\); the declared schema has 2 "
+             r"columns \['user', 'clicks'\]: return one value per column, in that order$"),
+    ({"user": "a"}, r"^key 'a': the state function returned a row without columns \['clicks'\] of the declared "
+                    r"schema \['user', 'clicks'\]; it has \['user'\]$"),
+    (["a"], r"^key 'a': the state function returned a list holding str; a list must hold rows"),
+    (("a", "many"), r"^column 'clicks' of the state function's rows cannot hold str 'many' as the declared int64"),
+    (("a", 1 << 70), r"^column 'clicks' of the state function's rows cannot hold int 1180591620717411303424 as the "
+                     r"declared int64"),
+])
+def test_a_bad_row_is_named_with_its_key_or_column(backend, result, message):
+    with pytest.raises(StateError, match=message):
+        list(run_pandas(_batches(["a"]), "user", lambda k, r, s: result, backend, OUT))
+
+
+def test_rows_of_a_key_are_a_frame_of_their_own(backend):
+    """A function that writes into its rows changes neither another key's rows nor raises a warning."""
+    import warnings
+
+    seen = {}
+
+    def scribble(key, rows, state):
+        seen[key] = rows["page"].tolist()
+        rows["page"] = "changed"
+        rows["new"] = 1
+        assert list(rows.index) == list(range(len(rows)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(run_pandas(_batches(["a", "b", "a", "b"]), "user", scribble, backend, OUT))
+    assert seen == {"a": ["/p0", "/p2"], "b": ["/p1", "/p0"]}
+
+
 # --- the pandas form: once per key per batch, bounded memory --------------------------------------------
 
 
