@@ -297,6 +297,7 @@ class Run:
         else:
             self.written = Written(self.chk / "state")
         self.stats: dict[int, dict[str, Any]] = {}  # ours: per checkpoint, the acks' stats (state.info)
+        self.commit_ms: dict[int, float] = {}   # ours through apply + commit: the driver's wait in commit
         self.process = None
         if engine in PROCESS:   # the README's path: process() with its defaults
             arrow = engine == "ours-arrow-process"
@@ -315,7 +316,9 @@ class Run:
             fn = ours_pandas_fn if self.engine == "ours-pandas" else ours_arrow_fn
             apply = self.ks.apply if self.engine == "ours-pandas" else self.ks.apply_arrow
             apply(df, fn, SCHEMA, checkpoint_id=batch_id).write.mode("append").parquet(str(self.out))
+            began = time.perf_counter()
             self.ks.commit(batch_id)
+            self.commit_ms[batch_id] = (time.perf_counter() - began) * 1000
         self.written.look(batch_id)
 
     def run(self, indir: Path) -> dict[int, dict[str, float]]:
@@ -360,18 +363,34 @@ class Run:
 # --- report ------------------------------------------------------------------------------------
 
 
-def print_phases(engine: str, stats: dict[int, dict]) -> None:
+def print_phases(engine: str, stats: dict[int, dict], commit_ms: dict[int, float]) -> None:
     """Our per-subtask phases of the measured batches (the first apart: it restarts the query): the
     state.open round trip (base and restore), the RocksDB open in the task (0 for a kept DB, decision
-    0026), the sync phase, and how many tasks went on with the DB their worker kept."""
+    0026), the sync phase, the batch's slowest async phase (upload until the ack, off the task's path), how many tasks
+    went on with the DB their worker kept, and (``apply`` + ``commit``) the driver's wait in ``commit``.
+    ``fixed``: the state layer's fixed cost per subtask, open + RocksDB open + sync phase (p50 each) plus
+    the commit wait's share (p50 / P): what a warm batch pays per subtask whatever its size (issue 37's
+    bound: 30 ms at P=8)."""
+    def p50(name: str, ids: list[int]) -> float:
+        v = [x for i in ids for x in (stats[i].get(name) or [])]
+        return statistics.median(v) if v else 0.0
+
     def line(ids: list[int]) -> str:
         out = []
         for name in ("open_ms", "db_open_ms", "sync_ms"):
             v = [x for i in ids for x in (stats[i].get(name) or [])]
             out.append(f"{name} p50 {statistics.median(v):.1f} max {max(v):.1f}" if v else f"{name} -")
+        slowest = [stats[i].get("async_ms_max") or 0.0 for i in ids]   # a batch's slowest upload until its ack
+        out.append(f"slowest async_ms p50 {statistics.median(slowest):.0f}")
+        waits = [commit_ms[i] for i in ids if i in commit_ms]
+        if waits:
+            out.append(f"commit wait p50 {statistics.median(waits):.0f} max {max(waits):.0f}")
+        fixed = sum(p50(n, ids) for n in ("open_ms", "db_open_ms", "sync_ms"))
+        fixed += (statistics.median(waits) / P) if waits else 0.0
         kept = sum(stats[i].get("kept_open") or 0 for i in ids)
         tasks = sum(stats[i].get("subtasks") or 0 for i in ids)
-        return ", ".join(out) + f"; kept open {kept} of {tasks} tasks"
+        return ", ".join(out) + f"; kept open {kept} of {tasks} tasks; fixed {fixed:.1f} ms a subtask" + \
+            ("" if waits else " (without the commit wait: not timed through process())")
     ids = sorted(stats)
     if ids:
         print(f"    {engine} phases per subtask, first batch ({ids[0]}): {line(ids[:1])}")
@@ -470,7 +489,7 @@ def run(root: Path) -> int:
                              for _, c in sorted(r.stats.items())]
         print(f"  {engine}: {len(steady[engine])} batches in {r.wall:.1f} s", flush=True)
         if r.ks is not None:
-            print_phases(engine, r.stats)
+            print_phases(engine, r.stats, r.commit_ms)
     spark.stop()
     if ENGINES != ALL_ENGINES:   # the steady batches of the engines asked for, nothing else
         print(f"\n{'engine':28} {'records/s':>10} {'batch p50':>10} {TAIL:>8} {'first':>9}")
