@@ -105,7 +105,7 @@ def ours_pandas_fn(key, rows, state):
     n, s = state.get() or (0, 0)
     n, s = n + len(rows), s + int(rows["v"].sum())
     state.update([n, s])
-    return key, n, s   # a row, as the README shows it (a one-row DataFrame per key costs ~100 us more)
+    return key, n, s   # a row, as the README shows it (a one-row DataFrame costs 100+ us more a key)
 
 
 def ours_arrow_fn(keys, rows, state):
@@ -402,6 +402,14 @@ def print_phases(engine: str, stats: dict[int, dict], commit_ms: dict[int, float
 TAIL = "p99" if FILES - 1 >= 50 else "max"
 
 
+def measured(batches: dict[int, dict[str, float]]) -> tuple[float, list[float], float]:
+    """Records/s and the durations (ms, the bench's own scan taken out) of the measured batches but the
+    first, which pays the query's restart, and the first's duration."""
+    ms = {i: x["ms"] - x["scan_ms"] for i, x in batches.items()}
+    ids = sorted(ms)[1:]
+    return sum(batches[i]["rows"] for i in ids) / (sum(ms[i] for i in ids) / 1000), [ms[i] for i in ids], ms[min(ms)]
+
+
 def tail(values: list[float]) -> float:
     return pct(values, .99) if len(values) >= 50 else max(values)
 
@@ -495,12 +503,9 @@ def run(root: Path) -> int:
         print(f"\n{'engine':28} {'records/s':>10} {'batch p50':>10} {TAIL:>8} {'first':>9}")
         for e in ENGINES:
             b = steady[e]
-            ms = {i: x["ms"] - x["scan_ms"] for i, x in b.items()}
-            ids = sorted(ms)[1:]  # the first pays the query's restart
-            rate = sum(b[i]["rows"] for i in ids) / (sum(ms[i] for i in ids) / 1000)
-            steady_ms = [ms[i] for i in ids]
+            rate, steady_ms, first_ms = measured(b)
             print(f"{e:28} {rate:10,.0f} {statistics.median(steady_ms):8.0f}ms {tail(steady_ms):6.0f}ms "
-                  f"{ms[min(ms)]:7.0f}ms")
+                  f"{first_ms:7.0f}ms")
         print(f"bench took {time.perf_counter() - t_all:.0f} s")
         return 0
 
@@ -554,17 +559,14 @@ def run(root: Path) -> int:
     rate = {}
     for e in ENGINES:
         b = steady[e]
-        ms = {i: x["ms"] - x["scan_ms"] for i, x in b.items()}
-        ids = sorted(ms)[1:]  # the first pays the query's restart
-        rate[e] = sum(b[i]["rows"] for i in ids) / (sum(ms[i] for i in ids) / 1000)
+        rate[e], steady_ms, first_ms = measured(b)
         w = [written[e][i] for i in sorted(written[e])]
         files_b = statistics.mean(f for f, _ in w)
         mb_b = statistics.mean(n for _, n in w) / MB
         off, first = rescale[e]
         resc = f"{first / 1000:.2f} s" if not off else f"{off / 1000:.2f}+{first / 1000:.2f} s"
-        steady_ms = [ms[i] for i in ids]
         print(f"{e:28} {rate[e]:10,.0f} {statistics.median(steady_ms):8.0f}ms {tail(steady_ms):6.0f}ms "
-              f"{ms[min(ms)]:7.0f}ms {files_b:12.1f} {mb_b:9.2f} {restore[e] / 1000:7.2f} s {resc:>14}")
+              f"{first_ms:7.0f}ms {files_b:12.1f} {mb_b:9.2f} {restore[e] / 1000:7.2f} s {resc:>14}")
     print(f"  measured after every engine's warm pass of {WARM} batches; batch p50 and {TAIL} over the measured batches "
           f"but the first ({TAIL}: p99 needs at least 50 of them), the first apart (the query's restart); records/s "
           "over the same; restore = the first "

@@ -79,23 +79,14 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
 
 def guarded(fn: Callable[..., Any], form: str, where: str) -> Callable[..., Any]:
     """``fn`` as the runner calls it, raising :class:`StateFunctionError` (from the function's own
-    exception) when it raises, or, in the per-key form, when it returns anything but a row (tuple or
-    dict), a list of rows, a pandas DataFrame or None. ``where`` names the state, the checkpoint and the subtask."""
+    exception) when it raises. What it returns is the runner's to check (:mod:`sparksteward.state.runner`),
+    which refuses it by key or column. ``where`` names the state, the checkpoint and the subtask."""
 
     def call(first: Any, rows: Any, state: Any) -> Any:
         try:
-            result = fn(first, rows, state)
+            return fn(first, rows, state)
         except Exception as exc:
             raise StateFunctionError(function_failure(where, form, first, exc)) from exc
-        if form == "pandas" and result is not None:
-            import pandas as pd
-
-            if not isinstance(result, (tuple, list, dict, pd.DataFrame)):
-                raise StateFunctionError(
-                    f"{where}, {_keys_of(form, first)}: the state function returned {type(result).__name__}; "
-                    f"return a row (a tuple in the schema's column order, or a dict), a list of rows, a pandas "
-                    f"DataFrame, or None")
-        return result
 
     return call
 

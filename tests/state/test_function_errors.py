@@ -1,6 +1,6 @@
 """A state function's failures, without Spark: the error names the state, the checkpoint, the subtask
 and the key on its first line, with the function's exception and its traceback; a per-key function
-that returns anything but a DataFrame is told what to return; committing a state never applied says
+that returns anything but rows or a DataFrame is told what to return; committing a state never applied says
 what to do."""
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import pytest
 from sparksteward.errors import StateError, StateFunctionError, StateNotRegisteredError
 from sparksteward.keyed_state import KeyedState
 from sparksteward.keyed_tasks import guarded
+from sparksteward.state.backend import RocksDBStateBackend
+from sparksteward.state.keygroups import KeyGroupRange
+from sparksteward.state.runner import run_pandas
 
 WHERE = "keyed state 'orders', checkpoint 7, subtask 3"
 
@@ -39,10 +42,14 @@ def test_an_arrow_function_names_the_first_keys_of_its_batch():
 
 
 @pytest.mark.parametrize("result", [pa.table({"k": ["a"]}), "text", 42, {"a"}])
-def test_a_per_key_function_returning_anything_but_rows_or_a_dataframe_is_told_what_to_return(result):
-    with pytest.raises(StateFunctionError) as info:
-        guarded(lambda key, rows, state: result, "pandas", WHERE)("a", None, None)
-    assert str(info.value) == (f"{WHERE}, key 'a': the state function returned {type(result).__name__}; return a "
+def test_a_per_key_function_returning_anything_but_rows_or_a_dataframe_is_told_what_to_return(result, tmp_path):
+    """The runner checks what the function returns (the task prefixes the state, checkpoint and subtask:
+    tests/keyed_state/test_user_errors_spark.py)."""
+    schema = pa.schema([("k", pa.string())])
+    with RocksDBStateBackend(tmp_path / "w", KeyGroupRange(0, 8), 8) as backend, \
+            pytest.raises(StateFunctionError) as info:
+        list(run_pandas(pa.table({"k": ["a"]}).to_batches(), "k", lambda key, rows, state: result, backend, schema))
+    assert str(info.value) == (f"key 'a': the state function returned {type(result).__name__}; return a "
                                f"row (a tuple in the schema's column order, or a dict), a list of rows, a pandas "
                                f"DataFrame, or None")
 

@@ -8,9 +8,9 @@ value, map and list states.
 
 **pandas form.** ``fn(key, rows: pandas.DataFrame, state: KeyState)`` is called **once per key per
 batch** and returns its output rows: one row as a tuple in the schema's column order (or a dict by
-column name), a list of rows, a pandas DataFrame, or None. A row costs a few microseconds; a one-row
-DataFrame built per key costs about 100 (its construction and the concatenation), which at one call
-per key is most of a small batch's time. It is called once for each distinct key of the subtask's
+column name), a list of rows, a pandas DataFrame, or None. A one-row DataFrame built per key costs
+100 us or more beyond a row (its construction and the concatenation; ``benchmarks/bench_per_key_calls.py``),
+which at one call per key is most of a small batch's time. It is called once for each distinct key of the subtask's
 whole input, with every row of that key from every Arrow buffer, in arrival order. ``state.get()``/``update(v)``/``clear()``
 (and ``state.map(name)``, ``state.list(name)``) are bound to that key. Spark's own per-key operators
 (``applyInPandasWithState``, ``transformWithStateInPandas``) behave the same way, and so a sink such as
@@ -308,8 +308,8 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
 def _row_slicer(frame: Any) -> Callable[[int, int], Any]:
     """``rows(start, end)``: rows ``[start, end)`` of ``frame`` as a DataFrame of their own, indexed
     from 0, sharing the column data. pandas' block manager slices in about a third of the time of
-    ``iloc`` plus a new index (8 against 23 us a key), which counts at one call per key; the public
-    path serves a pandas without it."""
+    ``iloc`` plus a new index (``benchmarks/bench_per_key_calls.py``), which counts at one call per key;
+    the public path serves a pandas without it."""
     import pandas as pd
 
     mgr = getattr(frame, "_mgr", None)
@@ -329,12 +329,14 @@ def _row_slicer(frame: Any) -> Callable[[int, int], Any]:
 
 
 class _Output:
-    """The function's results, as record batches of at most ``max_rows`` rows in the declared schema.
-    Rows (a tuple in the schema's column order, a dict by column name, or a list of them) are gathered
-    and converted column by column; DataFrames are collected and cast together; anything else (an Arrow
-    table or batch) is cast on its own."""
+    """The per-key function's results, as record batches of at most ``max_rows`` rows in the declared
+    schema. Rows (a tuple in the schema's column order, a dict by column name, or a list of them) are
+    gathered and converted column by column; DataFrames are collected and cast together."""
 
     def __init__(self, schema: pa.Schema, max_rows: int) -> None:
+        import pandas as pd
+
+        self._frame_type = pd.DataFrame   # looked up once, not on every key's call
         self.schema = schema
         self.max_rows = max(1, int(max_rows))
         self._names = schema.names
@@ -343,11 +345,8 @@ class _Output:
         self._rows = 0
 
     def add(self, result: Any, key: object) -> Iterator[pa.RecordBatch]:
-        """Take ``key``'s result (a row it holds is refused naming the key)."""
-        import pandas as pd
-
-        if result is None:
-            return
+        """Take ``key``'s result: a row, a list of rows or a DataFrame; anything else, or a bad row, is
+        refused naming the key."""
         if isinstance(result, tuple):
             self._tuples.append(self._row(result, key))
             self._rows += 1
@@ -355,14 +354,15 @@ class _Output:
             rows = result if isinstance(result, list) else [result]
             self._tuples.extend(self._row(r, key) for r in rows)
             self._rows += len(rows)
-        elif isinstance(result, pd.DataFrame):
+        elif isinstance(result, self._frame_type):
             if not len(result):
                 return
             self._frames.append(result)
             self._rows += len(result)
         else:
-            yield from self._sliced(_conform(result, self.schema))
-            return
+            raise StateFunctionError(f"key {key!r}: the state function returned {type(result).__name__}; return a "
+                                     f"row (a tuple in the schema's column order, or a dict), a list of rows, a "
+                                     f"pandas DataFrame, or None")
         if self._rows >= self.max_rows:
             yield from self.flush()
 
