@@ -267,23 +267,24 @@ def test_process_defaults_on_the_other_host_one_run_a_batch_then_persisted_and_a
     """``process()`` with its defaults (issue 37 item 4) where the executor sees neither the driver's
     files nor its boot id: one state-stage run a batch for a one-write sink, two for a sink taking two
     actions and persisted from the next batch on, and a sink that computes one partition (``take``)
-    still commits with every subtask run; the state equals the reference."""
-    from tests.helpers.keyed import SCHEMA, count_sum, make_batches, reference, state_of
+    still commits with every subtask run; the state equals the reference, and so does every row the
+    function returned (as tuples: the per-key form's row output, converted on that host)."""
+    from tests.helpers.keyed import SCHEMA, count_sum_row, make_batches, reference, state_of
 
     st = Steward.get(spark)
     ks = st.keyed_state("xprocess", key="k", parallelism=2, max_parallelism=16,
                         checkpoint_dir=s3.url(f"xprocess-{uuid.uuid4().hex[:8]}"))
     batches = make_batches(23, count=4)
-    actions, cached = {"n": 1}, {}
+    actions, cached, emitted = {"n": 1}, {}, {}
 
     def sink(out, cid):
         cached[cid] = out.is_cached
         if actions["n"] == 0:
             out.take(1)
         for _ in range(actions["n"]):
-            out.collect()
+            emitted[cid] = {r.k: (r.n, r.s) for r in out.collect()}
 
-    run = ks.process(count_sum, SCHEMA, sink=sink, wait=120)
+    run = ks.process(count_sum_row, SCHEMA, sink=sink, wait=120)
     run(spark.createDataFrame(batches[0]), 0)
     assert not cached[0] and ks.report(checkpoint_id=0)["stage_runs"] == 1
     actions["n"] = 2
@@ -292,6 +293,9 @@ def test_process_defaults_on_the_other_host_one_run_a_batch_then_persisted_and_a
     run(spark.createDataFrame(batches[2]), 2)
     assert cached[2] and ks.report(checkpoint_id=2)["stage_runs"] == 1
     actions["n"] = 0
-    ks.process(count_sum, SCHEMA, sink=sink, wait=120)(spark.createDataFrame(batches[3]), 3)
+    ks.process(count_sum_row, SCHEMA, sink=sink, wait=120)(spark.createDataFrame(batches[3]), 3)
     assert not cached[3] and ks.info()["last_completed"] == 3
     assert state_of(ks) == reference(batches)
+    for cid in (0, 1, 2):
+        want = reference(batches[:cid + 1])
+        assert emitted[cid] == {k: want[k] for k in set(batches[cid]["k"])}
