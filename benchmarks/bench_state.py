@@ -21,10 +21,12 @@ Spark's three use its RocksDB state store with changelog checkpointing and
 Three applications on ``local-cluster[2,1,1024]`` (two executors of one core, closer to a real cluster
 than local[2]), one after the other in this process:
 
-1. every engine first processes ``BENCH_WARM_FILES`` files (2; one batch each, not measured), then,
-   once every engine has, its query restarts and processes the next ``BENCH_FILES`` files: records/s,
-   batch duration p50 and p99 (the max under 50 batches; the first batch apart)
-   (``triggerExecution`` of the query's progress, minus the bench's own file scan), checkpoint
+1. every engine first processes ``BENCH_WARM_FILES`` files (2; one batch each, not measured); then
+   ``BENCH_ROUNDS`` rounds (3), each adding ``BENCH_FILES`` files (4) that every engine's query,
+   restarted, processes, the engines' order reversed every other round: records/s, the ratios to the
+   stateless pipeline and to Spark's aggregation (the median of the rounds', each round's shown),
+   batch duration p50 and p99 (the max under 50 batches; each round's first batch apart: it restarts
+   the query) (``triggerExecution`` of the query's progress, minus the bench's own file scan), checkpoint
    files and bytes newly written per batch (ours: under ``<checkpoint_dir>/<cluster>/<state>/``, plus
    the acks' stats from ``ks.info()["checkpoints"]``; Spark: under ``<checkpointLocation>/state``), our
    sync phase per subtask (``sync_ms`` of every ack);
@@ -44,8 +46,9 @@ per-key (count, sum) of all four engines is checked equal.
 Every engine is measured warm: whichever query ran first in an application ran at about half its rate
 in every batch, also after an unmeasured warm-up query of another engine (the ceiling at 0.45 of
 ours-arrow when it came first; ours-arrow at 9,071 records/s first, 18,413 through ``process()``
-third), so each engine's own warm pass runs before any engine is measured.
-Records/s are over the steady batches (the first excluded: the query's restart). A single
+third), so each engine's own warm pass runs before any engine is measured. The machine's speed drifts by 20%
+over minutes, so a ratio comes from one round, whose engines ran minutes apart at most, and the rounds
+alternate the order. Records/s are over the steady batches (each round's first excluded). A single
 run on a shared 2-core machine: quote the ratios. ``BENCH_KEYS``/``BENCH_ROWS``/``BENCH_FILES`` size it
 (the defaults take about 6 minutes, most of it in Spark's two operators); ``BENCH_LOCAL_DIR=/dev/shm`` puts
 our executors' RocksDB working dirs, snapshots and cache on tmpfs (``spark.steward.state.local-dir``).
@@ -74,8 +77,10 @@ import pyarrow.parquet as pq
 
 KEYS = int(os.environ.get("BENCH_KEYS", "20000"))
 ROWS = int(os.environ.get("BENCH_ROWS", "20000"))
-FILES = int(os.environ.get("BENCH_FILES", "6"))
+FILES = int(os.environ.get("BENCH_FILES", "4"))    # files (batches) each engine processes a round
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))  # measured rounds, the engines' order alternating
 WARM = int(os.environ.get("BENCH_WARM_FILES", "2"))  # each engine's unmeasured first files
+MEASURED = ROUNDS * FILES
 MASTER = os.environ.get("BENCH_MASTER", "local-cluster[2,1,1024]")
 DUP_KEYS = int(os.environ.get("BENCH_DUP_KEYS", "1000000"))  # the NO_CLAIM duplication's checkpoint
 LOCAL_DIR = os.environ.get("BENCH_LOCAL_DIR")  # e.g. /dev/shm: our working dirs on tmpfs
@@ -170,7 +175,7 @@ def tws_processor():
 # --- files -------------------------------------------------------------------------------------
 
 
-def write_inputs(root: Path, files: int = WARM + FILES + 2, keys: int = KEYS, rows: int = ROWS, seed: int = 8,
+def write_inputs(root: Path, files: int = WARM + MEASURED + 2, keys: int = KEYS, rows: int = ROWS, seed: int = 8,
                  every_key_first: bool = True) -> list[Path]:
     """``files`` parquet files of ``rows`` rows ``(k string, v long)`` over ``keys`` keys (here the last
     two are added for the restart and the rescale); with ``every_key_first`` the first holds every key."""
@@ -363,8 +368,9 @@ class Run:
 # --- report ------------------------------------------------------------------------------------
 
 
-def print_phases(engine: str, stats: dict[int, dict], commit_ms: dict[int, float]) -> None:
-    """Our per-subtask phases of the measured batches (the first apart: it restarts the query): the
+def print_phases(engine: str, stats: dict[int, dict], commit_ms: dict[int, float], firsts: set[int]) -> None:
+    """Our per-subtask phases of the measured batches (``firsts``, each round's first, apart: they restart
+    the query): the
     state.open round trip (base and restore), the RocksDB open in the task (0 for a kept DB, decision
     0026), the sync phase, the batch's slowest async phase (upload until the ack, off the task's path), how many tasks
     went on with the DB their worker kept, and (``apply`` + ``commit``) the driver's wait in ``commit``.
@@ -391,23 +397,56 @@ def print_phases(engine: str, stats: dict[int, dict], commit_ms: dict[int, float
         tasks = sum(stats[i].get("subtasks") or 0 for i in ids)
         return ", ".join(out) + f"; kept open {kept} of {tasks} tasks; fixed {fixed:.1f} ms a subtask" + \
             ("" if waits else " (without the commit wait: not timed through process())")
-    ids = sorted(stats)
-    if ids:
-        print(f"    {engine} phases per subtask, first batch ({ids[0]}): {line(ids[:1])}")
-    if len(ids) > 1:
-        print(f"    {engine} phases per subtask, batches {ids[1]}-{ids[-1]} ({len(ids) - 1}): {line(ids[1:])}")
+    first = sorted(i for i in stats if i in firsts)
+    rest = sorted(i for i in stats if i not in firsts)
+    if first:
+        print(f"    {engine} phases per subtask, the rounds' first batches {first}: {line(first)}")
+    if rest:
+        print(f"    {engine} phases per subtask, the other {len(rest)} batches: {line(rest)}")
 
 
 #: the tail column: p99 over at least 50 steady batches, else the max (a p99 of five batches is their max)
-TAIL = "p99" if FILES - 1 >= 50 else "max"
+TAIL = "p99" if ROUNDS * (FILES - 1) >= 50 else "max"
 
 
-def measured(batches: dict[int, dict[str, float]]) -> tuple[float, list[float], float]:
-    """Records/s and the durations (ms, the bench's own scan taken out) of the measured batches but the
-    first, which pays the query's restart, and the first's duration."""
-    ms = {i: x["ms"] - x["scan_ms"] for i, x in batches.items()}
-    ids = sorted(ms)[1:]
-    return sum(batches[i]["rows"] for i in ids) / (sum(ms[i] for i in ids) / 1000), [ms[i] for i in ids], ms[min(ms)]
+def measured(rounds: list[dict[int, dict[str, float]]]) -> tuple[float, list[float], float]:
+    """Records/s and the durations (ms, the bench's own scan taken out) of the rounds' batches but each
+    round's first, which pays the query's restart, and the firsts' median duration."""
+    rows = secs = 0.0
+    steady, firsts = [], []
+    for batches in rounds:
+        ms = {i: x["ms"] - x["scan_ms"] for i, x in batches.items()}
+        ids = sorted(ms)
+        firsts.append(ms[ids[0]])
+        steady += [ms[i] for i in ids[1:]]
+        rows += sum(batches[i]["rows"] for i in ids[1:])
+        secs += sum(ms[i] for i in ids[1:]) / 1000
+    return rows / secs, steady, statistics.median(firsts)
+
+
+def ratios(per_round: dict[str, list[dict[int, dict[str, float]]]], engine: str, peer: str) -> list[float]:
+    """``engine``'s records/s over ``peer``'s, round by round."""
+    return [measured([a])[0] / measured([b])[0] for a, b in zip(per_round[engine], per_round[peer])]
+
+
+def print_ratios(per_round: dict[str, list[dict[int, dict[str, float]]]]) -> dict[str, dict[str, float]]:
+    """Each engine's ratio to the stateless pipeline and to spark-agg (where they ran): the median of the
+    rounds, each round's beside it. Returns engine -> peer -> median."""
+    peers = [p for p in (STATELESS, "spark-agg") if p in per_round]
+    out: dict[str, dict[str, float]] = {}
+    if not peers:
+        return out
+    print(f"ratios, median of {ROUNDS} rounds (each round's), to " + " and ".join(peers) + ":")
+    for e in per_round:
+        cells = []
+        for p in peers:
+            if e != p:
+                r = ratios(per_round, e, p)
+                out.setdefault(e, {})[p] = statistics.median(r)
+                cells.append(f"{statistics.median(r):5.2f}x {p} ({' '.join(f'{x:.2f}' for x in r)})")
+        if cells:
+            print(f"  {e:28} " + ", ".join(cells))
+    return out
 
 
 def tail(values: list[float]) -> float:
@@ -466,7 +505,7 @@ def run(root: Path) -> int:
     base = time.time() - 3600
     for i, f in enumerate(files[:WARM]):
         add_input(f, indir, base + i)
-    print(f"working dirs: {LOCAL_DIR or 'the executors local dirs (disk)'}; input: {WARM} warm-up + {FILES} measured files x {ROWS:,} rows over {KEYS:,} keys; {MASTER}; parallelism / shuffle partitions "
+    print(f"working dirs: {LOCAL_DIR or 'the executors local dirs (disk)'}; input: {WARM} warm-up + {ROUNDS} rounds x {FILES} measured files x {ROWS:,} rows over {KEYS:,} keys; {MASTER}; parallelism / shuffle partitions "
           f"{P}, max_parallelism {M}")
 
     # 1. steady state
@@ -475,42 +514,50 @@ def run(root: Path) -> int:
     for engine in ENGINES:
         Run(spark, engine, root).run(indir)
     print(f"  warm pass ({WARM} files an engine) done", flush=True)
-    for i in range(WARM, WARM + FILES):
-        add_input(files[i], indir, base + i)
-    steady: dict[str, dict[int, dict[str, float]]] = {}
-    written: dict[str, dict[int, tuple[int, int]]] = {}
+    per_round: dict[str, list[dict[int, dict[str, float]]]] = {e: [] for e in ENGINES}
+    written: dict[str, dict[int, tuple[int, int]]] = {e: {} for e in ENGINES}
+    stats: dict[str, dict[int, dict[str, Any]]] = {e: {} for e in ENGINES}
+    commit_ms: dict[str, dict[int, float]] = {e: {} for e in ENGINES}
+    added = WARM
+    for rnd in range(ROUNDS):
+        for i in range(added, added + FILES):
+            add_input(files[i], indir, base + i)
+        added += FILES
+        for engine in ENGINES if rnd % 2 == 0 else ENGINES[::-1]:
+            r = Run(spark, engine, root)
+            b = r.run(indir)
+            per_round[engine].append(b)
+            written[engine].update(r.written.per_batch)
+            stats[engine].update({i: c for i, c in r.stats.items() if i in b})   # the measured batches'
+            commit_ms[engine].update(r.commit_ms)
+            print(f"  round {rnd}, {engine}: {len(b)} batches in {r.wall:.1f} s", flush=True)
     sync: list[float] = []
     flush: list[float] = []
     sync_by_batch: dict[str, dict[int, list[float]]] = {}
     acked: dict[str, list[tuple[int, int]]] = {}
     for engine in ENGINES:
-        r = Run(spark, engine, root)
-        steady[engine] = r.run(indir)
-        written[engine] = dict(r.written.per_batch)
-        r.stats = {i: c for i, c in r.stats.items() if i in steady[engine]}   # the measured pass's
-        if r.ks is not None:
-            for bid, c in sorted(r.stats.items()):
-                sync += c["sync_ms"]
-                flush += c.get("flush_ms") or []
-                sync_by_batch.setdefault(engine, {})[bid] = c["sync_ms"]
-            acked[engine] = [(c["files_uploaded"] + 1, c["bytes_uploaded"])  # + chk-N/_metadata
-                             for _, c in sorted(r.stats.items())]
-        print(f"  {engine}: {len(steady[engine])} batches in {r.wall:.1f} s", flush=True)
-        if r.ks is not None:
-            print_phases(engine, r.stats, r.commit_ms)
+        if not engine.startswith("ours"):
+            continue
+        for bid, c in sorted(stats[engine].items()):
+            sync += c["sync_ms"]
+            flush += c.get("flush_ms") or []
+            sync_by_batch.setdefault(engine, {})[bid] = c["sync_ms"]
+        acked[engine] = [(c["files_uploaded"] + 1, c["bytes_uploaded"])  # + chk-N/_metadata
+                         for _, c in sorted(stats[engine].items())]
+        print_phases(engine, stats[engine], commit_ms[engine], {min(b) for b in per_round[engine]})
     spark.stop()
     if ENGINES != ALL_ENGINES:   # the steady batches of the engines asked for, nothing else
         print(f"\n{'engine':28} {'records/s':>10} {'batch p50':>10} {TAIL:>8} {'first':>9}")
         for e in ENGINES:
-            b = steady[e]
-            rate, steady_ms, first_ms = measured(b)
+            rate, steady_ms, first_ms = measured(per_round[e])
             print(f"{e:28} {rate:10,.0f} {statistics.median(steady_ms):8.0f}ms {tail(steady_ms):6.0f}ms "
                   f"{first_ms:7.0f}ms")
+        print_ratios(per_round)
         print(f"bench took {time.perf_counter() - t_all:.0f} s")
         return 0
 
     # 2. restart: a new application, one more file
-    add_input(files[WARM + FILES], indir, base + WARM + FILES)
+    add_input(files[WARM + MEASURED], indir, base + WARM + MEASURED)
     spark = start_session(root, "restart")
     restore: dict[str, float] = {}
     for engine in ENGINES:
@@ -520,7 +567,7 @@ def run(root: Path) -> int:
     spark.stop()
 
     # 3. rescale 8 -> 4: a new application, one more file
-    add_input(files[WARM + FILES + 1], indir, base + WARM + FILES + 1)
+    add_input(files[WARM + MEASURED + 1], indir, base + WARM + MEASURED + 1)
     spark = start_session(root, "rescale")
     rescale: dict[str, tuple[float, float]] = {}  # offline part, first batch
     rebuilt: dict[str, str] = {}
@@ -549,7 +596,7 @@ def run(root: Path) -> int:
     stateful = [e for e in ENGINES if e != STATELESS]
     states = {e: final_state(root / "out" / e) for e in stateful}
     same = all(states[e] == states[stateful[0]] for e in stateful)
-    total_rows = ROWS * (WARM + FILES + 2)
+    total_rows = ROWS * (WARM + MEASURED + 2)
     check_n = sum(n for n, _ in states[stateful[0]].values())
 
     # --- print ---
@@ -558,8 +605,7 @@ def run(root: Path) -> int:
           f"{'MB/batch':>9} {'restore':>9} {'rescale 8->4':>14}")
     rate = {}
     for e in ENGINES:
-        b = steady[e]
-        rate[e], steady_ms, first_ms = measured(b)
+        rate[e], steady_ms, first_ms = measured(per_round[e])
         w = [written[e][i] for i in sorted(written[e])]
         files_b = statistics.mean(f for f, _ in w)
         mb_b = statistics.mean(n for _, n in w) / MB
@@ -567,9 +613,9 @@ def run(root: Path) -> int:
         resc = f"{first / 1000:.2f} s" if not off else f"{off / 1000:.2f}+{first / 1000:.2f} s"
         print(f"{e:28} {rate[e]:10,.0f} {statistics.median(steady_ms):8.0f}ms {tail(steady_ms):6.0f}ms "
               f"{first_ms:7.0f}ms {files_b:12.1f} {mb_b:9.2f} {restore[e] / 1000:7.2f} s {resc:>14}")
-    print(f"  measured after every engine's warm pass of {WARM} batches; batch p50 and {TAIL} over the measured batches "
-          f"but the first ({TAIL}: p99 needs at least 50 of them), the first apart (the query's restart); records/s "
-          "over the same; restore = the first "
+    print(f"  measured after every engine's warm pass of {WARM} batches, in {ROUNDS} rounds of {FILES} batches; batch p50 "
+          f"and {TAIL} over the measured batches but each round's first ({TAIL}: p99 needs at least 50 of them), the "
+          "firsts' median apart (the query's restart); records/s over the same; restore = the first "
           "batch of a restarted query in a new application; rescale = Spark's offline repartition + the first "
           "batch after it, ours = the first batch at parallelism 4 (rebuild inside it)")
     for e in ENGINES:
@@ -579,11 +625,7 @@ def run(root: Path) -> int:
         print(f"  {e} (acked stats, incl. _metadata): files {[f for f, _ in a]}, KB {[round(n / 1024) for _, n in a]}")
     tws = rate["transformWithStateInPandas"]
     aip = rate["applyInPandasWithState"]
-    agg, ceiling = rate["spark-agg"], rate[STATELESS]
-    print("ratios to the stateless pipeline (the ceiling) and to Spark's native aggregation (spark-agg):")
-    for e in ENGINES:
-        if e != STATELESS:
-            print(f"  {e:28} {rate[e] / ceiling:5.2f} of stateless, {rate[e] / agg:5.2f}x spark-agg")
+    median = print_ratios(per_round)
     print(f"ratios: ours-arrow / transformWithStateInPandas {rate['ours-arrow'] / tws:.1f}x, "
           f"ours-arrow / applyInPandasWithState {rate['ours-arrow'] / aip:.1f}x, "
           f"ours-pandas / transformWithStateInPandas {rate['ours-pandas'] / tws:.1f}x, "
@@ -628,9 +670,11 @@ def run(root: Path) -> int:
          and all(d["streamed"] == 0 for d in big_dup.values())),
         ("same final state in all engines", same and check_n == total_rows),
         # issue 37 must-show 1, through process() with its defaults and through apply_arrow + commit
+        # (the median of the rounds' ratios)
         *[(f"{e} >= 0.85 of the stateless pipeline and >= 1.3x spark-agg (issue 37)",
-           rate[e] >= 0.85 * ceiling and rate[e] >= 1.3 * agg) for e in ("ours-arrow", "ours-arrow-process")],
-        *[(f"{e} >= 0.75x spark-agg (issue 37)", rate[e] >= 0.75 * agg) for e in ("ours-pandas", "ours-pandas-process")],
+           median[e][STATELESS] >= 0.85 and median[e]["spark-agg"] >= 1.3) for e in ("ours-arrow", "ours-arrow-process")],
+        *[(f"{e} >= 0.75x spark-agg (issue 37)", median[e]["spark-agg"] >= 0.75)
+          for e in ("ours-pandas", "ours-pandas-process")],
     ]
     for name, ok in targets:
         print(f"TARGET {'PASS' if ok else 'FAIL'}: {name}")
