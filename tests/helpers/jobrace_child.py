@@ -7,7 +7,7 @@
     A new driver starting up: after DELAY seconds, ``recover()`` and wait for its cleanups.
 ``finishloop STORE SPOOL_DIR SHUTDOWN_TIMEOUT BODY_SECONDS``
     Begin and finish jobs ``j0``, ``j1``, ... (each "running" BODY_SECONDS) until killed, printing
-    ``ACK <job>`` after each ``finish`` returns (``tests/jobs/test_finish_retry.py`` SIGKILLs it at random points).
+    ``BEGUN <job>`` after each ``begin`` and ``ACK <job>`` after each ``finish`` returns (``tests/jobs/test_finish_retry.py`` SIGKILLs it at random points).
 
 Both use a fast fixed retry policy. Not a test module (no ``test_`` prefix).
 """
@@ -44,6 +44,7 @@ def main(argv: list[str]) -> int:
             while True:
                 try:
                     svc.begin(job)
+                    print(f"BEGUN {job}", flush=True)
                     break
                 except StewardError as exc:  # the store is down: begin cannot check for an earlier result
                     print(f"begin {job}: {exc}", file=sys.stderr, flush=True)

@@ -135,21 +135,29 @@ def test_sigkill_during_finish_loses_no_acknowledged_result(s3, tmp_path):
         spool = tmp_path / f"spool-{run}"
         outage = run % 2 == 1
         errlog = tmp_path / f"child-{run}.log"
+        # run 1 surely spools: its jobs run 1.5 s and the endpoint stops inside one, after its begin(). A stop
+        # that lands in begin() instead leaves the child retrying begin() (it cannot check for an earlier
+        # result) and spools nothing, which a loaded machine made likely in the random schedule.
+        body = "1.5" if run == 1 else "0.1"
         with open(errlog, "w") as errf:
-            proc = subprocess.Popen([sys.executable, CHILD, "finishloop", url, str(spool), "0.3", "0.1"], env=env,
+            proc = subprocess.Popen([sys.executable, CHILD, "finishloop", url, str(spool), "0.3", body], env=env,
                                     stdout=subprocess.PIPE, stderr=errf, text=True)
         lines: list[str] = []
         reader = threading.Thread(target=lambda lines=lines, proc=proc: lines.extend(proc.stdout), daemon=True)
         reader.start()
         try:
-            wait_until(lambda lines=lines, proc=proc: len(lines) >= 1 or proc.poll() is not None, timeout=60,
-                       what="the child to finish its first job")
-            if outage:
+            wait_until(lambda lines=lines, proc=proc: any(x.startswith("ACK ") for x in lines) or proc.poll() is not None,
+                       timeout=60, what="the child to finish its first job")
+            if run == 1:
+                wait_until(lambda lines=lines: lines[-1].startswith("BEGUN "), timeout=60, interval=0.01,
+                           what="the child to begin its next job")
+            elif outage:
                 time.sleep(rng.uniform(0.0, 0.3))  # usually lands in a job's body: its finish() meets the outage
+            if outage:
                 s3.stop()
                 stats["outage_runs"] += 1
             time.sleep(rng.uniform(0.2, 2.5) if outage else rng.uniform(0.05, 1.0))  # retries, then the spool
-            if run == 1:   # one kill surely after a spool write (on a loaded machine the retries outlast the sleep)
+            if run == 1:
                 wait_until(lambda spool=spool: _spooled(spool), timeout=60, interval=0.05, what="a spooled result")
         finally:
             proc.kill()  # SIGKILL, at a random point of a begin/finish (store write, retry or spool write)
