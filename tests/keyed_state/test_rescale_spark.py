@@ -93,6 +93,7 @@ def assert_read_only_overlaps(stats: dict, old_json: dict, new_parallelism: int)
     return rows
 
 
+@pytest.mark.soak  # 2 min; make test keeps the rescales of test_keep_open_cluster.py and task/test_subtask_restore.py
 def test_rescale_8_to_3_to_16_over_a_continuing_stream(spark):
     from pyspark.sql import functions as F
 
