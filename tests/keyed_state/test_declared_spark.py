@@ -186,3 +186,42 @@ def test_read_returns_every_declared_variable_locally_and_distributed(spark):
     with pytest.raises(Exception, match="no declared variable 'nope'; declared: count .value., events .list., "
                                         "seen .map."):
         fresh.read("nope")
+
+
+def test_a_typed_default_across_executors_and_a_json_default_refusing_it(spark):
+    """Decision 0027: value_state("value", ...) types the default value state from a state's first
+    checkpoint (the Arrow form's get_many gives an Arrow struct array), kept when the state is opened
+    again without declarations; a state whose checkpoints hold JSON defaults refuses it by name."""
+    spark, tmp = spark
+    st = Steward.get(spark)
+    chk = str(tmp / "chk")
+
+    def typed(keys, rows, state):
+        g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")]).combine_chunks()
+        old = state.get_many(g["k"])
+        n = pc.add(pc.fill_null(pc.struct_field(old, "n"), 0), g["v_count"]).combine_chunks()
+        s = pc.add(pc.fill_null(pc.struct_field(old, "s"), 0), g["v_sum"]).combine_chunks()
+        state.put_many(g["k"], pa.StructArray.from_arrays([n, s], names=["n", "s"]))
+        return pa.table({"k": g["k"], "n": n, "s": s})
+
+    batches = _batches()
+    for i, b in enumerate(batches):
+        ks = st.keyed_state("typed-default", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=chk,
+                            states=[value_state("value", "n bigint, s bigint")] if i == 0 else None)
+        rows = ks.apply_arrow(spark.createDataFrame(b), typed, "k string, n long, s long", checkpoint_id=i).collect()
+        ks.commit(i, wait=120)
+    allrows = pd.concat(batches)
+    assert {r.k: (r.n, r.s) for r in rows} == {k: (len(g), int(g["v"].sum())) for k, g in allrows.groupby("k")
+                                               if k in set(batches[-1]["k"])}
+    assert ks.states["variables"]["value"]["current"] == 1
+    got = {r.key: (r.value.n, r.value.s) for r in ks.read("value").collect()}
+    assert got == {k: (len(g), int(g["v"].sum())) for k, g in allrows.groupby("k")}
+
+    untyped = st.keyed_state("json-default", key="k", parallelism=2, max_parallelism=32, checkpoint_dir=chk)
+    untyped.apply(spark.createDataFrame(batches[0]), lambda key, rows, state: state.update([len(rows)]),
+                  "k string", checkpoint_id=0).collect()
+    untyped.commit(0, wait=120)
+    with pytest.raises(StateSchemaError, match=r"keyed state 'json-default': its default value state is untyped "
+                                               r"\(JSON\) in the checkpoints it has"):
+        st.keyed_state("json-default", key="k", parallelism=2, max_parallelism=32, checkpoint_dir=chk,
+                       states=[value_state("value", "bigint")])

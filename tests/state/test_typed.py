@@ -175,8 +175,8 @@ def test_an_sst_that_cannot_be_written_leaves_the_db_as_it_was(tmp_path):
 
 
 def test_bad_declarations_are_refused_by_name():
-    with pytest.raises(StateSchemaError, match="'value' is the default"):
-        value_state("value", "bigint")
+    with pytest.raises(StateSchemaError, match="'value' is the default value state"):
+        list_state("value", "bigint")   # the default is a value state; typed with value_state("value", ...)
     with pytest.raises(StateSchemaError, match="event-time watermark"):
         value_state("c", "bigint", ttl=5, ttl_time="event")
     with pytest.raises(StateSchemaError, match="ttl=-1 must be positive"):
@@ -566,3 +566,47 @@ def test_a_nullable_field_turned_not_null_is_refused_naming_the_variable_field_a
     strict = resolve(None, [value_state("last", "v int NOT NULL")])
     loose = resolve(strict, [value_state("last", "v bigint")])
     assert loose["variables"]["last"]["current"] == 2
+
+
+def test_the_default_value_state_declared_is_typed_in_both_forms_and_only_from_a_first_checkpoint(tmp_path):
+    """Decision 0027: value_state("value", type) types the default (state.get()/update() per key,
+    state.get_many/put_many in the Arrow form); a state whose checkpoints hold JSON defaults refuses it
+    by name, and one typed from its first checkpoint keeps the type when reopened without declarations."""
+    import pandas as pd
+    import pyarrow.compute as pc
+    from sparksteward.testing import KeyedStateHarness
+
+    def per_key(key, rows, state):
+        old = state.get()   # a dict of the declared struct, or None
+        n = (old["n"] if old else 0) + len(rows)
+        state.update({"n": n, "s": (old["s"] if old else 0) + int(rows["v"].sum())})
+        return key, n
+
+    def vectorized(keys, rows, state):
+        g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")]).combine_chunks()
+        old = state.get_many(g["k"])   # an Arrow struct array, null where absent
+        assert old.type == pa.struct([("n", pa.int64()), ("s", pa.int64())])
+        n = pc.add(pc.fill_null(pc.struct_field(old, "n"), 0), g["v_count"])
+        s = pc.add(pc.fill_null(pc.struct_field(old, "s"), 0), g["v_sum"])
+        state.put_many(g["k"], pa.StructArray.from_arrays([n.combine_chunks(), s.combine_chunks()], names=["n", "s"]))
+        return pa.table({"k": g["k"], "n": n})
+
+    batch = pd.DataFrame({"k": ["a", "b", "a"], "v": [1, 2, 3]})
+    for form, fn in (("pandas", per_key), ("arrow", vectorized)):
+        h = KeyedStateHarness(fn, key="k", schema="k string, n long", form=form, directory=tmp_path / form,
+                              states=[value_state("value", "n bigint, s bigint")])
+        for _ in range(2):
+            out = h.process(batch)
+        out = out if isinstance(out, pa.Table) else pa.Table.from_pandas(out)
+        assert sorted(zip(out["k"].to_pylist(), out["n"].to_pylist())) == [("a", 4), ("b", 2)], form
+        assert h.value("value").get_many(["a", "b", "c"]).to_pylist() == [{"n": 4, "s": 8}, {"n": 2, "s": 4}, None]
+        h.restart()   # reopened without declarations: the record keeps the default typed
+        assert h.value("value").get("a") == {"n": 4, "s": 8}
+
+    recorded = resolve(None, [value_state("value", "bigint")])
+    assert resolve(recorded, [], checkpointed=True) == recorded   # typed from its first checkpoint: stays typed
+    with pytest.raises(StateSchemaError, match=r"keyed state 's': its default value state is untyped \(JSON\) in "
+                                               r"the checkpoints it has"):
+        resolve(None, [value_state("value", "bigint")], state="s", checkpointed=True)
+    with pytest.raises(StateSchemaError, match="default value state is untyped"):   # declared others before
+        resolve(resolve(None, [value_state("c", "bigint")]), [value_state("value", "bigint")], checkpointed=True)

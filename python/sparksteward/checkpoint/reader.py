@@ -7,7 +7,7 @@ decoded with the declarations the checkpoint recorded (``properties.states``):
 =================  ==============================================================
 variable           columns
 =================  ==============================================================
-``None``           ``key``, ``value``: the default value state, as JSON text
+``None``           ``key``, ``value``: the default value state, as JSON text (its declared type when it is declared)
 a value state      ``key``, ``value`` (the declared type)
 a list state       ``key``, ``value``: one row per element, in list order
 a map state        ``key``, ``map_key``, ``value``
@@ -33,7 +33,7 @@ from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.declared import variables_of
+from sparksteward.state.declared import DEFAULT_VARIABLE, variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
 from sparksteward.state.keygroups import _INT, _LONG, KeyType
 from sparksteward.state.rows import expired
@@ -41,18 +41,24 @@ from sparksteward.state.typed import KIND_EXPIRY, TypedMap, TypedStates
 
 __all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
 
-DEFAULT_STATE = "value"
+DEFAULT_STATE = DEFAULT_VARIABLE
 _KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT: pa.int32(),
               KeyType.BINARY: pa.binary()}
 _KINDS = {"value": KIND_VALUE, "list": KIND_LIST, "map": KIND_MAP}
 
 
+def _json_default(meta: CheckpointMetadata, variable: str | None) -> bool:
+    """``variable`` is the default value state and ``meta`` does not declare it: its values are JSON."""
+    return (variable is None or variable == DEFAULT_STATE) and DEFAULT_STATE not in variables_of(
+        meta.properties.get("states"))
+
+
 def variable_schema(meta: CheckpointMetadata, variable: str | None) -> pa.Schema:
     """The columns :func:`read_variable` returns for ``variable`` of ``meta`` (see the module docstring)."""
     key = pa.field("key", _KEY_ARROW[meta.key_type])
-    if variable is None or variable == DEFAULT_STATE:
+    if _json_default(meta, variable):
         return pa.schema([key, pa.field("value", pa.string())])
-    var = _variable(meta, variable)
+    var = _variable(meta, variable or DEFAULT_STATE)
     if var.spec.kind == "map":
         assert var.spec.key_type is not None
         return pa.schema([key, pa.field("map_key", var.spec.key_type), pa.field("value", var.spec.type)])
@@ -105,7 +111,7 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
                   now: int) -> pa.Table:
     decode_key = _decode_key(meta.key_type)
     keys: list[Any] = []
-    if variable is None or variable == DEFAULT_STATE:
+    if _json_default(meta, variable):
         values: list[Any] = []
         for raw_key, raw_value in backend.iter_raw():
             if raw_key[2:3] == KIND_EXPIRY:
@@ -115,6 +121,7 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
                 keys.append(decode_key(kb))
                 values.append(orjson.dumps(decode_value(raw_value)).decode())
         return pa.table([pa.array(keys, schema.field(0).type), pa.array(values, pa.string())], schema=schema)
+    variable = variable or DEFAULT_STATE   # declared (typed) default
     var = _variable(meta, variable)
     states = TypedStates(backend, meta.properties.get("states"), now, 0)
     view = states._view(variable, var.spec.kind)

@@ -57,7 +57,7 @@ import pyarrow as pa
 from sparksteward.errors import StateSchemaError
 from sparksteward.state.rows import RowCodec, evolve
 
-__all__ = ["KINDS", "StateSpec", "Tombstone", "VariableRecord", "arrow_type", "drops_ran", "list_state", "map_state",
+__all__ = ["DEFAULT_VARIABLE", "KINDS", "StateSpec", "Tombstone", "VariableRecord", "arrow_type", "drops_ran", "list_state", "map_state",
            "parse_ddl", "pending_drops", "recorded_form", "resolve", "tombstones_of", "type_from_json",
            "type_to_json", "value_state", "variables_of"]
 
@@ -65,6 +65,9 @@ KINDS = ("value", "list", "map")
 TTL_UPDATES = ("on_write", "on_read_and_write")
 TTL_TIMES = ("processing", "event")
 RECORD_FORMAT = 1
+#: the default value state's name (``state.get()``/``update()`` per key, ``state.get_many``/``put_many`` in
+#: the Arrow form): untyped (JSON) unless declared with ``value_state("value", type)`` (decision 0027)
+DEFAULT_VARIABLE = "value"
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]{0,99}$")
 
 
@@ -226,10 +229,15 @@ class StateSpec:
     ttl_time: str = "processing"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name) or self.name == "value":
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
             raise StateSchemaError(
                 f"state variable name {self.name!r} must be 1-100 letters, digits, '_', '.' or '-', starting with a "
-                f"letter or '_' ('value' is the default value state's name)")
+                f"letter or '_'")
+        if self.name == DEFAULT_VARIABLE and self.kind != "value":
+            raise StateSchemaError(
+                f"state variable {DEFAULT_VARIABLE!r} is the default value state (state.get()/get_many()): declare "
+                f"it with value_state({DEFAULT_VARIABLE!r}, type) to type it, or give your {self.kind} state another "
+                f"name")
         if self.kind not in KINDS:
             raise StateSchemaError(f"state variable {self.name!r}: kind {self.kind!r} is not one of {KINDS}")
         if self.ttl_update not in TTL_UPDATES:
@@ -450,9 +458,11 @@ def recorded_form(record: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 
 def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapping[str, Any]],
-            delete: Sequence[str] = (), *, state: str = "") -> dict[str, Any]:
+            delete: Sequence[str] = (), *, state: str = "", checkpointed: bool = False) -> dict[str, Any]:
     """The record of a state opened with ``specs`` over the one its latest checkpoint ``recorded``
-    (see the module docstring); raises :class:`StateSchemaError` naming what cannot be opened."""
+    (see the module docstring); raises :class:`StateSchemaError` naming what cannot be opened.
+    ``checkpointed``: the state has a completed checkpoint (or restores one), whose default value
+    state, if the record does not declare it, holds JSON values that a typed declaration would misread."""
     where = f"keyed state {state!r}: " if state else ""
     old = variables_of(recorded)
     tombstones = tombstones_of(recorded)
@@ -474,6 +484,12 @@ def resolve(recorded: Mapping[str, Any] | None, specs: Iterable[StateSpec | Mapp
             tombstones[name] = Tombstone(old[name].spec.kind, old[name].version)
     for s in declared:
         was = variables.get(s.name)
+        if was is None and s.name == DEFAULT_VARIABLE and checkpointed:
+            raise StateSchemaError(
+                f"{where}its default value state is untyped (JSON) in the checkpoints it has, and a typed "
+                f"declaration (value_state({DEFAULT_VARIABLE!r}, ...)) cannot read those values: the default is typed "
+                f"only from a state's first checkpoint. Open it without that declaration (the default stays JSON), or "
+                f"declare a new name (value_state('agg', ...)) and move the values over in a batch")
         if was is None:
             gone = tombstones.get(s.name)
             v = 1 if gone is None else gone.current + 1   # never a version the dropped one's bytes carry

@@ -69,19 +69,22 @@ DEFAULT_OUTPUT_ROWS = 10_000
 
 class KeyedStateAccess:
     """What an Arrow-form function gets: vectorized access to the subtask's keyed state. Declared
-    variables (``states``) come as their typed views; an undeclared name gets an untyped (JSON) view."""
+    variables (``states``) come as their typed views; an undeclared name gets an untyped (JSON) view.
+    The default value state (``get_many``/``put_many``) is typed when declared
+    (``value_state("value", type)``, decision 0027), JSON otherwise."""
 
     def __init__(self, backend: RocksDBStateBackend, default: str = DEFAULT_STATE,
                  states: TypedStates | None = None) -> None:
         self.backend = backend
-        self._default = backend.value(default)
         self.states = states
+        self._default: TypedValue | ValueState = self.value(default)
 
-    def get_many(self, keys: Iterable[object]) -> list[Any]:
-        """Values of the default value state for ``keys`` (``None`` where absent)."""
+    def get_many(self, keys: Iterable[object]) -> Any:
+        """Values of the default value state for ``keys``: declared, an Arrow array of its type (null
+        where absent); untyped, a list (``None`` where absent)."""
         return self._default.get_many(keys)
 
-    def put_many(self, keys: Iterable[object], values: Iterable[object]) -> None:
+    def put_many(self, keys: Iterable[object], values: Any) -> None:
         """Set values of the default value state in one write batch (``None`` clears)."""
         self._default.put_many(keys, values)
 
@@ -104,7 +107,7 @@ class KeyState(BoundValueState):
     __slots__ = ("_access",)
 
     def __init__(self, access: KeyedStateAccess, key: object) -> None:
-        super().__init__(access._default, key)
+        super().__init__(access._default, key)   # a declared default: its typed get/update/clear per key
         self._access = access
 
     @property

@@ -147,12 +147,22 @@ class ValueState(_View):
         return BoundValueState(self, key)
 
 
+class KeyedValue(Protocol):
+    """A value state by key: :class:`ValueState`, or a declared one's typed view."""
+
+    def get(self, key: object) -> Any: ...
+
+    def update(self, key: object, value: Any) -> None: ...
+
+    def clear(self, key: object) -> None: ...
+
+
 class BoundValueState:
-    """A :class:`ValueState` fixed to one key: what a per-key user function receives."""
+    """A value state (:class:`KeyedValue`) fixed to one key: what a per-key user function receives."""
 
     __slots__ = ("_key", "_state")
 
-    def __init__(self, state: ValueState, key: object) -> None:
+    def __init__(self, state: KeyedValue, key: object) -> None:
         self._state = state
         self._key = key
 

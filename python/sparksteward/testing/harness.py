@@ -154,7 +154,7 @@ class KeyedStateHarness:
         ``delete_states`` are dropped with their entries (and expiry-index keys); a name declared again
         after its drop starts at a new schema version."""
         record = self.record if states is None and not delete_states else resolve(self.record, states or (),
-                                                                                 delete_states)
+                                                                                 delete_states, checkpointed=True)
         snap = self._backend.snapshot(self.directory / f"snap-{self._generation}")
         self._generation += 1
         shutil.copytree(snap.path, self._db_dir() / "db")

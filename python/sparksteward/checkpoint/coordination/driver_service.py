@@ -239,7 +239,7 @@ class StateService:
                     f"{st.checkpoint_dir!r}, parallelism={c.parallelism}, max_parallelism={c.max_parallelism}, "
                     f"key type {c.key_type.value}; open it with the same settings or use another name")
             if reg.states is not None or reg.delete_states:   # declared again: from the next checkpoint on
-                c.declare(reg.states_of)
+                c.declare(lambda recorded: reg.states_of(recorded, checkpointed=bool(c.retained())))
             if reg.parallelism != c.parallelism:  # a rescale between batches: the next checkpoint rebuilds
                 c.rescale(reg.parallelism)
             if reg.alignment is not None:  # another alignment from the next batch on
@@ -281,7 +281,8 @@ class StateService:
             meta = None if latest is None else coord.completed(latest)
             reg.check_key(meta)
             coord.key_column = reg.key or (meta.properties.get("key") if meta is not None else None) or None
-            coord.states = reg.states_of(None if meta is None else meta.properties.get("states"))
+            coord.states = reg.states_of(None if meta is None else meta.properties.get("states"),
+                                         checkpointed=meta is not None)
         except BaseException:
             coord.close()
             lease.release()
@@ -519,7 +520,7 @@ class StateService:
             latest = max(c.retained(), default=None)
             return CheckReply(registered=True, last_completed=c.last_completed, key_type=c.key_type.value,
                               latest=None if latest is None else c.completed(latest).to_json(),
-                              states=reg.states_of(c.states),
+                              states=reg.states_of(c.states, checkpointed=bool(c.retained())),
                               checkpoint_dir=st.checkpoint_dir, cluster_id=self.cluster_id)
         storage = CheckpointStorage.open(reg.checkpoint_dir, reg.name, self.cluster_id)
         return check_unregistered(reg, storage, self.merging, self.alignment, self.cluster_id)

@@ -106,16 +106,17 @@ class Registration:
                 f"{where} has {meta.key_type.value} keys, but column {self.key or recorded!r} is {key_type}: "
                 f"cast the column to {meta.key_type.value}, or use another state name")
 
-    def states_of(self, recorded: dict[str, Any] | None) -> dict[str, Any] | None:
+    def states_of(self, recorded: dict[str, Any] | None, *, checkpointed: bool) -> dict[str, Any] | None:
         """The state's declarations (``properties.states``) over those its latest checkpoint
         ``recorded``, with the drops still pending (``dropped``: a second open with the same
-        ``delete_states``, or one without, keeps them); raises
+        ``delete_states``, or one without, keeps them); ``checkpointed``: the state has a completed (or
+        restored) checkpoint, so an undeclared default value state may hold JSON values; raises
         :class:`~sparksteward.errors.StateSchemaError` naming what cannot be opened."""
         if self.states is None and not self.delete_states and not recorded:
             return recorded
         from sparksteward.state.declared import resolve  # pyarrow: not when the driver agent starts
 
-        return resolve(recorded, self.states or (), self.delete_states, state=self.name)
+        return resolve(recorded, self.states or (), self.delete_states, state=self.name, checkpointed=checkpointed)
 
     def alignment_of(self, defaults: AlignmentOptions) -> AlignmentOptions:
         """The state's alignment options (FLIP-76): the application's, with the request's overrides."""
@@ -228,7 +229,7 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         reg.check_key(latest)
         return CheckReply(registered=False, last_completed=own[-1], restore_from="ignored" if reg.source else None,
                           key_type=latest.key_type.value, latest=latest.to_json(),
-                          states=reg.states_of(latest.properties.get("states")),
+                          states=reg.states_of(latest.properties.get("states"), checkpointed=True),
                           checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
     if reg.source:
         src, meta = open_checkpoint(reg.source)
@@ -237,9 +238,10 @@ def check_unregistered(reg: Registration, storage: CheckpointStorage, merging: M
         check_sources(src, meta, reg.source, claimed_roots=reg.claimed_roots)
         return CheckReply(registered=False, last_completed=None, restore_from=reg.claim_mode.value,
                           checkpoint_id=meta.checkpoint_id, key_type=meta.key_type.value,
-                          states=reg.states_of(meta.properties.get("states")),
+                          states=reg.states_of(meta.properties.get("states"), checkpointed=True),
                           checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
-    return CheckReply(registered=False, last_completed=None, restore_from=None, states=reg.states_of(None),
+    return CheckReply(registered=False, last_completed=None, restore_from=None,
+                      states=reg.states_of(None, checkpointed=False),
                       checkpoint_dir=reg.checkpoint_dir, cluster_id=cluster_id)
 
 
