@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_state  # noqa: E402
-from bench_state import SCHEMA, Written, add_input, ours_arrow_fn, tws_processor  # noqa: E402
+from bench_state import SCHEMA, Written, add_input, ours_json_fn, tws_processor  # noqa: E402
 
 KEYS = int(os.environ.get("BENCH_MERGE_KEYS", "20000"))
 UPDATE = int(os.environ.get("BENCH_MERGE_UPDATE", "200"))
@@ -108,7 +108,7 @@ class Query:
             self.per_batch[batch_id] = {"objects": n, "puts": n, "bytes": b, "ms": (time.perf_counter() - t) * 1000}
             return
         mark = self.s3.mark()
-        self.ks.apply_arrow(df, ours_arrow_fn, SCHEMA, checkpoint_id=batch_id).write.format("noop").mode("append").save()
+        self.ks.apply_arrow(df, ours_json_fn, SCHEMA, checkpoint_id=batch_id).write.format("noop").mode("append").save()
         self.ks.commit(batch_id)
         stats = next(c for c in self.ks.info()["checkpoints"] if c["checkpoint_id"] == batch_id)
         reqs = [q for q in self.s3.requests_since(mark) if q.op in _PUTS]

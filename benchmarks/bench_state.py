@@ -7,7 +7,8 @@ same sink (``foreachBatch`` appending the updated ``(k, n, s)`` rows to parquet)
 - ``stateless``: the ceiling, no state: the same routing as ours (``repartitionById`` on each key's
   subtask) and the per-batch count and sum in pyarrow (``mapInArrow``);
 - ``ours-pandas``: ``ks.apply(df, fn(key, rows, state))`` then ``ks.commit``;
-- ``ours-arrow``: ``ks.apply_arrow(df, fn(keys, rows, state))`` with ``state.get_many/put_many``, then
+- ``ours-arrow``: ``ks.apply_arrow(df, fn(keys, rows, state))`` with ``state.get_many/put_many`` on the
+  default value state declared typed as the README shows it (``value_state("value", "n bigint, s bigint")``), then
   ``ks.commit``;
 - ``ours-pandas-process`` and ``ours-arrow-process``: the same functions through ``ks.process(...)``
   with its defaults, as the README shows it;
@@ -114,6 +115,28 @@ def ours_pandas_fn(key, rows, state):
 
 
 def ours_arrow_fn(keys, rows, state):
+    """The README's Arrow form: the default value state declared typed (``value_state("value", ...)``,
+    :data:`ARROW_STATES`), ``get_many`` an Arrow struct array, ``put_many`` a table of its fields."""
+    import pyarrow.compute as pc
+
+    g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")])
+    old = state.get_many(g["k"])
+    n = pc.add(pc.fill_null(pc.struct_field(old, "n"), 0), g["v_count"])
+    s = pc.add(pc.fill_null(pc.struct_field(old, "s"), 0), g["v_sum"])
+    out = pa.table({"k": g["k"], "n": n, "s": s})
+    state.put_many(g["k"], out)
+    return out
+
+
+def arrow_states() -> list:
+    """What ``ours-arrow`` declares: the default value state, typed."""
+    from sparksteward import value_state
+
+    return [value_state("value", "n bigint, s bigint")]
+
+
+def ours_json_fn(keys, rows, state):
+    """The Arrow form over the untyped (JSON) default value state: Python lists per key."""
     g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")])
     ks = g.column("k")
     old = state.get_many(ks)
@@ -297,7 +320,8 @@ class Run:
             from sparksteward import Steward
 
             self.ks = Steward.get(spark).keyed_state(engine, key="k", parallelism=parallelism, max_parallelism=M,
-                                                     checkpoint_dir=str(root / "ours-chk"))
+                                                     checkpoint_dir=str(root / "ours-chk"),
+                                                     states=arrow_states() if "arrow" in engine else None)
             self.written = Written(root / "ours-chk" / "default" / engine)
         else:
             self.written = Written(self.chk / "state")

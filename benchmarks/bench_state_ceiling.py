@@ -8,8 +8,9 @@ other, the same count-and-sum per key three ways, each writing its per-key outpu
 - ``stateless``: the ceiling. The same routing as ours (the subtask of each key, ``repartitionById``
   into the same P partitions), then ``mapInArrow`` computing the count and sum per key of the batch in
   pyarrow. No state: the cost of Spark, the shuffle, Arrow and the sink alone;
-- ``ours-typed``: ``apply_arrow`` with a declared ``value_state("agg", "n bigint, s bigint")``,
-  ``get_many``/``put_many`` on Arrow arrays, checkpointed every batch;
+- ``ours-typed``: ``apply_arrow`` over the default value state declared typed
+  (``value_state("value", "n bigint, s bigint")``, as the README shows it), ``get_many``/``put_many`` on
+  Arrow arrays, checkpointed every batch;
 - ``ours-json``: the same with the untyped default value state (JSON values, Python lists);
 - ``spark-agg``: Spark's native streaming aggregation, ``groupBy(k).agg(count, sum)`` on its RocksDB
   state store with changelog checkpointing (``bench_state.start_session``'s settings), the line of
@@ -58,21 +59,11 @@ ROUNDS = int(os.environ.get("CEIL_ROUNDS", "4"))   # round 0 warms the JVM up; t
 
 
 def typed_fn(keys, rows, state):
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    g = rows.group_by("k").aggregate([("v", "count"), ("v", "sum")]).combine_chunks()
-    agg = state.value("agg")
-    old = agg.get_many(g["k"])
-    had = pc.is_valid(old)
-    n = pc.add(pc.if_else(had, pc.struct_field(old, "n"), 0), g["v_count"])
-    s = pc.add(pc.if_else(had, pc.struct_field(old, "s"), 0), g["v_sum"])
-    agg.put_many(g["k"], pa.StructArray.from_arrays([n.combine_chunks(), s.combine_chunks()], names=["n", "s"]))
-    return pa.table({"k": g["k"], "n": n, "s": s})
+    return bench_state.ours_arrow_fn(keys, rows, state)
 
 
 def json_fn(keys, rows, state):
-    return bench_state.ours_arrow_fn(keys, rows, state)
+    return bench_state.ours_json_fn(keys, rows, state)
 
 
 #: per engine, per batch of the last run: (stage and sink ms, commit wait ms, and the checkpoint report's
@@ -81,12 +72,12 @@ SPLITS: dict[str, list[tuple[float, ...]]] = {}
 
 
 def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, float]:
-    from sparksteward import Steward, value_state
+    from sparksteward import Steward
 
     out = root / "out" / engine
     ks = None
     if engine not in ("stateless", "spark-agg"):
-        states = [value_state("agg", "n bigint, s bigint")] if engine == "ours-typed" else None
+        states = bench_state.arrow_states() if engine == "ours-typed" else None
         ks = Steward.get(spark).keyed_state(f"{engine}-{root.name}", key="k", parallelism=P, max_parallelism=M,
                                             checkpoint_dir=str(root / "chk"), states=states)
 

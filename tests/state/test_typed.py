@@ -610,3 +610,12 @@ def test_the_default_value_state_declared_is_typed_in_both_forms_and_only_from_a
         resolve(None, [value_state("value", "bigint")], state="s", checkpointed=True)
     with pytest.raises(StateSchemaError, match="default value state is untyped"):   # declared others before
         resolve(resolve(None, [value_state("c", "bigint")]), [value_state("value", "bigint")], checkpointed=True)
+
+
+def test_put_many_of_a_struct_state_takes_a_table_of_its_fields(backend):
+    st = _states(backend, [value_state("agg", "n bigint, s double")])
+    agg = st.value("agg")
+    agg.put_many(["a", "b"], pa.table({"s": [1.5, 2.0], "n": pa.chunked_array([[1], [2]]), "extra": [0, 0]}))
+    assert agg.get_many(["a", "b"]).to_pylist() == [{"n": 1, "s": 1.5}, {"n": 2, "s": 2.0}]
+    with pytest.raises(StateEncodingError, match=r"state 'agg' is declared .* lacks columns \['s'\]"):
+        agg.put_many(["a"], pa.table({"n": [1]}))

@@ -27,7 +27,17 @@ def as_pylist(values: Any) -> list[Any]:
 
 def as_arrow(values: Any, dtype: pa.DataType, name: str) -> pa.Array:
     """``values`` as one Arrow array of type ``dtype`` (cast if it is Arrow of another type); state
-    ``name`` is named in the error when they do not fit."""
+    ``name`` is named in the error when they do not fit. For a struct type, a table or record batch
+    with a column per field is taken as the struct array of its rows."""
+    if isinstance(values, (pa.Table, pa.RecordBatch)) and pa.types.is_struct(dtype):
+        names = [dtype.field(i).name for i in range(dtype.num_fields)]
+        missing = [n for n in names if n not in values.column_names]
+        if missing:
+            raise StateEncodingError(f"state {name!r} is declared {dtype}, but the table of values lacks columns "
+                                     f"{missing} (it has {values.column_names})")
+        columns = [values.column(n) for n in names]
+        values = pa.StructArray.from_arrays(
+            [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in columns], names=names)
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
     if isinstance(values, pa.Array):
