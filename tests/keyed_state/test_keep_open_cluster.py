@@ -105,3 +105,91 @@ def test_a_second_action_and_a_rescale_and_back_in_one_application_stay_exact(sp
     run_batches(spark, ks, batches[6:9], 6, applied)
     assert state_of(ks) == reference(applied)
     assert kept(ks, (7, 8)) > 0, "no task went on with a kept DB after the rescale back"
+
+
+def _executor_pid() -> int:
+    """The executor JVM of this Python worker: the parent of its daemon (``/proc``, Linux)."""
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _block(sc, mark, flag):
+    """A one-task job that holds one executor's only core until ``flag`` exists, after writing the
+    executor's pid to ``mark``."""
+    def hold(_):
+        import time
+
+        with open(mark, "w") as f:
+            f.write(str(_executor_pid()))
+        while not os.path.exists(flag):
+            time.sleep(0.02)
+
+    sc.parallelize([0], 1).foreach(hold)
+
+
+def test_a_subtask_that_lands_on_another_executor_every_batch_never_reuses_a_stale_db(spark):
+    """Every batch runs on the executor the batch before did not use: two one-task jobs hold both
+    executors' single cores, the one on the wanted executor is let go, and the batch's four subtasks
+    all run there. Each task therefore finds the DB its subtask's last run kept on the other executor
+    (one checkpoint behind, when it comes back there) and must restore its base instead: no batch after
+    the first goes on with a kept DB, and the state is exact."""
+    import threading
+    import time
+
+    from tests.helpers import wait_until
+
+    spark, root = spark
+    sc = spark.sparkContext
+    marks = root / "alternate-marks"
+    marks.mkdir()
+    ks = Steward.get(spark).keyed_state("keep-alternate", key="k", parallelism=4, max_parallelism=32,
+                                        checkpoint_dir=str(root / "chk-alternate"))
+    source = make_batches(13, count=3)
+    batches = [source[i % 3].assign(v=source[i % 3]["v"] + i) for i in range(5)]
+    where = str(marks / "ran-{}-{}")
+
+    def fn(key, rows, state):
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        with open(where.format(ctx.stageId(), ctx.partitionId()), "w") as f:
+            f.write(str(_executor_pid()))
+        cur = state.get() or {"n": 0, "s": 0}
+        cur = {"n": cur["n"] + len(rows), "s": cur["s"] + int(rows["v"].sum())}
+        state.update(cur)
+        return key, cur["n"], cur["s"]
+
+    applied: list[pd.DataFrame] = []
+    used: list[int] = []
+    for i, b in enumerate(batches):
+        holders, flags = [], []
+        for j in range(2):   # both cores held, then the one on the executor the last batch did not use let go
+            mark, flag = marks / f"hold-{i}-{j}", marks / f"free-{i}-{j}"
+            t = threading.Thread(target=_block, args=(sc, str(mark), str(flag)), daemon=True)
+            t.start()
+            wait_until(lambda mark=mark: mark.exists() and mark.read_text(), timeout=60,
+                       what=f"blocker {j} of batch {i} to start")
+            holders.append((t, int(mark.read_text())))
+            flags.append(flag)
+        pids = [pid for _, pid in holders]
+        assert len(set(pids)) == 2, f"both blockers ran on executor {pids[0]}"
+        free = pids.index(used[-1]) ^ 1 if used else 0   # the blocker not on the last batch's executor
+        flags[free].touch()
+        holders[free][0].join(60)
+        before = set(marks.glob("ran-*"))
+        df = spark.createDataFrame(b)   # parallelize of local data: scheduled like the state stage
+        ks.apply(df, fn, SCHEMA, checkpoint_id=i).write.mode("overwrite").format("noop").save()
+        ran = {int(p.read_text()) for p in set(marks.glob("ran-*")) - before}
+        for flag in flags:
+            flag.touch()
+        for t, _ in holders:
+            t.join(60)
+        ks.commit(i, wait=120)
+        applied.append(b)
+        assert len(ran) == 1, f"batch {i} ran on executors {ran}, not on one"
+        if used:
+            assert ran != {used[-1]}, f"batch {i} ran on executor {used[-1]} again"
+        used.append(ran.pop())
+        time.sleep(0.2)
+    assert state_of(ks) == reference(applied)
+    assert kept(ks, range(1, len(batches))) == 0, [ks.report(checkpoint_id=c) for c in range(len(batches))]
