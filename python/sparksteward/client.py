@@ -20,7 +20,14 @@ from sparksteward.blob.broadcast import BroadcastHandle
 from sparksteward.blob.client import BlobClient
 from sparksteward.blob.messages import BlobAddLibraryRequest, BlobOpenFileRequest
 from sparksteward.blob.payload import write_payload
-from sparksteward.errors import AgentUnavailableError, ConfigError, InvalidIdError, JobAlreadyCompleted, StewardError
+from sparksteward.errors import (
+    AgentUnavailableError,
+    ConfigError,
+    InvalidIdError,
+    InvalidRequestError,
+    JobAlreadyCompleted,
+    StewardError,
+)
 from sparksteward.jobscope import JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.shim_protocol import PLUGIN_CLASS
@@ -310,7 +317,9 @@ class Steward:
         """Upload a jar as a permanent blob of the current job (HA when configured) and add it to Spark
         with ``sc.addJar`` as a ``steward://`` URL, which executors fetch once each through their BlobCache,
         verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
-        ``st.job`` for the whole application). Returns the URL."""
+        ``st.job`` for the whole application). Returns the URL. A file that is not a jar (a zip with a
+        manifest or classes) is refused, naming it, before anything is uploaded."""
+        _check_jar(path)
         url = self._put_file_url(path, "jar")
         if self.spark is not None:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
@@ -503,3 +512,22 @@ def _declarations(states: list[Any] | None, delete_states: list[str] | None) -> 
     if not all(isinstance(n, str) and n for n in dropped):
         raise StateSchemaError(f"delete_states={delete_states!r} must be a list of state variable names")
     return (None if states is None else [s.to_json() for s in states]), dropped
+
+
+def _check_jar(path: str | os.PathLike[str]) -> None:
+    """Refuse ``path`` unless it is a jar: a zip archive with ``META-INF/MANIFEST.MF`` or a ``.class``
+    entry (reads the zip's central directory only)."""
+    import zipfile
+
+    where = os.fspath(path)
+    if not os.path.isfile(where):
+        raise InvalidIdError(f"jar {where!r} is not a file")
+    try:
+        with zipfile.ZipFile(where) as jar:
+            names = jar.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise InvalidRequestError(f"jar {where!r} is not a jar (not a zip archive: {exc}): pass the .jar that "
+                                  f"javac/jar, sbt or Maven built, or use add_file for other files") from None
+    if "META-INF/MANIFEST.MF" not in names and not any(n.endswith(".class") for n in names):
+        raise InvalidRequestError(f"jar {where!r} is a zip archive with neither META-INF/MANIFEST.MF nor classes "
+                                  f"({len(names)} entries): pass a jar, or use add_file/add_library for other files")

@@ -131,3 +131,26 @@ def test_bad_keys_and_job_ids_get_clear_errors(spark):
     with pytest.raises(Exception, match="incoming"):
         st.request("blob.put_path", path="/etc/passwd", job_id=None, type="t")
     assert st.health()["state"] == "running"
+
+
+def test_add_jar_refuses_a_file_that_is_not_a_jar_by_name_before_uploading(spark, tmp_path):
+    """Issue 40: st.add_jar("/etc/hostname") was accepted. A jar is a zip with a manifest or classes."""
+    import zipfile
+
+    from sparksteward.errors import InvalidIdError, InvalidRequestError
+
+    st = Steward.get(spark)
+    before = st.blobs.stats()
+    text = tmp_path / "hostname"
+    text.write_text("a-host\n")
+    with pytest.raises(InvalidRequestError, match=rf"jar '{text}' is not a jar \(not a zip archive"):
+        st.add_jar(text)
+    notes = tmp_path / "notes.jar"
+    with zipfile.ZipFile(notes, "w") as z:
+        z.writestr("readme.txt", "no classes here")
+    with pytest.raises(InvalidRequestError, match=rf"jar '{notes}' is a zip archive with neither "
+                                                  r"META-INF/MANIFEST.MF nor classes \(1 entries\)"):
+        st.add_jar(notes)
+    with pytest.raises(InvalidIdError, match=r"jar '.*missing.jar' is not a file"):
+        st.add_jar(tmp_path / "missing.jar")
+    assert st.blobs.stats() == before   # nothing uploaded
