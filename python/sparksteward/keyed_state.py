@@ -206,10 +206,21 @@ class KeyedState:
         this application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints
         in a row it grew; from 3 on, each batch logs a warning). :meth:`drain` processes it.
         ``drains``: the checkpoint ids drains took. ``report``: the figures of the latest checkpoint
-        completed in this application (see :meth:`report`)."""
-        if not self._registered:
-            raise StateError(f"keyed state {self.name!r} has not been applied yet in this application")
-        return self._ask(InfoRequest(self.name)).to_wire()
+        completed in this application (see :meth:`report`). ``applied``: whether a batch of this
+        state ran in this application; before one did, what opening it will find (its checkpoints in
+        ``checkpoint_dir``, what ``restore_from`` will do) with a ``note`` saying so."""
+        checked = None if self._registered else self._check()
+        if checked is None or checked.registered:   # applied here, by this object or another
+            return {**self._ask(InfoRequest(self.name)).to_wire(), "applied": True}
+        found = checked.to_wire()
+        last = found.get("last_completed")
+        return {**found, "applied": False, "parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
+                "pending": [], "checkpoints": [],
+                "note": f"keyed state {self.name!r} has not been applied in this application yet; "
+                        + (f"its next batch goes on from checkpoint {last} in {found['checkpoint_dir']}"
+                           if last is not None else
+                           f"restore_from: {found['restore_from']}" if found.get("restore_from") else
+                           f"it has no checkpoint in {found['checkpoint_dir']}: its first batch starts empty")}
 
     def report(self, batch_id: int | None = None, *, checkpoint_id: int | None = None) -> dict[str, Any] | None:
         """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and

@@ -226,3 +226,18 @@ def test_workers_fork_from_a_frozen_daemon_and_a_state_task_freezes_its_imports(
     ks.commit(0)
     # settled after its first state task imported the state modules, whatever the worker ran before
     assert all(r.frozen == ",".join(state_modules) for r in rows), rows
+
+
+def test_info_and_read_work_before_the_first_batch(spark, st, tmp_path):
+    """Issue 40: info() raised before the first batch while read() worked."""
+    chk = str(tmp_path / "chk")
+    ks = st.keyed_state("never-applied", key="k", parallelism=2, checkpoint_dir=chk)
+    assert ks.read().collect() == []
+    info = ks.info()
+    assert info["applied"] is False and info["last_completed"] is None and info["parallelism"] == 2
+    assert "'never-applied' has not been applied in this application yet; it has no checkpoint in" in info["note"]
+    ks.apply(spark.createDataFrame(pd.DataFrame({"k": ["a"], "v": [1]})), count_sum, SCHEMA, checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    assert ks.info()["applied"] is True and ks.info()["last_completed"] == 0
+    again = st.keyed_state("never-applied", key="k", parallelism=2, checkpoint_dir=chk)
+    assert again.info()["applied"] is True   # open in this application: the driver's view
