@@ -149,10 +149,11 @@ def test_read_shows_the_restored_subtasks_on_a_terminal(tmp_path, store_url, cap
 def test_ls_defaults_to_the_embedded_checkpoint_dir(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     default = str(tmp_path / "xdg" / "spark-steward" / "checkpoints")
-    assert main(["checkpoints", "ls"]) == 2
-    err = capsys.readouterr().err
-    assert f"checkpoint dir {default} (the default checkpoint dir" in err and "does not exist" in err
-    assert "spark.steward.checkpoint.dir" in err and len(err.splitlines()) == 1
+    assert main(["checkpoints", "ls"]) == 0   # a fresh machine: not an error (issue 40)
+    out = capsys.readouterr().out
+    assert out.startswith(f"0 state(s): no checkpoints yet in {default} (the default checkpoint dir")
+    assert "spark.steward.checkpoint.dir" in out and "`steward checkpoints ls <dir>`" in out
+    assert len(out.splitlines()) == 1
     _state(tmp_path, default)
     assert main(["checkpoints", "ls"]) == 0
     out = capsys.readouterr().out
@@ -217,7 +218,9 @@ def test_the_installed_command(tmp_path):
     assert helps.returncode == 0 and "rm" in helps.stdout and "ls" in helps.stdout
     assert "--dry-run" in steward("checkpoints", "rm", "--help").stdout
     assert "--limit" in steward("jobs", "show", "--help").stdout
-    ls = steward("checkpoints", "ls")
+    ls = steward("checkpoints", "ls")   # a fresh machine's default dir: no checkpoints yet, not an error
+    assert ls.returncode == 0 and not ls.stderr and ls.stdout.startswith("0 state(s): no checkpoints yet in ")
+    ls = steward("checkpoints", "ls", str(tmp_path / "no-such-dir"))   # a given dir that is not there: an error
     assert ls.returncode == 2 and "Traceback" not in ls.stderr and "does not exist" in ls.stderr
     url = str(tmp_path / "chk")
     storage = _state(tmp_path, url)

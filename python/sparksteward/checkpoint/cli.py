@@ -82,11 +82,17 @@ def _storage(args: argparse.Namespace) -> CheckpointStorage:
                              args.state)
 
 
-def _ls_base(args: argparse.Namespace) -> Location:
-    """``<dir>/<cluster-id>`` of ``ls``; an error naming the dir when it does not exist."""
+def _ls_base(args: argparse.Namespace) -> Location | None:
+    """``<dir>/<cluster-id>`` of ``ls``; an error naming a given dir that does not exist, and None
+    (nothing written there yet) for the default dir."""
     cfg = _config(args)
     top = open_location(args.dir or default_checkpoint_dir(cfg))
     given = "" if args.dir else (" (the default checkpoint dir, <state-dir>/checkpoints: none was given)")
+    if not args.dir and not top.exists(top.root):   # a fresh machine: no application wrote one here yet
+        print(f"0 state(s): no checkpoints yet in {top.url}{given}, which no application on this machine has "
+              f"written. Pass the dir your applications use (spark.steward.checkpoint.dir) as `steward "
+              f"checkpoints ls <dir>`")
+        return None
     if not top.exists(top.root):
         missing = "does not exist" if top.is_local else "holds nothing (no state is stored there: none was written, " \
                                                         "or all were removed)"
@@ -107,6 +113,8 @@ def _ls_base(args: argparse.Namespace) -> Location:
 
 def _ls(args: argparse.Namespace) -> int:
     base = _ls_base(args)
+    if base is None:
+        return 0
     rows = []
     for name in subdirs(base):
         storage = CheckpointStorage(base.child(name), name)
