@@ -37,7 +37,7 @@ def test_every_patch_of_a_tested_minor_is_taken(monkeypatch, version):
     assert sparksteward.configure(_builder(), jar="shim.jar")._options["spark.jars"] == "shim.jar"
 
 
-@pytest.mark.parametrize("version", ["3.5.4", "4.2.1", "5.0.0", "4.10.0", "4.00.1", "unknown"])
+@pytest.mark.parametrize("version", ["3.5.4", "4.4.1", "5.0.0", "4.10.0", "4.00.1", "unknown"])
 def test_an_untested_version_is_refused_naming_it_the_tested_ones_and_the_override(monkeypatch, version):
     monkeypatch.setattr(pyspark, "__version__", version)
     with pytest.raises(ConfigError) as err:
@@ -49,7 +49,7 @@ def test_an_untested_version_is_refused_naming_it_the_tested_ones_and_the_overri
 
 
 def test_the_check_turned_off_on_the_builder_runs_on_an_untested_version(monkeypatch):
-    monkeypatch.setattr(pyspark, "__version__", "4.2.1")
+    monkeypatch.setattr(pyspark, "__version__", "4.4.1")
     options = sparksteward.configure(_builder().config(VERSION_CHECK_KEY, "false"), jar="shim.jar")._options
     assert options["spark.jars"] == "shim.jar" and options[VERSION_CHECK_KEY] == "false"
 
@@ -81,3 +81,17 @@ def test_the_readme_names_the_tested_versions():
     line = next((ln for ln in readme.splitlines() if ln.startswith("Tested pyspark versions:")), "")
     assert line, "README.md has no line starting with 'Tested pyspark versions:'"
     assert re.findall(r"`(\d+\.\d+)`", line) == list(TESTED_SPARK_VERSIONS), line
+
+
+def test_the_tested_set_has_every_minor_and_the_wheel_requires_exactly_it():
+    """Issue 40: pip installed pyspark 4.2, which configure() refused. Every minor release from the
+    oldest tested to the newest is tested, and the package requires that range and no more."""
+    import configparser
+
+    minors = [int(v.split(".")[1]) for v in TESTED_SPARK_VERSIONS]
+    assert {v.split(".")[0] for v in TESTED_SPARK_VERSIONS} == {"4"}
+    assert minors == list(range(minors[0], minors[-1] + 1)), TESTED_SPARK_VERSIONS
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    required = [ln.strip() for ln in cfg["options"]["install_requires"].splitlines() if ln.strip().startswith("pyspark")]
+    assert required == [f"pyspark>={TESTED_SPARK_VERSIONS[0]},<4.{minors[-1] + 1}"], required

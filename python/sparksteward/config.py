@@ -48,7 +48,7 @@ LOG_LEVELS = {"ALL": logging.DEBUG, "TRACE": logging.DEBUG, "DEBUG": logging.DEB
 #: The pyspark major.minor versions CI tests, oldest first: the newest runs the whole suite (``make test``),
 #: the others the compat set (``make compat``, which reads this line). ``configure()`` refuses any other
 #: unless ``spark.steward.spark-version-check`` is false.
-TESTED_SPARK_VERSIONS = ("4.0", "4.1", "4.3")
+TESTED_SPARK_VERSIONS = ("4.0", "4.1", "4.2", "4.3")
 _NUMBER_UNIT = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
