@@ -1,14 +1,16 @@
 """What :mod:`sparksteward.keyed_state` reads from Spark around a batch: an output schema in Arrow
-terms, the state function's failure inside a task error as Spark reports it, and the streaming query
-a ``foreachBatch`` call runs in."""
+terms, our error (a state function's failure, a null key, a bad output) inside a task error as Spark
+reports it, and the streaming query a ``foreachBatch`` call runs in."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
-from sparksteward.errors import StateError
+from sparksteward import errors
+from sparksteward.errors import StateError, StewardError
 
-__all__ = ["arrow_schema", "function_failure", "streaming_query"]
+__all__ = ["arrow_schema", "as_ours", "streaming_query", "task_failure"]
 
 
 def arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
@@ -29,20 +31,38 @@ def arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 
 
-def function_failure(exc: BaseException, name: str, max_lines: int = 30) -> str | None:
-    """The :class:`~sparksteward.errors.StateFunctionError` of state ``name`` inside ``exc``'s text
-    (a task's error, as Spark reports it): its first line and the function's traceback, or None."""
-    marker = f"StateFunctionError: keyed state {name!r}"
+_OURS = re.compile(r"sparksteward\.errors\.([A-Za-z]+Error): (.*)$")
+
+
+def task_failure(exc: BaseException, max_lines: int = 30) -> tuple[type[StewardError], str] | None:
+    """Our error inside ``exc``'s text (a task's error, as Spark reports it, in a Python worker's
+    traceback): its class and its message, with the lines that follow it (a state function's own
+    traceback), up to the JVM's frames; None when the task failed for another reason."""
     lines = str(exc).splitlines()
-    at = next((i for i, line in enumerate(lines) if marker in line), None)
-    if at is None:
-        return None
-    out = [lines[at][lines[at].index(marker) + len("StateFunctionError: "):]]
-    for line in lines[at + 1:at + 1 + max_lines]:
-        if not line.strip() or line.startswith(("\tat ", "JVM stacktrace")):
-            break
-        out.append(line)
-    return "\n".join(out)
+    for at, line in enumerate(lines):
+        found = _OURS.search(line)
+        if found is None:
+            continue
+        cls = getattr(errors, found.group(1), None)
+        if not (isinstance(cls, type) and issubclass(cls, StewardError)):
+            continue
+        out = [found.group(2)]
+        for more in lines[at + 1:at + 1 + max_lines]:
+            if not more.strip() or more.startswith(("\tat ", "JVM stacktrace", " SQLSTATE")):
+                break
+            out.append(more)
+        return cls, "\n".join(out)
+    return None
+
+
+def as_ours(failure: tuple[type[StewardError], str], spark_error: BaseException) -> StewardError:
+    """The error to raise for :func:`task_failure`'s ``failure``, with Spark's on it (``spark_error``)."""
+    try:
+        ours = failure[0](failure[1])
+    except TypeError:   # an error class built otherwise (RemoteError): ours all the same
+        ours = StateError(failure[1])
+    ours.spark_error = spark_error   # type: ignore[attr-defined]
+    return ours
 
 
 def streaming_query(df: Any) -> str | None:

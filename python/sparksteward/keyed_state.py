@@ -80,8 +80,9 @@ from sparksteward.checkpoint.lifecycle_messages import (
 )
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
 from sparksteward.keyed_spark import arrow_schema as _arrow_schema
-from sparksteward.keyed_spark import function_failure as _function_failure
+from sparksteward.keyed_spark import as_ours as _as_ours
 from sparksteward.keyed_spark import streaming_query as _streaming_query
+from sparksteward.keyed_spark import task_failure as _task_failure
 from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
 from sparksteward.wire.messages import Message
 
@@ -359,8 +360,10 @@ class KeyedState:
         callable
             ``run(batch_df, batch_id)``: apply as checkpoint ``batch_id`` (past the drains' ids),
             ``sink(out, id)``, ``commit(id)``. If the state stage, the sink or the commit raises,
-            checkpoint ``batch_id`` is aborted (its own uploads deleted) and the error re-raised: the
-            query fails, and its restart re-delivers the batch, which starts again from the same base.
+            checkpoint ``batch_id`` is aborted (its own uploads deleted) and the error re-raised (one of
+            ours from a task, such as the function's or a null key's, as that error, logged first, with
+            Spark's on it as ``spark_error``): the query fails, and its restart re-delivers the batch,
+            which starts again from the same base.
             A batch whose checkpoint completed already (the driver died after the commit, before
             Spark recorded the batch) runs again from the same base and keeps the first result.
         """
@@ -413,17 +416,20 @@ class KeyedState:
                 self._run_unopened(out, cid)
             self.commit(cid, wait=wait)
         except BaseException as exc:
-            failure = _function_failure(exc, self.name)
+            failure = _task_failure(exc)   # ours, inside Spark's task error (the function's, a null key, ...)
             if failure:   # on the console first: Spark's own exception buries it under the JVM's frames
-                log.error("%s of keyed state %r failed: %s", what, self.name, failure)
+                log.error("%s of keyed state %r failed: %s", what, self.name, failure[1])
             try:
                 deleted = self.abort(cid)
                 log.warning("%s of keyed state %s failed: checkpoint %s aborted (%d files deleted)",
                             what, self.name, cid, deleted)
-            except Exception as exc:  # noqa: BLE001 - the batch's own error matters more
-                log.warning("aborting checkpoint %s of keyed state %s failed: %s", cid, self.name, exc)
+            except Exception as abort_exc:  # noqa: BLE001 - the batch's own error matters more
+                log.warning("aborting checkpoint %s of keyed state %s failed: %s", cid, self.name, abort_exc)
             if cached:
                 out.unpersist()
+            if failure:   # raised as ours, not under Spark's chain of it (kept in the log and on the error)
+                log.debug("%s of keyed state %s: Spark's error: %s", what, self.name, exc)
+                raise _as_ours(failure, exc) from None
             raise
         if sink is None:
             return out

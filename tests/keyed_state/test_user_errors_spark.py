@@ -109,3 +109,25 @@ def test_a_checkpoint_dir_that_cannot_be_created_fails_by_name_before_any_task(s
     assert head(info.value, 1).startswith(f"keyed state 'bad-dir' cannot use its checkpoint dir {chk}: "), info.value
     assert "Not a directory" in str(info.value) and "pass a checkpoint_dir" in str(info.value)
     assert not marker.exists()
+
+
+def test_a_null_key_through_process_is_raised_as_our_error_first(spark, tmp_path, caplog):
+    """Issue 40: the null key's message was 28 lines down a PythonException. process() raises it as
+    ours (Spark's chain kept on the error, ``spark_error``, and in the log), logged first."""
+    from sparksteward.errors import StateEncodingError
+
+    ks = Steward.get(spark).keyed_state("null-keys", key="k", parallelism=2, max_parallelism=8,
+                                        checkpoint_dir=str(tmp_path / "chk"))
+    run = ks.process(lambda key, rows, state: (key, len(rows)), "k string, n long",
+                     sink=lambda out, batch_id: out.write.format("noop").mode("overwrite").save())
+    df = spark.createDataFrame(pd.DataFrame({"k": ["a", None, None], "v": [1, 2, 3]}), "k string, v long")
+    caplog.set_level(logging.WARNING, logger="sparksteward")
+    with pytest.raises(StateEncodingError) as info:
+        run(df, 0)
+    assert str(info.value) == "key column 'k' has 2 null values; filter or fill them first"
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert "PythonException" in type(info.value.spark_error).__name__
+    shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert shown and shown[0] == ("batch 0 of keyed state 'null-keys' failed: key column 'k' has 2 null values; "
+                                  "filter or fill them first"), shown
+    assert ks.info()["pending"] == []   # the batch's checkpoint was aborted
