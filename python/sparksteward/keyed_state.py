@@ -78,7 +78,7 @@ from sparksteward.checkpoint.lifecycle_messages import (
     RegisterRequest,
     SavepointRequest,
 )
-from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError
+from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError, StewardError
 from sparksteward.keyed_spark import arrow_schema as _arrow_schema
 from sparksteward.keyed_spark import as_ours as _as_ours
 from sparksteward.keyed_spark import streaming_query as _streaming_query
@@ -361,11 +361,10 @@ class KeyedState:
             ``run(batch_df, batch_id)``: apply as checkpoint ``batch_id`` (past the drains' ids),
             ``sink(out, id)``, ``commit(id)``. If the state stage, the sink or the commit raises,
             checkpoint ``batch_id`` is aborted (its own uploads deleted) and the error re-raised (one of
-            ours from a task, such as the function's or a null key's, as that error, logged first, with
-            Spark's on it as ``spark_error``): the query fails, and its restart re-delivers the batch,
-            which starts again from the same base.
-            A batch whose checkpoint completed already (the driver died after the commit, before
-            Spark recorded the batch) runs again from the same base and keeps the first result.
+            ours from a task, the function's or a null key's, as that error, logged first, Spark's on it
+            as ``spark_error``): the query fails, and its restart re-delivers the batch, which starts
+            again from the same base. A batch whose checkpoint completed already (the driver died after
+            the commit, before Spark recorded the batch) runs again from the base, keeps the first result.
         """
         if not callable(fn):
             raise StateError(f"fn={fn!r} must be a function")
@@ -416,7 +415,8 @@ class KeyedState:
                 self._run_unopened(out, cid)
             self.commit(cid, wait=wait)
         except BaseException as exc:
-            failure = _task_failure(exc)   # ours, inside Spark's task error (the function's, a null key, ...)
+            # ours inside Spark's task error (the function's, a null key, ...); ours raised here stay as they are
+            failure = None if isinstance(exc, StewardError) else _task_failure(exc)
             if failure:   # on the console first: Spark's own exception buries it under the JVM's frames
                 log.error("%s of keyed state %r failed: %s", what, self.name, failure[1])
             try:
