@@ -134,22 +134,3 @@ def test_a_rerun_of_a_completed_checkpoint_reads_its_cuts_while_the_next_one_rec
     coord.cut(1, 0, r[0].start)
     assert coord.cut(0, 0) == r[0].start + 1 and coord.cut(0, 1) == r[1].stop
     assert read_begun(storage.location).cuts == {0: r[0].start}
-
-
-def test_the_watermark_of_a_checkpoint_time_never_goes_back_and_old_records_read_without_one():
-    """Decision 0028's rule, the foundation of issue 38: watermark(N) = max(watermark(N-1),
-    max_event(N-1) - delay); None without event time or before any event time was seen."""
-    first = CheckpointTime.choose(100.0, None, max_event_ms=None, delay_ms=10_000)
-    assert first == CheckpointTime(100_000, None)          # nothing seen yet: every row is on time
-    second = CheckpointTime.choose(101.0, first, max_event_ms=500_000, delay_ms=10_000)
-    assert second.watermark_ms == 490_000
-    third = CheckpointTime.choose(99.0, second, max_event_ms=400_000, delay_ms=10_000)   # older events, clock back
-    assert third == CheckpointTime(101_000, 490_000)
-    assert CheckpointTime.choose(102.0, third, max_event_ms=None, delay_ms=10_000).watermark_ms == 490_000
-    assert CheckpointTime.choose(102.0, third).watermark_ms is None   # a state without event time
-    assert CheckpointTime.from_json(third.to_json()) == third
-    assert CheckpointTime.from_json({"processing_ms": 5}) == CheckpointTime(5)   # a record from before watermarks
-    assert CheckpointTime(5).to_json() == {"processing_ms": 5}                   # and written as before
-    for bad in (True, 1.5, "1", 1 << 60):
-        with pytest.raises(ValueError, match="watermark_ms"):
-            CheckpointTime(5, bad)

@@ -53,46 +53,30 @@ class CheckpointTime:
     """The time of one checkpoint: the same for every task, attempt and delivery of it.
 
     ``processing_ms``: the processing time in epoch milliseconds (TTL expiry), never smaller than the
-    previous checkpoint's. ``watermark_ms``: the event-time watermark of a state with event time
-    (decision 0028), never smaller than the previous checkpoint's; None without event time, or before
-    any event time was seen (every row is on time then). Records without it read as None.
+    previous checkpoint's.
     """
 
     processing_ms: int
-    watermark_ms: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.processing_ms, bool) or not isinstance(self.processing_ms, int) \
                 or not 0 <= self.processing_ms < _MAX_MS:
             raise ValueError(f"processing_ms {self.processing_ms!r} must be an int of epoch milliseconds")
-        w = self.watermark_ms
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not -_MAX_MS < w < _MAX_MS):
-            raise ValueError(f"watermark_ms {w!r} must be an int of epoch milliseconds or null")
 
     def to_json(self) -> dict[str, int]:
-        out = {"processing_ms": self.processing_ms}
-        if self.watermark_ms is not None:
-            out["watermark_ms"] = self.watermark_ms
-        return out
+        return {"processing_ms": self.processing_ms}
 
     @classmethod
     def from_json(cls, raw: Any) -> CheckpointTime:
         if not isinstance(raw, dict):
             raise ValueError(f"time {raw!r} is not an object")
-        return cls(raw["processing_ms"], raw.get("watermark_ms"))
+        return cls(raw["processing_ms"])
 
     @classmethod
-    def choose(cls, now: float, floor: CheckpointTime | None, *, max_event_ms: int | None = None,
-               delay_ms: int | None = None) -> CheckpointTime:
-        """The time of a new checkpoint: the clock's ``now`` (seconds), but never below ``floor``; with
-        event time (``delay_ms``), the watermark ``max_event_ms - delay_ms`` (the largest event time the
-        last completed checkpoint saw, less the allowed delay), but never below ``floor``'s: it never
-        goes back, also when the input's event times or the clock do."""
+    def choose(cls, now: float, floor: CheckpointTime | None) -> CheckpointTime:
+        """The time of a new checkpoint: the clock's ``now`` (seconds), but never below ``floor``."""
         ms = int(now * 1000)
-        watermarks = [] if delay_ms is None else [w for w in (
-            None if floor is None else floor.watermark_ms,
-            None if max_event_ms is None else max_event_ms - delay_ms) if w is not None]
-        return cls(ms if floor is None else max(ms, floor.processing_ms), max(watermarks) if watermarks else None)
+        return cls(ms if floor is None else max(ms, floor.processing_ms))
 
 
 def time_of(meta: CheckpointMetadata | None) -> CheckpointTime | None:
