@@ -301,6 +301,8 @@ class Steward:
         name = validate_file_name(os.path.basename(os.fspath(path)))
         if not os.path.isfile(path):
             raise InvalidIdError(f"{what} {os.fspath(path)!r} is not a file")
+        if what == "jar":
+            _check_jar(os.fspath(path))
         blobs = self.blobs
         fd, staged = blobs.staging_file()
         os.close(fd)
@@ -319,7 +321,6 @@ class Steward:
         verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
         ``st.job`` for the whole application). Returns the URL. A file that is not a jar (a zip with a
         manifest or classes) is refused, naming it, before anything is uploaded."""
-        _check_jar(path)
         url = self._put_file_url(path, "jar")
         if self.spark is not None:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
@@ -514,14 +515,11 @@ def _declarations(states: list[Any] | None, delete_states: list[str] | None) -> 
     return (None if states is None else [s.to_json() for s in states]), dropped
 
 
-def _check_jar(path: str | os.PathLike[str]) -> None:
-    """Refuse ``path`` unless it is a jar: a zip archive with ``META-INF/MANIFEST.MF`` or a ``.class``
-    entry (reads the zip's central directory only)."""
+def _check_jar(where: str) -> None:
+    """Refuse the file ``where`` unless it is a jar: a zip archive with ``META-INF/MANIFEST.MF`` or a
+    ``.class`` entry (reads the zip's central directory only)."""
     import zipfile
 
-    where = os.fspath(path)
-    if not os.path.isfile(where):
-        raise InvalidIdError(f"jar {where!r} is not a file")
     try:
         with zipfile.ZipFile(where) as jar:
             names = jar.namelist()

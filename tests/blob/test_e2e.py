@@ -153,4 +153,8 @@ def test_add_jar_refuses_a_file_that_is_not_a_jar_by_name_before_uploading(spark
         st.add_jar(notes)
     with pytest.raises(InvalidIdError, match=r"jar '.*missing.jar' is not a file"):
         st.add_jar(tmp_path / "missing.jar")
+    disguised = tmp_path / "disguised.jar"   # a .jar name that is a symlink to a text file
+    disguised.symlink_to(text)
+    with pytest.raises(InvalidRequestError, match=rf"jar '{disguised}' is not a jar"):
+        st.add_jar(disguised)
     assert st.blobs.stats() == before   # nothing uploaded
