@@ -58,14 +58,6 @@ ENGINES = ("stateless", "ours-typed", "ours-json", "spark-agg")
 ROUNDS = int(os.environ.get("CEIL_ROUNDS", "4"))   # round 0 warms the JVM up; the median of the rest counts
 
 
-def typed_fn(keys, rows, state):
-    return bench_state.ours_arrow_fn(keys, rows, state)
-
-
-def json_fn(keys, rows, state):
-    return bench_state.ours_json_fn(keys, rows, state)
-
-
 #: per engine, per batch of the last run: (stage and sink ms, commit wait ms, and the checkpoint report's
 #: slowest sync phase, slowest async phase and completion ms)
 SPLITS: dict[str, list[tuple[float, ...]]] = {}
@@ -91,7 +83,7 @@ def run_engine(spark: Any, engine: str, root: Path, indir: Path) -> dict[int, fl
             SPLITS.setdefault(engine, []).append(((time.perf_counter() - began) * 1000, 0.0, 0.0, 0.0, 0.0))
         else:
             began = time.perf_counter()
-            ks.apply_arrow(df, typed_fn if engine == "ours-typed" else json_fn, SCHEMA,
+            ks.apply_arrow(df, bench_state.ours_arrow_fn if engine == "ours-typed" else bench_state.ours_json_fn, SCHEMA,
                            checkpoint_id=batch_id).write.mode("append").parquet(str(out))
             applied = time.perf_counter()
             ks.commit(batch_id)

@@ -134,7 +134,6 @@ def test_a_subtask_that_lands_on_another_executor_every_batch_never_reuses_a_sta
     (one checkpoint behind, when it comes back there) and must restore its base instead: no batch after
     the first goes on with a kept DB, and the state is exact."""
     import threading
-    import time
 
     from tests.helpers import wait_until
 
@@ -190,6 +189,5 @@ def test_a_subtask_that_lands_on_another_executor_every_batch_never_reuses_a_sta
         if used:
             assert ran != {used[-1]}, f"batch {i} ran on executor {used[-1]} again"
         used.append(ran.pop())
-        time.sleep(0.2)
     assert state_of(ks) == reference(applied)
     assert kept(ks, range(1, len(batches))) == 0, [ks.report(checkpoint_id=c) for c in range(len(batches))]

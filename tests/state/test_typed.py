@@ -608,6 +608,9 @@ def test_the_default_value_state_declared_is_typed_in_both_forms_and_only_from_a
     with pytest.raises(StateSchemaError, match=r"keyed state 's': its default value state is untyped \(JSON\) in "
                                                r"the checkpoints it has"):
         resolve(None, [value_state("value", "bigint")], state="s", checkpointed=True)
+    hand_edited = {**recorded, "variables": {"value": {**recorded["variables"]["value"], "kind": "list"}}}
+    with pytest.raises(StateSchemaError, match="'value' is the default value state"):   # a record edited by hand
+        resolve(hand_edited, [], checkpointed=True)
     with pytest.raises(StateSchemaError, match="default value state is untyped"):   # declared others before
         resolve(resolve(None, [value_state("c", "bigint")]), [value_state("value", "bigint")], checkpointed=True)
 

@@ -33,7 +33,8 @@ from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
-from sparksteward.state.declared import DEFAULT_VARIABLE, variables_of
+from sparksteward.state.declared import DEFAULT_VARIABLE as DEFAULT_STATE
+from sparksteward.state.declared import variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
 from sparksteward.state.keygroups import _INT, _LONG, KeyType
 from sparksteward.state.rows import expired
@@ -41,7 +42,6 @@ from sparksteward.state.typed import KIND_EXPIRY, TypedMap, TypedStates
 
 __all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
 
-DEFAULT_STATE = DEFAULT_VARIABLE
 _KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT: pa.int32(),
               KeyType.BINARY: pa.binary()}
 _KINDS = {"value": KIND_VALUE, "list": KIND_LIST, "map": KIND_MAP}

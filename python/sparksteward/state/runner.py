@@ -52,6 +52,7 @@ import pyarrow.compute as pc
 from sparksteward.errors import StateEncodingError, StateError, StateFunctionError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.buffered import BufferedStore
+from sparksteward.state.declared import DEFAULT_VARIABLE
 from sparksteward.state.keygroups import key_group
 from sparksteward.state.spill import KeyedRowBuffer
 from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
@@ -60,7 +61,7 @@ from sparksteward.state.views import BoundListState, BoundMapState, BoundValueSt
 __all__ = ["DEFAULT_OUTPUT_ROWS", "DEFAULT_SPILL_THRESHOLD", "DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow",
            "run_pandas"]
 
-DEFAULT_STATE = "value"
+DEFAULT_STATE = DEFAULT_VARIABLE   # the default value state (declared.py)
 #: default of ``spark.steward.state.spill-threshold``: the input a per-key task holds in memory
 DEFAULT_SPILL_THRESHOLD = 64 << 20
 #: default size of the per-key form's output batches (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch``)
