@@ -152,7 +152,8 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
     in many Arrow buffers (maxRecordsPerBatch 2,000) gets one call of the Arrow form with all of them,
     so one output row per key; its puts without a TTL go in as an SST of their own (decision 0023), and
     its writes with one, past ``task-flush-size`` of WAL, flush in its task (decision 0022), before the
-    agent there uploads both to S3."""
+    agent there uploads both to S3. Its count is the default value state declared typed (decision 0027),
+    read back typed on executors."""
     import pandas as pd
     import pyarrow as pa
     from sparksteward import value_state
@@ -161,16 +162,15 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
         import pyarrow.compute as pc
 
         g = rows.group_by("k").aggregate([("v", "count")]).combine_chunks()
-        n = state.value("n")
-        old = n.get_many(g["k"])
+        old = state.get_many(g["k"])   # the default value state, declared typed (decision 0027)
         new = pc.add(pc.if_else(pc.is_valid(old), old, 0), g["v_count"]).combine_chunks()
-        n.put_many(g["k"], new)
+        state.put_many(g["k"], new)
         state.value("seen").put_many(g["k"], g["v_count"])
         return pa.table({"k": g["k"], "n": new, "rows": pa.array([rows.num_rows] * len(g), pa.int64())})
 
     ks = Steward.get(spark).keyed_state("xonecall", key="k", parallelism=2, max_parallelism=16,
                                         checkpoint_dir=s3.url("xonecall-chk"),
-                                        states=[value_state("n", "bigint"), value_state("seen", "bigint", ttl=3600)])
+                                        states=[value_state("value", "bigint"), value_state("seen", "bigint", ttl=3600)])
     rng = np.random.default_rng(11)
     batches = [pd.DataFrame({"k": [f"key-{k}" for k in rng.integers(0, 80_000, 80_000)], "v": 1}) for _ in range(2)]
     before = spark.conf.get("spark.sql.execution.arrow.maxRecordsPerBatch")
@@ -187,7 +187,7 @@ def test_the_arrow_form_gets_one_call_and_flushes_in_its_task_on_the_other_host(
     finally:
         spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", before)
     want = pd.concat(batches)["k"].value_counts().to_dict()
-    assert {r.key: r.value for r in ks.read("n", distributed=True).collect()} == want
+    assert {r.key: r.value for r in ks.read(distributed=True).collect()} == want   # typed: ints, not JSON text
     assert {r.key: r.value for r in ks.read("seen", distributed=True).collect()} == \
         {**batches[0]["k"].value_counts().to_dict(), **batches[1]["k"].value_counts().to_dict()}
 
