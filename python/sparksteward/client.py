@@ -345,7 +345,8 @@ class Steward:
                     file_merging: bool | dict[str, Any] | None = None, alignment: str | None = None,
                     aligned_checkpoint_timeout: float | None = None, max_inflight_bytes: int | None = None,
                     states: list[Any] | None = None, delete_states: list[str] | None = None,
-                    claimed_roots: list[str] | None = None) -> Any:
+                    claimed_roots: list[str] | None = None, event_time: str | None = None,
+                    watermark_delay: float | Any = 0, late: str = "drop") -> Any:
         """A :class:`~sparksteward.keyed_state.KeyedState` named ``name`` keyed by column ``key``, with
         ``parallelism`` subtasks over ``max_parallelism`` key groups (default
         ``spark.steward.state.max-parallelism``), checkpointed under ``checkpoint_dir`` (default
@@ -376,11 +377,19 @@ class Steward:
         ``state.map(name)``. Every checkpoint records them; a changed declaration is checked here
         against the state's latest checkpoint (adding a nullable field, dropping a field and widening
         a number are accepted; anything else is refused naming the variable). ``delete_states`` drops
-        variables and their entries. Without ``states`` the recorded declarations stay as they are."""
+        variables and their entries. Without ``states`` the recorded declarations stay as they are.
+
+        ``event_time`` names the input's event-time column (a timestamp, a date or epoch ms) and
+        ``watermark_delay`` (seconds or a timedelta) how late a row may come: each batch runs with the
+        watermark the batches before it set (their largest event time minus the delay; it never goes
+        back, and every checkpoint records it), which the function reads as ``state.watermark_ms``.
+        A row at or below it is late: ``late="drop"`` drops and counts it (``late_rows`` in the
+        batch's report), ``late="keep"`` hands it over with a boolean ``__late`` column."""
         from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError
         from sparksteward.keyed_state import KeyedState
+        from sparksteward.state.event_time import EventTime
         from sparksteward.state.keygroups import validate_parallelism
 
         conf = self.spark.sparkContext.getConf() if self.spark is not None else None
@@ -396,6 +405,7 @@ class Steward:
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
         declared, dropped = _declarations(states, delete_states)
+        events = None if event_time is None else EventTime.of(event_time, watermark_delay, late)
         merging = _merging_overrides(file_merging)
         aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked: CheckReply = self.ask(CheckRequest(
@@ -406,7 +416,8 @@ class Steward:
         ks = KeyedState(self, name, key=key, parallelism=parallelism, max_parallelism=max_parallelism,
                         checkpoint_dir=checkpoint_dir, num_retained=num_retained, restore_from=restore_from,
                         claim_mode=mode, file_merging=merging, alignment=aligned, states=declared,
-                        delete_states=dropped, sweep_max_entries=sweep, claimed_roots=claimed_roots)
+                        delete_states=dropped, sweep_max_entries=sweep, claimed_roots=claimed_roots,
+                        event_time=events)
         ks.states = checked.states   # the declarations as the next batch will use them
         if restore_from is not None:  # the key type is known: restore (or note it is ignored) now
             assert checked.key_type is not None   # a check with restore_from names it (or refuses)

@@ -10,7 +10,7 @@ from typing import Any
 from sparksteward import errors
 from sparksteward.errors import StateError, StewardError
 
-__all__ = ["arrow_schema", "as_ours", "streaming_query", "task_failure"]
+__all__ = ["arrow_schema", "as_ours", "check_event_column", "streaming_query", "task_failure"]
 
 
 def arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
@@ -29,6 +29,26 @@ def arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
         return struct, to_arrow_schema(struct)
     except Exception as exc:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
+
+
+_EVENT_TYPES = ("TimestampType", "TimestampNTZType", "DateType", "LongType", "IntegerType")
+
+
+def check_event_column(df: Any, event_time: Any, state: str) -> None:
+    """Refuse, before the batch begins, an input without the state's event-time column or with one of a
+    type that holds no time (decision 0028)."""
+    if event_time is None:
+        return
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    column = event_time.column
+    if column not in fields:
+        raise errors.StateEncodingError(
+            f"event-time column {column!r} of keyed state {state!r} does not exist; the DataFrame has columns "
+            f"{list(fields)}: keep it in the input, or open the state with event_time=<the column that has it>")
+    if type(fields[column]).__name__ not in _EVENT_TYPES:
+        raise errors.StateEncodingError(
+            f"event-time column {column!r} of keyed state {state!r} is {fields[column].simpleString()}: it must be "
+            f"a timestamp, a date or a bigint of epoch milliseconds (cast it, e.g. F.col({column!r}).cast('timestamp'))")
 
 
 _OURS = re.compile(r"sparksteward\.errors\.([A-Za-z]+Error): (.*)$")

@@ -25,10 +25,9 @@ a batch and of ``read(distributed=True)``) is :mod:`sparksteward.keyed_tasks`.
 
 ``restore_from`` is restored by the driver agent when the state is registered (by
 ``Steward.keyed_state`` itself, which knows the key type from the checkpoint) and has no checkpoint
-of its own: NO_CLAIM duplicates the files into this state's directory (S3
-CopyObject, hard links; no bytes through the executors or the driver), CLAIM takes them over in
-place. If the state already has checkpoints, ``restore_from`` is ignored and a warning logged
-(``restore_info`` says so): the latest checkpoint of the state itself wins, as in Flink.
+of its own: NO_CLAIM duplicates the files into this state's directory (S3 CopyObject, hard links),
+CLAIM takes them over in place. If the state already has checkpoints, ``restore_from`` is ignored
+with a warning (``restore_info``): the latest checkpoint of the state itself wins, as in Flink.
 
 ``process(fn, schema, sink=...)`` returns the ``foreachBatch`` function that does all of it for
 micro-batch N: apply with ``checkpoint_id=N``, ``sink(out, N)`` (the state stage runs inside the
@@ -45,10 +44,12 @@ streaming batches skip it, so batch N's checkpoint id is N plus the drains befor
 
 **Rescale.** ``st.keyed_state(name, ..., parallelism=P2)`` with the state's max parallelism, in a new
 application or between batches of this one, makes the next checkpoint's tasks rebuild their subtasks
-from the last checkpoint's (``rebuild_subtask``: each reads only the old subtasks overlapping its key
-groups; ``info()["checkpoints"]`` reports what each read). A KeyedState object made before that is
-refused from then on; another max parallelism is refused with
-:class:`~sparksteward.errors.ParallelismError`.
+from the last checkpoint's (each reads only the old subtasks overlapping its key groups;
+``info()["checkpoints"]`` reports what each read). A KeyedState object made before that is refused
+from then on; another max parallelism is refused (:class:`~sparksteward.errors.ParallelismError`).
+
+**Event time** (decision 0028): with ``event_time``, each batch runs with the watermark the driver
+chose when it began (:mod:`sparksteward.state.event_time`), late rows dropped and counted or flagged.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -81,6 +82,7 @@ from sparksteward.checkpoint.lifecycle_messages import (
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError, StewardError
 from sparksteward.keyed_spark import arrow_schema as _arrow_schema
 from sparksteward.keyed_spark import as_ours as _as_ours
+from sparksteward.keyed_spark import check_event_column as _check_event_column
 from sparksteward.keyed_spark import streaming_query as _streaming_query
 from sparksteward.keyed_spark import task_failure as _task_failure
 from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
@@ -88,6 +90,8 @@ from sparksteward.wire.messages import Message
 
 __all__ = ["KeyedState"]
 
+if TYPE_CHECKING:
+    from sparksteward.state.event_time import EventTime
 log = logging.getLogger("sparksteward.keyed_state")
 
 _SPARK_KEY_TYPES = {"StringType": "string", "LongType": "long", "IntegerType": "int", "BinaryType": "binary"}
@@ -112,7 +116,8 @@ class KeyedState:
                  restore_from: str | None = None, claim_mode: str = "no_claim",
                  file_merging: dict[str, Any] | None = None, alignment: dict[str, Any] | None = None,
                  states: list[dict[str, Any]] | None = None, delete_states: list[str] | None = None,
-                 sweep_max_entries: int = 100_000, claimed_roots: list[str] | None = None) -> None:
+                 sweep_max_entries: int = 100_000, claimed_roots: list[str] | None = None,
+                 event_time: EventTime | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
         self._st = steward
@@ -131,6 +136,7 @@ class KeyedState:
         self._declared = states            # the declarations given (JSON), None: keep the recorded ones
         self._delete_states = list(delete_states or [])
         self._sweep_max_entries = sweep_max_entries
+        self.event_time = event_time   # the event-time column, watermark delay and late rows' fate
         #: the state's declared variables as the driver agent resolved them (``properties.states``)
         self.states: dict[str, Any] | None = None
         #: what registering did with ``restore_from`` (action "restored", "kept" or "ignored", the
@@ -155,7 +161,8 @@ class KeyedState:
                 max_parallelism=self.max_parallelism, key_type=key_type, num_retained=self.num_retained,
                 restore_from=self.restore_from, claim_mode=self.claim_mode, file_merging=self.file_merging,
                 alignment=self.alignment, states=self._declared, delete_states=self._delete_states or None,
-                key=self.key, claimed_roots=self.claimed_roots))
+                key=self.key, claimed_roots=self.claimed_roots,
+                event_time=self.event_time.recorded() if self.event_time is not None else None))
             self.rescaled_from = reply.rescaled_from
             self.states = reply.states
             self._registered = True
@@ -199,17 +206,13 @@ class KeyedState:
     def info(self) -> dict[str, Any]:
         """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
         parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
-        its subtasks uploaded and reused, and each subtask's ``restores`` entry (the old subtasks and
-        files it read, the bytes it downloaded; rescaled ones ingested from several old subtasks).
-
-        ``backlog``: what unaligned batches deferred and no batch processed yet, the channel state of
-        the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when it was acked in
-        this application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints
-        in a row it grew; from 3 on, each batch logs a warning). :meth:`drain` processes it.
-        ``drains``: the checkpoint ids drains took. ``report``: the figures of the latest checkpoint
-        completed in this application (see :meth:`report`). ``applied``: whether a batch of this
-        state ran in this application; before one did, what opening it will find (its checkpoints in
-        ``checkpoint_dir``, what ``restore_from`` will do) with a ``note`` saying so."""
+        its subtasks uploaded and reused, and each subtask's ``restores`` (old subtasks and files read,
+        bytes downloaded). ``backlog``: what unaligned batches deferred and no batch processed yet, in
+        the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when acked in this
+        application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints in a row
+        it grew; from 3 on, each batch warns); :meth:`drain` processes it. ``drains``: the ids drains
+        took. ``report``: the latest checkpoint's figures (:meth:`report`). ``applied``: whether a batch
+        ran in this application; before one did, what opening it will find with a ``note``."""
         checked = None if self._registered else self._check()
         if checked is None or checked.registered:   # applied here, by this object or another
             return {**self._ask(InfoRequest(self.name)).to_wire(), "applied": True}
@@ -256,10 +259,9 @@ class KeyedState:
         batch's ``query.lastProgress["observedMetrics"][name]`` (and a ``StreamingQueryListener``'s
         ``event.progress.observedMetrics``) then holds ``rows_in`` (the batch's input rows) and
         ``keys_approx`` (its distinct keys, HyperLogLog: observed metrics allow no exact distinct
-        count). Figures known only inside ``foreachBatch`` or after the commit (rows out, bytes,
-        durations) cannot enter the progress from PySpark: read them with :meth:`report` by the
-        progress's ``batchId``. The input is counted as often as the batch's DataFrame is computed:
-        once a batch with ``process``, unless its sink takes several actions on an unpersisted output.
+        count). Figures known only after the commit (rows out, bytes, durations) cannot enter the
+        progress from PySpark: read them with :meth:`report` by the progress's ``batchId``. The input
+        is counted as often as the batch's DataFrame is computed (once a batch with ``process``).
 
         Parameters
         ----------
@@ -298,6 +300,7 @@ class KeyedState:
         if not callable(fn):
             raise StateError(f"fn={fn!r} must be a function")
         self._register(self._key_type_of(df))
+        _check_event_column(df, self.event_time, self.name)
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
         begun: BeginReply = self._ask(BeginRequest(
             name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id, parallelism=self.parallelism,
@@ -318,14 +321,14 @@ class KeyedState:
         else:
             routed = routed.withColumn(ROUTE_COL, F.expr(route_sql(ROUTE_COL, p))).repartition(p, ROUTE_COL)
         self.last_checkpoint_id = cid
-        # the checkpoint's processing time (TTL): chosen once by the coordinator, the same for every task,
-        # attempt and delivery of it (checkpoint/begun.py)
+        # the checkpoint's processing time (TTL) and watermark: chosen once by the coordinator, the same for
+        # every task, attempt and delivery of it (checkpoint/begun.py)
         assert begun.time is not None   # a begun checkpoint has its time
-        now_ms = int(begun.time.processing_ms)
         # the record as of this begin: the drops not yet run by a completed checkpoint's tasks included
         self.states = begun.states
-        dropped = (self.states or {}).get("dropped") or []
-        declared = {"states": self.states, "now_ms": now_ms, "dropped": dropped, "sweep": self._sweep_max_entries}
+        declared = {"states": self.states, "now_ms": begun.time.processing_ms, "sweep": self._sweep_max_entries,
+                    "dropped": (self.states or {}).get("dropped") or [], "watermark_ms": begun.time.watermark_ms,
+                    "event_time": self.event_time.to_json() if self.event_time is not None else None}
         return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
@@ -371,11 +374,8 @@ class KeyedState:
         if not callable(sink):
             raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
         if form not in ("pandas", "arrow"):
-            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' "
-                             f"(fn(keys, rows, state))")
-
-        self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist,
-                              "wait": wait}
+            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
+        self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait}
 
         learned = False   # persist=None: a sink took several actions on an unpersisted output
 

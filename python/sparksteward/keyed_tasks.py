@@ -51,7 +51,8 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers).
 
     ``declared``: the state's declared variables (``states``, the record), the batch's processing time
-    (``now_ms``), the variables to delete (``dropped``) and the sweep's budget (``sweep``).
+    (``now_ms``) and watermark (``watermark_ms``), the event-time column, delay and late-row mode
+    (``event_time``, decision 0028), the variables to delete (``dropped``) and the sweep's budget (``sweep``).
 
     When the user's function fails, the task fails with a :class:`StateFunctionError` raised from the
     top of this function once the subtask is released, so that the error Spark reports begins with its
@@ -129,6 +130,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         UploadRequest,
     )
     from sparksteward.state.backend import RocksDBStateBackend
+    from sparksteward.state.event_time import EventTime, judge
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
     from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
@@ -171,7 +173,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         db_open_ms = int((time.perf_counter() - started) * 1000)
         try:
             now_ms = int(declared.get("now_ms") or 0)
-            typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id)
+            typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id, declared.get("watermark_ms"))
             if declared.get("dropped"):
                 drop_variables(backend, declared["dropped"])
             runner = run_arrow if form == "arrow" else run_pandas
@@ -184,6 +186,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             source, writer, counters = unaligned_input(   # counters: counted as the input is read
                 opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
+            if declared.get("event_time"):   # decision 0028: late rows dropped or flagged, event times counted
+                source = judge(source, EventTime(**declared["event_time"]), declared.get("watermark_ms"), counters)
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
                 options: dict[str, Any] = {
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}

@@ -9,8 +9,9 @@ and agent restarts, not only across the attempts one coordinator sees:
 
 - **the time of the checkpoint** (:class:`CheckpointTime`): the processing time that TTL expires
   entries by, chosen once when the checkpoint is first begun and never smaller than the previous
-  checkpoint's (a wall clock that steps back does not revive what expired). The event-time watermark
-  will join it here;
+  checkpoint's (a wall clock that steps back does not revive what expired), and the event-time
+  watermark of a state that names an event-time column (decision 0028): the largest event time the
+  last completed checkpoint saw minus the state's delay, never below an earlier checkpoint's;
 - **the alignment** the checkpoint runs with (an unaligned first delivery must not be re-run aligned,
   nor the other way round), and
 - **the FLIP-76 cuts** (:mod:`~sparksteward.checkpoint.unaligned.coordinator_cuts`): where each unaligned subtask stopped.
@@ -21,7 +22,8 @@ The record is versioned JSON, rewritten atomically (stage, fsync, rename; one PU
 store) when a checkpoint is first begun and when new cuts are recorded (many subtasks' cuts in one
 write, see :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointCoordinator`)::
 
-    {"version": 1, "checkpoint_id": 7, "parallelism": 4, "time": {"processing_ms": 1764270000000},
+    {"version": 1, "checkpoint_id": 7, "parallelism": 4,
+     "time": {"processing_ms": 1764270000000, "watermark_ms": 1764269400000},
      "unaligned": true, "cuts": {"0": 12, "3": 32}}
 
 Only the newest begun checkpoint matters (a newer begin aborts older pending ones), so there is one
@@ -31,6 +33,7 @@ record per state. Once checkpoint ``N`` completes its record carries the same fa
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +43,7 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.errors import CorruptRecordError
 from sparksteward.storage import Location
 
-__all__ = ["BEGUN_FILE", "BegunRecord", "CheckpointTime", "read_begun", "time_of"]
+__all__ = ["BEGUN_FILE", "BegunRecord", "CheckpointTime", "advanced_watermark", "read_begun", "time_of"]
 
 BEGUN_FILE = "_begun"
 _VERSION = 1
@@ -53,30 +56,50 @@ class CheckpointTime:
     """The time of one checkpoint: the same for every task, attempt and delivery of it.
 
     ``processing_ms``: the processing time in epoch milliseconds (TTL expiry), never smaller than the
-    previous checkpoint's.
+    previous checkpoint's. ``watermark_ms``: the event-time watermark (None: the state has none yet),
+    never smaller than the previous checkpoint's; a row whose event time is at or below it is late.
     """
 
     processing_ms: int
+    watermark_ms: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.processing_ms, bool) or not isinstance(self.processing_ms, int) \
                 or not 0 <= self.processing_ms < _MAX_MS:
             raise ValueError(f"processing_ms {self.processing_ms!r} must be an int of epoch milliseconds")
+        if self.watermark_ms is not None and (isinstance(self.watermark_ms, bool) or not isinstance(
+                self.watermark_ms, int) or not -_MAX_MS < self.watermark_ms < _MAX_MS):
+            raise ValueError(f"watermark_ms {self.watermark_ms!r} must be an int of epoch milliseconds")
 
     def to_json(self) -> dict[str, int]:
-        return {"processing_ms": self.processing_ms}
+        out = {"processing_ms": self.processing_ms}
+        if self.watermark_ms is not None:
+            out["watermark_ms"] = self.watermark_ms
+        return out
 
     @classmethod
     def from_json(cls, raw: Any) -> CheckpointTime:
         if not isinstance(raw, dict):
             raise ValueError(f"time {raw!r} is not an object")
-        return cls(raw["processing_ms"])
+        return cls(raw["processing_ms"], raw.get("watermark_ms"))
 
     @classmethod
-    def choose(cls, now: float, floor: CheckpointTime | None) -> CheckpointTime:
-        """The time of a new checkpoint: the clock's ``now`` (seconds), but never below ``floor``."""
-        ms = int(now * 1000)
-        return cls(ms if floor is None else max(ms, floor.processing_ms))
+    def choose(cls, now: float, previous: Iterable[CheckpointTime | None] = (),
+               advanced: int | None = None) -> CheckpointTime:
+        """The time of a new checkpoint: the clock's ``now`` (seconds) and the watermark ``advanced``
+        to, each never below what a ``previous`` checkpoint's time holds."""
+        before = [t for t in previous if t is not None]
+        marks = [m for m in (advanced, *(t.watermark_ms for t in before)) if m is not None]
+        return cls(max([int(now * 1000), *(t.processing_ms for t in before)]), max(marks) if marks else None)
+
+
+def advanced_watermark(meta: CheckpointMetadata | None, delay_ms: int | None) -> int | None:
+    """The watermark the checkpoint after ``meta`` advances to: the largest event time the tasks of
+    ``meta`` saw (``properties.max_event_ms``) minus ``delay_ms``; None without either."""
+    if meta is None or delay_ms is None:
+        return None
+    seen = meta.properties.get("max_event_ms")
+    return seen - delay_ms if isinstance(seen, int) and not isinstance(seen, bool) else None
 
 
 def time_of(meta: CheckpointMetadata | None) -> CheckpointTime | None:

@@ -36,8 +36,8 @@ from sparksteward.wire.messages import (
     text,
 )
 
-__all__ = ["MAX_COMMIT_WAIT", "AbortReply", "AbortRequest", "BeginReply", "BeginRequest", "CheckReply",
-           "CheckRequest", "CommitReply", "CommitRequest", "InfoReply", "InfoRequest", "ProcessingTime",
+__all__ = ["MAX_COMMIT_WAIT", "AbortReply", "AbortRequest", "BatchTime", "BeginReply", "BeginRequest", "CheckReply",
+           "CheckRequest", "CommitReply", "CommitRequest", "InfoReply", "InfoRequest",
            "RegisterReply", "RegisterRequest", "SavepointReply", "SavepointRequest"]
 
 #: The longest a ``state.commit`` may wait for its acks (seconds).
@@ -76,6 +76,18 @@ def _claimed_roots(f: Fields, name: str) -> list[str] | None:
     if not all(isinstance(r, str) and 0 < len(r) <= 4096 for r in roots or ()):
         raise InvalidRequestError(f"{f.op}: field 'claimed_roots' must be an array of URLs or paths")
     return roots
+
+
+def _event_time(f: Fields, name: str) -> dict[str, Any] | None:
+    """``{"column": ..., "delay_ms": ...}``: the state's event-time column and watermark delay."""
+    raw = f.mapping(name, default=None)
+    if raw is not None:
+        column, delay = raw.get("column"), raw.get("delay_ms")
+        if set(raw) != {"column", "delay_ms"} or not isinstance(column, str) or not 0 < len(column) <= 1000 \
+                or isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay <= 100 * 365 * 86_400_000:
+            raise InvalidRequestError(f"{f.op}: field 'event_time' must be {{'column': <column name>, 'delay_ms': "
+                                      f"<0 to 100 years in ms>}}, not {raw!r}")
+    return raw
 
 
 def _dropped(f: Fields, name: str) -> list[str] | None:
@@ -122,6 +134,7 @@ class RegisterRequest(Message):
     alignment: dict[str, Any] | None = mapping(default=None)      # overrides of the application's (FLIP-76)
     file_merging: dict[str, Any] | None = mapping(default=None)   # overrides of the application's (FLIP-306)
     key: str = text(default="", max_len=1000)                     # the key column ("": not checked)
+    event_time: dict[str, Any] | None = custom(_event_time, default=None)   # decision 0028 (None: no watermark)
 
 
 # --- state.check ----------------------------------------------------------------------------------
@@ -173,22 +186,23 @@ class CheckRequest(Message):
 
 # --- state.begin ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class ProcessingTime(Message):
-    """A checkpoint's processing time (TTL), chosen once by the coordinator: the same for every task,
-    attempt and delivery of it (checkpoint/begun.py)."""
+class BatchTime(Message):
+    """A checkpoint's processing time (TTL) and event-time watermark (None: none yet), chosen once by
+    the coordinator: the same for every task, attempt and delivery of it (checkpoint/begun.py)."""
 
     processing_ms: int = integer()
+    watermark_ms: int | None = integer(default=None, omit_none=True)
 
 
-def _processing_time(f: Fields, name: str) -> ProcessingTime | None:
+def _batch_time(f: Fields, name: str) -> BatchTime | None:
     raw = f.mapping(name, default=None)
-    return None if raw is None else ProcessingTime.from_wire(raw, f"{f.op} {name}")
+    return None if raw is None else BatchTime.from_wire(raw, f"{f.op} {name}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BeginReply(Message):
     """The checkpoint begun (None: a drain with no backlog, and then nothing else), whether it re-runs a
-    completed one, its alignment, the attempt's token, its processing time, the declarations its tasks
+    completed one, its alignment, the attempt's token, its processing time and watermark, the declarations its tasks
     run with, and a warning when the unaligned backlog keeps growing."""
 
     checkpoint_id: int | None = integer(default=None)
@@ -196,7 +210,7 @@ class BeginReply(Message):
     unaligned: bool = flag(default=False)
     backlog_warning: str | None = text(default=None)
     attempt: str = text(default="", max_len=64)
-    time: ProcessingTime | None = custom(_processing_time, lambda t: t.to_wire(), default=None)
+    time: BatchTime | None = custom(_batch_time, lambda t: t.to_wire(), default=None)
     states: dict[str, Any] | None = mapping(default=None)
 
     def to_wire(self) -> dict[str, Any]:

@@ -89,6 +89,17 @@ class KeyedStateAccess:
         """Set values of the default value state in one write batch (``None`` clears)."""
         self._default.put_many(keys, values)
 
+    @property
+    def watermark_ms(self) -> int | None:
+        """The batch's event-time watermark in epoch ms (None: the state has none yet; decision 0028):
+        rows at or below it are late. The same in every attempt and delivery of the batch."""
+        return None if self.states is None else self.states.watermark_ms
+
+    @property
+    def processing_time_ms(self) -> int | None:
+        """The batch's processing time in epoch ms (TTL): the same in every attempt and delivery."""
+        return None if self.states is None else self.states.now_ms
+
     def _declared(self, name: str) -> bool:
         return self.states is not None and name in self.states.variables
 
@@ -114,6 +125,16 @@ class KeyState(BoundValueState):
     @property
     def key(self) -> object:
         return self._key
+
+    @property
+    def watermark_ms(self) -> int | None:
+        """The batch's event-time watermark in epoch ms (None: none yet); see :class:`KeyedStateAccess`."""
+        return self._access.watermark_ms
+
+    @property
+    def processing_time_ms(self) -> int | None:
+        """The batch's processing time in epoch ms (TTL)."""
+        return self._access.processing_time_ms
 
     def value(self, name: str) -> BoundValue | BoundValueState:
         return self._access.value(name).bind(self._key)

@@ -29,6 +29,11 @@ Time only moves when the test moves it::
 
 ``restart(states=...)`` snapshots the DB and opens it again with new declarations, checked like a
 restore (an accepted evolution, or :class:`~sparksteward.errors.StateSchemaError`).
+
+With ``event_time="ts"`` (and ``watermark_delay``, ``late``) each batch runs with a watermark as in
+Spark (:mod:`sparksteward.state.event_time`): the largest event time of the batches before it minus
+the delay, never going back; ``advance_watermark(to)`` moves it on by hand, ``watermark_ms`` shows
+it and ``last_late_rows`` counts the late rows of the last batch.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import datetime as dt
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +51,7 @@ import pyarrow as pa
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import StateSpec, drops_ran, parse_ddl, resolve
+from sparksteward.state.event_time import EventTime, judge
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, run_arrow, run_pandas
 from sparksteward.state.typed import (
@@ -79,12 +85,16 @@ class KeyedStateHarness:
         The first batch's processing time: a ``datetime`` or epoch milliseconds (default: now).
     directory
         Where the DB lives (default: a temporary directory, removed by :meth:`close`).
+    event_time, watermark_delay, late
+        The event-time column, the watermark delay (seconds or a timedelta) and what happens to late
+        rows (``"drop"`` or ``"keep"``), as in ``Steward.keyed_state``.
     """
 
     def __init__(self, fn: Callable[..., Any], *, key: str, schema: str | pa.Schema,
                  states: Sequence[StateSpec] = (), form: str = "pandas", key_type: str = "string",
                  max_parallelism: int = 128, time: dt.datetime | int | None = None,
-                 directory: str | Path | None = None) -> None:
+                 directory: str | Path | None = None, event_time: str | None = None,
+                 watermark_delay: dt.timedelta | float = 0, late: str = "drop") -> None:
         if form not in ("pandas", "arrow"):
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
         self.fn, self.key, self.form = fn, key, form
@@ -99,6 +109,11 @@ class KeyedStateHarness:
                                             key_type)
         #: what the last batch's sweep removed
         self.last_sweep: SweepStats | None = None
+        self.event_time = None if event_time is None else EventTime.of(event_time, watermark_delay, late)
+        #: the next batch's event-time watermark in epoch ms (None: none yet)
+        self.watermark_ms: int | None = None
+        #: the late rows of the last batch (dropped, or handed over flagged)
+        self.last_late_rows = 0
 
     def _db_dir(self) -> Path:
         return self.directory / f"db-{self._generation}"
@@ -112,6 +127,13 @@ class KeyedStateHarness:
         self.now_ms += round(seconds * 1000)
         return self.now_ms
 
+    def advance_watermark(self, to: dt.datetime | int) -> int | None:
+        """Move the watermark forward to ``to`` (a datetime or epoch ms) by hand, as if a batch had seen an
+        event that late plus the delay; a ``to`` behind it changes nothing (it never goes back)."""
+        ms = _ms(to)
+        self.watermark_ms = ms if self.watermark_ms is None else max(self.watermark_ms, ms)
+        return self.watermark_ms
+
     # --- batches ----------------------------------------------------------------------------------
     def process(self, rows: Any) -> Any:
         """Run one batch over ``rows`` (a pandas DataFrame, a pyarrow Table or RecordBatch, or a list
@@ -120,18 +142,25 @@ class KeyedStateHarness:
         table = _table(rows)
         self.batch += 1
         states = self._states()
+        counters: dict[str, Any] = {}
+        batches: Iterator[pa.RecordBatch] = iter(table.to_batches())
+        if self.event_time is not None:
+            batches = judge(batches, self.event_time, self.watermark_ms, counters)
         if self.form == "pandas":
-            out = list(run_pandas(table.to_batches(), self.key, self.fn, self._backend, self.schema, states=states))
+            out = list(run_pandas(batches, self.key, self.fn, self._backend, self.schema, states=states))
         else:   # as a Spark task calls it: once with all of the batch's rows (up to the spill threshold)
-            out = list(run_arrow(table.to_batches(), self.key, self.fn, self._backend, self.schema, states=states,
+            out = list(run_arrow(batches, self.key, self.fn, self._backend, self.schema, states=states,
                                  max_input_bytes=DEFAULT_SPILL_THRESHOLD))
+        self.last_late_rows = int(counters.get("late_rows", 0))
+        if self.event_time is not None and counters.get("max_event_ms") is not None:
+            self.advance_watermark(counters["max_event_ms"] - self.event_time.delay_ms)
         if any(v.spec.ttl_ms is not None for v in states.variables.values()):
             self.last_sweep = sweep_expired(self._backend, self.now_ms, start=self.batch)
         result = pa.Table.from_batches(out, schema=self.schema)
         return result.to_pandas() if self.form == "pandas" else result
 
     def _states(self) -> TypedStates:
-        return TypedStates(self._backend, self.record, self.now_ms, self.batch)
+        return TypedStates(self._backend, self.record, self.now_ms, self.batch, self.watermark_ms)
 
     # --- state ------------------------------------------------------------------------------------
     def value(self, name: str) -> TypedValue:

@@ -348,3 +348,45 @@ def test_a_file_uploaded_again_while_its_background_delete_runs_never_completes_
     # the deleter skipped every queued file an ack referenced before its delete began
     missing = {p for p in referenced if not storage.location.exists(storage.location.path(*p.split("/")))}
     assert len(queued & referenced) > 2 and len(missing) <= 2, (len(queued & referenced), missing)
+
+
+def test_the_watermark_advances_from_the_acks_survives_a_restart_and_never_goes_back(tmp_path, store_url):
+    """Decision 0028: checkpoint N's watermark is the largest event time the acks of N-1 reported minus
+    the delay, chosen at N's first begin and kept by every later delivery, a restarted coordinator's
+    included; events that go back, or a clock that does, move it back never."""
+    from sparksteward.checkpoint.coordination.stats import SubtaskStats
+
+    storage = CheckpointStorage.open(store_url, "clicks")
+    clock = FakeClock(1000.0)
+
+    def batch(coord, cid, events, attempt="a"):
+        begun, results = run_batch(coord, storage, tmp_path, cid, BATCHES[2], ack=False, attempt=attempt)
+        for r, seen in zip(results, events):
+            coord.ack(cid, r, stats=SubtaskStats(max_event_ms=seen, late_rows=1))
+        return begun
+
+    coord = CheckpointCoordinator(storage, P, M, clock=clock)
+    coord.event_time = {"column": "ts", "delay_ms": 1000}
+    assert batch(coord, 0, [5000, 9000]).time.watermark_ms is None   # the first batch has none
+    meta0 = coord.complete(0)
+    assert meta0.properties["max_event_ms"] == 9000
+    assert meta0.properties["event_time"] == {"column": "ts", "delay_ms": 1000}
+    assert "watermark_ms" not in meta0.properties["time"]
+    assert batch(coord, 1, [3000, None]).time.watermark_ms == 8000   # a subtask without rows reports none
+    coord.abort(1)
+
+    clock = FakeClock(500.0)   # the driver restarts with a clock stepped back and another delay
+    restarted = CheckpointCoordinator(storage, P, M, clock=clock)
+    restarted.event_time = {"column": "ts", "delay_ms": 60_000}
+    again = batch(restarted, 1, [3000, None], attempt="b")   # the re-delivery of batch 1
+    assert again.time.watermark_ms == 8000 and again.time.processing_ms == 1_000_000
+    meta1 = restarted.complete(1)
+    assert meta1.properties["time"]["watermark_ms"] == 8000 and meta1.properties["max_event_ms"] == 3000
+    rerun, _ = run_batch(restarted, storage, tmp_path, 1, BATCHES[2], attempt="c")   # after its commit
+    assert rerun.rerun and rerun.time.watermark_ms == 8000
+    assert restarted.complete(1) == meta1
+    # the events went back (3000 - 60 s): the watermark stays
+    assert batch(restarted, 2, [4000, 4000]).time.watermark_ms == 8000
+    restarted.complete(2)
+    restarted.event_time = None   # opened without event_time: the watermark stays where it was
+    assert batch(restarted, 3, [None, None]).time.watermark_ms == 8000

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 from sparksteward.checkpoint.lifecycle_messages import (
+    BatchTime,
     BeginReply,
     BeginRequest,
     CheckReply,
     CheckRequest,
     CommitRequest,
-    ProcessingTime,
     RegisterRequest,
 )
 from sparksteward.errors import CheckpointError, InvalidRequestError
@@ -40,7 +40,7 @@ def test_a_check_reply_leaves_out_what_its_kind_never_had():
 
 def test_a_begin_reply_of_a_drain_with_nothing_to_drain_is_three_fields():
     assert BeginReply(checkpoint_id=None).to_wire() == {"checkpoint_id": None, "rerun": False, "unaligned": False}
-    begun = BeginReply(checkpoint_id=3, attempt="a1", time=ProcessingTime(1000), states={"variables": {}})
+    begun = BeginReply(checkpoint_id=3, attempt="a1", time=BatchTime(1000), states={"variables": {}})
     assert begun.to_wire() == {"checkpoint_id": 3, "rerun": False, "unaligned": False, "backlog_warning": None,
                                "attempt": "a1", "time": {"processing_ms": 1000}, "states": {"variables": {}}}
     assert BeginReply.from_wire(begun.to_wire()) == begun

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 from sparksteward.checkpoint.coordination.report import checkpoint_report
-from sparksteward.checkpoint.coordination.stats import PER_SUBTASK, SubtaskStats, summarize
+from sparksteward.checkpoint.coordination.stats import LARGEST, PER_SUBTASK, SubtaskStats, summarize
 from sparksteward.checkpoint.messages import (
     AckRequest,
     OpenReply,
@@ -116,7 +116,8 @@ def test_every_field_a_task_sends_or_the_executor_agent_adds_reaches_the_checkpo
 
 
 def test_each_task_counter_is_summed_or_listed_per_subtask_under_its_own_name():
-    """Besides arriving somewhere: a counter is found under its own name, summed (or per subtask)."""
+    """Besides arriving somewhere: a counter is found under its own name, summed (or per subtask, or
+    its largest)."""
     counters = [TaskCounters(**{f.name: 10 * (i + 1) + s for i, f in enumerate(dataclasses.fields(TaskCounters))
                                 if f.name != "unaligned"}, unaligned=s == 1) for s in SUBTASKS]
     acks = {s: _through_the_wire(c, s, {}) for s, c in zip(SUBTASKS, counters)}
@@ -127,6 +128,8 @@ def test_each_task_counter_is_summed_or_listed_per_subtask_under_its_own_name():
             assert got["unaligned_subtasks"] == [1]
         elif f.name in PER_SUBTASK:
             assert got[f.name] == values, f.name
+        elif f.name in LARGEST:
+            assert got[f.name] == max(values), f.name
         else:
             assert got[f.name] == sum(values), f.name
 

@@ -4,8 +4,9 @@ owned by its :class:`~sparksteward.checkpoint.coordination.coordinator.Checkpoin
 
 - **Begin.** :meth:`BegunRecorder.begun` gives a checkpoint the record an earlier delivery made durable
   (its cuts taken in, translated to the current parallelism), or writes a new one before any of its
-  tasks runs. A new one's time is the clock's, never below the time of the previous checkpoint or of
-  any checkpoint begun before.
+  tasks runs. A new one's time is the clock's and its watermark the one the last completed checkpoint's
+  event times advance it to, each never below those of the previous checkpoint or of any checkpoint
+  begun before.
 - **Cuts.** :meth:`BegunRecorder.cut` decides the cut that stands
   (:class:`~sparksteward.checkpoint.unaligned.coordinator_cuts.UnalignedCuts`) under the coordinator's
   lock, then returns once every cut recorded so far is durable: one write takes every cut recorded by
@@ -57,9 +58,10 @@ class BegunRecorder:
         self.record = read_begun(self.storage.location)
 
     def begun(self, checkpoint_id: int, parallelism: int, unaligned: bool, now: float,
-              previous: Iterable[CheckpointTime | None]) -> BegunRecord:
+              previous: Iterable[CheckpointTime | None], advanced: int | None = None) -> BegunRecord:
         """The begun record of ``checkpoint_id`` (see the module docstring); ``previous``: the times of
-        the checkpoints before it. The caller holds :attr:`io` and the coordinator's lock."""
+        the checkpoints before it; ``advanced``: the watermark the last completed one's event times
+        advance it to. The caller holds :attr:`io` and the coordinator's lock."""
         rec = self.record
         if rec is not None and rec.checkpoint_id == checkpoint_id:
             if rec.parallelism != parallelism or self.cuts.to_property(checkpoint_id) is None:
@@ -71,9 +73,8 @@ class BegunRecorder:
                     rec.write(self.storage.location)
                     self.record = rec
             return rec
-        floor = max((t for t in (*previous, rec.time if rec is not None else None) if t is not None),
-                    key=lambda t: t.processing_ms, default=None)
-        rec = BegunRecord(checkpoint_id, parallelism, CheckpointTime.choose(now, floor), unaligned)
+        time = CheckpointTime.choose(now, (*previous, rec.time if rec is not None else None), advanced)
+        rec = BegunRecord(checkpoint_id, parallelism, time, unaligned)
         rec.write(self.storage.location)   # durable before any task of the checkpoint runs
         self.record = rec
         return rec

@@ -25,10 +25,9 @@ the driver's ``begin`` restarts that, so a straggler of the abandoned attempt ca
 :class:`~sparksteward.checkpoint.coordination.completed.CompletedCheckpoints` (claimed files included); the
 deletes themselves run in order on :class:`~sparksteward.checkpoint.coordination.deleter.FileDeleter`'s thread.
 
-**Late acks.** A late ack (of a replaced or aborted attempt, after its checkpoint completed or was
-aborted) is refused and its uploads are deleted once nothing is pending: an upload of a pending
-attempt, not acked yet, may hold the same content (files are named by content), so while one is
-pending the deletion waits for it to complete or abort.
+**Late acks** (of a replaced or aborted attempt, after its checkpoint completed or was aborted) are
+refused and their uploads deleted once nothing is pending: a pending attempt's upload, not acked yet,
+may hold the same content (files are named by content), so the deletion waits for it.
 
 **Paths from peers** are checked before anything of an ack is recorded (``peer_paths.py``; the rules
 of a begin are in ``begin_rules.py``); deletion reaches only data files and the URLs this state claimed.
@@ -36,15 +35,15 @@ of a begin are in ``begin_rules.py``); deletion reaches only data files and the 
 and ``complete`` waits for those seals (``seals.py``, also the ``across`` files agents still append to).
 
 **Readiness** is the pending checkpoint's own decision (:meth:`PendingCheckpoint.readiness
-<sparksteward.checkpoint.coordination.pending.PendingCheckpoint.readiness>`): :meth:`readiness` answers it
-under the lock, and the service's commit loop waits on it, then completes or aborts. The live pending
-checkpoint never leaves the coordinator: callers get copies (``PendingView``, ``BeginResult``,
-``Completion``), and what must happen at once (a task's base-or-begin, a savepoint's pin) is one method.
+<sparksteward.checkpoint.coordination.pending.PendingCheckpoint.readiness>`), answered under the lock;
+the service's commit loop waits on it, then completes or aborts. The live pending checkpoint never
+leaves the coordinator: callers get copies (``PendingView``, ``BeginResult``, ``Completion``), and
+what must happen at once (a task's base-or-begin, a savepoint's pin) is one method.
 
-Thread-safe: one lock around every operation (the agent calls it from connection threads); it is
-the only lock of the state's checkpoint protocol. Lock order: the begun record's ``_begun_io``
-(:attr:`BegunRecorder.io <sparksteward.checkpoint.coordination.begun_recorder.BegunRecorder.io>`) is taken
-before ``_lock``, never under it, and a caller's own lock only ever outside both.
+Thread-safe: one lock around every operation, the only lock of the state's checkpoint protocol. Lock
+order: the begun record's ``_begun_io`` (:attr:`BegunRecorder.io
+<sparksteward.checkpoint.coordination.begun_recorder.BegunRecorder.io>`) before ``_lock``, never under
+it; a caller's own lock only ever outside both.
 """
 
 from __future__ import annotations
@@ -53,9 +52,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from sparksteward.checkpoint.begun import CheckpointTime, time_of
+from sparksteward.checkpoint.begun import CheckpointTime, advanced_watermark, time_of
 from sparksteward.checkpoint.coordination.begin_rules import check_begin
 from sparksteward.checkpoint.coordination.begun_recorder import BegunRecorder
 from sparksteward.checkpoint.coordination.completed import CompletedCheckpoints, check_compatible
@@ -101,11 +100,12 @@ class CheckpointCoordinator:
                  lease: Fence | None = None, orphan_grace: float = 0.0, background_deletes: bool = False) -> None:
         validate_parallelism(parallelism, max_parallelism)
         self.storage = storage
-        #: the declared state variables (``properties.states`` of every checkpoint completed from now on,
-        #: see :mod:`sparksteward.state.declared`); None when the state declares none
+        #: the declared state variables (``properties.states`` from now on, state/declared.py); None: none
         self.states: dict[str, object] | None = None
         #: the key column every checkpoint from now on records (``properties.key``); None: unknown
         self.key_column: str | None = None
+        #: the event-time column and delay (``properties.event_time``, decision 0028); None: no watermark
+        self.event_time: dict[str, Any] | None = None
         self._drops_given: dict[int, frozenset[str]] = {}   # checkpoint -> the drops its attempt's tasks were given
         self.parallelism = parallelism
         self.max_parallelism = max_parallelism
@@ -150,9 +150,8 @@ class CheckpointCoordinator:
     def sweep(self) -> int:
         """Delete the files no retained checkpoint references that are older than ``orphan_grace``
         (orphans of a crashed upload, an abandoned attempt or a cut-short subsumption); return how many.
-        Only under a held lease and while nothing is pending (an upload of a pending attempt is not known
-        before its ack). The listing runs outside the lock: a file uploaded since is not in it, and one
-        a checkpoint completed on since is referenced."""
+        Only under a held lease and while nothing is pending (a pending upload is unknown before its ack).
+        Listed outside the lock: a file uploaded since is not listed, one completed on since is referenced."""
         if self._pending:
             return 0
         ages = self.storage.file_times()
@@ -208,8 +207,7 @@ class CheckpointCoordinator:
             return set(self._done.claimed)
 
     def space(self) -> SpaceStats:
-        """Physical against live bytes of the retained checkpoints' merged files (computed outside the
-        lock: the metrics poll it while acks arrive)."""
+        """Physical against live bytes of the retained checkpoints' merged files (computed outside the lock)."""
         with self._lock:
             metas = list(self._done.records.values())
         return space_stats(metas)
@@ -301,10 +299,11 @@ class CheckpointCoordinator:
                     f"{self._latest_begun} began")
             base_id = recorded
         if rerun:   # the completed record holds its time and cuts
-            when = time_of(self._done.records[checkpoint_id]) or CheckpointTime.choose(self.clock.now(), None)
+            when = time_of(self._done.records[checkpoint_id]) or CheckpointTime.choose(self.clock.now())
         else:
+            prev, delay = self._done.get(self._done.last) or self.restored, (self.event_time or {}).get("delay_ms")
             begun = self._begun.begun(checkpoint_id, self.parallelism, unaligned, self.clock.now(),
-                                      (time_of(self._done.get(self._done.last)), time_of(self.restored)))
+                                      (time_of(prev), time_of(self.restored)), advanced_watermark(prev, delay))
             when, unaligned = begun.time, begun.unaligned
         self._aborted.discard(checkpoint_id)
         self._begun_here.add(checkpoint_id)
@@ -506,6 +505,7 @@ class CheckpointCoordinator:
             states = drops_ran(self.states, self._drops_given.pop(checkpoint_id, ()))
             properties = pending.record_properties(
                 referenced, key_column=self.key_column, cuts=self._begun.cuts.to_property(checkpoint_id),
+                event_time=self.event_time,
                 claimed=self._done.claimed, sizes=self._done.sizes, states=recorded_form(states))
             meta = CheckpointMetadata(
                 state=self.storage.state, checkpoint_id=checkpoint_id, parallelism=self.parallelism,

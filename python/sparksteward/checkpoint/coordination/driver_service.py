@@ -12,8 +12,8 @@ Ops: ``state.check``, ``state.register``, ``state.savepoint``, ``state.begin``, 
 Thread-safe: requests run on connection threads. A state's checkpoint protocol has one lock, its
 coordinator's; storage I/O runs under it, never under the table's condition (the map of states, and
 waiters). ``st.lock`` guards only what the service keeps beside the coordinator (completed stats, drain
-record, alignment and overrides) and orders the driver's register and begin; always taken outside the
-coordinator's locks, and by no executor agent's op.
+record, alignment and overrides) and orders the driver's register and begin; always taken outside
+the coordinator's locks, by no executor agent's op.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from sparksteward.checkpoint.begun import time_of
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.coordination.gateway import CheckpointGateway
 from sparksteward.checkpoint.coordination.pending import Readiness, Ready
@@ -45,6 +46,7 @@ from sparksteward.checkpoint.lease import StateLease
 from sparksteward.checkpoint.lifecycle_messages import (
     AbortReply,
     AbortRequest,
+    BatchTime,
     BeginReply,
     BeginRequest,
     CheckReply,
@@ -55,7 +57,6 @@ from sparksteward.checkpoint.lifecycle_messages import (
     InfoRequest,
     OpenedReply,
     OpenedRequest,
-    ProcessingTime,
     RegisterReply,
     RegisterRequest,
     SavepointReply,
@@ -244,6 +245,8 @@ class StateService:
                 c.rescale(reg.parallelism)
             if reg.alignment is not None:  # another alignment from the next batch on
                 st.alignment = reg.alignment_of(self.alignment)
+            if reg.event_time is not None:   # another event-time delay from the next batch on
+                c.event_time = reg.event_time
             if reg.source and (st.restore is None or st.restore.get("source") != reg.source):
                 note = (f"restore_from={reg.source!r} is ignored: keyed state {name!r} is already open in this "
                         f"application")
@@ -281,6 +284,7 @@ class StateService:
             meta = None if latest is None else coord.completed(latest)
             reg.check_key(meta)
             coord.key_column = reg.key or (meta.properties.get("key") if meta is not None else None) or None
+            coord.event_time = reg.event_time
             coord.states = reg.states_of(None if meta is None else meta.properties.get("states"),
                                          checkpointed=meta is not None)
         except BaseException:
@@ -398,7 +402,7 @@ class StateService:
         alignment = st.overrides.get(cid, st.alignment)
         return BeginReply(checkpoint_id=cid, rerun=begun.rerun, unaligned=alignment.unaligned,
                           backlog_warning=warning, attempt=begun.attempt,
-                          time=ProcessingTime(begun.time.processing_ms) if begun.time is not None else None,
+                          time=None if begun.time is None else BatchTime(**begun.time.to_json()),
                           states=states)
 
     def _drain_id(self, name: str, st: RegisteredState) -> int | None:
@@ -466,6 +470,8 @@ class StateService:
                                 del st.completed[min(st.completed)]
                         kept = st.completed.get(cid)
                     stats = kept.summary(cid) if kept is not None else summarize(cid, {})
+                    if (when := time_of(meta)) is not None and when.watermark_ms is not None:
+                        stats["watermark_ms"] = when.watermark_ms   # the watermark the batch ran with
                     report = None
                     if attempt is not None and not attempt.rerun:
                         report = self._completed(name, st, cid, stats, (time.monotonic() - started) * 1000,

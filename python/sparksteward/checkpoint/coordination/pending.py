@@ -297,15 +297,22 @@ class PendingCheckpoint:
             self.uploaded.add(p)
 
     def record_properties(self, referenced: set[str], *, key_column: str | None, cuts: Mapping[str, int] | None,
-                          claimed: set[str], sizes: Mapping[str, int], states: object) -> dict[str, object]:
+                          claimed: set[str], sizes: Mapping[str, int], states: object,
+                          event_time: Mapping[str, object] | None = None) -> dict[str, object]:
         """The ``properties`` of the record this attempt completes as (its acks reference ``referenced``):
         its base, key column, time, query, FLIP-76 ``cuts``, the ``claimed`` files it references, the
-        durable ``sizes`` of its merged files, and the declared ``states`` (each only when present)."""
+        durable ``sizes`` of its merged files, the declared ``states``, the ``event_time`` column and
+        delay and the largest event time its acks saw (``max_event_ms``; each only when present)."""
         properties: dict[str, object] = {"base": self.base_id}
         if key_column:
             properties["key"] = key_column
         if self.time is not None:
             properties["time"] = self.time.to_json()
+        if event_time:
+            properties["event_time"] = dict(event_time)
+        seen = [s.max_event_ms for s in self.stats.values() if s.max_event_ms is not None]
+        if seen:
+            properties["max_event_ms"] = max(seen)
         if self.query is not None:
             properties["query"] = self.query
         if cuts:

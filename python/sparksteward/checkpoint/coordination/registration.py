@@ -66,6 +66,7 @@ class Registration:
     states: tuple[dict[str, Any], ...] | None = None   # the declared state variables (None: keep the recorded)
     delete_states: tuple[str, ...] = ()
     key: str = ""                     # the key column ("" from an older client: not checked)
+    event_time: dict[str, Any] | None = None   # the event-time column and delay (decision 0028)
     writer: bool = False              # a check by st.keyed_state(...): refuse at once while another writer holds it
     claimed_roots: tuple[str, ...] = ()   # where restore_from's claimed files may lie (the caller trusts them)
     op: str = "state.register"
@@ -85,6 +86,7 @@ class Registration:
                    alignment=req.alignment, file_merging=req.file_merging,
                    states=None if req.states is None else tuple(req.states),
                    delete_states=tuple(req.delete_states or ()), key=req.key,
+                   event_time=register.event_time if register is not None else None,
                    writer=isinstance(req, CheckRequest) and req.writer,
                    claimed_roots=tuple(req.claimed_roots or ()), op=req.OP)
 

@@ -20,12 +20,15 @@ __all__ = ["TypedStates"]
 
 class TypedStates:
     """The declared variables of one subtask at one batch: ``record`` is the state's declarations
-    (``properties.states``), ``now_ms`` the batch's processing time, ``batch`` its checkpoint id."""
+    (``properties.states``), ``now_ms`` the batch's processing time, ``batch`` its checkpoint id,
+    ``watermark_ms`` its event-time watermark (None: none yet; decision 0028)."""
 
-    def __init__(self, backend: StateDB, record: Mapping[str, Any] | None, now_ms: int, batch: int) -> None:
+    def __init__(self, backend: StateDB, record: Mapping[str, Any] | None, now_ms: int, batch: int,
+                 watermark_ms: int | None = None) -> None:
         self.backend = backend
         self.variables = variables_of(record)
         self.now_ms = int(now_ms)
+        self.watermark_ms = None if watermark_ms is None else int(watermark_ms)
         self.batch = int(batch)
         if not 0 <= self.batch < 1 << 31:
             raise StateError(f"batch {batch} is out of range for list state sequences")
