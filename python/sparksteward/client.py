@@ -387,7 +387,7 @@ class Steward:
         batch's report), ``late="keep"`` hands it over with a boolean ``__late`` column."""
         from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest
         from sparksteward.checkpoint.restore import ClaimMode
-        from sparksteward.errors import StateError
+        from sparksteward.errors import StateError, StateSchemaError
         from sparksteward.keyed_state import KeyedState
         from sparksteward.state.event_time import EventTime
         from sparksteward.state.keygroups import validate_parallelism
@@ -406,6 +406,11 @@ class Steward:
         validate_parallelism(parallelism, max_parallelism)
         declared, dropped = _declarations(states, delete_states)
         events = None if event_time is None else EventTime.of(event_time, watermark_delay, late)
+        by_event = [d["name"] for d in declared or () if d.get("ttl_time") == "event" and d.get("ttl_ms")]
+        if by_event and events is None:
+            raise StateSchemaError(f"state variables {by_event} of keyed state {name!r} expire by event time, which "
+                                   f"needs a watermark: name the event-time column with event_time=... (and "
+                                   f"watermark_delay=...), or give them ttl_time='processing'")
         merging = _merging_overrides(file_merging)
         aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked: CheckReply = self.ask(CheckRequest(

@@ -133,7 +133,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     from sparksteward.state.event_time import EventTime, judge
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
-    from sparksteward.state.typed import TypedStates, drop_variables, sweep_expired
+    from sparksteward.state.typed import TypedStates, drop_variables, restore_clock, sweep_both
     from sparksteward.wire.messages import ask
     from sparksteward.worker import executor_connection, settle_heap
 
@@ -147,7 +147,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     started = time.perf_counter()
     dropped = _HELD.take_dropped(name)
     try:
-        opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, declared.get("now_ms"),
+        skip_below = restore_clock(declared.get("now_ms"), declared.get("watermark_ms"), declared.get("states"))
+        opened: OpenReply = ask(conn, OpenRequest(name, checkpoint_id, subtask, parallelism, skip_below,
                                                   held=held, dropped=dropped, pid=os.getpid()))
     except BaseException:
         _HELD.close(held)   # the agent may have deleted their dirs: never use them again
@@ -196,9 +197,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             for out in runner(source, key, fn, backend, schema, states=typed, counters=counters, **options):
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
                 yield out
-            if any(v.spec.ttl_ms is not None for v in typed.variables.values()):
-                swept = sweep_expired(backend, now_ms, start=checkpoint_id,
-                                      max_entries=int(declared.get("sweep") or 100_000))
+            swept = sweep_both(typed, checkpoint_id, int(declared.get("sweep") or 100_000))
+            if swept is not None:
                 counters.update(ttl_expired_removed=swept.deleted, ttl_sweep_ms=int(swept.ms))
             channel = writer.close() if writer is not None else None
             writer = None

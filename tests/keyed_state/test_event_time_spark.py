@@ -12,8 +12,8 @@ import uuid
 import pandas as pd
 import pyarrow as pa
 import pytest
-from sparksteward import Steward
-from sparksteward.errors import StateEncodingError
+from sparksteward import Steward, value_state
+from sparksteward.errors import StateEncodingError, StateSchemaError
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -110,3 +110,42 @@ def test_an_input_without_the_event_time_column_or_with_a_timeless_one_is_refuse
     with pytest.raises(StateEncodingError, match=r"event-time column 'ts' .* is string: it must be a timestamp"):
         ks.apply(spark.createDataFrame([("a", "2027")], "k string, ts string"), _count, OUT, checkpoint_id=0)
     assert ks.info()["applied"] and ks.info()["pending"] == []   # nothing began
+    with pytest.raises(StateSchemaError, match=r"state variables \['seen'\] of keyed state 'evx' expire by event "
+                                               r"time, which needs a watermark: name the event-time column"):
+        st.keyed_state("evx", key="k", parallelism=2, states=[value_state("seen", "bigint", ttl=9, ttl_time="event")])
+
+
+def test_event_time_ttl_expires_old_events_by_the_watermark_across_a_rescale(cluster_spark):
+    """A replay of old events (2017) at today's processing time: entries that expire by event time survive
+    a rescale's restore (which leaves out only what expired on both clocks) and expire when the
+    watermark passes them, swept in that batch."""
+    spark = cluster_spark
+    st = Steward.get(spark)
+    old = 1_500_000_000_000
+    name = f"evt{uuid.uuid4().hex[:6]}"
+    specs = [value_state("last", "bigint", ttl=60, ttl_time="event")]
+
+    def opened(p):
+        return st.keyed_state(name, key="k", parallelism=p, max_parallelism=16, event_time="ts", states=specs)
+
+    def seen(key, rows, state):
+        had = state.value("last").get()
+        state.value("last").update(int(rows["v"].max()))
+        return pd.DataFrame({"k": [key], "had": [-1 if had is None else had]})
+
+    def run(ks, cid, rows):
+        out = sorted((r.k, r.had) for r in ks.apply(_df(spark, rows), seen, "k string, had long", cid).collect())
+        ks.commit(cid, wait=60)
+        return out
+
+    keys = list("abcdefgh")
+    ks = opened(2)
+    run(ks, 0, [(k, old) for k in keys])                       # no watermark: stamped by the processing time
+    assert run(ks, 1, [(k, old + 30_000) for k in keys]) == [(k, 1) for k in keys]   # at watermark old
+    ks = opened(3)                                              # rescaled: entries expire at old + 60 s
+    assert run(ks, 2, [("z", old + 40_000)]) == [("z", -1)]    # at watermark old + 30 s
+    assert sorted(r.key for r in ks.read("last").collect()) == [*keys, "z"]
+    assert run(ks, 3, [("z", old + 200_000)]) == [("z", 1)]    # at old + 40 s: all alive
+    assert run(ks, 4, [("a", old + 201_000)]) == [("a", -1)]   # at old + 200 s: a..h and z (old + 100 s) expired
+    assert ks.report(checkpoint_id=4)["ttl_expired_removed"] == 8   # a was written again in the batch
+    assert [r.key for r in ks.read("last").collect()] == ["a"]

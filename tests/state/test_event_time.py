@@ -124,3 +124,50 @@ def test_the_harness_hands_late_rows_over_flagged_in_the_arrow_form_too():
         out = h.process([{"k": "a", "ts": T - 1}, {"k": "b", "ts": T + 1}])
         assert out.to_pylist() == [{"k": "all", "late": 1, "wm": T, "now": T}]
         assert h.last_late_rows == 1 and h.watermark_ms == T + 1
+
+
+def _last_seen(key, rows, state):
+    state.value("last").update(int(rows["v"].max()))
+    state.value("hits").update((state.value("hits").get() or 0) + len(rows))
+    return
+
+
+def test_event_time_ttl_expires_by_the_watermark_never_by_the_processing_time():
+    """Processing time runs far ahead of the events (a replay of old data): the event-time variable
+    expires only as the watermark passes its entries' expiry, the processing-time one only by the
+    clock; before the first watermark an entry is stamped by the processing time (it lives at least
+    its TTL) and nothing expires; each clock's sweep removes only its own."""
+    from sparksteward import value_state
+
+    now = T + 10 ** 10
+    states = [value_state("last", "bigint", ttl=60, ttl_time="event"), value_state("hits", "bigint", ttl=3600)]
+
+    def rows(k, ms, v=1):
+        return pd.DataFrame({"k": [k], "ts": pd.to_datetime([ms], unit="ms", utc=True), "v": [v]})
+
+    with KeyedStateHarness(_last_seen, key="k", schema="k string", states=states, time=now, event_time="ts") as h:
+        h.process(rows("a", T))                        # no watermark yet: stamped now + 60 s
+        h.process(rows("b", T + 30_000))               # runs at watermark T: stamped T + 60 s
+        h.process(rows("c", T + 59_000))               # runs at T + 30 s
+        assert h.watermark_ms == T + 59_000 and h.value("last").get("b") == 1 and h.last_sweep.deleted == 0
+        h.process(rows("c", T + 120_000, 2))           # runs at T + 59 s: b is alive in it
+        assert h.watermark_ms == T + 120_000 and h.last_sweep.deleted == 0
+        assert h.value("last").get("b") is None        # at the next watermark b's T + 60 s has passed
+        h.process(rows("c", T + 121_000, 3))           # runs at T + 120 s: its sweep removes b
+        assert h.last_sweep.deleted == 1
+        assert h.value("last").get("a") == 1            # stamped by the processing time, far ahead
+        assert h.value("last").get("c") == 3 and h.value("hits").get("b") == 1   # hits: processing TTL
+        h.advance(dt.timedelta(hours=2))
+        h.process(rows("d", T + 122_000))
+        assert h.value("hits").get("b") is None and h.value("last").get("a") == 1
+        assert h.last_sweep.deleted == 3               # hits of a, b and c by the clock; none of 'last'
+
+
+def test_the_restore_clock_leaves_out_only_what_expired_on_both_clocks():
+    from sparksteward.state.typed import restore_clock
+
+    event = {"variables": {"last": {"ttl_ms": 60_000, "ttl_time": "event"}}}
+    processing = {"variables": {"hits": {"ttl_ms": 60_000, "ttl_time": "processing"}}}
+    assert restore_clock(T, None, processing) == T and restore_clock(T, None, None) == T
+    assert restore_clock(T, None, event) is None                 # no watermark: nothing is left out
+    assert restore_clock(T, T - 5, event) == T - 5 and restore_clock(T, T + 5, event) == T

@@ -177,8 +177,9 @@ def test_an_sst_that_cannot_be_written_leaves_the_db_as_it_was(tmp_path):
 def test_bad_declarations_are_refused_by_name():
     with pytest.raises(StateSchemaError, match="'value' is the default value state"):
         list_state("value", "bigint")   # the default is a value state; typed with value_state("value", ...)
-    with pytest.raises(StateSchemaError, match="event-time watermark"):
-        value_state("c", "bigint", ttl=5, ttl_time="event")
+    assert value_state("c", "bigint", ttl=5, ttl_time="event").ttl_time == "event"   # decision 0028
+    with pytest.raises(StateSchemaError, match="ttl_time='wall' must be one of"):
+        value_state("c", "bigint", ttl=5, ttl_time="wall")
     with pytest.raises(StateSchemaError, match="ttl=-1 must be positive"):
         list_state("l", "bigint", ttl=-1)
     with pytest.raises(StateSchemaError, match="ttl_update='sometimes'"):

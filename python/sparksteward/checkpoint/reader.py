@@ -27,6 +27,7 @@ from typing import Any
 import orjson
 import pyarrow as pa
 
+from sparksteward.checkpoint.begun import time_of
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
@@ -38,7 +39,7 @@ from sparksteward.state.declared import variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
 from sparksteward.state.keygroups import _INT, _LONG, KeyType
 from sparksteward.state.rows import expired
-from sparksteward.state.typed import KIND_EXPIRY, TypedMap, TypedStates
+from sparksteward.state.typed import EXPIRY_KINDS, TypedMap, TypedStates
 
 __all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
 
@@ -114,7 +115,7 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
     if _json_default(meta, variable):
         values: list[Any] = []
         for raw_key, raw_value in backend.iter_raw():
-            if raw_key[2:3] == KIND_EXPIRY:
+            if raw_key[2:3] in EXPIRY_KINDS:
                 continue
             _, kind, name, kb, _ = split_key(raw_key)
             if kind == KIND_VALUE and name == DEFAULT_STATE:
@@ -123,8 +124,10 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
         return pa.table([pa.array(keys, schema.field(0).type), pa.array(values, pa.string())], schema=schema)
     variable = variable or DEFAULT_STATE   # declared (typed) default
     var = _variable(meta, variable)
-    states = TypedStates(backend, meta.properties.get("states"), now, 0)
+    when = time_of(meta)
+    states = TypedStates(backend, meta.properties.get("states"), now, 0, when.watermark_ms if when else None)
     view = states._view(variable, var.spec.kind)
+    now = view._now   # event-time TTL: the checkpoint's watermark
     kind = _KINDS[var.spec.kind]
     stored: list[bytes] = []
     map_keys: list[Any] = []

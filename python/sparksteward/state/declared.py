@@ -13,7 +13,8 @@ a pyspark ``DataType``/``StructType``, or a ``pyarrow.DataType``; it becomes an 
 Spark. A TTL is seconds (a number) or a ``timedelta``; ``ttl_update`` is ``"on_write"`` (the expiry
 moves when the entry is created or written, Flink's ``OnCreateAndWrite``) or ``"on_read_and_write"``;
 ``ttl_time`` is ``"processing"`` (the batch's time, chosen by the driver when the batch begins) or
-``"event"``, which needs the event-time watermark that timers bring and is refused until then.
+``"event"`` (the batch's event-time watermark, for a state opened with ``event_time``: decision 0028;
+see :mod:`sparksteward.state.typed.ttl` for the time before the first watermark).
 
 **The record.** Every checkpoint keeps the declarations of its state in ``properties.states``
 (:func:`resolve` makes it when a state is registered)::
@@ -245,10 +246,6 @@ class StateSpec:
                                    f"{TTL_UPDATES}")
         if self.ttl_time not in TTL_TIMES:
             raise StateSchemaError(f"state variable {self.name!r}: ttl_time={self.ttl_time!r} must be one of {TTL_TIMES}")
-        if self.ttl_time == "event" and self.ttl_ms is not None:
-            raise StateSchemaError(
-                f"state variable {self.name!r}: a TTL in event time needs the event-time watermark, which keyed "
-                f"state does not track yet; use ttl_time='processing' (the batch's time) for now")
         if self.ttl_ms is not None and not 0 < self.ttl_ms <= 100 * 365 * 86_400_000:
             raise StateSchemaError(f"state variable {self.name!r}: ttl of {self.ttl_ms} ms must be positive and at "
                                    f"most 100 years")

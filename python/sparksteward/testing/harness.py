@@ -61,7 +61,7 @@ from sparksteward.state.typed import (
     TypedStates,
     TypedValue,
     drop_variables,
-    sweep_expired,
+    sweep_both,
 )
 
 __all__ = ["KeyedStateHarness"]
@@ -154,8 +154,9 @@ class KeyedStateHarness:
         self.last_late_rows = int(counters.get("late_rows", 0))
         if self.event_time is not None and counters.get("max_event_ms") is not None:
             self.advance_watermark(counters["max_event_ms"] - self.event_time.delay_ms)
-        if any(v.spec.ttl_ms is not None for v in states.variables.values()):
-            self.last_sweep = sweep_expired(self._backend, self.now_ms, start=self.batch)
+        swept = sweep_both(states, self.batch)
+        if swept is not None:
+            self.last_sweep = swept
         result = pa.Table.from_batches(out, schema=self.schema)
         return result.to_pandas() if self.form == "pandas" else result
 

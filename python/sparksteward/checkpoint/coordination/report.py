@@ -29,7 +29,8 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``channel_bytes``        the deferred rows' bytes (the unaligned backlog this checkpoint holds)
 ``sync_ms``              the sync phase (close the DB, link its files), slowest subtask
 ``async_ms``             the async phase (upload or merge, until the ack), slowest subtask
-``ttl_sweep_ms``         the sweep of expired state entries (state TTL), slowest subtask
+``ttl_sweep_ms``         the sweep of expired state entries (state TTL), slowest subtask;
+                         ``ttl_expired_removed`` the entries it removed
 ``commit_ms``            completing: writing ``_metadata`` and subsuming
 ``duration_ms``          from the driver's begin to the written ``_metadata`` (the whole batch)
 ``restore_ms``           the slowest subtask's restore of its base; ``rescale_ms`` the same for a
@@ -116,6 +117,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
         "restore_bytes_downloaded": sum(int(r.get("bytes_downloaded") or 0) for r in restores),
         "kept_open": int(summary.get("kept_open", 0)), "stage_runs": int(stage_runs)}
     figures["late_rows"] = int(summary.get("late_rows", 0))
+    figures["ttl_expired_removed"] = int(summary.get("ttl_expired_removed", 0))
     for when in ("max_event_ms", "watermark_ms"):
         if summary.get(when) is not None:
             figures[when] = int(summary[when])

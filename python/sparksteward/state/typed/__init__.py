@@ -25,17 +25,23 @@ from sparksteward.state.typed.list import BoundList, TypedList
 from sparksteward.state.typed.map import BoundMap, TypedMap
 from sparksteward.state.typed.states import TypedStates
 from sparksteward.state.typed.ttl import (
+    EXPIRY_KINDS,
     KIND_EXPIRY,
+    KIND_EXPIRY_EVENT,
     SweepStats,
     drop_variables,
     index_expiry,
     index_key,
+    restore_clock,
+    sweep_both,
     sweep_expired,
 )
 from sparksteward.state.typed.value import BoundValue, TypedValue
 
 __all__ = [
+    "EXPIRY_KINDS",
     "KIND_EXPIRY",
+    "KIND_EXPIRY_EVENT",
     "BoundList",
     "BoundMap",
     "BoundValue",
@@ -47,6 +53,8 @@ __all__ = [
     "drop_variables",
     "index_expiry",
     "index_key",
+    "restore_clock",
+    "sweep_both",
     "sweep_expired",
 ]
 

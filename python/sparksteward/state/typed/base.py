@@ -37,18 +37,21 @@ from sparksteward.state.encoding import decode_value, key_prefix
 from sparksteward.state.rows import TAG_EXPIRING, TAG_TYPED, RowCodec, expired, project_py, with_expiry
 from sparksteward.state.typed.arrow_keys import key_order, last_of_equal
 from sparksteward.state.typed.columns import as_arrow
-from sparksteward.state.typed.ttl import index_key
+from sparksteward.state.typed.ttl import KIND_EXPIRY, KIND_EXPIRY_EVENT, index_key
 from sparksteward.state.views import StateDB, _prefix_upper, state_middle
 
 __all__ = ["BoundView", "Holder", "TypedView"]
 
+_NO_WATERMARK = -(1 << 62)   # event-time TTL before the first watermark: every expiry lies after it
+
 
 class Holder(Protocol):
     """What a view needs of the holder of its variables (:class:`~sparksteward.state.typed.states.TypedStates`):
-    the backend, the batch's processing time, and fresh list sequence numbers of the batch."""
+    the backend, the batch's processing time and watermark, and fresh list sequence numbers of the batch."""
 
     backend: StateDB
     now_ms: int
+    watermark_ms: int | None
     batch: int
 
     def next_seq(self, n: int = 1) -> int: ...
@@ -67,6 +70,8 @@ class TypedView:
         self.backend = states.backend
         self.ttl = var.spec.ttl_ms
         self.on_read = var.spec.ttl_update == "on_read_and_write" and self.ttl is not None
+        self._event = var.spec.ttl_time == "event" and self.ttl is not None   # TTL by the watermark (0028)
+        self._index = KIND_EXPIRY_EVENT if self._event else KIND_EXPIRY
         self._middle = state_middle(self.kind, self.name)
         self._last_keys: tuple[pa.Array, list[bytes]] | None = None
         self._last_order: tuple[list[bytes], np.ndarray] | None = None
@@ -88,13 +93,27 @@ class TypedView:
         return prefix
 
     @property
+    def _now(self) -> int:
+        """The clock this variable expires by: the processing time, or (event-time TTL) the watermark;
+        before there is one, a time before every expiry (nothing expires)."""
+        if not self._event:
+            return self.states.now_ms
+        wm = self.states.watermark_ms
+        return _NO_WATERMARK if wm is None else wm
+
+    @property
     def _expiry(self) -> int | None:
-        return None if self.ttl is None else self.states.now_ms + self.ttl
+        """The expiry of what is written now: the clock plus the TTL (event time before a watermark: the
+        processing time's, so that an entry lives at least its TTL)."""
+        if self.ttl is None:
+            return None
+        wm = self.states.watermark_ms
+        return max(0, (wm if self._event and wm is not None else self.states.now_ms) + self.ttl)
 
     def _put(self, db: Any, k: bytes, stored: bytes, expiry: int | None) -> None:
         db.put(k, stored)
         if expiry is not None:
-            db.put(index_key(k, expiry), b"")
+            db.put(index_key(k, expiry, self._index), b"")
 
     # --- decoding ---------------------------------------------------------------------------------
     def _codec_of(self, tag: int, version: int) -> RowCodec:
@@ -114,7 +133,7 @@ class TypedView:
         return self._decode(stored)
 
     def _alive(self, stored: bytes | None) -> bool:
-        return stored is not None and not expired(stored, self.states.now_ms) and not self._dropped(stored)
+        return stored is not None and not expired(stored, self._now) and not self._dropped(stored)
 
     def _dropped(self, stored: bytes) -> bool:
         """Whether ``stored`` is a typed value of a version below this declaration's first: left by a
@@ -202,7 +221,7 @@ class TypedView:
             found = np.empty(len(entry_keys), dtype=object)
             found[order] = self.backend.store.get([entry_keys[i] for i in order.tolist()])
             stored = found.tolist()
-        now = self.states.now_ms
+        now = self._now
         if not self.on_read:
             fast = self._read_uniform(stored, now)
             if fast is not None:

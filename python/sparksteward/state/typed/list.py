@@ -37,7 +37,7 @@ class TypedList(TypedView):
         if not self.on_read:   # numbers of the current version: decoded and checked for expiry in one pass
             found = list(self._scan(prefix))
             if found and all(s for s, _ in found):
-                fast = self.codec.decode_many_py([v for _, v in found], self.states.now_ms)
+                fast = self.codec.decode_many_py([v for _, v in found], self._now)
                 if fast is not None:
                     return fast
             entries = [(s, v) for s, v in found if self._alive(v)]

@@ -8,6 +8,12 @@ header (:data:`~sparksteward.state.rows.TAG_EXPIRING`); a read never returns an 
 :func:`sweep_expired` finds what expired in key order, without a scan of the state. An index key whose
 entry was written again later is stale; the sweep deletes it alone.
 
+**Two clocks.** A variable's TTL runs on the batch's processing time (``ttl_time="processing"``) or on
+its event-time watermark (``"event"``, decision 0028): its expiry is that clock plus the TTL when it is
+written, and it has expired once that clock reaches it. Until a state has a watermark, an event-time
+entry is stamped by the processing time (it lives at least its TTL) and nothing of it expires. The
+two clocks have two indexes (kinds ``x`` and ``y``), each swept by its own clock.
+
 **Dropped variables.** :func:`drop_variables` deletes a dropped variable's entries
 (``delete_states``) and its expiry-index keys.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import rocksdict
 
@@ -24,15 +31,29 @@ from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE
 from sparksteward.state.rows import expired, expiry_of
 from sparksteward.state.views import StateDB, _prefix_upper, state_middle
 
-__all__ = ["KIND_EXPIRY", "SweepStats", "drop_variables", "index_expiry", "index_key", "sweep_expired"]
+__all__ = ["EXPIRY_KINDS", "KIND_EXPIRY", "KIND_EXPIRY_EVENT", "SweepStats", "drop_variables", "index_expiry",
+           "index_key", "restore_clock", "sweep_both", "sweep_expired"]
 
-KIND_EXPIRY = b"x"
+KIND_EXPIRY = b"x"          # the index of processing-time expiries
+KIND_EXPIRY_EVENT = b"y"    # the index of event-time expiries
+EXPIRY_KINDS = (KIND_EXPIRY, KIND_EXPIRY_EVENT)
 _EXPIRY_LEN = 8
 
 
-def index_key(entry: bytes, expiry: int) -> bytes:
-    """The expiry-index key of entry key ``entry`` expiring at ``expiry`` ms (same key group)."""
-    return b"".join((entry[:2], KIND_EXPIRY, expiry.to_bytes(_EXPIRY_LEN, "big"), entry[2:]))
+def index_key(entry: bytes, expiry: int, kind: bytes = KIND_EXPIRY) -> bytes:
+    """The expiry-index key of entry key ``entry`` expiring at ``expiry`` ms (same key group) in the
+    index ``kind`` (the clock of its variable)."""
+    return b"".join((entry[:2], kind, expiry.to_bytes(_EXPIRY_LEN, "big"), entry[2:]))
+
+
+def restore_clock(now_ms: int | None, watermark_ms: int | None, record: Any) -> int | None:
+    """The time below which a restore may leave out what expired: the processing time, or, when a
+    variable of the declarations ``record`` expires by event time, the smaller of it and the watermark
+    (None: there is none yet, so nothing is left out)."""
+    variables = (record or {}).get("variables") or {}
+    if not any(isinstance(v, dict) and v.get("ttl_time") == "event" and v.get("ttl_ms") for v in variables.values()):
+        return now_ms
+    return None if now_ms is None or watermark_ms is None else min(now_ms, watermark_ms)
 
 
 def index_expiry(key: bytes) -> int:
@@ -51,10 +72,11 @@ class SweepStats:
 
 
 def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries: int = 100_000,
-                  max_ms: float = 200.0) -> SweepStats:
+                  max_ms: float = 200.0, kind: bytes = KIND_EXPIRY) -> SweepStats:
     """Remove what expired at or before ``now_ms`` in the backend's key groups, through the expiry
-    index, within ``max_entries`` index keys and about ``max_ms``. Key groups are visited from the
-    ``start``-th on (rotate it per batch so that a spent budget does not always favour the first)."""
+    index ``kind`` (whose clock ``now_ms`` is), within ``max_entries`` index keys and about ``max_ms``.
+    Key groups are visited from the ``start``-th on (rotate it per batch so that a spent budget does
+    not always favour the first)."""
     began = time.perf_counter()
     db = backend.db
     groups = list(range(backend.key_groups.start, backend.key_groups.stop))
@@ -67,7 +89,7 @@ def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries:
     bound = (now_ms + 1).to_bytes(_EXPIRY_LEN, "big") if now_ms >= 0 else b""
     for g in groups:
         gb = g.to_bytes(2, "big")
-        lower = gb + KIND_EXPIRY
+        lower = gb + kind
         if not bound:
             break
         ro = rocksdict.ReadOptions()
@@ -100,6 +122,23 @@ def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries:
     return SweepStats(deleted, stale, more, (time.perf_counter() - began) * 1000)
 
 
+def sweep_both(states: Any, start: int, max_entries: int = 100_000) -> SweepStats | None:
+    """The sweep of a batch (:func:`sweep_expired` on each clock the declared variables of ``states``,
+    a :class:`~sparksteward.state.typed.states.TypedStates`, expire by; the event-time index only once
+    there is a watermark), as one :class:`SweepStats`; None when no variable has a TTL."""
+    specs = [v.spec for v in states.variables.values() if v.spec.ttl_ms is not None]
+    if not specs:
+        return None
+    runs = []
+    if any(s.ttl_time != "event" for s in specs):
+        runs.append(sweep_expired(states.backend, states.now_ms, start=start, max_entries=max_entries))
+    if any(s.ttl_time == "event" for s in specs) and states.watermark_ms is not None:
+        runs.append(sweep_expired(states.backend, states.watermark_ms, start=start, max_entries=max_entries,
+                                  kind=KIND_EXPIRY_EVENT))
+    return SweepStats(sum(r.deleted for r in runs), sum(r.stale for r in runs), any(r.more for r in runs),
+                      sum(r.ms for r in runs))
+
+
 def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
     """Delete every entry of the variables ``names`` (``delete_states``) in the backend's key groups,
     with their expiry-index keys; returns the range deletions written plus the index keys deleted.
@@ -119,19 +158,19 @@ def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
         for middle in middles:
             wb.delete_range(gb + middle, _prefix_upper(gb + middle))
             n += 1
-        lower = gb + KIND_EXPIRY
-        ro = rocksdict.ReadOptions()
-        ro.set_iterate_upper_bound(_prefix_upper(lower))
-        it = db.iter(ro)
-        try:
-            it.seek(lower)
-            while it.valid():
-                ik = it.key()
-                if ik.startswith(middles, start):
-                    wb.delete(ik)
-                    n += 1
-                it.next()
-        finally:
-            del it
+        for lower in (gb + KIND_EXPIRY, gb + KIND_EXPIRY_EVENT):
+            ro = rocksdict.ReadOptions()
+            ro.set_iterate_upper_bound(_prefix_upper(lower))
+            it = db.iter(ro)
+            try:
+                it.seek(lower)
+                while it.valid():
+                    ik = it.key()
+                    if ik.startswith(middles, start):
+                        wb.delete(ik)
+                        n += 1
+                    it.next()
+            finally:
+                del it
     db.write(wb)
     return n
