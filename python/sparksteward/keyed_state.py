@@ -80,6 +80,7 @@ from sparksteward.checkpoint.lifecycle_messages import (
     SavepointRequest,
 )
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError, StewardError
+from sparksteward.keyed_figures import KeyedStateFigures
 from sparksteward.keyed_spark import arrow_schema as _arrow_schema
 from sparksteward.keyed_spark import as_ours as _as_ours
 from sparksteward.keyed_spark import check_event_column as _check_event_column
@@ -108,7 +109,7 @@ def _batch_lock(name: str) -> threading.Lock:
         return _BATCH_LOCKS.setdefault(name, threading.Lock())
 
 
-class KeyedState:
+class KeyedState(KeyedStateFigures):
     """A keyed state of this application (see the module docstring). Use ``Steward.keyed_state``."""
 
     def __init__(self, steward: Any, name: str, *, key: str, parallelism: int, max_parallelism: int,
@@ -226,79 +227,30 @@ class KeyedState:
                            f"restore_from: {found['restore_from']}" if found.get("restore_from") else
                            f"it has no checkpoint in {found['checkpoint_dir']}: its first batch starts empty")}
 
-    def report(self, batch_id: int | None = None, *, checkpoint_id: int | None = None) -> dict[str, Any] | None:
-        """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and
-        out, keys touched, entries, state bytes (local and checkpointed), bytes uploaded and reused,
-        objects written, sync/async/commit/whole durations, restore and rescale time (see
-        :mod:`sparksteward.checkpoint.coordination.report`, and docs/state.md, "Metrics").
-
-        Parameters
-        ----------
-        batch_id : int, optional
-            The streaming batch (``progress["batchId"]`` in a ``StreamingQueryListener``): its
-            checkpoint completed before Spark reports the batch's progress.
-        checkpoint_id : int, optional
-            The checkpoint instead. With neither: the latest.
-
-        Returns
-        -------
-        dict or None
-            The report, or None when this object committed no such checkpoint (another process did,
-            or it is older than the kept ones; ``info()["report"]`` has the driver agent's latest).
-        """
-        if checkpoint_id is not None:
-            return self._reports.get(checkpoint_id)
-        if batch_id is not None:
-            return next((r for r in reversed(self._reports.values()) if r.get("batch_id") == batch_id), None)
-        return self._reports[max(self._reports)] if self._reports else None
-
-    def observe(self, df: Any, name: str | None = None) -> Any:
-        """``df.observe`` with this state's input figures, for the query's progress.
-
-        Call it on the streaming DataFrame before ``writeStream.foreachBatch(ks.process(...))``: each
-        batch's ``query.lastProgress["observedMetrics"][name]`` (and a ``StreamingQueryListener``'s
-        ``event.progress.observedMetrics``) then holds ``rows_in`` (the batch's input rows) and
-        ``keys_approx`` (its distinct keys, HyperLogLog: observed metrics allow no exact distinct
-        count). Figures known only after the commit (rows out, bytes, durations) cannot enter the
-        progress from PySpark: read them with :meth:`report` by the progress's ``batchId``. The input
-        is counted as often as the batch's DataFrame is computed (once a batch with ``process``).
-
-        Parameters
-        ----------
-        df : DataFrame
-            The streaming DataFrame the state's batches come from; it must have the key column.
-        name : str, optional
-            The observation's name; default ``steward.<state name>``.
-        """
-        from pyspark.sql import functions as F
-
-        self._key_type_of(df)
-        return df.observe(name or f"steward.{self.name}", F.count(F.lit(1)).alias("rows_in"),
-                          F.approx_count_distinct(F.col(self.key)).alias("keys_approx"))
-
     # --- the batch API -----------------------------------------------------------------------
-    def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
-        """``fn(keys, rows: pyarrow.Table, state) -> pyarrow.Table | None`` per input batch; lazy."""
-        return self._apply(df, fn, schema, checkpoint_id, "arrow")
+    def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None, *,
+                    on_timer: Callable[..., Any] | None = None) -> Any:
+        """``fn(keys, rows: pyarrow.Table, state) -> pyarrow.Table | None`` per input batch; lazy. Then, for
+        the subtask's due timers, ``on_timer(keys, expired: pyarrow.Table, state)`` (state/firing.py)."""
+        return self._begin_apply(df, fn, schema, checkpoint_id, "arrow", on_timer=on_timer)[0]
 
-    def apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None) -> Any:
+    def apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None, *,
+              on_timer: Callable[..., Any] | None = None) -> Any:
         """``fn(key, rows: pandas.DataFrame, state)`` per key, returning a row (tuple or dict), a list of
-        rows, a DataFrame or None; lazy."""
-        return self._apply(df, fn, schema, checkpoint_id, "pandas")
-
-    def _apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str) -> Any:
-        return self._begin_apply(df, fn, schema, checkpoint_id, form)[0]
+        rows, a DataFrame or None; lazy. Then ``on_timer(key, timers, state)`` per key with due timers."""
+        return self._begin_apply(df, fn, schema, checkpoint_id, "pandas", on_timer=on_timer)[0]
 
     def _begin_apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str, *,
-                     batch_id: int | None = None, drain: bool = False) -> tuple[Any, int | None]:
+                     batch_id: int | None = None, drain: bool = False,
+                     on_timer: Callable[..., Any] | None = None) -> tuple[Any, int | None]:
         """Begin a checkpoint (``checkpoint_id``; a streaming batch's by ``batch_id``; a drain's) and
         return the lazy output and its id; ``(None, None)`` for a drain with nothing to drain."""
         from pyspark.sql import functions as F
 
         from sparksteward.routing import key_group_sql, route_sql, subtask_sql
 
-        if not callable(fn):
-            raise StateError(f"fn={fn!r} must be a function")
+        if not callable(fn) or (on_timer is not None and not callable(on_timer)):
+            raise StateError(f"fn={fn!r} and on_timer={on_timer!r} must be functions")
         self._register(self._key_type_of(df))
         _check_event_column(df, self.event_time, self.name)
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
@@ -329,10 +281,12 @@ class KeyedState:
         declared = {"states": self.states, "now_ms": begun.time.processing_ms, "sweep": self._sweep_max_entries,
                     "dropped": (self.states or {}).get("dropped") or [], "watermark_ms": begun.time.watermark_ms,
                     "event_time": self.event_time.to_json() if self.event_time is not None else None}
-        return routed.mapInArrow(subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared), struct), cid
+        task = subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared, on_timer=on_timer)
+        return routed.mapInArrow(task, struct), cid
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
-                persist: bool | None = None, wait: float | None = None) -> Callable[[Any, int], None]:
+                persist: bool | None = None, wait: float | None = None,
+                on_timer: Callable[..., Any] | None = None) -> Callable[[Any, int], None]:
         """The ``writeStream.foreachBatch`` function that applies ``fn``, writes and commits each batch.
 
         Parameters
@@ -357,6 +311,10 @@ class KeyedState:
             sink that always takes several actions, or whose ``fn`` is not deterministic.
         wait : float, optional
             How long ``commit`` waits for the acks (default ``spark.steward.checkpoint.commit-timeout``).
+        on_timer : callable, optional
+            Called after ``fn`` for the keys whose timers are due (with or without input in the batch):
+            ``on_timer(key, timers, state)`` per key, or ``on_timer(keys, expired, state)`` (Arrow form);
+            its rows join the output (:mod:`sparksteward.state.firing`).
 
         Returns
         -------
@@ -375,7 +333,8 @@ class KeyedState:
             raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
         if form not in ("pandas", "arrow"):
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
-        self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait}
+        self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
+                              "on_timer": on_timer}
 
         learned = False   # persist=None: a sink took several actions on an unpersisted output
 
@@ -383,7 +342,7 @@ class KeyedState:
             nonlocal learned
             with _batch_lock(self.name):
                 # begins the batch's checkpoint, or refuses an old one
-                out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id))
+                out, cid = self._begin_apply(batch_df, fn, schema, None, form, batch_id=int(batch_id), on_timer=on_timer)
                 assert cid is not None  # only a drain can begin no checkpoint
                 cached = persist if persist is not None else learned
                 self._write_and_commit(out, cid, sink, cached, wait, f"batch {batch_id}")
@@ -496,7 +455,7 @@ class KeyedState:
             return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])
         empty = spark.createDataFrame([], f"`{self.key}` {_KEY_SQL[key_type]}")
         with _batch_lock(self.name):
-            out, cid = self._begin_apply(empty, fn, schema, None, form, drain=True)
+            out, cid = self._begin_apply(empty, fn, schema, None, form, drain=True, on_timer=given.get("on_timer"))
             if cid is None:
                 log.info("keyed state %s has no backlog to drain", self.name)
                 return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])

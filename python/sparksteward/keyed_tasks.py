@@ -46,13 +46,14 @@ KG_COL = "__steward_key_group"
 
 
 def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
-               form: str, parallelism: int | None = None,
-               declared: dict[str, Any] | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
+               form: str, parallelism: int | None = None, declared: dict[str, Any] | None = None, *,
+               on_timer: Callable[..., Any] | None = None) -> Callable[[Iterator[Any]], Iterator[Any]]:
     """The ``mapInArrow`` function of checkpoint ``checkpoint_id`` (runs in Python workers).
 
     ``declared``: the state's declared variables (``states``, the record), the batch's processing time
     (``now_ms``) and watermark (``watermark_ms``), the event-time column, delay and late-row mode
     (``event_time``, decision 0028), the variables to delete (``dropped``) and the sweep's budget (``sweep``).
+    ``on_timer``: called for the subtask's due timers after ``fn`` (:mod:`sparksteward.state.firing`).
 
     When the user's function fails, the task fails with a :class:`StateFunctionError` raised from the
     top of this function once the subtask is released, so that the error Spark reports begins with its
@@ -69,7 +70,8 @@ def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], 
         failed = None
         try:
             yield from _run_subtask(batches, name, checkpoint_id, subtask, key, guarded(fn, form, where), schema,
-                                    form, parallelism, declared or {})
+                                    form, parallelism, declared or {},
+                                    None if on_timer is None else guarded(on_timer, form, where + ", a timer"))
         except StateFunctionError as exc:   # raised by the function, or its output refused by the runner
             failed = exc if str(exc).startswith(where) else StateFunctionError(f"{where}, {exc}")
         if failed is not None:  # the first line of the task's error: the state function failed
@@ -118,7 +120,7 @@ def _keys_of(form: str, first: Any) -> str:
 
 def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask: int, key: str,
                  fn: Callable[..., Any], schema: Any, form: str, parallelism: int | None,
-                 declared: dict[str, Any]) -> Iterator[Any]:
+                 declared: dict[str, Any], on_timer: Callable[..., Any] | None = None) -> Iterator[Any]:
     """One subtask of checkpoint ``checkpoint_id``: open, run, snapshot and upload, or release."""
     from sparksteward.checkpoint.messages import (
         CutReply,
@@ -131,6 +133,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
     )
     from sparksteward.state.backend import RocksDBStateBackend
     from sparksteward.state.event_time import EventTime, judge
+    from sparksteward.state.firing import fire
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
     from sparksteward.state.typed import TypedStates, drop_variables, restore_clock, sweep_both
@@ -174,7 +177,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         db_open_ms = int((time.perf_counter() - started) * 1000)
         try:
             now_ms = int(declared.get("now_ms") or 0)
-            typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id, declared.get("watermark_ms"))
+            typed = TypedStates(backend, declared.get("states"), now_ms, checkpoint_id, declared.get("watermark_ms"),
+                                event_time=bool(declared.get("event_time")))
             if declared.get("dropped"):
                 drop_variables(backend, declared["dropped"])
             runner = run_arrow if form == "arrow" else run_pandas
@@ -194,7 +198,10 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
             else:
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
-            for out in runner(source, key, fn, backend, schema, states=typed, counters=counters, **options):
+            outputs = runner(source, key, fn, backend, schema, states=typed, counters=counters, **options)
+            if on_timer is not None:   # after the input: the due timers, of keys with and without input
+                outputs = itertools.chain(outputs, fire(on_timer, form, backend, typed, schema, counters))
+            for out in outputs:
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
                 yield out
             swept = sweep_both(typed, checkpoint_id, int(declared.get("sweep") or 100_000))

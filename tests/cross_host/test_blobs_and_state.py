@@ -299,3 +299,51 @@ def test_process_defaults_on_the_other_host_one_run_a_batch_then_persisted_and_a
     for cid in (0, 1, 2):
         want = reference(batches[:cid + 1])
         assert emitted[cid] == {k: want[k] for k in set(batches[cid]["k"])}
+
+
+def test_event_time_timers_and_event_ttl_on_s3_across_hosts(spark, s3):
+    """Issue 38 on an executor that sees neither the driver's files nor its boot id, state on S3: late
+    rows dropped and counted, event-time timers fire once each for keys without input across a rescale
+    between registration and firing, and an event-time TTL expires by the watermark, not the clock."""
+    import datetime as dt
+
+    import pandas as pd
+    from sparksteward import value_state
+
+    t0 = 1_500_000_000_000   # old events (2017) at today's processing time
+
+    def arm(key, rows, state):
+        state.value("last").update(int(rows["v"].max()))
+        state.timers.register(int(rows["ts"].max().timestamp() * 1000) + 10_000, time="event")
+
+    def fired(key, timers, state):
+        return pd.DataFrame({"k": [key], "at": [timers[0].at], "last": [state.value("last").get() or -1]})
+
+    def df(rows):
+        return spark.createDataFrame([(k, dt.datetime.fromtimestamp(ms / 1000, tz=dt.timezone.utc), 1)
+                                      for k, ms in rows], "k string, ts timestamp, v long")
+
+    st = Steward.get(spark)
+    specs = [value_state("last", "bigint", ttl=15, ttl_time="event")]
+    out = []
+    for cid, (p, rows) in enumerate([(2, [(f"k{i}", t0 + 1000 * i) for i in range(10)]),   # timers t0+10..19 s
+                                     (3, [("k0", t0 + 100), ("late", t0 + 9_000)]),        # at watermark t0+9 s
+                                     (3, [])]):                                            # at t0+9 s again
+        ks = st.keyed_state("xtimers", key="k", parallelism=p, max_parallelism=16, event_time="ts",
+                            checkpoint_dir=s3.url("xtimers-chk"), states=specs)
+        out += [(r.k, r.at, r.last) for r in ks.apply(df(rows), arm, "k string, at long, last long", cid,
+                                                      on_timer=fired).collect()]
+        ks.commit(cid, wait=120)
+        if cid == 1:
+            assert ks.report(checkpoint_id=1)["late_rows"] == 2
+    assert out == []   # the watermark stayed at t0 + 9 s: nothing due yet
+    ks.apply(df([("z", t0 + 60_000)]), arm, "k string, at long, last long", 3, on_timer=fired).collect()
+    ks.commit(3, wait=120)   # ran at t0 + 9 s; the next runs at t0 + 60 s
+    got = sorted((r.k, r.at, r.last) for r in
+                 ks.apply(df([]), arm, "k string, at long, last long", 4, on_timer=fired).collect())
+    ks.commit(4, wait=120)
+    # every k fires once; 'last' was written at watermark t0 (TTL 15 s: expires at t0 + 15 s) or stamped
+    # by the processing time in the first batch (no watermark yet): alive only for the latter
+    assert [k for k, _, _ in got] == sorted(f"k{i}" for i in range(10))
+    assert all(last == 1 for _, _, last in got)
+    assert ks.report(checkpoint_id=4)["timers_fired"] == 10

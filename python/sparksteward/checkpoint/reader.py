@@ -37,8 +37,9 @@ from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import DEFAULT_VARIABLE as DEFAULT_STATE
 from sparksteward.state.declared import variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
-from sparksteward.state.keygroups import _INT, _LONG, KeyType
+from sparksteward.state.keygroups import KeyType, decode_key
 from sparksteward.state.rows import expired
+from sparksteward.state.timers import TIMER_KINDS
 from sparksteward.state.typed import EXPIRY_KINDS, TypedMap, TypedStates
 
 __all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
@@ -104,8 +105,7 @@ def read_variable(storage: CheckpointStorage, meta: CheckpointMetadata, variable
 
 
 def _decode_key(kt: KeyType) -> Any:
-    return {KeyType.STRING: lambda b: b.decode("utf-8"), KeyType.BINARY: bytes,
-            KeyType.LONG: lambda b: _LONG.unpack(b)[0], KeyType.INT: lambda b: _INT.unpack(b)[0]}[kt]
+    return lambda b: decode_key(b, kt)
 
 
 def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable: str | None, schema: pa.Schema,
@@ -115,7 +115,7 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
     if _json_default(meta, variable):
         values: list[Any] = []
         for raw_key, raw_value in backend.iter_raw():
-            if raw_key[2:3] in EXPIRY_KINDS:
+            if raw_key[2:3] in EXPIRY_KINDS or raw_key[2:3] in TIMER_KINDS:
                 continue
             _, kind, name, kb, _ = split_key(raw_key)
             if kind == KIND_VALUE and name == DEFAULT_STATE:

@@ -28,6 +28,7 @@ import numbers
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
@@ -39,6 +40,7 @@ __all__ = [
     "SPARK_HASH_SEED",
     "KeyGroupRange",
     "KeyType",
+    "decode_key",
     "key_bytes",
     "key_group",
     "key_group_of_bytes",
@@ -115,6 +117,16 @@ def _signed(u: int) -> int:
 def spark_xxhash64(key: object, key_type: KeyType | str | None = None) -> int:
     """Spark SQL's ``xxhash64(key)`` (a signed 64-bit integer)."""
     return _signed(xxhash.xxh64_intdigest(key_bytes(key, key_type), seed=SPARK_HASH_SEED))
+
+
+def decode_key(data: bytes, key_type: KeyType | str) -> Any:
+    """The key whose canonical bytes (:func:`key_bytes`) are ``data``."""
+    kt = KeyType.parse(key_type)
+    if kt is KeyType.STRING:
+        return data.decode("utf-8")
+    if kt is KeyType.BINARY:
+        return bytes(data)
+    return (_LONG if kt is KeyType.LONG else _INT).unpack(data)[0]
 
 
 def key_group_of_bytes(data: bytes, max_parallelism: int) -> int:

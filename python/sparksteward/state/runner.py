@@ -55,6 +55,7 @@ from sparksteward.state.buffered import BufferedStore
 from sparksteward.state.declared import DEFAULT_VARIABLE
 from sparksteward.state.keygroups import key_group
 from sparksteward.state.spill import KeyedRowBuffer
+from sparksteward.state.timers import BoundTimers, Timers
 from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
 from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
@@ -79,6 +80,8 @@ class KeyedStateAccess:
         self.backend = backend
         self.states = states
         self._default: TypedValue | ValueState = self.value(default)
+        #: the subtask's timers (issue 38): ``register(keys, at, time=)``, ``delete(...)``, ``list(keys)``
+        self.timers = Timers(backend, event_time=states is not None and states.event_time)
 
     def get_many(self, keys: Iterable[object]) -> Any:
         """Values of the default value state for ``keys``: declared, an Arrow array of its type (null
@@ -130,6 +133,11 @@ class KeyState(BoundValueState):
     def watermark_ms(self) -> int | None:
         """The batch's event-time watermark in epoch ms (None: none yet); see :class:`KeyedStateAccess`."""
         return self._access.watermark_ms
+
+    @property
+    def timers(self) -> BoundTimers:
+        """This key's timers: ``register(at, time="processing"|"event")``, ``delete(at, time=)``, ``list()``."""
+        return self._access.timers.bind(self._key)
 
     @property
     def processing_time_ms(self) -> int | None:

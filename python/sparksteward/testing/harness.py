@@ -34,10 +34,16 @@ With ``event_time="ts"`` (and ``watermark_delay``, ``late``) each batch runs wit
 Spark (:mod:`sparksteward.state.event_time`): the largest event time of the batches before it minus
 the delay, never going back; ``advance_watermark(to)`` moves it on by hand, ``watermark_ms`` shows
 it and ``last_late_rows`` counts the late rows of the last batch.
+
+With ``on_timer``, each batch fires the timers due at its processing time and watermark after the
+input, as a task does (:mod:`sparksteward.state.firing`); ``process()`` with no rows runs a batch
+without input (timers only), ``timers(key)`` lists a key's timers and ``last_fired`` counts the last
+batch's fired timers.
 """
 
 from __future__ import annotations
 
+import builtins
 import datetime as dt
 import shutil
 import tempfile
@@ -52,8 +58,10 @@ from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import StateSpec, drops_ran, parse_ddl, resolve
 from sparksteward.state.event_time import EventTime, judge
+from sparksteward.state.firing import fire
 from sparksteward.state.keygroups import KeyGroupRange
 from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, run_arrow, run_pandas
+from sparksteward.state.timers import Timer, Timers
 from sparksteward.state.typed import (
     SweepStats,
     TypedList,
@@ -88,13 +96,16 @@ class KeyedStateHarness:
     event_time, watermark_delay, late
         The event-time column, the watermark delay (seconds or a timedelta) and what happens to late
         rows (``"drop"`` or ``"keep"``), as in ``Steward.keyed_state``.
+    on_timer
+        The timer callback, as in ``KeyedState.process``.
     """
 
     def __init__(self, fn: Callable[..., Any], *, key: str, schema: str | pa.Schema,
                  states: Sequence[StateSpec] = (), form: str = "pandas", key_type: str = "string",
                  max_parallelism: int = 128, time: dt.datetime | int | None = None,
                  directory: str | Path | None = None, event_time: str | None = None,
-                 watermark_delay: dt.timedelta | float = 0, late: str = "drop") -> None:
+                 watermark_delay: dt.timedelta | float = 0, late: str = "drop",
+                 on_timer: Callable[..., Any] | None = None) -> None:
         if form not in ("pandas", "arrow"):
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
         self.fn, self.key, self.form = fn, key, form
@@ -114,6 +125,9 @@ class KeyedStateHarness:
         self.watermark_ms: int | None = None
         #: the late rows of the last batch (dropped, or handed over flagged)
         self.last_late_rows = 0
+        self.on_timer = on_timer
+        #: the timers the last batch fired
+        self.last_fired = 0
 
     def _db_dir(self) -> Path:
         return self.directory / f"db-{self._generation}"
@@ -135,15 +149,14 @@ class KeyedStateHarness:
         return self.watermark_ms
 
     # --- batches ----------------------------------------------------------------------------------
-    def process(self, rows: Any) -> Any:
+    def process(self, rows: Any = None) -> Any:
         """Run one batch over ``rows`` (a pandas DataFrame, a pyarrow Table or RecordBatch, or a list
         of dicts) at the current processing time; return the output (pandas in the pandas form, a
         pyarrow Table in the Arrow form)."""
-        table = _table(rows)
         self.batch += 1
         states = self._states()
         counters: dict[str, Any] = {}
-        batches: Iterator[pa.RecordBatch] = iter(table.to_batches())
+        batches: Iterator[pa.RecordBatch] = iter(() if rows is None else _table(rows).to_batches())
         if self.event_time is not None:
             batches = judge(batches, self.event_time, self.watermark_ms, counters)
         if self.form == "pandas":
@@ -151,6 +164,9 @@ class KeyedStateHarness:
         else:   # as a Spark task calls it: once with all of the batch's rows (up to the spill threshold)
             out = list(run_arrow(batches, self.key, self.fn, self._backend, self.schema, states=states,
                                  max_input_bytes=DEFAULT_SPILL_THRESHOLD))
+        if self.on_timer is not None:
+            out.extend(fire(self.on_timer, self.form, self._backend, states, self.schema, counters))
+        self.last_fired = int(counters.get("timers_fired", 0))
         self.last_late_rows = int(counters.get("late_rows", 0))
         if self.event_time is not None and counters.get("max_event_ms") is not None:
             self.advance_watermark(counters["max_event_ms"] - self.event_time.delay_ms)
@@ -161,7 +177,8 @@ class KeyedStateHarness:
         return result.to_pandas() if self.form == "pandas" else result
 
     def _states(self) -> TypedStates:
-        return TypedStates(self._backend, self.record, self.now_ms, self.batch, self.watermark_ms)
+        return TypedStates(self._backend, self.record, self.now_ms, self.batch, self.watermark_ms,
+                           event_time=self.event_time is not None)
 
     # --- state ------------------------------------------------------------------------------------
     def value(self, name: str) -> TypedValue:
@@ -173,6 +190,10 @@ class KeyedStateHarness:
 
     def map(self, name: str) -> TypedMap:
         return self._states().map(name)
+
+    def timers(self, key: object) -> builtins.list[Timer]:
+        """The timers ``key`` has registered, earliest first."""
+        return Timers(self._backend, event_time=True).bind(key).list()
 
     def entries(self) -> int:
         """How many RocksDB entries the state holds (values, elements, map entries, expiry index keys)."""

@@ -21,14 +21,16 @@ __all__ = ["TypedStates"]
 class TypedStates:
     """The declared variables of one subtask at one batch: ``record`` is the state's declarations
     (``properties.states``), ``now_ms`` the batch's processing time, ``batch`` its checkpoint id,
-    ``watermark_ms`` its event-time watermark (None: none yet; decision 0028)."""
+    ``watermark_ms`` its event-time watermark (None: none yet) and ``event_time`` whether the state has
+    an event-time column (decision 0028)."""
 
     def __init__(self, backend: StateDB, record: Mapping[str, Any] | None, now_ms: int, batch: int,
-                 watermark_ms: int | None = None) -> None:
+                 watermark_ms: int | None = None, *, event_time: bool = False) -> None:
         self.backend = backend
         self.variables = variables_of(record)
         self.now_ms = int(now_ms)
         self.watermark_ms = None if watermark_ms is None else int(watermark_ms)
+        self.event_time = event_time or watermark_ms is not None
         self.batch = int(batch)
         if not 0 <= self.batch < 1 << 31:
             raise StateError(f"batch {batch} is out of range for list state sequences")
