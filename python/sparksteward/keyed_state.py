@@ -81,6 +81,7 @@ from sparksteward.checkpoint.lifecycle_messages import (
 )
 from sparksteward.errors import StateEncodingError, StateError, StateNotRegisteredError, StewardError
 from sparksteward.keyed_figures import KeyedStateFigures
+from sparksteward.keyed_idle import IdleTimers
 from sparksteward.keyed_spark import arrow_schema as _arrow_schema
 from sparksteward.keyed_spark import as_ours as _as_ours
 from sparksteward.keyed_spark import check_event_column as _check_event_column
@@ -147,6 +148,7 @@ class KeyedState(KeyedStateFigures):
         self._registered = False
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
         self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
+        self.idle_timers: IdleTimers | None = None  # the watcher of the latest process(..., idle_timers=)
         self._reports: dict[int, dict[str, Any]] = {}   # checkpoint id -> its report, the latest _REPORTS
 
     # --- driver agent ------------------------------------------------------------------------
@@ -241,7 +243,7 @@ class KeyedState(KeyedStateFigures):
         return self._begin_apply(df, fn, schema, checkpoint_id, "pandas", on_timer=on_timer)[0]
 
     def _begin_apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str, *,
-                     batch_id: int | None = None, drain: bool = False,
+                     batch_id: int | None = None, drain: bool = False, timers: bool = False,
                      on_timer: Callable[..., Any] | None = None) -> tuple[Any, int | None]:
         """Begin a checkpoint (``checkpoint_id``; a streaming batch's by ``batch_id``; a drain's) and
         return the lazy output and its id; ``(None, None)`` for a drain with nothing to drain."""
@@ -252,11 +254,12 @@ class KeyedState(KeyedStateFigures):
         if not callable(fn) or (on_timer is not None and not callable(on_timer)):
             raise StateError(f"fn={fn!r} and on_timer={on_timer!r} must be functions")
         self._register(self._key_type_of(df))
-        _check_event_column(df, self.event_time, self.name)
+        if not drain:   # a drain's empty input has the key column only
+            _check_event_column(df, self.event_time, self.name)
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
         begun: BeginReply = self._ask(BeginRequest(
             name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id, parallelism=self.parallelism,
-            query=_streaming_query(df), drain=drain))
+            query=_streaming_query(df), drain=drain, timers=timers))
         if begun.backlog_warning:
             log.warning("%s", begun.backlog_warning)
         cid = begun.checkpoint_id
@@ -286,7 +289,7 @@ class KeyedState(KeyedStateFigures):
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool | None = None, wait: float | None = None,
-                on_timer: Callable[..., Any] | None = None) -> Callable[[Any, int], None]:
+                on_timer: Callable[..., Any] | None = None, idle_timers: float | None = None) -> Callable[[Any, int], None]:
         """The ``writeStream.foreachBatch`` function that applies ``fn``, writes and commits each batch.
 
         Parameters
@@ -315,6 +318,9 @@ class KeyedState(KeyedStateFigures):
             Called after ``fn`` for the keys whose timers are due (with or without input in the batch):
             ``on_timer(key, timers, state)`` per key, or ``on_timer(keys, expired, state)`` (Arrow form);
             its rows join the output (:mod:`sparksteward.state.firing`).
+        idle_timers : float, optional
+            Seconds: while the query runs no batch that long and a processing-time timer is due, an
+            empty batch fires it (``drain(timers=True)``; the bound and cost: :mod:`sparksteward.keyed_idle`).
 
         Returns
         -------
@@ -335,6 +341,9 @@ class KeyedState(KeyedStateFigures):
             raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
                               "on_timer": on_timer}
+        if self.idle_timers is not None:   # the watcher of an earlier process() function
+            self.idle_timers.stop()
+        watcher = self.idle_timers = IdleTimers(self, idle_timers) if idle_timers else None
 
         learned = False   # persist=None: a sink took several actions on an unpersisted output
 
@@ -346,6 +355,8 @@ class KeyedState(KeyedStateFigures):
                 assert cid is not None  # only a drain can begin no checkpoint
                 cached = persist if persist is not None else learned
                 self._write_and_commit(out, cid, sink, cached, wait, f"batch {batch_id}")
+                if watcher is not None:
+                    watcher.batch_ran(_streaming_query(batch_df))
                 runs = int((self._reports.get(cid) or {}).get("stage_runs", 1))
                 if not cached and persist is None and runs > 1:
                     learned = True
@@ -408,7 +419,7 @@ class KeyedState(KeyedStateFigures):
 
     def drain(self, fn: Callable[..., Any] | None = None, schema: Any = None,
               sink: Callable[[Any, int], Any] | None = None, form: str | None = None, *,
-              wait: float | None = None) -> Any:
+              wait: float | None = None, timers: bool = False) -> Any:
         """Process the rows unaligned batches deferred (the backlog, ``info()["backlog"]``) now.
 
         Spark runs no micro-batch without input, so when a stream's input stops, the deferred rows
@@ -429,6 +440,9 @@ class KeyedState(KeyedStateFigures):
             the output is returned instead.
         wait : float, optional
             How long ``commit`` waits for the acks.
+        timers : bool
+            Run the empty batch also without a backlog, to fire the processing-time timers due now on
+            an idle stream (with the ``on_timer`` of :meth:`process`).
 
         Returns
         -------
@@ -455,7 +469,8 @@ class KeyedState(KeyedStateFigures):
             return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])
         empty = spark.createDataFrame([], f"`{self.key}` {_KEY_SQL[key_type]}")
         with _batch_lock(self.name):
-            out, cid = self._begin_apply(empty, fn, schema, None, form, drain=True, on_timer=given.get("on_timer"))
+            out, cid = self._begin_apply(empty, fn, schema, None, form, drain=True, timers=timers,
+                                         on_timer=given.get("on_timer"))
             if cid is None:
                 log.info("keyed state %s has no backlog to drain", self.name)
                 return None if sink is not None else spark.createDataFrame([], _arrow_schema(spark, schema)[0])

@@ -102,3 +102,99 @@ def test_the_arrow_form_fires_processing_timers_for_keys_without_input(cluster_s
     empty = spark.createDataFrame([], "k string")
     assert ks.apply_arrow(empty, arm_all, "k string, n long", 1, on_timer=fired_all).collect() == []
     ks.commit(1, wait=60)
+
+
+def test_processing_timers_fire_on_an_idle_stream_within_the_stated_bound(cluster_spark, tmp_path):
+    """A streaming query whose source goes idle after one file: the keys' processing-time timers (due 2 s
+    after their batch) fire through the same sink within idle_timers + a poll + one empty batch, under a
+    checkpoint id of their own that the query's next batch skips; the watcher ends with the query."""
+    import json
+    import time
+
+    spark = cluster_spark
+    st = Steward.get(spark)
+    ks = st.keyed_state(f"tmi{uuid.uuid4().hex[:6]}", key="k", parallelism=2, max_parallelism=16)
+    source = tmp_path / "in"
+    source.mkdir()
+    written: list[tuple[int, str, str, int, float]] = []   # (checkpoint id, key, what, due at, written at)
+
+    def arm_soon(key, rows, state):
+        state.timers.register(state.processing_time_ms + 2000)
+        return pd.DataFrame({"k": [key], "what": ["seen"], "at": [0]})
+
+    def close(key, timers, state):
+        return pd.DataFrame({"k": [key], "what": ["fired"], "at": [timers[0].at]})
+
+    def sink(out, cid):
+        rows = out.collect()
+        now = time.time()
+        written.extend((cid, r.k, r.what, r.at, now) for r in rows)
+
+    def wait_for(pred, timeout):
+        deadline = time.time() + timeout
+        while time.time() < deadline and not pred():
+            time.sleep(0.2)
+
+    run = ks.process(arm_soon, OUT, sink, on_timer=close, idle_timers=2.0)
+    (source / "0.json").write_text("\n".join(json.dumps({"k": k, "v": 1}) for k in ("a", "b")))
+    q = (spark.readStream.schema("k string, v long").json(str(source)).writeStream.foreachBatch(run)
+         .option("checkpointLocation", str(tmp_path / "chk")).trigger(processingTime="500 milliseconds").start())
+    try:
+        wait_for(lambda: sum(1 for w in written if w[2] == "fired") >= 2, 90)
+        fired = [w for w in written if w[2] == "fired"]
+        assert sorted(w[1] for w in fired) == ["a", "b"], written
+        assert ks.idle_timers.fired >= 1 and len({w[0] for w in fired}) == 1
+        report = ks.report(checkpoint_id=fired[0][0])
+        assert report["timers_fired"] == 2 and "next_timer_ms" not in report   # none left
+        # the bound: from the later of the time a timer is due and the query's last batch, idle_timers
+        # (2 s) plus a poll (0.5 s) plus one empty batch (generously 15 s on a loaded machine)
+        batch_end = max(w[4] for w in written if w[2] == "seen") * 1000
+        late_ms = [w[4] * 1000 - max(w[3], batch_end) for w in fired]
+        print(f"idle timers fired {[round(w[4] * 1000 - w[3]) for w in fired]} ms after they were due, "
+              f"{[round(x) for x in late_ms]} ms after the later of that and the last batch's sink")
+        assert all(x <= 17_500 for x in late_ms), late_ms
+        (source / "1.json").write_text(json.dumps({"k": "c", "v": 1}))
+        wait_for(lambda: any(w[1] == "c" for w in written), 60)
+        ids = sorted({w[0] for w in written})
+        assert len(ids) == 3 and ids[1] == fired[0][0] and ids[2] > ids[1], written   # batch 1 skips the drain's id
+    finally:
+        q.stop()
+    wait_for(lambda: not ks.idle_timers.alive, 10)
+    assert not ks.idle_timers.alive
+
+
+def test_timers_and_the_watermark_survive_a_restart_of_the_driver_agent(cluster_spark):
+    """The driver agent is SIGKILLed between registration and firing: the shim restarts it, the state
+    registers again, and the next batch runs with the watermark the last checkpoint left and fires every
+    due timer once."""
+    import signal
+
+    from tests.helpers import agent_processes, wait_until
+
+    spark = cluster_spark
+    st = Steward.get(spark)
+    ks = st.keyed_state(f"tmr{uuid.uuid4().hex[:6]}", key="k", parallelism=2, max_parallelism=16,
+                        event_time="ts", watermark_delay=5)
+    rows = [(f"k{i}", T + 1000 * i, 1) for i in range(10)]   # timers at T + 10 s + i s; max event T + 9 s
+    assert ks.apply(_df(spark, rows), arm, OUT, 0, on_timer=fired).collect() == []
+    ks.commit(0, wait=60)
+    (old,) = [p for p in agent_processes() if any("agents.driver" in c for c in p.cmdline())]
+    old.send_signal(signal.SIGKILL)
+    wait_until(lambda: [p for p in agent_processes() if any("agents.driver" in c for c in p.cmdline())
+                        and p.pid != old.pid], timeout=60, what="the shim to restart the driver agent")
+
+    def answers():
+        try:
+            st.health()
+            return True
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    wait_until(answers, timeout=60, what="the new driver agent to answer")
+    got = ks.apply(_df(spark, [("z", T + 30_000, 1)]), arm, OUT, 1, on_timer=fired).collect()
+    ks.commit(1, wait=60)
+    assert got == [] and ks.report(checkpoint_id=1)["watermark_ms"] == T + 4_000   # T + 9 s - 5 s
+    got = sorted((r.k, r.at) for r in ks.apply(_df(spark, []), arm, OUT, 2, on_timer=fired).collect())
+    ks.commit(2, wait=60)
+    assert got == [(f"k{i}", T + 10_000 + 1000 * i) for i in range(10)]   # at T + 25 s: each fires once
+    assert ks.report(checkpoint_id=2)["watermark_ms"] == T + 25_000

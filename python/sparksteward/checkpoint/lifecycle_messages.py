@@ -229,14 +229,16 @@ class BeginRequest(Message):
 
     A streaming batch names its ``batch_id`` instead (its id skips those drains took); ``drain`` begins
     an empty aligned batch under the next id that processes the backlog (refused while a checkpoint is
-    pending). ``parallelism`` (the caller's routing) is refused when the state was rescaled since;
-    ``alignment`` overrides the state's for this checkpoint only."""
+    pending), with ``timers`` also when there is none (its tasks fire the due timers). ``parallelism``
+    (the caller's routing) is refused when the state was rescaled since; ``alignment`` overrides the
+    state's for this checkpoint only."""
 
     name: str = text(max_len=200)
     parallelism: int | None = integer(default=None, lo=1, hi=MAX_PARALLELISM)
     query: str | None = text(default=None, max_len=200)   # the streaming query that runs the batch
     batch_id: int | None = integer(default=None, lo=0, hi=MAX_CHECKPOINT_ID)
     drain: bool = flag(default=False)
+    timers: bool = flag(default=False)   # a drain that fires due timers: it begins without a backlog too
     alignment: dict[str, Any] | None = mapping(default=None, omit_none=True)
     checkpoint_id: int | None = integer(default=None, lo=0, hi=MAX_CHECKPOINT_ID)
 

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyType, decode_key
 from sparksteward.state.runner import DEFAULT_OUTPUT_ROWS, KeyedStateAccess, KeyState, _conform, _Output
-from sparksteward.state.timers import Timer, due, forget
+from sparksteward.state.timers import Timer, due, forget, next_processing
 from sparksteward.state.typed import TypedStates
 
 __all__ = ["fire", "fire_arrow", "fire_pandas"]
@@ -97,6 +97,8 @@ def fire(on_timer: Callable[..., Any], form: str, backend: RocksDBStateBackend, 
          schema: pa.Schema, counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
     """The due timers of the subtask of ``backend`` at the time of ``states``, in the function's ``form``."""
     access = KeyedStateAccess(backend, states=states)
-    if form == "arrow":
-        return fire_arrow(on_timer, access, schema, counters=counters)
-    return fire_pandas(on_timer, access, schema, counters=counters)
+    fired = fire_arrow(on_timer, access, schema, counters=counters) if form == "arrow" else \
+        fire_pandas(on_timer, access, schema, counters=counters)
+    yield from fired
+    if counters is not None:   # what the idle watcher waits for (keyed_idle.py)
+        counters["next_timer_ms"] = next_processing(backend)

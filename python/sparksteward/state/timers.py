@@ -27,7 +27,7 @@ from sparksteward.errors import StateError
 from sparksteward.state.views import StateDB, _prefix_upper
 
 __all__ = ["KIND_TIMER_BY_KEY", "KIND_TIMER_BY_TIME", "TIMER_KINDS", "TIMES", "BoundTimers", "Timer", "Timers",
-           "due", "forget", "timer_at"]
+           "due", "forget", "next_processing", "timer_at"]
 
 KIND_TIMER_BY_TIME = b"t"
 KIND_TIMER_BY_KEY = b"u"
@@ -186,6 +186,18 @@ def due(backend: StateDB, processing_ms: int, watermark_ms: int | None) -> Itera
             upper = lower + (upto + 1 + _OFFSET).to_bytes(8, "big")
             for rest, _ in backend.scan(lower, upper, len(lower)):
                 yield gb, rest[8:], Timer(time, int.from_bytes(rest[:8], "big") - _OFFSET)
+
+
+def next_processing(backend: StateDB) -> int | None:
+    """The earliest processing-time timer of the subtask (None: none): one seek per key group."""
+    first = None
+    for g in range(backend.key_groups.start, backend.key_groups.stop):
+        lower = g.to_bytes(2, "big") + KIND_TIMER_BY_TIME + _DOMAIN["processing"]
+        for rest, _ in backend.scan(lower, _prefix_upper(lower), len(lower)):
+            at = int.from_bytes(rest[:8], "big") - _OFFSET
+            first = at if first is None else min(first, at)
+            break
+    return first
 
 
 def forget(wb: Any, group: bytes, raw: bytes, timer: Timer) -> None:

@@ -49,7 +49,7 @@ def test_a_begin_reply_of_a_drain_with_nothing_to_drain_is_three_fields():
 def test_requests_carry_the_fields_the_driver_sent_before():
     begin = BeginRequest(name="s", checkpoint_id=None, batch_id=2, parallelism=4, query=None, drain=False)
     assert begin.to_wire() == {"name": "s", "parallelism": 4, "query": None, "batch_id": 2, "drain": False,
-                               "checkpoint_id": None}   # no alignment: only a caller that overrides it sends it
+                               "timers": False, "checkpoint_id": None}   # no alignment: only a caller that overrides it sends it
     commit = CommitRequest(name="s", checkpoint_id=3, wait=None)
     assert commit.to_wire() == {"name": "s", "wait": None, "checkpoint_id": 3}   # the client's timeout sees "wait"
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 from sparksteward.checkpoint.coordination.report import checkpoint_report
-from sparksteward.checkpoint.coordination.stats import LARGEST, PER_SUBTASK, SubtaskStats, summarize
+from sparksteward.checkpoint.coordination.stats import LARGEST, PER_SUBTASK, SMALLEST, SubtaskStats, summarize
 from sparksteward.checkpoint.messages import (
     AckRequest,
     OpenReply,
@@ -69,7 +69,8 @@ def unread(counters_cls: type[TaskCounters] = TaskCounters,
            stats_cls: type[SubtaskStats] = SubtaskStats) -> list[str]:
     """The fields of ``counters_cls`` (sent by the task) and of ``stats_cls`` (added by the executor
     agent) whose values do not reach the checkpoint's summed stats. Every field gets a distinct value
-    per subtask; a number arrives as the subtasks' sum, as each subtask's value, or as their maximum; a
+    per subtask; a number arrives as the subtasks' sum, as each subtask's value, or as their maximum or
+    minimum; a
     flag set on one subtask changes the summary."""
     hints = typing.get_type_hints(stats_cls) | typing.get_type_hints(counters_cls)
     names = list(dict.fromkeys([f.name for f in dataclasses.fields(counters_cls)] +
@@ -104,7 +105,7 @@ def unread(counters_cls: type[TaskCounters] = TaskCounters,
         if isinstance(a, dict):
             arrived = a in leaves or a["marker"] in leaves and b["marker"] in leaves
         else:
-            arrived = a + b in leaves or (a in leaves and b in leaves) or max(a, b) in leaves
+            arrived = a + b in leaves or (a in leaves and b in leaves) or max(a, b) in leaves or min(a, b) in leaves
         if not arrived:
             missing.append(name)
     return missing
@@ -130,6 +131,8 @@ def test_each_task_counter_is_summed_or_listed_per_subtask_under_its_own_name():
             assert got[f.name] == values, f.name
         elif f.name in LARGEST:
             assert got[f.name] == max(values), f.name
+        elif f.name in SMALLEST:
+            assert got[f.name] == min(values), f.name
         else:
             assert got[f.name] == sum(values), f.name
 

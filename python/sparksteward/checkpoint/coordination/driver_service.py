@@ -365,7 +365,7 @@ class StateService:
                     f"KeyedState object routes rows to {parallelism} subtasks: use the object returned by the "
                     f"latest st.keyed_state(...) call")
             if req.drain:
-                cid = self._drain_id(name, st)
+                cid = self._drain_id(name, st, always=req.timers)
                 if cid is None:
                     return BeginReply(checkpoint_id=None, rerun=False, unaligned=False)
                 override = AlignmentOptions(alignment=AlignmentMode.ALIGNED)
@@ -405,16 +405,16 @@ class StateService:
                           time=None if begun.time is None else BatchTime(**begun.time.to_json()),
                           states=states)
 
-    def _drain_id(self, name: str, st: RegisteredState) -> int | None:
-        """The checkpoint id of a drain (the next after the last completed one), recorded in the
-        state's drain record before it begins; None when the latest checkpoint has no backlog. Refused
-        while a checkpoint is pending. The caller holds the state's lock, so no batch begins between the
-        check and the record. A batch that failed since the last
-        completed checkpoint is re-delivered with the id after the drain's."""
+    def _drain_id(self, name: str, st: RegisteredState, always: bool = False) -> int | None:
+        """The checkpoint id of a drain (the next after the last completed one), recorded in the state's
+        drain record before it begins; None when the latest checkpoint has no backlog and not ``always``.
+        Refused while a checkpoint is pending. The caller holds the state's lock, so no batch begins
+        between the check and the record. A batch that failed since the last completed checkpoint is
+        re-delivered with the id after the drain's."""
         c = st.coordinator
         last = c.last_completed
         newest = c.latest_retained()   # one answer: a commit may subsume the checkpoint meanwhile
-        if newest is None or not any(s.channel_state for s in newest.subtasks):
+        if not always and (newest is None or not any(s.channel_state for s in newest.subtasks)):
             return None
         pending = c.pending()
         if pending:

@@ -5,8 +5,9 @@ commit's reply and the ``checkpoints`` of ``ks.info()``, from which the checkpoi
 metrics are made).
 
 Every field of :class:`~sparksteward.checkpoint.messages.TaskCounters` is summed over the subtasks under
-its own name, unless :data:`PER_SUBTASK` lists it (then its value per subtask, in subtask order) or
-:data:`LARGEST` (then the largest value reported, None if none was); the ``unaligned`` flag becomes
+its own name, unless :data:`PER_SUBTASK` lists it (then its value per subtask, in subtask order),
+:data:`LARGEST` or :data:`SMALLEST` (then the largest or smallest value reported, None if none was); the
+``unaligned`` flag becomes
 ``unaligned_subtasks``. So a new counter needs no change here.
 """
 
@@ -18,12 +19,14 @@ from typing import Any
 
 from sparksteward.checkpoint.messages import SubtaskStats, TaskCounters
 
-__all__ = ["LARGEST", "PER_SUBTASK", "SubtaskStats", "summarize"]
+__all__ = ["LARGEST", "PER_SUBTASK", "SMALLEST", "SubtaskStats", "summarize"]
 
 #: Task counters the checkpoint's stats show per subtask (a list in subtask order) instead of summed.
 PER_SUBTASK = frozenset({"entries_ingested", "ttl_sweep_ms", "open_ms", "db_open_ms"})
 #: Task counters the checkpoint's stats show as their largest value over the subtasks (None: none reported).
 LARGEST = frozenset({"max_event_ms"})
+#: ... and as their smallest.
+SMALLEST = frozenset({"next_timer_ms"})
 #: Task counters shown in their own way (``unaligned``: the ids of the subtasks that deferred rows).
 _SHOWN_APART = frozenset({"unaligned"})
 _COUNTERS = tuple(f.name for f in dataclasses.fields(TaskCounters) if f.name not in _SHOWN_APART)
@@ -41,11 +44,11 @@ def summarize(checkpoint_id: int, per_subtask: Mapping[int, SubtaskStats],
 
     whole = total("whole_files_uploaded") if any(a.whole_files_uploaded is not None for a in acks) \
         else total("files_uploaded")
-    def largest(key: str) -> int | None:
-        return max((v for a in acks if (v := getattr(a, key)) is not None), default=None)
+    def extreme(key: str, pick: Any) -> int | None:
+        return pick((v for a in acks if (v := getattr(a, key)) is not None), default=None)
 
-    counters = {name: [getattr(a, name) for a in acks] if name in PER_SUBTASK else
-                largest(name) if name in LARGEST else total(name) for name in _COUNTERS}
+    counters = {name: [getattr(a, name) for a in acks] if name in PER_SUBTASK else extreme(name, max)
+                if name in LARGEST else extreme(name, min) if name in SMALLEST else total(name) for name in _COUNTERS}
     return {"checkpoint_id": checkpoint_id, "subtasks": len(acks), "files_uploaded": total("files_uploaded"),
             "bytes_uploaded": total("bytes_uploaded"), "files_reused": total("files_reused"),
             "segments_written": total("segments_written"), "whole_files_uploaded": whole,
