@@ -11,7 +11,7 @@ ifeq ($(NEWEST_SPARK),)
 $(error no TESTED_SPARK_VERSIONS = (...) line in python/sparksteward/config.py)
 endif
 
-.PHONY: quickstart example-state example-declared lint test soak compat bench docs dist clean
+.PHONY: quickstart example-state example-declared example-sessions lint test soak compat bench docs dist clean
 .PRECIOUS: .venv-%/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -40,6 +40,9 @@ example-state: $(VENV)/.installed
 
 example-declared: $(VENV)/.installed
 	$(PY) examples/declared_states.py
+
+example-sessions: $(VENV)/.installed
+	$(PY) examples/sessions.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache .

@@ -1,4 +1,5 @@
-"""The examples run as a new user runs them (``make quickstart``, ``make example-state``, ``make example-declared``),
+"""The examples run as a new user runs them (``make quickstart``, ``make example-state``, ``make example-declared``,
+``make example-sessions``),
 each in its own process; what they print on stderr holds no INFO line of the agents (issue 21: the console
 shows WARN and above, INFO goes to the agents' log files) and no warning a new user would stop at."""
 
@@ -23,7 +24,7 @@ _WARNINGS = ("does not yet fully support pandas", "Package would be ignored", "U
 
 #: the examples this module runs: started together (each its own Spark application, HOME and state dir),
 #: so the three JVMs start side by side instead of one after the other
-EXAMPLES = ("quickstart.py", "keyed_state_stream.py", "declared_states.py")
+EXAMPLES = ("quickstart.py", "keyed_state_stream.py", "declared_states.py", "sessions.py")
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,13 @@ def test_declared_states_example(started):
     assert "refused: keyed state 'sessions': state variable 'views' cannot be read as declared" in out
     assert "views now: {'1': 'int32', '2': 'int64'}" in out
     assert "declared states example finished" in out
+
+
+def test_sessions_example(started):
+    """Issue 38 must-show 2: sessions over out-of-order and late clicks, stopped and restarted at another
+    parallelism, equal Spark's session_window over the same clicks (the example checks it, and fails if not)."""
+    out = run_example("sessions.py", started)
+    assert "first run: 5 batches at parallelism 4, 0 late clicks dropped" in out
+    assert "restarted at parallelism 2 (4 before): 4 late clicks dropped" in out
+    assert re.search(r"\d+ sessions of 12 users, equal to Spark's session_window over the same clicks; 4 late "
+                     r"clicks counted and dropped", out), out

@@ -1,9 +1,12 @@
-"""What a :class:`~sparksteward.keyed_state.KeyedState` tells about its batches beside running them: the
-report of each checkpoint it committed and the input figures a streaming query's progress can carry."""
+"""What a :class:`~sparksteward.keyed_state.KeyedState` tells about its batches beside running them: its
+checkpoints (``info``), the report of each checkpoint it committed and the input figures a streaming
+query's progress can carry."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from sparksteward.checkpoint.lifecycle_messages import CheckReply, InfoRequest
 
 __all__ = ["KeyedStateFigures"]
 
@@ -13,10 +16,42 @@ class KeyedStateFigures:
 
     name: str
     key: str
+    parallelism: int
+    max_parallelism: int
+    _registered: bool
     _reports: dict[int, dict[str, Any]]   # checkpoint id -> its report, the latest ones
 
     def _key_type_of(self, df: Any) -> str:
         raise NotImplementedError
+
+    def _check(self) -> CheckReply:
+        raise NotImplementedError
+
+    def _ask(self, request: Any) -> Any:
+        raise NotImplementedError
+
+    def info(self) -> dict[str, Any]:
+        """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
+        parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
+        its subtasks uploaded and reused, and each subtask's ``restores`` (old subtasks and files read,
+        bytes downloaded). ``backlog``: what unaligned batches deferred and no batch processed yet, in
+        the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when acked in this
+        application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints in a row
+        it grew; from 3 on, each batch warns); :meth:`drain` processes it. ``drains``: the ids drains
+        took. ``report``: the latest checkpoint's figures (:meth:`report`). ``applied``: whether a batch
+        ran in this application; before one did, what opening it will find with a ``note``."""
+        checked = None if self._registered else self._check()
+        if checked is None or checked.registered:   # applied here, by this object or another
+            return {**self._ask(InfoRequest(self.name)).to_wire(), "applied": True}
+        found = checked.to_wire()
+        last = found.get("last_completed")
+        return {**found, "applied": False, "parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
+                "pending": [], "checkpoints": [],
+                "note": f"keyed state {self.name!r} has not been applied in this application yet; "
+                        + (f"its next batch goes on from checkpoint {last} in {found['checkpoint_dir']}"
+                           if last is not None else
+                           f"restore_from: {found['restore_from']}" if found.get("restore_from") else
+                           f"it has no checkpoint in {found['checkpoint_dir']}: its first batch starts empty")}
 
     def report(self, batch_id: int | None = None, *, checkpoint_id: int | None = None) -> dict[str, Any] | None:
         """The figures of a checkpoint this object committed (the latest 100 are kept): rows in and

@@ -26,7 +26,10 @@ def arrow_schema(spark: Any, schema: Any) -> tuple[Any, Any]:
     try:
         from pyspark.sql.pandas.types import to_arrow_schema
 
-        return struct, to_arrow_schema(struct)
+        try:   # timestamps zoned as mapInArrow sends them, in the session's time zone (pyspark 4.3 asks for it)
+            return struct, to_arrow_schema(struct, timezone=spark.conf.get("spark.sql.session.timeZone", "UTC"))
+        except TypeError:   # pyspark 4.0-4.2: zoned UTC by itself
+            return struct, to_arrow_schema(struct)
     except Exception as exc:
         raise StateError(f"schema {struct.simpleString()} has no Arrow equivalent: {exc}") from exc
 

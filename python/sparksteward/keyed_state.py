@@ -87,7 +87,7 @@ from sparksteward.keyed_spark import as_ours as _as_ours
 from sparksteward.keyed_spark import check_event_column as _check_event_column
 from sparksteward.keyed_spark import streaming_query as _streaming_query
 from sparksteward.keyed_spark import task_failure as _task_failure
-from sparksteward.keyed_tasks import KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
+from sparksteward.keyed_tasks import INIT_COL, KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
 from sparksteward.wire.messages import Message
 
 __all__ = ["KeyedState"]
@@ -149,6 +149,7 @@ class KeyedState(KeyedStateFigures):
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
         self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
         self.idle_timers: IdleTimers | None = None  # the watcher of the latest process(..., idle_timers=)
+        self._initial: tuple[Any, Callable[..., Any]] | None = None   # initial_state(df, fn) until applied
         self._reports: dict[int, dict[str, Any]] = {}   # checkpoint id -> its report, the latest _REPORTS
 
     # --- driver agent ------------------------------------------------------------------------
@@ -206,29 +207,6 @@ class KeyedState(KeyedStateFigures):
                 f"int or binary")
         return _SPARK_KEY_TYPES[type_name]
 
-    def info(self) -> dict[str, Any]:
-        """Last completed, retained and pending checkpoints, the latest completed ``_metadata``, the
-        parallelism, and ``checkpoints``: per checkpoint acked in this application, the files and bytes
-        its subtasks uploaded and reused, and each subtask's ``restores`` (old subtasks and files read,
-        bytes downloaded). ``backlog``: what unaligned batches deferred and no batch processed yet, in
-        the latest completed checkpoint (``checkpoint_id``, ``bytes``, ``rows`` when acked in this
-        application, the ``subtasks`` that hold some, and ``growth``: for how many checkpoints in a row
-        it grew; from 3 on, each batch warns); :meth:`drain` processes it. ``drains``: the ids drains
-        took. ``report``: the latest checkpoint's figures (:meth:`report`). ``applied``: whether a batch
-        ran in this application; before one did, what opening it will find with a ``note``."""
-        checked = None if self._registered else self._check()
-        if checked is None or checked.registered:   # applied here, by this object or another
-            return {**self._ask(InfoRequest(self.name)).to_wire(), "applied": True}
-        found = checked.to_wire()
-        last = found.get("last_completed")
-        return {**found, "applied": False, "parallelism": self.parallelism, "max_parallelism": self.max_parallelism,
-                "pending": [], "checkpoints": [],
-                "note": f"keyed state {self.name!r} has not been applied in this application yet; "
-                        + (f"its next batch goes on from checkpoint {last} in {found['checkpoint_dir']}"
-                           if last is not None else
-                           f"restore_from: {found['restore_from']}" if found.get("restore_from") else
-                           f"it has no checkpoint in {found['checkpoint_dir']}: its first batch starts empty")}
-
     # --- the batch API -----------------------------------------------------------------------
     def apply_arrow(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None, *,
                     on_timer: Callable[..., Any] | None = None) -> Any:
@@ -241,6 +219,23 @@ class KeyedState(KeyedStateFigures):
         """``fn(key, rows: pandas.DataFrame, state)`` per key, returning a row (tuple or dict), a list of
         rows, a DataFrame or None; lazy. Then ``on_timer(key, timers, state)`` per key with due timers."""
         return self._begin_apply(df, fn, schema, checkpoint_id, "pandas", on_timer=on_timer)[0]
+
+    def initial_state(self, df: Any, fn: Callable[..., Any]) -> None:
+        """Bootstrap the state in its first batch: before that batch's input, ``fn`` runs over ``df`` (with
+        the key column) as the batch's function would (``fn(key, rows, state)``; Arrow form ``fn(keys, rows,
+        state)``), writing states and timers and returning nothing; in every attempt and delivery of the
+        batch that starts from an empty state (a failed first batch applies it again from empty), never
+        after. Refused, naming the state, once the state has a checkpoint or will restore one."""
+        checked = self._check()
+        has = checked.last_completed if checked.last_completed is not None else \
+            self.restore_from if checked.restore_from not in (None, "ignored") else None
+        if has is not None or not callable(fn) or self._key_type_of(df) != (self.key_type or self._key_type_of(df)):
+            raise StateError(f"initial_state of keyed state {self.name!r}: " + (
+                f"the state has a checkpoint already ({has}); an initial state only bootstraps a first batch. "
+                f"Drop initial_state(...) (what it wrote is in the checkpoint), or bootstrap another state name"
+                if has is not None else f"fn={fn!r} must be a function" if not callable(fn) else
+                f"its key column {self.key!r} has another type than the state's ({self.key_type})"))
+        self._initial = (df, fn)
 
     def _begin_apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str, *,
                      batch_id: int | None = None, drain: bool = False, timers: bool = False,
@@ -259,13 +254,19 @@ class KeyedState(KeyedStateFigures):
         struct, arrow_schema = _arrow_schema(df.sparkSession, schema)
         begun: BeginReply = self._ask(BeginRequest(
             name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id, parallelism=self.parallelism,
-            query=_streaming_query(df), drain=drain, timers=timers))
+            query=_streaming_query(df), drain=drain, timers=timers,   # an initial state's batch runs aligned
+            alignment={"alignment": "aligned"} if self._initial is not None and not drain else None))
         if begun.backlog_warning:
             log.warning("%s", begun.backlog_warning)
         cid = begun.checkpoint_id
         if cid is None:
             return None, None
         p = self.parallelism
+        initial = self._initial if begun.empty and not drain else None
+        input_columns = df.columns
+        if initial is not None:   # its rows first in each subtask, tagged (keyed_tasks.apply_initial)
+            df = df.withColumn(INIT_COL, F.lit(False)).unionByName(
+                initial[0].withColumn(INIT_COL, F.lit(True)), allowMissingColumns=True)
         routed = df.withColumn(ROUTE_COL, F.expr(subtask_sql(self.key, p, self.max_parallelism)))
         if begun.unaligned:   # FLIP-76: the task sorts its new input by key group (see checkpoint/unaligned/task_cut.py);
             # computed before the exchange: no node may sit between it and mapInArrow, or AQE drops the
@@ -275,6 +276,9 @@ class KeyedState(KeyedStateFigures):
             routed = routed.repartitionById(p, ROUTE_COL)
         else:
             routed = routed.withColumn(ROUTE_COL, F.expr(route_sql(ROUTE_COL, p))).repartition(p, ROUTE_COL)
+        if initial is not None:
+            routed = routed.sortWithinPartitions(F.col(INIT_COL).desc())
+            declared_initial = {"fn": initial[1], "input": input_columns, "columns": initial[0].columns}
         self.last_checkpoint_id = cid
         # the checkpoint's processing time (TTL) and watermark: chosen once by the coordinator, the same for
         # every task, attempt and delivery of it (checkpoint/begun.py)
@@ -284,6 +288,8 @@ class KeyedState(KeyedStateFigures):
         declared = {"states": self.states, "now_ms": begun.time.processing_ms, "sweep": self._sweep_max_entries,
                     "dropped": (self.states or {}).get("dropped") or [], "watermark_ms": begun.time.watermark_ms,
                     "event_time": self.event_time.to_json() if self.event_time is not None else None}
+        if initial is not None:
+            declared["initial"] = declared_initial
         task = subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared, on_timer=on_timer)
         return routed.mapInArrow(task, struct), cid
 
@@ -496,6 +502,7 @@ class KeyedState(KeyedStateFigures):
             self._reports[reply.checkpoint_id] = reply.report
             while len(self._reports) > _REPORTS:
                 del self._reports[min(self._reports)]
+        self._initial = None   # the state has a checkpoint: an initial state never applies again
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
             scope.note_checkpoint(self.name, reply.checkpoint_id, reply.path)

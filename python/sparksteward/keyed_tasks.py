@@ -36,13 +36,15 @@ import orjson
 
 from sparksteward.errors import StateError, StateFunctionError
 
-__all__ = ["KG_COL", "ROUTE_COL", "function_failure", "guarded", "read_fn", "read_table", "subtask_fn",
+__all__ = ["INIT_COL", "KG_COL", "ROUTE_COL", "apply_initial", "function_failure", "guarded", "read_fn", "read_table", "subtask_fn",
            "unaligned_input"]
 
 ROUTE_COL = "__steward_subtask"
 """The column of a batch's rows that names their subtask (the task drops it before the user function)."""
 KG_COL = "__steward_key_group"
 """Unaligned states: the column of the key group the task sorts its new input by."""
+INIT_COL = "__steward_initial"
+"""A first batch with an initial state: true on the initial state's rows, which each subtask gets first."""
 
 
 def subtask_fn(name: str, checkpoint_id: int, key: str, fn: Callable[..., Any], schema: Any,
@@ -182,15 +184,21 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             if declared.get("dropped"):
                 drop_variables(backend, declared["dropped"])
             runner = run_arrow if form == "arrow" else run_pandas
-            cleaned = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
+            cleaned: Iterator[Any] = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
 
             def propose(cut: int, overflow: bool) -> int:
                 reply: CutReply = ask(conn, TaskCutRequest(token, cut, overflow))
                 return reply.cut
 
+            initial_rows = 0
+            if declared.get("initial"):   # decision 0028: the initial state's rows come first, applied before
+                cleaned, initial_rows = apply_initial(cleaned, declared["initial"], key, backend, typed, form,
+                                                      f"keyed state {name!r}, checkpoint {checkpoint_id}, subtask "
+                                                      f"{subtask}, its initial state")
             source, writer, counters = unaligned_input(   # counters: counted as the input is read
                 opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
+            counters["initial_rows"] = initial_rows
             if declared.get("event_time"):   # decision 0028: late rows dropped or flagged, event times counted
                 source = judge(source, EventTime(**declared["event_time"]), declared.get("watermark_ms"), counters)
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
@@ -236,6 +244,41 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 ask(conn, ReleaseRequest(token))
             except Exception:  # noqa: BLE001 - the task's own error matters more
                 pass
+
+
+def apply_initial(batches: Iterator[Any], spec: dict[str, Any], key: str, backend: Any, states: Any, form: str,
+                  where: str) -> tuple[Iterator[Any], int]:
+    """Run the initial state's function over the rows tagged :data:`INIT_COL` (which come first in the
+    subtask), with its own columns, through the batch's runner; return the rest of the input with the
+    input's columns, and how many initial rows there were. The function writes state and timers and
+    returns nothing (anything else is refused)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from sparksteward.state.runner import run_arrow, run_pandas
+
+    fn = spec["fn"]
+    it = iter(batches)
+    held: list[Any] = []
+    rest: list[Any] = []
+    for batch in it:
+        n = int(pc.sum(batch.column(INIT_COL)).as_py() or 0)   # sorted: the tagged rows first
+        if n:
+            held.append(batch.slice(0, n).select(spec["columns"]))
+        if n < batch.num_rows:
+            rest.append(batch.slice(n))
+            break
+
+    def initial(first: Any, rows: Any, state: Any) -> None:
+        if fn(first, rows, state) is not None:
+            raise StateFunctionError(f"{where}: the initial state function writes state and timers and returns "
+                                     f"nothing; it returned a value")
+
+    runner = run_arrow if form == "arrow" else run_pandas
+    for _ in runner(iter(held), key, guarded(initial, form, where), backend, pa.schema([]), states=states):
+        pass
+    columns = spec["input"]
+    return (b.select(columns) for b in itertools.chain(rest, it)), sum(b.num_rows for b in held)
 
 
 class _HeldDBs:

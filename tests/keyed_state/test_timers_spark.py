@@ -198,3 +198,70 @@ def test_timers_and_the_watermark_survive_a_restart_of_the_driver_agent(cluster_
     ks.commit(2, wait=60)
     assert got == [(f"k{i}", T + 10_000 + 1000 * i) for i in range(10)]   # at T + 25 s: each fires once
     assert ks.report(checkpoint_id=2)["watermark_ms"] == T + 25_000
+
+
+def test_an_initial_state_applies_once_across_a_failed_first_batch_and_is_refused_after(cluster_spark):
+    """initial_state(df, fn) bootstraps values and timers in the first batch: the batch fails after its
+    output was written (aborted), its re-delivery starts from empty again and applies it once; after the
+    first checkpoint the call is refused by name."""
+    from sparksteward.errors import StateError
+
+    spark = cluster_spark
+    st = Steward.get(spark)
+    ks = st.keyed_state(f"tmn{uuid.uuid4().hex[:6]}", key="k", parallelism=3, max_parallelism=16)
+    history = spark.createDataFrame([(f"u{i}", i) for i in range(50)], "k string, n long")
+
+    def init(key, rows, state):
+        state.update(int(rows["n"].sum()))
+        if key in ("u3", "u4"):
+            state.timers.register(0)   # due at once: fires in the first batch
+
+    def add(key, rows, state):
+        state.update((state.get() or 0) + len(rows))
+        return pd.DataFrame({"k": [key], "what": ["row"], "at": [state.get()]})
+
+    def remind(key, timers, state):
+        return pd.DataFrame({"k": [key], "what": ["timer"], "at": [state.get()]})
+
+    ks.initial_state(history, init)
+    batch = spark.createDataFrame([("u1",), ("u3",), ("x",)], "k string")
+    first = sorted((r.k, r.what, r.at) for r in ks.apply(batch, add, OUT, 0, on_timer=remind).collect())
+    assert first == [("u1", "row", 2), ("u3", "row", 4), ("u3", "timer", 4), ("u4", "timer", 4), ("x", "row", 1)]
+    ks.abort(0)   # the sink failed
+    again = sorted((r.k, r.what, r.at) for r in ks.apply(batch, add, OUT, 0, on_timer=remind).collect())
+    ks.commit(0, wait=60)
+    assert again == first and ks.report(checkpoint_id=0)["initial_rows"] == 50
+    values = {r.key: int(r.value) for r in ks.read().collect()}
+    assert values == {**{f"u{i}": i for i in range(50)}, "u1": 2, "u3": 4, "x": 1}
+    with pytest.raises(StateError, match=r"initial_state of keyed state 'tmn\w+': the state has a checkpoint "
+                                         r"already \(0\)"):
+        ks.initial_state(history, init)
+    assert ks.apply(batch, add, OUT, 1).count() == 3   # no initial state in later batches
+    ks.commit(1, wait=60)
+    assert {r.key: int(r.value) for r in ks.read().collect()}["u1"] == 3
+
+
+@pytest.mark.compat
+def test_session_windows_emit_timestamps_through_spark(cluster_spark):
+    """sparksteward.windows on Spark: an output schema with timestamp columns (zoned as each pyspark's
+    mapInArrow wants them), sessions emitted once the watermark passes their end."""
+    from sparksteward.windows import sessions
+
+    spark = cluster_spark
+    st = Steward.get(spark)
+    s = sessions(key="k", time="ts", gap=60)
+    ks = st.keyed_state(f"tms{uuid.uuid4().hex[:6]}", key="k", parallelism=2, max_parallelism=16, event_time="ts",
+                        states=s.states)
+    first = _df(spark, [("a", T, 1), ("a", T + 30_000, 1), ("b", T + 100_000, 1)])
+    assert ks.apply(first, s.fn, s.schema, 0, on_timer=s.on_timer).collect() == []
+    ks.commit(0, wait=60)
+    rows = ks.apply(_df(spark, [("c", T + 200_000, 1)]), s.fn, s.schema, 1, on_timer=s.on_timer).collect()
+    ks.commit(1, wait=60)   # ran at watermark T + 100 s: a's session (T .. T + 90 s) is due
+    rows += ks.apply(_df(spark, []), s.fn, s.schema, 2, on_timer=s.on_timer).collect()   # at T + 200 s: b's
+    ks.commit(2, wait=60)
+    got = sorted((r.k, r.window_start, r.window_end, r.events) for r in rows)
+
+    def local(ms):   # how pyspark hands a timestamp to Python: naive, in the process's time zone
+        return dt.datetime.fromtimestamp(ms / 1000)
+
+    assert got == [("a", local(T), local(T + 90_000), 2), ("b", local(T + 100_000), local(T + 160_000), 1)]

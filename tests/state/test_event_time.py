@@ -79,6 +79,7 @@ def _meta(max_event_ms):   # advanced_watermark reads a completed record's prope
 def test_the_checkpoint_time_chooses_a_watermark_that_never_goes_back():
     assert advanced_watermark(_meta(T), 1000) == T - 1000
     assert advanced_watermark(_meta(None), 1000) is None and advanced_watermark(_meta(T), None) is None
+    assert advanced_watermark(_meta("9"), 0) is None and advanced_watermark(_meta(1 << 60), 0) is None   # hostile
     before = CheckpointTime(T, T - 500)
     chosen = CheckpointTime.choose(T / 1000 - 10, [before, None], advanced=T - 1000)   # clock and events behind
     assert chosen == CheckpointTime(T, T - 500)

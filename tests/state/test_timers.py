@@ -138,3 +138,22 @@ def test_due_timers_are_found_by_a_range_scan_not_a_scan_of_the_keys(tmp_path):
             timers.register([1, 2], [T, T, T])
     finally:
         b.close()
+
+
+def test_the_harness_bootstraps_an_initial_state_with_timers_before_the_first_batch():
+    def init(key, rows, state):
+        state.update(int(rows["n"].sum()))
+        state.timers.register(T + 1000)
+
+    def add(key, rows, state):
+        state.update((state.get() or 0) + len(rows))
+        return pd.DataFrame({"k": [key], "n": [state.get()], "at": [0]})
+
+    with KeyedStateHarness(add, key="k", schema="k string, n bigint, at bigint", time=T, on_timer=close) as h:
+        h.initial_state(pd.DataFrame({"k": ["a", "a", "b"], "n": [5, 6, 7]}), init)
+        out = h.process(pd.DataFrame({"k": ["a"]}))
+        assert out.to_dict("records") == [{"k": "a", "n": 12, "at": 0}]
+        h.advance(1)
+        assert sorted(map(tuple, h.process()[["k", "n"]].values.tolist())) == [("a", 12), ("b", 7)]
+        with pytest.raises(StateError, match="2 batches ran already"):
+            h.initial_state(pd.DataFrame({"k": ["c"], "n": [1]}), init)

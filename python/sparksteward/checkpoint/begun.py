@@ -99,7 +99,9 @@ def advanced_watermark(meta: CheckpointMetadata | None, delay_ms: int | None) ->
     if meta is None or delay_ms is None:
         return None
     seen = meta.properties.get("max_event_ms")
-    return seen - delay_ms if isinstance(seen, int) and not isinstance(seen, bool) else None
+    if not isinstance(seen, int) or isinstance(seen, bool) or not -_MAX_MS < seen - delay_ms < _MAX_MS:
+        return None   # a hand-edited record: the watermark stays where it was
+    return seen - delay_ms
 
 
 def time_of(meta: CheckpointMetadata | None) -> CheckpointTime | None:

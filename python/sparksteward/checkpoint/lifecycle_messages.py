@@ -202,8 +202,9 @@ def _batch_time(f: Fields, name: str) -> BatchTime | None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BeginReply(Message):
     """The checkpoint begun (None: a drain with no backlog, and then nothing else), whether it re-runs a
-    completed one, its alignment, the attempt's token, its processing time and watermark, the declarations its tasks
-    run with, and a warning when the unaligned backlog keeps growing."""
+    completed one, its alignment, the attempt's token, its processing time and watermark, the declarations
+    its tasks run with, whether it starts from an empty state (``empty``: no base; an initial state
+    applies there), and a warning when the unaligned backlog keeps growing."""
 
     checkpoint_id: int | None = integer(default=None)
     rerun: bool = flag(default=False)
@@ -212,6 +213,7 @@ class BeginReply(Message):
     attempt: str = text(default="", max_len=64)
     time: BatchTime | None = custom(_batch_time, lambda t: t.to_wire(), default=None)
     states: dict[str, Any] | None = mapping(default=None)
+    empty: bool = flag(default=False)
 
     def to_wire(self) -> dict[str, Any]:
         """A drain with nothing to drain answers the id (null), ``rerun`` and ``unaligned`` only."""

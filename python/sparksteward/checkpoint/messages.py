@@ -92,6 +92,7 @@ class TaskCounters(Message):
     kept_open: int = integer(default=0, lo=0)           # 1 a task that went on with the DB its worker kept (0026)
     late_rows: int = integer(default=0, lo=0)           # rows at or below the watermark (decision 0028)
     timers_fired: int = integer(default=0, lo=0)        # timers the batch fired (decision 0028)
+    initial_rows: int = integer(default=0, lo=0)        # rows of the initial state the first batch applied
     next_timer_ms: int | None = integer(default=None, omit_none=True)   # the earliest processing-time timer left
     max_event_ms: int | None = integer(default=None, omit_none=True)   # the largest event time seen (None: none)
 

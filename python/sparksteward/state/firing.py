@@ -37,20 +37,20 @@ _KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT
               KeyType.BINARY: pa.binary()}
 
 
-def _due(access: KeyedStateAccess) -> list[tuple[bytes, bytes, Timer]]:
+def _due(access: KeyedStateAccess, counters: dict[str, Any] | None) -> list[tuple[bytes, bytes, Timer]]:
+    """The subtask's due timers, collected before any callback runs, counted as ``timers_fired``."""
     states = access.states
-    if states is None:
-        return []
-    return list(due(access.backend, states.now_ms, states.watermark_ms))
+    fired = [] if states is None else list(due(access.backend, states.now_ms, states.watermark_ms))
+    if counters is not None:
+        counters["timers_fired"] = len(fired)
+    return fired
 
 
 def fire_pandas(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: pa.Schema, *,
                 max_output_rows: int = DEFAULT_OUTPUT_ROWS,
                 counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
     """``on_timer(key, timers, state)`` for every key with due timers (see the module docstring)."""
-    fired = _due(access)
-    if counters is not None:
-        counters["timers_fired"] = len(fired)
+    fired = _due(access, counters)
     if not fired:
         return
     backend: RocksDBStateBackend = access.backend
@@ -75,9 +75,7 @@ def fire_pandas(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: 
 def fire_arrow(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: pa.Schema, *,
                counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
     """``on_timer(keys, expired, state)`` once with every due timer of the subtask (see the module docstring)."""
-    fired = _due(access)
-    if counters is not None:
-        counters["timers_fired"] = len(fired)
+    fired = _due(access, counters)
     if not fired:
         return
     backend = access.backend

@@ -38,7 +38,7 @@ it and ``last_late_rows`` counts the late rows of the last batch.
 With ``on_timer``, each batch fires the timers due at its processing time and watermark after the
 input, as a task does (:mod:`sparksteward.state.firing`); ``process()`` with no rows runs a batch
 without input (timers only), ``timers(key)`` lists a key's timers and ``last_fired`` counts the last
-batch's fired timers.
+batch's fired timers. ``initial_state(rows, fn)`` bootstraps the state before the first batch's input.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class KeyedStateHarness:
         #: the late rows of the last batch (dropped, or handed over flagged)
         self.last_late_rows = 0
         self.on_timer = on_timer
+        self._initial: tuple[Any, Callable[..., Any]] | None = None
         #: the timers the last batch fired
         self.last_fired = 0
 
@@ -149,6 +150,13 @@ class KeyedStateHarness:
         return self.watermark_ms
 
     # --- batches ----------------------------------------------------------------------------------
+    def initial_state(self, rows: Any, fn: Callable[..., Any]) -> None:
+        """Run ``fn`` over ``rows`` (as the batch function: per key, or the Arrow form's once) before the
+        first batch's input, writing state and timers; refused once a batch ran."""
+        if self.batch:
+            raise StateError(f"initial_state: {self.batch} batches ran already; an initial state bootstraps the first")
+        self._initial = (_table(rows), fn)
+
     def process(self, rows: Any = None) -> Any:
         """Run one batch over ``rows`` (a pandas DataFrame, a pyarrow Table or RecordBatch, or a list
         of dicts) at the current processing time; return the output (pandas in the pandas form, a
@@ -157,6 +165,12 @@ class KeyedStateHarness:
         states = self._states()
         counters: dict[str, Any] = {}
         batches: Iterator[pa.RecordBatch] = iter(() if rows is None else _table(rows).to_batches())
+        if self._initial is not None:   # before the first batch's input, as its task does
+            table, init = self._initial
+            runner = run_arrow if self.form == "arrow" else run_pandas
+            for _ in runner(table.to_batches(), self.key, init, self._backend, pa.schema([]), states=states):
+                raise StateError("the initial state function writes state and timers and returns nothing")
+            self._initial = None
         if self.event_time is not None:
             batches = judge(batches, self.event_time, self.watermark_ms, counters)
         if self.form == "pandas":

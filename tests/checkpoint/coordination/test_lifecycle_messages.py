@@ -42,7 +42,8 @@ def test_a_begin_reply_of_a_drain_with_nothing_to_drain_is_three_fields():
     assert BeginReply(checkpoint_id=None).to_wire() == {"checkpoint_id": None, "rerun": False, "unaligned": False}
     begun = BeginReply(checkpoint_id=3, attempt="a1", time=BatchTime(1000), states={"variables": {}})
     assert begun.to_wire() == {"checkpoint_id": 3, "rerun": False, "unaligned": False, "backlog_warning": None,
-                               "attempt": "a1", "time": {"processing_ms": 1000}, "states": {"variables": {}}}
+                               "attempt": "a1", "time": {"processing_ms": 1000}, "states": {"variables": {}},
+                               "empty": False}
     assert BeginReply.from_wire(begun.to_wire()) == begun
 
 

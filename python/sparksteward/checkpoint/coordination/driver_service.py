@@ -403,7 +403,7 @@ class StateService:
         return BeginReply(checkpoint_id=cid, rerun=begun.rerun, unaligned=alignment.unaligned,
                           backlog_warning=warning, attempt=begun.attempt,
                           time=None if begun.time is None else BatchTime(**begun.time.to_json()),
-                          states=states)
+                          states=states, empty=begun.base is None)
 
     def _drain_id(self, name: str, st: RegisteredState, always: bool = False) -> int | None:
         """The checkpoint id of a drain (the next after the last completed one), recorded in the state's

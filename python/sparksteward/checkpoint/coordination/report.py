@@ -39,6 +39,7 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``kept_open``            subtasks whose task went on with the DB its Python worker kept open (no
                          restore, no open: decision 0026)
 ``late_rows``            rows at or below the watermark (dropped, or handed over flagged: decision 0028)
+``initial_rows``         rows of the initial state the first batch applied (decision 0028)
 ``timers_fired``         timers the batch fired (decision 0028); ``next_timer_ms`` the earliest
                          processing-time timer left (only when there is one: the idle watcher's cue)
 ``max_event_ms``         the largest event time the batch saw; ``watermark_ms`` the watermark it ran
@@ -120,6 +121,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
         "kept_open": int(summary.get("kept_open", 0)), "stage_runs": int(stage_runs)}
     figures["late_rows"] = int(summary.get("late_rows", 0))
     figures["timers_fired"] = int(summary.get("timers_fired", 0))
+    figures["initial_rows"] = int(summary.get("initial_rows", 0))
     figures["ttl_expired_removed"] = int(summary.get("ttl_expired_removed", 0))
     for when in ("max_event_ms", "watermark_ms", "next_timer_ms"):
         if summary.get(when) is not None:
