@@ -149,7 +149,10 @@ class KeyedState(KeyedStateFigures):
         self.last_checkpoint_id: int | None = None  # the id the latest apply began
         self.rescaled_from: int | None = None  # the latest checkpoint's parallelism, when this one differs
         self.idle_timers: IdleTimers | None = None  # the watcher of the latest process(..., idle_timers=)
-        self._initial: tuple[Any, Callable[..., Any]] | None = None   # initial_state(df, fn) until applied
+        # initial_state(df, fn): applied by every checkpoint that starts from an empty state (the first
+        # batch, and its re-run after the commit, which must give the same rows)
+        self._initial: tuple[Any, Callable[..., Any]] | None = None
+        self._initial_first = False   # until a commit: the batches that may apply it run aligned
         self._reports: dict[int, dict[str, Any]] = {}   # checkpoint id -> its report, the latest _REPORTS
 
     # --- driver agent ------------------------------------------------------------------------
@@ -225,7 +228,8 @@ class KeyedState(KeyedStateFigures):
         the key column) as the batch's function would (``fn(key, rows, state)``; Arrow form ``fn(keys, rows,
         state)``), writing states and timers and returning nothing; in every attempt and delivery of the
         batch that starts from an empty state (a failed first batch applies it again from empty), never
-        after. Refused, naming the state, once the state has a checkpoint or will restore one."""
+        after. Refused, naming the state, once the state has a checkpoint or will restore one (a query's
+        restart: ``if ks.info()["last_completed"] is None: ks.initial_state(...)``)."""
         checked = self._check()
         has = checked.last_completed if checked.last_completed is not None else \
             self.restore_from if checked.restore_from not in (None, "ignored") else None
@@ -235,7 +239,7 @@ class KeyedState(KeyedStateFigures):
                 f"Drop initial_state(...) (what it wrote is in the checkpoint), or bootstrap another state name"
                 if has is not None else f"fn={fn!r} must be a function" if not callable(fn) else
                 f"its key column {self.key!r} has another type than the state's ({self.key_type})"))
-        self._initial = (df, fn)
+        self._initial, self._initial_first = (df, fn), True
 
     def _begin_apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None, form: str, *,
                      batch_id: int | None = None, drain: bool = False, timers: bool = False,
@@ -255,7 +259,7 @@ class KeyedState(KeyedStateFigures):
         begun: BeginReply = self._ask(BeginRequest(
             name=self.name, checkpoint_id=checkpoint_id, batch_id=batch_id, parallelism=self.parallelism,
             query=_streaming_query(df), drain=drain, timers=timers,   # an initial state's batch runs aligned
-            alignment={"alignment": "aligned"} if self._initial is not None and not drain else None))
+            alignment={"alignment": "aligned"} if self._initial_first and not drain else None))
         if begun.backlog_warning:
             log.warning("%s", begun.backlog_warning)
         cid = begun.checkpoint_id
@@ -502,7 +506,7 @@ class KeyedState(KeyedStateFigures):
             self._reports[reply.checkpoint_id] = reply.report
             while len(self._reports) > _REPORTS:
                 del self._reports[min(self._reports)]
-        self._initial = None   # the state has a checkpoint: an initial state never applies again
+        self._initial_first = False   # the state has a checkpoint: later batches run as configured
         scope = self._st.current_scope()
         if scope is not None:  # FLIP-194: the job's result keeps its final checkpoint of this state
             scope.note_checkpoint(self.name, reply.checkpoint_id, reply.path)

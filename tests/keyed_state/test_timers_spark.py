@@ -202,8 +202,8 @@ def test_timers_and_the_watermark_survive_a_restart_of_the_driver_agent(cluster_
 
 def test_an_initial_state_applies_once_across_a_failed_first_batch_and_is_refused_after(cluster_spark):
     """initial_state(df, fn) bootstraps values and timers in the first batch: the batch fails after its
-    output was written (aborted), its re-delivery starts from empty again and applies it once; after the
-    first checkpoint the call is refused by name."""
+    output was written (aborted), its re-delivery starts from empty again and applies it once, as does a
+    re-run after the commit (the same rows); after the first checkpoint the call is refused by name."""
     from sparksteward.errors import StateError
 
     spark = cluster_spark
@@ -231,6 +231,9 @@ def test_an_initial_state_applies_once_across_a_failed_first_batch_and_is_refuse
     again = sorted((r.k, r.what, r.at) for r in ks.apply(batch, add, OUT, 0, on_timer=remind).collect())
     ks.commit(0, wait=60)
     assert again == first and ks.report(checkpoint_id=0)["initial_rows"] == 50
+    rerun = sorted((r.k, r.what, r.at) for r in ks.apply(batch, add, OUT, 0, on_timer=remind).collect())
+    ks.commit(0, wait=60)   # the driver died after the commit: the re-run from empty applies it again
+    assert rerun == first
     values = {r.key: int(r.value) for r in ks.read().collect()}
     assert values == {**{f"u{i}": i for i in range(50)}, "u1": 2, "u3": 4, "x": 1}
     with pytest.raises(StateError, match=r"initial_state of keyed state 'tmn\w+': the state has a checkpoint "
