@@ -85,7 +85,7 @@ def test_a_second_action_and_a_rescale_and_back_in_one_application_stay_exact(sp
     chk = str(root / "chk-rescale")
     ks = st.keyed_state("keep-rescale", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=chk)
     source = make_batches(12, count=3)
-    batches = [source[i % 3].assign(v=source[i % 3]["v"] + i) for i in range(9)]
+    batches = [source[i % 3].assign(v=source[i % 3]["v"] + i) for i in range(12)]
     applied: list[pd.DataFrame] = []
     run_batches(spark, ks, batches[:2], 0, applied)
     # checkpoint 2 computed by two actions before its commit: both start from checkpoint 1, the second
@@ -102,9 +102,10 @@ def test_a_second_action_and_a_rescale_and_back_in_one_application_stay_exact(sp
     run_batches(spark, ks, batches[4:6], 4, applied)
     assert state_of(ks) == reference(applied)
     ks = st.keyed_state("keep-rescale", key="k", parallelism=4, max_parallelism=32, checkpoint_dir=chk)
-    run_batches(spark, ks, batches[6:9], 6, applied)
+    run_batches(spark, ks, batches[6:12], 6, applied)
     assert state_of(ks) == reference(applied)
-    assert kept(ks, (7, 8)) > 0, "no task went on with a kept DB after the rescale back"
+    # where a task runs is Spark's choice (about half land where their DB is): over 20 tasks, some do
+    assert kept(ks, range(7, 12)) > 0, "no task went on with a kept DB after the rescale back"
 
 
 def _executor_pid() -> int:
