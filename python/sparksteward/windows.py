@@ -24,7 +24,8 @@ from typing import Any
 
 import pandas as pd
 
-from sparksteward.state.declared import StateSpec, map_state
+from sparksteward.errors import StateError
+from sparksteward.state.declared import StateSpec, duration_ms, map_state
 
 __all__ = ["Windowing", "sessions", "windows"]
 
@@ -39,8 +40,11 @@ class Windowing:
     states: list[StateSpec]
 
 
-def _ms(value: dt.timedelta | float) -> int:
-    return round((value.total_seconds() if isinstance(value, dt.timedelta) else float(value)) * 1000)
+def _ms(value: dt.timedelta | float, what: str, *, positive: bool = True) -> int:
+    ms = duration_ms(value, what)
+    if ms < (1 if positive else 0):
+        raise StateError(f"{what}={value!r} must be {'positive' if positive else 'at least 0'}")
+    return ms
 
 
 def _event_ms(rows: pd.DataFrame, time: str) -> list[int]:
@@ -67,7 +71,7 @@ def sessions(*, key: str, time: str, gap: dt.timedelta | float, allowed_lateness
     """Session windows: a key's events less than ``gap`` apart are one session (``gap``: seconds or a
     timedelta). Open sessions live in a map state (start -> last event, events) with one event-time
     timer each, at the session's end plus ``allowed_lateness``."""
-    gap_ms, late_ms = _ms(gap), _ms(allowed_lateness)
+    gap_ms, late_ms = _ms(gap, "gap"), _ms(allowed_lateness, "allowed_lateness", positive=False)
 
     def fn(k: Any, rows: pd.DataFrame, state: Any) -> None:
         open_ = state.map("sessions")
@@ -105,8 +109,8 @@ def windows(*, key: str, time: str, size: dt.timedelta | float, slide: dt.timede
     """Tumbling (``slide`` None) or sliding windows of ``size`` starting every ``slide`` (aligned to the
     epoch, as Spark's ``window``): a map state of window start -> events, and one event-time timer per
     open window at its end plus ``allowed_lateness``."""
-    size_ms, late_ms = _ms(size), _ms(allowed_lateness)
-    slide_ms = size_ms if slide is None else _ms(slide)
+    size_ms, late_ms = _ms(size, "size"), _ms(allowed_lateness, "allowed_lateness", positive=False)
+    slide_ms = size_ms if slide is None else _ms(slide, "slide")
 
     def fn(k: Any, rows: pd.DataFrame, state: Any) -> None:
         counts = state.map("windows")

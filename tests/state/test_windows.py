@@ -83,3 +83,15 @@ def test_tumbling_and_sliding_windows_equal_the_batch_counts():
                 expected[(k, start, start + size * MIN)] = expected.get((k, start, start + size * MIN), 0) + 1
                 start -= step
         assert _run(w, events, 10 * MIN, parts) == sorted((k, s, e, n) for (k, s, e), n in expected.items())
+
+
+def test_bad_durations_are_refused_by_name():
+    import pytest
+    from sparksteward.errors import StateError
+
+    with pytest.raises(StateError, match="gap='30m' must be seconds"):
+        sessions(key="k", time="ts", gap="30m")
+    with pytest.raises(StateError, match="size=0 must be positive"):
+        windows(key="k", time="ts", size=0)
+    with pytest.raises(StateError, match="allowed_lateness=-1 must be at least 0"):
+        windows(key="k", time="ts", size=60, allowed_lateness=-1)

@@ -278,16 +278,20 @@ class StateSpec:
             raise StateSchemaError(f"state declaration {reprlib.repr(dict(d))} is malformed: {exc}") from None
 
 
+def duration_ms(value: Any, what: str) -> int:
+    """A duration given as seconds (a number) or a ``timedelta``, in ms; ``what`` names it in the error
+    (``ttl=...`` of a variable, ``watermark_delay=...``, a window's ``size=...``)."""
+    if isinstance(value, dt.timedelta):
+        return round(value.total_seconds() * 1000)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return round(float(value) * 1000)
+    raise StateSchemaError(f"{what}={value!r} must be seconds (a number) or a timedelta")
+
+
 def _ttl_ms(ttl: float | dt.timedelta | None, name: str) -> int | None:
     if ttl is None:
         return None
-    if isinstance(ttl, dt.timedelta):
-        seconds = ttl.total_seconds()
-    elif isinstance(ttl, (int, float)) and not isinstance(ttl, bool):
-        seconds = float(ttl)
-    else:
-        raise StateSchemaError(f"state variable {name!r}: ttl={ttl!r} must be seconds (a number) or a timedelta")
-    ms = round(seconds * 1000)
+    ms = duration_ms(ttl, f"state variable {name!r}: ttl")
     if ms <= 0:
         raise StateSchemaError(f"state variable {name!r}: ttl={ttl!r} must be positive (or None for no TTL)")
     return ms

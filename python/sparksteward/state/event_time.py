@@ -16,7 +16,6 @@ that processes them.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparksteward.errors import StateEncodingError, StateError
+from sparksteward.state.declared import duration_ms
 
 __all__ = ["LATE_COLUMN", "LATE_MODES", "EventTime", "event_ms", "judge"]
 
@@ -47,18 +47,13 @@ class EventTime:
         """Check ``keyed_state(event_time=, watermark_delay=, late=)``: ``delay`` is seconds or a timedelta."""
         if not isinstance(column, str) or not 0 < len(column) <= 1000:
             raise StateError(f"event_time={column!r} must name the event-time column of the input")
-        if isinstance(delay, dt.timedelta):
-            seconds = delay.total_seconds()
-        elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-            seconds = float(delay)
-        else:
-            raise StateError(f"watermark_delay={delay!r} must be seconds (a number) or a timedelta")
-        if not 0 <= seconds * 1000 <= _MAX_DELAY_MS:
+        delay_ms = duration_ms(delay, "watermark_delay")
+        if not 0 <= delay_ms <= _MAX_DELAY_MS:
             raise StateError(f"watermark_delay={delay!r} must be between 0 and 100 years")
         if late not in LATE_MODES:
             raise StateError(f"late={late!r} must be 'drop' (late rows are dropped and counted) or 'keep' (handed "
                              f"to the function with a boolean {LATE_COLUMN!r} column)")
-        return cls(column, round(seconds * 1000), late)
+        return cls(column, delay_ms, late)
 
     def to_json(self) -> dict[str, Any]:
         return {"column": self.column, "delay_ms": self.delay_ms, "late": self.late}

@@ -86,7 +86,6 @@ class Timers:
     def __init__(self, backend: StateDB, event_time: bool = False) -> None:
         self.backend = backend
         self.event_time = event_time
-        self.registered = 0
 
     def bind(self, key: object) -> BoundTimers:
         return BoundTimers(self, key)
@@ -133,7 +132,6 @@ class Timers:
             else:
                 wb.put(_by_time(group, domain, ms, raw), b"")
                 wb.put(by_key, b"")
-                self.registered += 1
         self.backend.store.write(wb)
 
     def _list_one(self, key: object) -> list[Timer]:
