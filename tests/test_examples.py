@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sparksteward.jar import _cache_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -22,40 +23,58 @@ _OUR_LINE = re.compile(r"^\S+ \S+ (DEBUG|INFO) sparksteward[.\w]*: ", re.MULTILI
 _WARNINGS = ("does not yet fully support pandas", "Package would be ignored", "UserWarning")
 
 
-#: the examples this module runs: started together (each its own Spark application, HOME and state dir),
-#: so the three JVMs start side by side instead of one after the other
-EXAMPLES = ("quickstart.py", "keyed_state_stream.py", "declared_states.py", "sessions.py")
+#: the examples ``make test`` runs: started together (each its own Spark application, HOME and state dir),
+#: so the three JVMs start side by side instead of one after the other; ``sessions.py`` runs alone in the soak
+EXAMPLES = ("quickstart.py", "keyed_state_stream.py", "declared_states.py")
+
+
+class Example:
+    """``examples/<name>`` running in a process of its own, its default state dir (``~/.local/state``) under
+    ``home``, its stdout and stderr going to files there: with pipes, an example nobody reads yet would block
+    on a full pipe (64 KiB of Spark's progress bars) and the three would run one after the other."""
+
+    def __init__(self, name: str, home: Path) -> None:
+        self.name, self.out, self.err = name, home / "stdout.txt", home / "stderr.txt"
+        # the shim jar from this run's cache (built once, under its lock): three scalacs at once were most of
+        # the module's two minutes; tests/shim/test_build.py builds it the way a first run does
+        env = {**os.environ, "HOME": str(home), "SPARK_STEWARD_JAR_CACHE": str(_cache_dir())}
+        env.pop("SPARK_STEWARD_LOG_LEVEL", None)
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env,
+                                         stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+
+    def finish(self) -> str:
+        """Wait for it; check it exits 0 and that stderr has none of our INFO lines and none of the warnings
+        above; return its stdout."""
+        try:
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"{self.name} did not finish in 300 s:\n{self.err.read_text()[-4000:]}")
+        err = self.err.read_text()
+        assert self.proc.returncode == 0, err[-4000:]
+        assert not _OUR_LINE.findall(err), err[-4000:]
+        assert not [w for w in _WARNINGS if w in err], err[-4000:]
+        return self.out.read_text()
 
 
 @pytest.fixture(scope="module")
-def started(tmp_path_factory):
-    """Each example's process, started at once with its default state dir (``~/.local/state``) in a tmp dir."""
-    procs = {}
-    for name in EXAMPLES:
-        env = {**os.environ, "HOME": str(tmp_path_factory.mktemp(name.removesuffix(".py")))}
-        env.pop("SPARK_STEWARD_LOG_LEVEL", None)
-        procs[name] = subprocess.Popen([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+def started(request, tmp_path_factory):
+    """The examples this session selects, started at once (a soak-only run starts none of the three)."""
+    selected = {item.name for item in request.session.items}
+    examples = {name: Example(name, tmp_path_factory.mktemp(name.removesuffix(".py"))) for name in EXAMPLES
+                if f"test_{name.removesuffix('.py')}_example" in selected}
+    yield examples
+    for example in examples.values():
+        if example.proc.poll() is None:
+            example.proc.kill()
+            example.proc.wait()
 
 
-def run_example(name: str, started: dict[str, subprocess.Popen[str]]) -> str:
-    """Wait for ``examples/<name>``; check it exits 0 and that stderr has none of our INFO lines and none of
-    the warnings above; return its stdout."""
-    try:
-        out, err = started[name].communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        started[name].kill()
-        out, err = started[name].communicate()
-        pytest.fail(f"{name} did not finish in 300 s:\n{err[-4000:]}")
-    assert started[name].returncode == 0, err[-4000:]
-    assert not _OUR_LINE.findall(err), err[-4000:]
-    assert not [w for w in _WARNINGS if w in err], err[-4000:]
-    return out
+def run_example(name: str, started: dict[str, Example]) -> str:
+    """The stdout of ``examples/<name>``, started by the fixture, once it has finished cleanly."""
+    return started[name].finish()
 
 
 def test_quickstart_example(started):
@@ -85,10 +104,11 @@ def test_declared_states_example(started):
     assert "declared states example finished" in out
 
 
-def test_sessions_example(started):
+@pytest.mark.soak   # about a minute of its own: make soak runs it, after the suite (which must stay under 20 min)
+def test_sessions_example(tmp_path):
     """Issue 38 must-show 2: sessions over out-of-order and late clicks, stopped and restarted at another
     parallelism, equal Spark's session_window over the same clicks (the example checks it, and fails if not)."""
-    out = run_example("sessions.py", started)
+    out = Example("sessions.py", tmp_path).finish()
     assert "first run: 5 batches at parallelism 4, 0 late clicks dropped" in out
     assert "restarted at parallelism 2 (4 before): 4 late clicks dropped" in out
     assert re.search(r"\d+ sessions of 12 users, equal to Spark's session_window over the same clicks; 4 late "

@@ -76,7 +76,7 @@ from tests.helpers import MARKER, REPO, agent_processes, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.cluster]
 
-BATCHES = int(os.environ.get("STEWARD_NEMESIS_BATCHES", "44"))   # input files (then the final drain); fewer: a try-out
+BATCHES = int(os.environ.get("STEWARD_NEMESIS_BATCHES", "34"))   # input files (then the final drain); fewer: a try-out
 ROWS, KEYS = 30, 40          # rows per batch, keys (skewed: a few hot, many rare)
 M = 16
 PARALLELISMS = (2, 3, 4)

@@ -131,6 +131,7 @@ def test_sink_raises_after_the_state_stage(spark, dirs, clean):
     assert state_of(ks) == clean
 
 
+@pytest.mark.soak   # 50 s of a real executor JVM kill and its replacement: make soak runs it, after the suite
 def test_executor_jvm_sigkilled_during_a_batch(spark, dirs, clean):
     ks = keyed(spark, "executor", dirs)
     hook = dirs / "hook"

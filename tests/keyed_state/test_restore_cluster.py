@@ -27,7 +27,6 @@ def spark(s3, tmp_path_factory):
     wait_until(lambda: not agent_processes(), timeout=20, what="agents to exit after spark.stop()")
 
 
-@pytest.mark.compat
 def test_no_claim_restore_on_a_cluster(spark, s3):
     st = Steward.get(spark)
     batches = make_batches(23, count=4, rows=400, keys=60)

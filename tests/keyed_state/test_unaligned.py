@@ -62,7 +62,6 @@ def test_deferred_input_is_replayed_and_counted_exactly_once(spark, st, dirs):
     assert state_of(ks) == reference(batches)
 
 
-@pytest.mark.compat
 def test_rescale_8_to_3_with_pending_channel_state_reroutes_by_key_group(spark, st, dirs):
     """Must-show 3: 8 -> 3 -> 5 while channel state is pending: replayed rows go to the subtask that
     owns their key group now, filtered while re-persisted, so the channel state after two rescales
