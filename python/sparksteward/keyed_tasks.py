@@ -214,7 +214,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 yield out
             swept = sweep_both(typed, checkpoint_id, int(declared.get("sweep") or 100_000))
             if swept is not None:
-                counters.update(ttl_expired_removed=swept.deleted, ttl_sweep_ms=int(swept.ms))
+                counters.update(ttl_expired_removed=swept.deleted, ttl_sweep_ms=int(swept.ms),
+                                ttl_timers_dropped=swept.timers_dropped)
             channel = writer.close() if writer is not None else None
             writer = None
             counters["entries_estimate"] = backend.db.property_int_value("rocksdb.estimate-num-keys") or 0

@@ -157,3 +157,32 @@ def test_the_harness_bootstraps_an_initial_state_with_timers_before_the_first_ba
         assert sorted(map(tuple, h.process()[["k", "n"]].values.tolist())) == [("a", 12), ("b", 7)]
         with pytest.raises(StateError, match="2 batches ran already"):
             h.initial_state(pd.DataFrame({"k": ["c"], "n": [1]}), init)
+
+
+def test_a_key_whose_state_ttl_expires_loses_its_timers_but_a_timer_due_first_fires():
+    """Issue 38: timers are dropped with their key when TTL expires it. ``a`` expires with a timer an hour
+    away (dropped, never fires); ``b``'s timer is due in the batch its state expires in (it fires first,
+    then goes); ``c`` also has a variable without TTL, so it keeps its timer."""
+    states = [value_state("seen", "bigint", ttl=60), value_state("forever", "bigint")]
+
+    def arm(key, rows, state):
+        state.value("seen").update(len(rows))
+        if key == "c":
+            state.value("forever").update(1)
+        state.timers.register(state.processing_time_ms + (90_000 if key == "b" else 3_600_000))
+
+    def fired(key, timers, state):
+        return pd.DataFrame({"k": [key], "at": [timers[0].at]})
+
+    with KeyedStateHarness(arm, key="k", schema="k string, at bigint", states=states, time=T,
+                           on_timer=fired) as h:
+        h.process(pd.DataFrame({"k": ["a", "b", "c"]}))
+        h.advance(dt.timedelta(seconds=30))
+        assert h.process().empty and h.last_sweep.timers_dropped == 0   # nothing expired yet
+        h.advance(dt.timedelta(seconds=70))   # T + 100 s: all three 'seen' expired, b's timer (T + 90 s) due
+        assert h.process().to_dict("records") == [{"k": "b", "at": T + 90_000}]
+        assert h.last_sweep.deleted == 3 and h.last_sweep.timers_dropped == 1   # a's; b's fired already
+        assert h.timers("a") == [] and h.timers("b") == []
+        assert h.timers("c") == [Timer("processing", T + 3_600_000)]
+        h.advance(dt.timedelta(hours=1))
+        assert h.process().to_dict("records") == [{"k": "c", "at": T + 3_600_000}]   # a fires nothing

@@ -83,6 +83,7 @@ class TaskCounters(Message):
     wal_bytes: int = integer(default=0, lo=0)           # the WAL the open replayed
     ttl_expired_removed: int = integer(default=0, lo=0)  # expired state entries the TTL sweep removed
     ttl_sweep_ms: int = integer(default=0, lo=0)        # the time of that sweep
+    ttl_timers_dropped: int = integer(default=0, lo=0)  # timers of keys whose every entry expired (0028)
     rows_out: int = integer(default=0, lo=0)            # rows the state function returned
     keys_touched: int = integer(default=0, lo=0)        # distinct keys of the rows processed
     entries_estimate: int = integer(default=0, lo=0)    # RocksDB's estimate-num-keys at the sync phase

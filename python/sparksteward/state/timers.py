@@ -27,7 +27,7 @@ from sparksteward.errors import StateError
 from sparksteward.state.views import StateDB, _prefix_upper
 
 __all__ = ["KIND_TIMER_BY_KEY", "KIND_TIMER_BY_TIME", "TIMER_KINDS", "TIMES", "BoundTimers", "Timer", "Timers",
-           "due", "forget", "next_processing", "timer_at"]
+           "drop_key", "due", "forget", "has_timers", "next_processing", "timer_at"]
 
 KIND_TIMER_BY_TIME = b"t"
 KIND_TIMER_BY_KEY = b"u"
@@ -203,3 +203,20 @@ def forget(wb: Any, group: bytes, raw: bytes, timer: Timer) -> None:
     domain = _DOMAIN[timer.time]
     wb.delete(_by_time(group, domain, timer.at, raw))
     wb.delete(_by_key_prefix(group, raw) + domain + (timer.at + _OFFSET).to_bytes(8, "big"))
+
+
+def has_timers(backend: StateDB, group: bytes, raw: bytes) -> bool:
+    """Whether the key ``raw`` of key group ``group`` has a timer (one seek)."""
+    prefix = _by_key_prefix(group, raw)
+    return any(True for _ in backend.scan(prefix, _prefix_upper(prefix), len(prefix)))
+
+
+def drop_key(backend: StateDB, wb: Any, group: bytes, raw: bytes) -> int:
+    """Delete every timer of one key (both entries of each) in ``wb``: its state expired (TTL, decision
+    0028). Returns how many."""
+    prefix = _by_key_prefix(group, raw)
+    n = 0
+    for rest, _ in backend.scan(prefix, _prefix_upper(prefix), len(prefix)):
+        forget(wb, group, raw, Timer(_TIME_OF[rest[:1]], int.from_bytes(rest[1:9], "big") - _OFFSET))
+        n += 1
+    return n

@@ -30,7 +30,8 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
 ``sync_ms``              the sync phase (close the DB, link its files), slowest subtask
 ``async_ms``             the async phase (upload or merge, until the ack), slowest subtask
 ``ttl_sweep_ms``         the sweep of expired state entries (state TTL), slowest subtask;
-                         ``ttl_expired_removed`` the entries it removed
+                         ``ttl_expired_removed`` the entries it removed, ``ttl_timers_dropped``
+                         the timers of keys whose every entry it removed
 ``commit_ms``            completing: writing ``_metadata`` and subsuming
 ``duration_ms``          from the driver's begin to the written ``_metadata`` (the whole batch)
 ``restore_ms``           the slowest subtask's restore of its base; ``rescale_ms`` the same for a
@@ -123,6 +124,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
     figures["timers_fired"] = int(summary.get("timers_fired", 0))
     figures["initial_rows"] = int(summary.get("initial_rows", 0))
     figures["ttl_expired_removed"] = int(summary.get("ttl_expired_removed", 0))
+    figures["ttl_timers_dropped"] = int(summary.get("ttl_timers_dropped", 0))
     for when in ("max_event_ms", "watermark_ms", "next_timer_ms"):
         if summary.get(when) is not None:
             figures[when] = int(summary[when])

@@ -14,6 +14,11 @@ written, and it has expired once that clock reaches it. Until a state has a wate
 entry is stamped by the processing time (it lives at least its TTL) and nothing of it expires. The
 two clocks have two indexes (kinds ``x`` and ``y``), each swept by its own clock.
 
+**Timers go with their key.** A key whose every declared entry the sweep has removed has expired as a
+whole: its timers (:mod:`sparksteward.state.timers`) are deleted in the same sweep, so a key that TTL
+forgot fires nothing later. The sweep runs after the batch's due timers fired, so a timer due in the
+batch fires first; a key with a variable without TTL, or an entry not yet swept, keeps its timers.
+
 **Dropped variables.** :func:`drop_variables` deletes a dropped variable's entries
 (``delete_states``) and its expiry-index keys.
 """
@@ -27,8 +32,9 @@ from typing import Any
 
 import rocksdict
 
-from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE
+from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, key_prefix, split_key
 from sparksteward.state.rows import expired, expiry_of
+from sparksteward.state.timers import drop_key, has_timers
 from sparksteward.state.views import StateDB, _prefix_upper, state_middle
 
 __all__ = ["EXPIRY_KINDS", "KIND_EXPIRY", "KIND_EXPIRY_EVENT", "SweepStats", "drop_variables", "index_expiry",
@@ -69,14 +75,17 @@ class SweepStats:
     stale: int          # index keys whose entry had been written again (or removed) since
     more: bool          # the budget ran out before everything expired was swept
     ms: float
+    timers_dropped: int = 0   # timers of keys whose every entry expired (they go with their key)
 
 
 def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries: int = 100_000,
-                  max_ms: float = 200.0, kind: bytes = KIND_EXPIRY) -> SweepStats:
+                  max_ms: float = 200.0, kind: bytes = KIND_EXPIRY,
+                  gone: set[tuple[bytes, bytes]] | None = None) -> SweepStats:
     """Remove what expired at or before ``now_ms`` in the backend's key groups, through the expiry
     index ``kind`` (whose clock ``now_ms`` is), within ``max_entries`` index keys and about ``max_ms``.
     Key groups are visited from the ``start``-th on (rotate it per batch so that a spent budget does
-    not always favour the first)."""
+    not always favour the first). ``gone`` collects ``(group, raw key)`` of the keys an entry was
+    removed of."""
     began = time.perf_counter()
     db = backend.db
     groups = list(range(backend.key_groups.start, backend.key_groups.stop))
@@ -108,6 +117,8 @@ def sweep_expired(backend: StateDB, now_ms: int, *, start: int = 0, max_entries:
                         ik[3:3 + _EXPIRY_LEN], "big"):
                     wb.delete(entry)
                     deleted += 1
+                    if gone is not None:
+                        gone.add((gb, split_key(entry)[3]))
                 else:
                     stale += 1
                 wb.delete(ik)
@@ -130,13 +141,38 @@ def sweep_both(states: Any, start: int, max_entries: int = 100_000) -> SweepStat
     if not specs:
         return None
     runs = []
+    gone: set[tuple[bytes, bytes]] = set()
     if any(s.ttl_time != "event" for s in specs):
-        runs.append(sweep_expired(states.backend, states.now_ms, start=start, max_entries=max_entries))
+        runs.append(sweep_expired(states.backend, states.now_ms, start=start, max_entries=max_entries, gone=gone))
     if any(s.ttl_time == "event" for s in specs) and states.watermark_ms is not None:
         runs.append(sweep_expired(states.backend, states.watermark_ms, start=start, max_entries=max_entries,
-                                  kind=KIND_EXPIRY_EVENT))
+                                  kind=KIND_EXPIRY_EVENT, gone=gone))
+    dropped = _drop_timers_of_expired(states, gone)
     return SweepStats(sum(r.deleted for r in runs), sum(r.stale for r in runs), any(r.more for r in runs),
-                      sum(r.ms for r in runs))
+                      sum(r.ms for r in runs), dropped)
+
+
+_KIND_OF = {"value": KIND_VALUE, "list": KIND_LIST, "map": KIND_MAP}
+
+
+def _drop_timers_of_expired(states: Any, gone: set[tuple[bytes, bytes]]) -> int:
+    """Delete the timers of the keys in ``gone`` that have no declared entry left (one seek for a key
+    without timers, one more per variable for a key with some)."""
+    backend = states.backend
+    kinds = [(_KIND_OF[v.spec.kind], v.spec.name) for v in states.variables.values()]
+    wb = rocksdict.WriteBatch(raw_mode=True)
+    dropped = 0
+    for group, raw in sorted(gone):
+        if not has_timers(backend, group, raw):
+            continue
+        g = int.from_bytes(group, "big")
+        if any(True for kind, name in kinds for prefix in [key_prefix(g, kind, name, raw)]
+               for _ in backend.scan(prefix, _prefix_upper(prefix), 0)):
+            continue
+        dropped += drop_key(backend, wb, group, raw)
+    if not wb.is_empty():
+        backend.db.write(wb)
+    return dropped
 
 
 def drop_variables(backend: StateDB, names: Iterable[str]) -> int:
