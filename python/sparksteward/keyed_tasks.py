@@ -134,7 +134,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
         UploadRequest,
     )
     from sparksteward.state.backend import RocksDBStateBackend
-    from sparksteward.state.event_time import EventTime, judge
+    from sparksteward.state.event_time import EventTime
     from sparksteward.state.firing import fire
     from sparksteward.state.keygroups import key_group_range
     from sparksteward.state.runner import run_arrow, run_pandas
@@ -195,12 +195,15 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 cleaned, initial_rows = apply_initial(cleaned, declared["initial"], key, backend, typed, form,
                                                       f"keyed state {name!r}, checkpoint {checkpoint_id}, subtask "
                                                       f"{subtask}, its initial state")
-            source, writer, counters = unaligned_input(   # counters: counted as the input is read
+            counters: dict[str, Any] = {"initial_rows": initial_rows}   # counted as the input is read
+            event = EventTime(**declared["event_time"]) if declared.get("event_time") else None
+            if event is not None:   # decision 0028: late rows dropped or flagged, event times counted, as they
+                # arrive: a row a cut defers is judged by this batch's watermark, never again when replayed
+                cleaned = _judged(cleaned, event, declared.get("watermark_ms"), counters)
+            source, writer, _ = unaligned_input(
                 opened.to_wire(), cleaned, key, kg, m, propose,
-                f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}")
-            counters["initial_rows"] = initial_rows
-            if declared.get("event_time"):   # decision 0028: late rows dropped or flagged, event times counted
-                source = judge(source, EventTime(**declared["event_time"]), declared.get("watermark_ms"), counters)
+                f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}", counters=counters,
+                late_flag=event is not None and event.late == "keep")
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
                 options: dict[str, Any] = {
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
@@ -366,14 +369,42 @@ def _pandas_options(ctx: Any, key_group_ordered: bool) -> dict[str, Any]:
             "key_group_ordered": key_group_ordered}
 
 
+def _judged(batches: Iterator[Any], event: Any, watermark_ms: int | None, counters: dict[str, Any]) -> Iterator[Any]:
+    """The new input judged by the batch's watermark (:func:`~sparksteward.state.event_time.judge`), before
+    the cut; a late flag goes before the key-group column, where a replayed row has it."""
+    from sparksteward.state.event_time import judge
+
+    for b in judge(batches, event, watermark_ms, counters):
+        if KG_COL in b.schema.names and b.schema.names[-1] != KG_COL:
+            i = b.schema.get_field_index(KG_COL)
+            b = b.drop_columns([KG_COL]).append_column(b.schema.field(i), b.column(i))
+        yield b
+
+
+def _flagged(replayed: Iterator[Any]) -> Iterator[Any]:
+    """Replayed rows with a late flag (False): channel state written before the judging moved before the cut."""
+    import pyarrow as pa
+
+    from sparksteward.state.event_time import LATE_COLUMN
+
+    for b in replayed:
+        if LATE_COLUMN not in b.schema.names:
+            b = b.append_column(pa.field(LATE_COLUMN, pa.bool_(), nullable=False),
+                                pa.array([False] * b.num_rows, pa.bool_()))
+        yield b
+
+
 def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
-                    propose: Callable[[int, bool], int], what: str) -> tuple[Iterator[Any], Any, dict[str, int]]:
+                    propose: Callable[[int, bool], int], what: str, *, counters: dict[str, Any] | None = None,
+                    late_flag: bool = False) -> tuple[Iterator[Any], Any, dict[str, Any]]:
     """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
     and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
     another attempt recorded), both in key-group order, and the rows from the cut on go to a
     channel-state writer instead (returned, for the caller to close), with the counts of the rows
     processed and deferred (fields of :class:`~sparksteward.checkpoint.messages.TaskCounters`).
-    ``opened``: the ``state.open`` reply's JSON object. See :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
+    ``opened``: the ``state.open`` reply's JSON object; ``counters``: the dict to count in; ``late_flag``:
+    the new rows carry a late flag, so replayed rows without one get it. See
+    :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
 
     from sparksteward.checkpoint.unaligned.channel_state import (
         AlignmentMode,
@@ -390,13 +421,15 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
         replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
     else:
         replayed = (b for n, path in sources for b in read_channel_state(path, n))
+    if late_flag:
+        replayed = _flagged(replayed)
     replayed, batches = _one_schema(replayed, batches, what)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
     cut = opened.get("cut")
     deadline_in = opened.get("deadline_in")
     deadline = time.monotonic() + float(deadline_in or 0)
     writer = None
-    counters: dict[str, int] = {}
+    counters = {} if counters is None else counters
     if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < kg.stop):
         cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
         writer = ChannelStateWriter(opened["channel"], max_bytes=cap)

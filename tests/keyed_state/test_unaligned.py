@@ -287,3 +287,31 @@ def test_drain_processes_the_backlog_and_the_next_batch_is_not_taken_for_its_rer
     rows = pq.read_table(tmp_path).to_pandas()
     last = rows.sort_values("n").groupby("k").tail(1)
     assert {r.k: (int(r.n), int(r.s)) for r in last.itertuples()} == reference(batches)
+
+
+def test_rows_a_cut_defers_are_judged_by_the_watermark_of_the_batch_they_arrived_in(spark, st, dirs):
+    """Issue 38 with FLIP-76: a row on time in its batch that the cut defers is not late when the next batch
+    replays it (the next watermark counts the deferred rows' event times; judging them again would drop
+    them), so the unaligned run keeps every row, as the aligned one does, and no row is counted late."""
+    batch = make_batches(38, count=1, rows=400)[0]
+    batch["ts"] = pd.to_datetime(1_800_000_000_000 + 1000 * pd.RangeIndex(len(batch)), unit="ms", utc=True)
+    ks = st.keyed_state("defer-event", key="k", parallelism=2, max_parallelism=16,
+                        checkpoint_dir=str(dirs / "chk-event"), alignment="unaligned", aligned_checkpoint_timeout=0,
+                        event_time="ts", watermark_delay=0)
+    empty = batch.iloc[:0]
+    ks.apply(spark.createDataFrame(batch), count_sum, SCHEMA, checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    assert ks.report(checkpoint_id=0)["rows_deferred"] > 0
+    assert ks.report(checkpoint_id=0)["max_event_ms"] == 1_800_000_000_000 + 399_000   # deferred rows count
+    ks.apply(spark.createDataFrame(empty, spark.createDataFrame(batch).schema), count_sum, SCHEMA,
+             checkpoint_id=1).collect()
+    ks.commit(1, wait=60)
+    drained = st.keyed_state("defer-event", key="k", parallelism=2, max_parallelism=16,
+                             checkpoint_dir=str(dirs / "chk-event"), alignment="aligned", event_time="ts",
+                             watermark_delay=0)
+    drained.apply(spark.createDataFrame(empty, spark.createDataFrame(batch).schema), count_sum, SCHEMA,
+                  checkpoint_id=2).collect()
+    drained.commit(2, wait=60)
+    assert [r["late_rows"] for r in (ks.report(checkpoint_id=0), ks.report(checkpoint_id=1),
+                                     drained.report(checkpoint_id=2))] == [0, 0, 0]
+    assert state_of(drained) == reference([batch])
