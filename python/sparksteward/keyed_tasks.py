@@ -211,7 +211,8 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
             outputs = runner(source, key, fn, backend, schema, states=typed, counters=counters, **options)
             if on_timer is not None:   # after the input: the due timers, of keys with and without input
-                outputs = itertools.chain(outputs, fire(on_timer, form, backend, typed, schema, counters))
+                outputs = itertools.chain(outputs, fire(on_timer, form, backend, typed, schema, counters,
+                                                        held=lambda: None if writer is None else writer.deferred_keys))
             for out in outputs:
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
                 yield out
@@ -432,7 +433,7 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
     counters = {} if counters is None else counters
     if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < kg.stop):
         cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
-        writer = ChannelStateWriter(opened["channel"], max_bytes=cap)
+        writer = ChannelStateWriter(opened["channel"], max_bytes=cap, key=key)
     if writer is None:   # aligned: everything, with no key-group column to drop when none was added
         source = itertools.chain(replayed, (b.drop_columns([KG_COL]) if KG_COL in b.schema.names else b
                                             for b in batches))

@@ -315,3 +315,83 @@ def test_rows_a_cut_defers_are_judged_by_the_watermark_of_the_batch_they_arrived
     assert [r["late_rows"] for r in (ks.report(checkpoint_id=0), ks.report(checkpoint_id=1),
                                      drained.report(checkpoint_id=2))] == [0, 0, 0]
     assert state_of(drained) == reference([batch])
+
+
+def test_timers_of_keys_a_cut_deferred_wait_for_their_rows_so_sessions_equal_an_aligned_run(spark, st, dirs):
+    """Issue 38 with FLIP-76: a key's due timer does not overtake the key's own rows that the cut deferred
+    (it would close a session those on-time rows extend): the timers of a key with deferred rows fire in the
+    batch that processes them, after them; other keys' timers fire as usual. So event-time sessions
+    (``windows.sessions``, 60 s gap) over an unaligned run (timeout 0: every subtask defers, the backlog
+    grows) are exactly those of the aligned run."""
+    from sparksteward.windows import sessions
+
+    t0 = 1_800_000_000_000
+    rnd = __import__("random").Random(3811)
+    batches = []
+    for b in range(7):   # each batch 45 s of event time after the last, on 8 of the 25 keys: keys go quiet
+        active = rnd.sample(range(25), 8)   # past the gap (their timers are due) and come back later
+        keys = [f"user-{rnd.choice(active)}" for _ in range(150)]
+        batches.append(pd.DataFrame({"k": keys, "ts": pd.to_datetime(
+            [t0 + b * 45_000 + rnd.randrange(5_000) for _ in keys], unit="ms", utc=True)}))
+    batches.append(pd.DataFrame({"k": ["zz"], "ts": pd.to_datetime([t0 + 3_600_000], unit="ms", utc=True)}))
+    schema = spark.createDataFrame(batches[0]).schema
+    s = sessions(key="k", time="ts", gap=60)
+
+    def run(alignment):
+        opts = dict(key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / f"chk-sessions-{alignment}"),
+                    event_time="ts", watermark_delay=0, states=s.states)
+        ks = st.keyed_state(f"sessions-{alignment}", alignment=alignment,
+                            **({"aligned_checkpoint_timeout": 0} if alignment == "unaligned" else {}), **opts)
+        out, deferred = [], 0
+        for i, b in enumerate(batches + [b.iloc[:0] for b in batches[:2]]):
+            if i == len(batches) + 1:   # the last batch aligned: everything deferred is processed
+                ks = st.keyed_state(f"sessions-{alignment}", alignment="aligned", **opts)
+            out += ks.apply(spark.createDataFrame(b, schema), s.fn, s.schema, checkpoint_id=i,
+                            on_timer=s.on_timer).collect()
+            ks.commit(i, wait=60)
+            deferred += ks.report(checkpoint_id=i)["rows_deferred"]
+        return sorted(tuple(r) for r in out), deferred
+
+    aligned, none = run("aligned")
+    unaligned, deferred = run("unaligned")
+    assert none == 0 and deferred > 0
+    assert len(aligned) > 25 and aligned == unaligned   # the same sessions closed, each once
+
+
+def _count_and_arm(key, rows, state):
+    state.update((state.get() or 0) + len(rows))
+    state.timers.register(1_800_000_000_001, time="event")   # due once the watermark passes T + 1 ms
+
+
+def _emit(key, timers, state):
+    n = state.get()
+    state.clear()
+    return pd.DataFrame({"k": [key], "n": [n]})
+
+
+def test_a_key_s_due_timer_waits_for_its_rows_the_cut_deferred(spark, st, dirs):
+    """Issue 38 with FLIP-76: batch 1 defers the rows of ``hot`` (its key group is the subtask's last, after
+    40 rows of others; timeout 0) while ``hot``'s timer is due: the timer waits, and fires in batch 2 after
+    the deferred row is counted (``hot``, 2), never before it as (``hot``, 1) then (``hot``, 1)."""
+    from sparksteward.state.keygroups import key_group
+
+    t0 = 1_800_000_000_000
+    hot = next(f"hot-{i}" for i in range(1000) if key_group(f"hot-{i}", 16, "string") == 15)
+    others = [f"k-{i}" for i in range(1000) if key_group(f"k-{i}", 16, "string") < 15][:40]
+    opts = dict(key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(dirs / "chk-hold"),
+                event_time="ts", watermark_delay=0)
+    frame = [pd.DataFrame({"k": [hot, "far"], "ts": pd.to_datetime([t0, t0 + 100_000], unit="ms", utc=True)}),
+             pd.DataFrame({"k": others + [hot], "ts": pd.to_datetime([t0 + 200_000] * 41, unit="ms", utc=True)})]
+    schema = spark.createDataFrame(frame[0]).schema
+    frame.append(frame[0].iloc[:0])
+    out, deferred = [], []
+    for i, alignment in enumerate(("aligned", "unaligned", "aligned")):
+        ks = st.keyed_state("hold", alignment=alignment, **opts,
+                            **({"aligned_checkpoint_timeout": 0} if alignment == "unaligned" else {}))
+        out.append(sorted(tuple(r) for r in ks.apply(spark.createDataFrame(frame[i], schema), _count_and_arm,
+                                                     "k string, n long", checkpoint_id=i, on_timer=_emit).collect()))
+        ks.commit(i, wait=60)
+        deferred.append(ks.report(checkpoint_id=i)["rows_deferred"])
+    assert deferred[1] >= 1 and hot not in {k for k, _ in out[1]}   # hot's row deferred
+    assert (hot, 1) not in out[1] and (hot, 2) in out[2]
+    assert sum(n for batch in out for k, n in batch) == 43   # every row counted once, every key fired once

@@ -14,7 +14,10 @@ A timer is deleted just before its callback, in the same writes as what the call
 fires once per completed checkpoint: an attempt that fails leaves its DB behind, and a re-run starts
 from the base, where the timer is still registered, and fires it again with the same time, so with
 the same output. The due timers are collected before the first callback: a timer a callback
-registers at or before the batch's time fires in the next batch, never in a loop.
+registers at or before the batch's time fires in the next batch, never in a loop. On an unaligned
+subtask, the timers of a key whose rows the cut deferred wait with them: they fire in the batch that
+processes those rows, after them, so a key's timers never overtake its own rows; the timers of the
+other keys, deferred key groups included, fire as in an aligned batch.
 """
 
 from __future__ import annotations
@@ -37,20 +40,25 @@ _KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT
               KeyType.BINARY: pa.binary()}
 
 
-def _due(access: KeyedStateAccess, counters: dict[str, Any] | None) -> list[tuple[bytes, bytes, Timer]]:
-    """The subtask's due timers, collected before any callback runs, counted as ``timers_fired``."""
+def _due(access: KeyedStateAccess, counters: dict[str, Any] | None,
+         held: set[object] | None) -> list[tuple[bytes, bytes, Timer]]:
+    """The subtask's due timers but those of the keys in ``held``, collected before any callback runs,
+    counted as ``timers_fired``."""
     states = access.states
     fired = [] if states is None else list(due(access.backend, states.now_ms, states.watermark_ms))
+    if held:
+        key_type = access.backend.key_type
+        fired = [f for f in fired if decode_key(f[1], key_type) not in held]
     if counters is not None:
         counters["timers_fired"] = len(fired)
     return fired
 
 
 def fire_pandas(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: pa.Schema, *,
-                max_output_rows: int = DEFAULT_OUTPUT_ROWS,
-                counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
+                max_output_rows: int = DEFAULT_OUTPUT_ROWS, counters: dict[str, Any] | None = None,
+                held: set[object] | None = None) -> Iterator[pa.RecordBatch]:
     """``on_timer(key, timers, state)`` for every key with due timers (see the module docstring)."""
-    fired = _due(access, counters)
+    fired = _due(access, counters, held)
     if not fired:
         return
     backend: RocksDBStateBackend = access.backend
@@ -73,9 +81,9 @@ def fire_pandas(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: 
 
 
 def fire_arrow(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: pa.Schema, *,
-               counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
+               counters: dict[str, Any] | None = None, held: set[object] | None = None) -> Iterator[pa.RecordBatch]:
     """``on_timer(keys, expired, state)`` once with every due timer of the subtask (see the module docstring)."""
-    fired = _due(access, counters)
+    fired = _due(access, counters, held)
     if not fired:
         return
     backend = access.backend
@@ -92,11 +100,15 @@ def fire_arrow(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: p
 
 
 def fire(on_timer: Callable[..., Any], form: str, backend: RocksDBStateBackend, states: TypedStates,
-         schema: pa.Schema, counters: dict[str, Any] | None = None) -> Iterator[pa.RecordBatch]:
-    """The due timers of the subtask of ``backend`` at the time of ``states``, in the function's ``form``."""
+         schema: pa.Schema, counters: dict[str, Any] | None = None,
+         held: Callable[[], set[object] | None] | None = None) -> Iterator[pa.RecordBatch]:
+    """The due timers of the subtask of ``backend`` at the time of ``states``, in the function's ``form``;
+    ``held()``, asked once the input is read: the keys whose rows an unaligned cut deferred (their timers
+    fire in a later batch, after those rows), None for none."""
     access = KeyedStateAccess(backend, states=states)
-    fired = fire_arrow(on_timer, access, schema, counters=counters) if form == "arrow" else \
-        fire_pandas(on_timer, access, schema, counters=counters)
+    keys = None if held is None else held()
+    fired = fire_arrow(on_timer, access, schema, counters=counters, held=keys) if form == "arrow" else \
+        fire_pandas(on_timer, access, schema, counters=counters, held=keys)
     yield from fired
     if counters is not None:   # what the idle watcher waits for (keyed_idle.py)
         counters["next_timer_ms"] = next_processing(backend)

@@ -148,9 +148,11 @@ class ChannelStateWriter:
     the same rows pass it or not however they are chunked. Not thread-safe (one task writes one file).
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], max_bytes: int | None = None, key: str | None = None) -> None:
         self.path = Path(path)
         self.max_bytes = max_bytes
+        self.key = key   # with a key column: ``deferred_keys`` collects the keys of the rows deferred
+        self.deferred_keys: set[object] = set()
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
         self._file: BinaryIO | None = None
         self._writer: ipc.RecordBatchStreamWriter | None = None
@@ -205,6 +207,10 @@ class ChannelStateWriter:
                 f"cannot defer a buffer with schema {batch.schema} into channel-state file {self.path}, which holds "
                 f"{self._schema}: a subtask's input must keep one schema within a batch")
         self._schema = batch.schema
+        if self.key is not None:
+            import pyarrow.compute as pc
+
+            self.deferred_keys.update(pc.unique(batch.column(self.key)).to_pylist())
         self._pending.append(batch)
         self._pending_bytes += size
         self._pending_rows += batch.num_rows
@@ -220,6 +226,7 @@ class ChannelStateWriter:
         subtask finishes aligned after all)."""
         pending, self._pending, self._pending_bytes, self._pending_rows = self._pending, [], 0, 0
         self._logical = 0
+        self.deferred_keys = set()
         if self._writer is None:
             self.batches = self.rows = 0
             return iter(pending)
