@@ -28,6 +28,7 @@ while any of them is alive.
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import logging
 import os
@@ -37,7 +38,7 @@ import weakref
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import rocksdict
 
@@ -202,6 +203,15 @@ class RocksDBStateBackend:
         gen = _bounded_scan(self.db, lower, upper, strip)
         self._iterators.add(gen)
         return gen
+
+    def keys_between(self, lower: bytes, upper: bytes) -> builtins.list[bytes]:
+        """Every stored key with ``lower <= key < upper``, in key order, in one call (no buffered run
+        may be open: its writes would not be seen)."""
+        if self._buffered is not None:
+            raise StateBackendError("keys_between() sees only what is written: not inside a buffered run")
+        ro = rocksdict.ReadOptions()
+        ro.set_iterate_upper_bound(upper)
+        return list(cast(Iterator[bytes], self.db.keys(from_key=lower, read_opt=ro)))
 
     def delete_outside(self, keep: KeyGroupRange, compact: bool = False) -> None:
         """Drop every key group outside ``keep`` (range tombstones; ``compact`` drops the bytes too)."""

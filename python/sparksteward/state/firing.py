@@ -25,19 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import KeyType, decode_key
 from sparksteward.state.runner import DEFAULT_OUTPUT_ROWS, KeyedStateAccess, KeyState, _conform, _Output
-from sparksteward.state.timers import Timer, due, forget, next_processing
+from sparksteward.state.timers import Timer, due, due_columns, forget, forget_all, forget_at, next_processing
 from sparksteward.state.typed import TypedStates
 
 __all__ = ["fire", "fire_arrow", "fire_pandas"]
 
-_KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT: pa.int32(),
-              KeyType.BINARY: pa.binary()}
 
 
 def _due(access: KeyedStateAccess, counters: dict[str, Any] | None,
@@ -82,21 +81,46 @@ def fire_pandas(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: 
 
 def fire_arrow(on_timer: Callable[..., Any], access: KeyedStateAccess, schema: pa.Schema, *,
                counters: dict[str, Any] | None = None, held: set[object] | None = None) -> Iterator[pa.RecordBatch]:
-    """``on_timer(keys, expired, state)`` once with every due timer of the subtask (see the module docstring)."""
-    fired = _due(access, counters, held)
-    if not fired:
+    """``on_timer(keys, expired, state)`` once with every due timer of the subtask (see the module docstring).
+    Vectorized: one key listing per key group and domain, the keys and times decoded as arrays, the fired
+    by-time entries deleted with one range delete per key group and domain."""
+    states = access.states
+    if states is None:
         return
     backend = access.backend
+    fired = due_columns(backend, states.now_ms, states.watermark_ms)
+    keys = _keys(fired.raws, backend.key_type)
+    domains = pa.array(fired.domains, pa.binary())
+    ats = pa.array(fired.ats, pa.int64())
     wb = backend.new_batch()
-    for group, raw, timer in fired:
-        forget(wb, group, raw, timer)
+    if held:   # a key with rows the cut deferred keeps its timers: delete the others one by one
+        fire_mask = pc.invert(pc.is_in(keys, value_set=pa.array(list(held), keys.type)))
+        picked = np.flatnonzero(fire_mask.to_numpy(zero_copy_only=False))
+        for i in picked.tolist():
+            forget_at(wb, fired, i)
+        keys, domains, ats = keys.filter(fire_mask), domains.filter(fire_mask), ats.filter(fire_mask)
+    else:
+        forget_all(wb, fired)
+    if counters is not None:
+        counters["timers_fired"] = len(keys)
+    if not len(keys):
+        return
     backend.store.write(wb)
-    keys = pa.array([decode_key(raw, backend.key_type) for _, raw, _ in fired], _KEY_ARROW[backend.key_type])
-    expired = pa.table({"key": keys, "time": pa.array([t.time for _, _, t in fired], pa.string()),
-                        "at": pa.array([t.at for _, _, t in fired], pa.int64())})
+    times = pc.if_else(pc.equal(domains, pa.scalar(b"e", pa.binary())), "event", "processing")
+    expired = pa.table({"key": keys, "time": times, "at": ats})
     out = _conform(on_timer(pc.unique(keys), expired, access), schema)
     if out is not None:
         yield out
+
+
+def _keys(raws: list[bytes], key_type: KeyType) -> pa.Array:
+    """Keys from their canonical bytes (:func:`~sparksteward.state.keygroups.key_bytes`), at once."""
+    if key_type is KeyType.STRING:
+        return pa.array(raws, pa.binary()).cast(pa.string())
+    if key_type is KeyType.BINARY:
+        return pa.array(raws, pa.binary())
+    dtype, arrow = ("<i8", pa.int64()) if key_type is KeyType.LONG else ("<i4", pa.int32())
+    return pa.array(np.frombuffer(b"".join(raws), dtype=dtype).astype(dtype[1:]), arrow)
 
 
 def fire(on_timer: Callable[..., Any], form: str, backend: RocksDBStateBackend, states: TypedStates,
