@@ -1,11 +1,13 @@
-"""Time without input (issue 38 slice 3, decision 0028): fire a keyed state's due processing-time timers
-while its streaming query runs no batch.
+"""Time without input (issue 38 slice 3, decision 0028): fire a keyed state's due timers while its
+streaming query runs no batch.
 
 Spark runs no micro-batch while the source is idle, so a processing-time timer would wait for the next
 row. ``ks.process(..., on_timer=..., idle_timers=60)`` starts an :class:`IdleTimers` watcher in the
 driver: once the query ran no batch of the state for ``idle_timers`` seconds and the earliest
-processing-time timer the last checkpoint left (``next_timer_ms``, reported by its tasks) is due, it
-runs ``ks.drain(timers=True)``: an empty aligned batch under the next checkpoint id, through the same
+processing-time timer the last checkpoint left (``next_timer_ms``, reported by its tasks) is due, or
+its earliest event-time timer (``next_event_timer_ms``) is at or below the watermark the next batch
+will have (the last batch's largest event time minus the delay: as Spark's no-data batch after the
+input stops, the watermark the last rows moved fires what it passes), it runs ``ks.drain(timers=True)``: an empty aligned batch under the next checkpoint id, through the same
 function, timer callback and sink, whose tasks fire what is due. The id is recorded in the state's
 drain record before the batch begins, so later streaming batches skip it, and the batch is exactly
 once like any other (it waits for a running batch of the state, and a streaming batch for it).
@@ -70,8 +72,17 @@ class IdleTimers:
 
     def _due(self, ks: Any) -> bool:
         report = ks.report()
-        nxt = report.get("next_timer_ms") if report else None
-        return nxt is not None and nxt <= time.time() * 1000
+        if not report:
+            return False
+        nxt = report.get("next_timer_ms")
+        if nxt is not None and nxt <= time.time() * 1000:
+            return True
+        # an event-time timer the next watermark passes: the last batch's largest event time moved it
+        # (Spark's no-data batch after the input stops does the same)
+        nxt, top, event = report.get("next_event_timer_ms"), report.get("max_event_ms"), ks.event_time
+        if nxt is None or top is None or event is None:
+            return False
+        return nxt <= max(report.get("watermark_ms") or top - event.delay_ms, top - event.delay_ms)
 
     def _run(self) -> None:
         started = time.monotonic()

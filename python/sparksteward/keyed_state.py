@@ -451,8 +451,9 @@ class KeyedState(KeyedStateFigures):
         wait : float, optional
             How long ``commit`` waits for the acks.
         timers : bool
-            Run the empty batch also without a backlog, to fire the processing-time timers due now on
-            an idle stream (with the ``on_timer`` of :meth:`process`).
+            Run the empty batch also without a backlog, to fire the timers due on an idle stream (with
+            the ``on_timer`` of :meth:`process`): processing-time timers due now, and event-time timers
+            at or below the watermark the last batch's events moved.
 
         Returns
         -------

@@ -268,3 +268,49 @@ def test_session_windows_emit_timestamps_through_spark(cluster_spark):
         return dt.datetime.fromtimestamp(ms / 1000)
 
     assert got == [("a", local(T), local(T + 90_000), 2), ("b", local(T + 100_000), local(T + 160_000), 1)]
+
+
+def test_event_timers_the_last_rows_made_due_fire_on_an_idle_stream(cluster_spark, tmp_path):
+    """Gap found by the timers benchmark: Spark runs a no-data batch after its input stops and fires the
+    event-time timers the last rows' watermark passes; so does the idle watcher. One file: a at T, b at
+    T + 100 s, each arming a timer 10 s after its row; the watermark the file moves (T + 100 s, delay 0)
+    passes a's timer, not b's: a fires on the idle stream, b does not, and the report says what is left."""
+    import json
+    import time
+
+    spark = cluster_spark
+    st = Steward.get(spark)
+    ks = st.keyed_state(f"tme{uuid.uuid4().hex[:6]}", key="k", parallelism=2, max_parallelism=16,
+                        event_time="ts", watermark_delay=0)
+    source = tmp_path / "in"
+    source.mkdir()
+    written: list[tuple[int, str, str, int]] = []
+
+    def arm(key, rows, state):
+        state.timers.register(int(rows["ts"].max().timestamp() * 1000) + 10_000, time="event")
+        return pd.DataFrame({"k": [key], "what": ["seen"], "at": [0]})
+
+    def close(key, timers, state):
+        return pd.DataFrame({"k": [key], "what": ["fired"], "at": [timers[0].at]})
+
+    def sink(out, cid):
+        written.extend((cid, r.k, r.what, r.at) for r in out.collect())
+
+    run = ks.process(arm, OUT, sink, on_timer=close, idle_timers=1.0)
+    (source / "0.json").write_text("\n".join(json.dumps({"k": k, "ts": (T + ms) / 1000})
+                                             for k, ms in (("a", 0), ("b", 100_000))))
+    q = (spark.readStream.schema("k string, ts double").json(str(source))
+         .selectExpr("k", "timestamp_seconds(ts) AS ts").writeStream.foreachBatch(run)
+         .option("checkpointLocation", str(tmp_path / "chk")).trigger(processingTime="500 milliseconds").start())
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline and not any(w[2] == "fired" for w in written):
+            time.sleep(0.2)
+        time.sleep(3)   # a second idle drain would fire b too early: none may come
+        fired = [w for w in written if w[2] == "fired"]
+        assert [(w[1], w[3]) for w in fired] == [("a", T + 10_000)], written
+        report = ks.report(checkpoint_id=fired[0][0])
+        assert report["watermark_ms"] == T + 100_000 and report["next_event_timer_ms"] == T + 110_000
+        assert ks.idle_timers.fired == 1
+    finally:
+        q.stop()

@@ -95,6 +95,7 @@ class TaskCounters(Message):
     timers_fired: int = integer(default=0, lo=0)        # timers the batch fired (decision 0028)
     initial_rows: int = integer(default=0, lo=0)        # rows of the initial state the first batch applied
     next_timer_ms: int | None = integer(default=None, omit_none=True)   # the earliest processing-time timer left
+    next_event_timer_ms: int | None = integer(default=None, omit_none=True)   # ... and event-time timer
     max_event_ms: int | None = integer(default=None, omit_none=True)   # the largest event time seen (None: none)
 
     @classmethod

@@ -136,3 +136,5 @@ def fire(on_timer: Callable[..., Any], form: str, backend: RocksDBStateBackend, 
     yield from fired
     if counters is not None:   # what the idle watcher waits for (keyed_idle.py)
         counters["next_timer_ms"] = next_processing(backend)
+        if states.event_time:
+            counters["next_event_timer_ms"] = next_processing(backend, "event")

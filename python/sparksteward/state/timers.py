@@ -242,11 +242,11 @@ def forget_all(wb: Any, fired: Due) -> None:
         wb.delete(b"".join((group, KIND_TIMER_BY_KEY, len(raw).to_bytes(2, "big"), raw, domain, stamp)))
 
 
-def next_processing(backend: StateDB) -> int | None:
-    """The earliest processing-time timer of the subtask (None: none): one seek per key group."""
+def next_processing(backend: StateDB, time: str = "processing") -> int | None:
+    """The earliest timer of the subtask in domain ``time`` (None: none): one seek per key group."""
     first = None
     for g in range(backend.key_groups.start, backend.key_groups.stop):
-        lower = g.to_bytes(2, "big") + KIND_TIMER_BY_TIME + _DOMAIN["processing"]
+        lower = g.to_bytes(2, "big") + KIND_TIMER_BY_TIME + _DOMAIN[time]
         for rest, _ in backend.scan(lower, _prefix_upper(lower), len(lower)):
             at = int.from_bytes(rest[:8], "big") - _OFFSET
             first = at if first is None else min(first, at)

@@ -41,8 +41,9 @@ Figures (every one a number; times in milliseconds, the slowest subtask for per-
                          restore, no open: decision 0026)
 ``late_rows``            rows at or below the watermark (dropped, or handed over flagged: decision 0028)
 ``initial_rows``         rows of the initial state the first batch applied (decision 0028)
-``timers_fired``         timers the batch fired (decision 0028); ``next_timer_ms`` the earliest
-                         processing-time timer left (only when there is one: the idle watcher's cue)
+``timers_fired``         timers the batch fired (decision 0028); ``next_timer_ms`` and
+                         ``next_event_timer_ms`` the earliest processing-time and event-time timer
+                         left (only when there is one: the idle watcher's cues)
 ``max_event_ms``         the largest event time the batch saw; ``watermark_ms`` the watermark it ran
                          with (both only for a state with an event-time column, once known)
 ``stage_runs``           how many times the whole state stage ran in the attempt that completed: 2
@@ -125,7 +126,7 @@ def checkpoint_report(state: str, summary: Mapping[str, Any], *, parallelism: in
     figures["initial_rows"] = int(summary.get("initial_rows", 0))
     figures["ttl_expired_removed"] = int(summary.get("ttl_expired_removed", 0))
     figures["ttl_timers_dropped"] = int(summary.get("ttl_timers_dropped", 0))
-    for when in ("max_event_ms", "watermark_ms", "next_timer_ms"):
+    for when in ("max_event_ms", "watermark_ms", "next_timer_ms", "next_event_timer_ms"):
         if summary.get(when) is not None:
             figures[when] = int(summary[when])
     if batch_id is not None:

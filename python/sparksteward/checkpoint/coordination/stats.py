@@ -26,7 +26,7 @@ PER_SUBTASK = frozenset({"entries_ingested", "ttl_sweep_ms", "open_ms", "db_open
 #: Task counters the checkpoint's stats show as their largest value over the subtasks (None: none reported).
 LARGEST = frozenset({"max_event_ms"})
 #: ... and as their smallest.
-SMALLEST = frozenset({"next_timer_ms"})
+SMALLEST = frozenset({"next_timer_ms", "next_event_timer_ms"})
 #: Task counters shown in their own way (``unaligned``: the ids of the subtasks that deferred rows).
 _SHOWN_APART = frozenset({"unaligned"})
 _COUNTERS = tuple(f.name for f in dataclasses.fields(TaskCounters) if f.name not in _SHOWN_APART)
