@@ -186,3 +186,42 @@ def test_a_key_whose_state_ttl_expires_loses_its_timers_but_a_timer_due_first_fi
         assert h.timers("c") == [Timer("processing", T + 3_600_000)]
         h.advance(dt.timedelta(hours=1))
         assert h.process().to_dict("records") == [{"k": "c", "at": T + 3_600_000}]   # a fires nothing
+
+
+@pytest.mark.parametrize("key_type", ["long", "int", "string", "binary"])
+def test_the_vectorized_firing_decodes_every_key_type_and_holds_the_keys_it_is_told_to(tmp_path, key_type):
+    """The Arrow form's firing (one listing per key group and domain, a range delete of what fired): keys of
+    every type come back as they were registered; a held key (its rows deferred by an unaligned cut) keeps
+    its due timer, which fires in a later batch; the rest fire once and are gone, later ones stay."""
+    from sparksteward.state.firing import fire
+    from sparksteward.state.typed import TypedStates
+
+    make = {"long": lambda i: i - 2, "int": lambda i: i, "string": lambda i: f"k{i}é", "binary": lambda i: b"\x00%d" % i}
+    keys = [make[key_type](i) for i in range(40)]
+    b = RocksDBStateBackend(tmp_path / "db", KeyGroupRange(0, 16), 16, key_type)
+    seen = []
+
+    def on_timer(ks, expired, state):
+        seen.append(expired.to_pylist())
+
+    try:
+        timers = Timers(b, event_time=True)
+        timers.register(keys, T - 5)
+        timers.register(keys[:10], T - 3, time="event")
+        timers.register(keys[:4], T + 1000)   # not due
+        states = TypedStates(b, None, T, 1, T, event_time=True)
+        counters = {}
+        list(fire(on_timer, "arrow", b, states, pa.schema([]), counters, held=lambda: {keys[0]}))
+        fired = seen.pop()
+        assert counters["timers_fired"] == len(fired) == 40 - 1 + 10 - 1
+        assert sorted((r["key"], r["time"], r["at"]) for r in fired) == sorted(
+            [(k, "processing", T - 5) for k in keys[1:]] + [(k, "event", T - 3) for k in keys[1:10]])
+        assert sorted(t.at for t in timers.bind(keys[0]).list()) == [T - 5, T - 3, T + 1000]   # held
+        assert [t.at for t in timers.bind(keys[1]).list()] == [T + 1000]
+        assert sorted(t.at for _, _, t in due(b, T, T)) == [T - 5, T - 3]   # only the held key's are left due
+        list(fire(on_timer, "arrow", b, TypedStates(b, None, T, 2, T, event_time=True), pa.schema([]), counters))
+        assert sorted((r["key"], r["at"]) for r in seen.pop()) == [(keys[0], T - 5), (keys[0], T - 3)]
+        list(fire(on_timer, "arrow", b, TypedStates(b, None, T, 3, T, event_time=True), pa.schema([]), counters))
+        assert not seen and counters["timers_fired"] == 0 and [t.at for t in timers.bind(keys[3]).list()] == [T + 1000]
+    finally:
+        b.close()
