@@ -10,14 +10,22 @@ of 5 s (Spark: ``withWatermark("ts", "5 seconds")``); each batch runs with the w
 before it set, in both.
 
 The input: parquet files read as a stream with ``maxFilesPerTrigger=1`` (one file a batch). File ``i``
-has ``BENCH_ROWS`` rows whose keys are drawn from a window of ``BENCH_KEYS`` keys that slides by
-``BENCH_SLIDE`` keys a file, so a key gets rows in about ``KEYS / SLIDE`` files, then goes quiet and
+has ``BENCH_ROWS`` rows whose keys are drawn from a window of ``BENCH_KEYS`` keys (by default as many as
+``BENCH_ROWS``, so a key gets about one row a file at any batch size) that slides by ``BENCH_SLIDE``
+keys a file (``KEYS / 4``), so a key gets rows in about ``KEYS / SLIDE`` files, then goes quiet and
 fires two or three batches later; keys that miss a file or two by chance fire early and start over.
 File ``i``'s event times span ``[i * 10 s - 2 s, (i + 1) * 10 s)``: out of order within a file and
 by up to 2 s across files, but never late (the watermark trails the largest event time by 5 s).
 
 Engines, each a streaming query whose ``foreachBatch`` appends its output (with the batch id) to parquet:
 
+- ``stateless``: the ceiling, part 1 only. The same stream, routing as our state's (each key's subtask,
+  ``repartitionById`` into 8 partitions, as ``bench_state.stateless_write``) and sink, then ``mapInArrow``
+  computing per key of the batch alone its row count and largest event time + ``GAP`` as
+  ``(k, n, fired_at)`` (the group-by ours-arrow runs, without state or timers: ``stateless_fn``, adapted
+  from ``bench_state``'s to this output). What Spark, the shuffle, Arrow and the sink cost at this batch
+  size: no stateful engine can beat it, so a target above it cannot be met at this size. Its output is
+  not a correctness peer and is not checked;
 - ``ours-arrow``: ``ks.process(fn, schema, sink, form="arrow", on_timer=...)`` on
   ``keyed_state(..., event_time="ts", watermark_delay=5, states=[value_state("s", "n bigint, last_ms bigint")])``:
   ``fn(keys, rows, state)`` with ``get_many``/``put_many`` and ``state.timers.delete/register(keys,
@@ -47,30 +55,37 @@ longer run). So after every query of ours stops, the bench runs ``ks.drain(timer
 batch that fires what is due, as Spark's no-data batch does; neither is measured (nor is each round's
 first batch). After the measured rounds two drain files (one row each, far ahead in event time) fire
 every timer left but theirs. Then the multisets of emitted ``(k, n, fired_at)`` must be equal across
-the engines and equal to a reference computed in plain Python from the files, with the stream's stops.
+the stateful engines and equal to a reference computed in plain Python from the files, with the stream's stops.
 
 **1. Records/s.** Every engine processes ``BENCH_WARM_FILES`` files first (unmeasured, the warm pass of
 ``bench_state.py``), then ``BENCH_ROUNDS`` rounds each add ``BENCH_FILES`` files that every engine's
-query, restarted, processes, the engines' order reversed every other round. Records/s over the steady
-batches (each round's first excluded), from ``triggerExecution`` of the query's progress; the ratios
-ours / transformWithStateInPandas come from each round (its engines ran minutes apart at most), their
-median is the result.
+query, restarted, processes, the engines' order reversed every other round (the ceiling's too). Records/s
+over the steady batches (each round's first excluded), from ``triggerExecution`` of the query's progress;
+the ratios ours / transformWithStateInPandas come from each round (its engines ran minutes apart at most),
+their median is the result; so do ours / stateless and stateless / transformWithStateInPandas, the latter
+telling whether 10x transformWithStateInPandas is above what a pipeline without state reaches at this
+batch size (the ``CEILING`` line).
 
-**2. Firing ``BENCH_FIRE_KEYS`` (100,000) due timers in one batch.** A fresh state per engine and round:
+**2. Firing ``BENCH_FIRE_KEYS`` (100,000) due timers in one batch.** A fresh state per stateful engine and round:
 file 1 gives each of the keys one row (one event-time timer each), file 2 one row far ahead in event
 time (it moves the watermark, which batch 3 runs with), file 3 one row more: batch 3 fires every
 timer. Its ``triggerExecution`` is the time to fire; the fired rows are counted from the output.
 
 Sizes: ``BENCH_KEYS``, ``BENCH_SLIDE``, ``BENCH_ROWS``, ``BENCH_FILES``, ``BENCH_ROUNDS``,
-``BENCH_WARM_FILES``, ``BENCH_FIRE_KEYS``, ``BENCH_FIRE_ROUNDS``; the defaults should take about 6-8
-minutes (estimated from the small mode's rates, not run: transformWithStateInPandas registered and fired
-about 800-1,100 timers/s there, so part 2 alone takes it 3-4 minutes at 100,000 timers).
-``BENCH_SMALL=1`` gives sizes for a try-out (2.3 minutes, 3.5 on a loaded 2-core machine; 5,000 timers
-fired), at which fixed per-batch costs dominate, so its ratios say nothing about the targets. Needs
+``BENCH_WARM_FILES``, ``BENCH_FIRE_KEYS``, ``BENCH_FIRE_ROUNDS``. Spark's fixed per-batch cost dominates
+batches of 10,000 rows (ours-arrow's p50 965 ms, records/s 6.2x transformWithStateInPandas's), so raise
+``BENCH_ROWS`` (the key window follows it) to see the engines' own costs: ``BENCH_ROWS=40000`` (its part 1
+took 4 minutes, ``BENCH_SMALL=1 BENCH_ROWS=40000``; with part 2's 100,000 timers expect 7-9). The
+defaults should take about 6-8 minutes (estimated from the small mode's rates, not run:
+transformWithStateInPandas registered and fired about 800-1,100 timers/s there, so part 2 alone takes it
+3-4 minutes at 100,000 timers).
+``BENCH_SMALL=1`` gives sizes for a try-out (2-3.5 minutes on a 2-core machine; 5,000 timers fired), at
+which fixed per-batch costs dominate, so its ratios say nothing about the targets. Needs
 ``protobuf`` (6.x) for transformWithStateInPandas. A single run on a shared 2-core machine: quote the
 ratios. Run under the Spark lock::
 
     flock /tmp/steward-spark.lock .venv/bin/python benchmarks/bench_timers.py
+    BENCH_ROWS=40000 flock /tmp/steward-spark.lock .venv/bin/python benchmarks/bench_timers.py
     BENCH_SMALL=1 flock /tmp/steward-spark.lock .venv/bin/python benchmarks/bench_timers.py
 
 The process exits 0 once it ran, whether the targets passed or not.
@@ -103,9 +118,9 @@ def _size(name: str, full: int, small: int) -> int:
     return int(os.environ.get(name, str(small if SMALL else full)))
 
 
-KEYS = _size("BENCH_KEYS", 10_000, 2_000)      # the window of keys a file draws from
+ROWS = _size("BENCH_ROWS", 10_000, 2_000)       # rows a file (a batch)
+KEYS = _size("BENCH_KEYS", ROWS, ROWS)          # the window of keys a file draws from: scales with ROWS
 SLIDE = _size("BENCH_SLIDE", KEYS // 4, KEYS // 4)   # how far the window moves a file
-ROWS = _size("BENCH_ROWS", 10_000, 2_000)
 FILES = _size("BENCH_FILES", 3, 3)               # files (batches) each engine processes a round
 ROUNDS = _size("BENCH_ROUNDS", 2, 2)
 WARM = _size("BENCH_WARM_FILES", 1, 1)
@@ -117,8 +132,10 @@ SKEW_MS = 2_000          # how far a file's rows reach back into the previous fi
 DELAY_S = 5              # the watermark delay
 GAP_MS = 10_001          # a quiet key fires at its last event + GAP; odd, so never equal to a watermark
 FAR_MS = T0 + 10 ** 9    # the drain rows' event time: past every timer of the run
-ENGINES = ("ours-arrow", "ours-pandas", "transformWithStateInPandas")
+STATELESS = "stateless"   # the ceiling: part 1 only, no state, no timers, not checked against the reference
 TWS = "transformWithStateInPandas"
+STATEFUL = ("ours-arrow", "ours-pandas", TWS)   # the engines whose outputs must be equal; part 2's engines
+ENGINES = (STATELESS, *STATEFUL)                # part 1's, in round 0's order
 INPUT = "k string, ts timestamp, v long"
 OUT = "k string, n long, fired_at long"
 STATE = "n bigint, last_ms bigint"
@@ -209,6 +226,27 @@ def tws_processor():
             pass
 
     return QuietKeys()
+
+
+def stateless_fn(batches):
+    """The ceiling's per-subtask work (``bench_state.stateless_fn`` with this bench's output columns): per
+    key of the batch alone its row count as ``n`` and its largest event time + ``GAP_MS`` (the timer
+    ours-arrow would set) as ``fired_at``, in pyarrow; nothing kept, no timers."""
+    for b in batches:
+        g = pa.Table.from_batches([b]).group_by("k").aggregate([("v", "count"), ("ts", "max")])
+        yield from pa.table({"k": g.column("k"), "n": g.column("v_count"),
+                             "fired_at": pc.add(_ms(g.column("ts_max")), GAP_MS)}).to_batches()
+
+
+def stateless_out(df: Any) -> Any:
+    """``bench_state.stateless_write``'s routing (our state's: each key's subtask, ``repartitionById`` into
+    ``P`` partitions) then :func:`stateless_fn`: the batch's output, lazy (the sink writes it)."""
+    from pyspark.sql import functions as F
+    from sparksteward.routing import subtask_sql
+
+    route = "__steward_subtask"
+    return (df.withColumn(route, F.expr(subtask_sql("k", P, M))).repartitionById(P, route)
+            .mapInArrow(stateless_fn, OUT))
 
 
 # --- input ---------------------------------------------------------------------------------------
@@ -327,7 +365,9 @@ class Engine:
     def sink(self, df: Any, batch_id: int) -> None:
         self.batch_id = batch_id
         try:
-            if self.run_batch is None:
+            if self.engine == STATELESS:
+                self.write(stateless_out(df), batch_id)
+            elif self.run_batch is None:
                 self.write(df, batch_id)
             else:
                 self.run_batch(df, batch_id)
@@ -466,9 +506,11 @@ def run(root: Path) -> int:
     base = time.time() - 3600
     for i in range(WARM):
         add_input(files[i], indir, base + i)
+    window = ("BENCH_KEYS, set" if "BENCH_KEYS" in os.environ else "= BENCH_ROWS, scaled with it")
     print(f"input: {WARM} warm-up + {ROUNDS} rounds x {FILES} measured files + 2 drain files, {ROWS:,} rows a file "
-          f"from a window of {KEYS:,} keys sliding by {SLIDE:,} a file "
-          f"({KEYS + SLIDE * (WARM + ROUNDS * FILES):,} keys in all), {SPAN_MS // 1000} s of event time a file; "
+          f"from a window of {KEYS:,} keys ({window}; on average {ROWS / KEYS:.2g} row(s) a key a file) sliding by "
+          f"{SLIDE:,} a file ({KEYS + SLIDE * (WARM + ROUNDS * FILES):,} keys in all), {SPAN_MS // 1000} s of event "
+          "time a file; "
           f"watermark delay {DELAY_S} s, timer at last event + {GAP_MS} ms; firing part: {FIRE_KEYS:,} timers x "
           f"{FIRE_ROUNDS} round(s); {bench_state.MASTER}; parallelism / shuffle partitions {P}"
           + (" (BENCH_SMALL)" if SMALL else ""), flush=True)
@@ -493,13 +535,13 @@ def run(root: Path) -> int:
         for i in range(added, len(files)):   # the drain: every timer left fires
             add_input(files[i], indir, base + i)
         outputs = {}
-        for engine in ENGINES:
+        for engine in STATEFUL:   # the ceiling has nothing to fire
             e = Engine(spark, engine, root, "steady")
             e.run(indir, drain=True)
             outputs[engine] = e.emitted()
-        fire: dict[str, list[dict[str, float]]] = {e: [] for e in ENGINES}
+        fire: dict[str, list[dict[str, float]]] = {e: [] for e in STATEFUL}
         for r in range(FIRE_ROUNDS):
-            for engine, got in fire_round(spark, root, r, ENGINES if r % 2 == 0 else ENGINES[::-1]).items():
+            for engine, got in fire_round(spark, root, r, STATEFUL if r % 2 == 0 else STATEFUL[::-1]).items():
                 fire[engine].append(got)
     finally:
         spark.stop()
@@ -511,32 +553,49 @@ def run(root: Path) -> int:
 
     # --- report ---
     emitted = {e: emitted_rows(t) for e, t in outputs.items()}
-    measured_ids = {e: {i for b in per_round[e] for i in sorted(b)[1:]} for e in ENGINES}
+    measured_ids = {e: {i for b in per_round[e] for i in sorted(b)[1:]} for e in STATEFUL}
     print()
     print(f"{'engine':28} {'records/s':>10} {'batch p50':>10} {'max':>8} {'first':>8} {'timers fired':>13} "
           f"{'in steady batches':>18}")
     rate = {}
     for e in ENGINES:
         rate[e], steady_ms, first_ms = measured(per_round[e])
-        batch = outputs[e].column("batch").to_pylist()
-        in_steady = sum(1 for b in batch if b in measured_ids[e])
+        fired = "-", "-"   # the ceiling fires nothing
+        if e in outputs:
+            batch = outputs[e].column("batch").to_pylist()
+            fired = f"{outputs[e].num_rows:,}", f"{sum(1 for b in batch if b in measured_ids[e]):,}"
         print(f"{e:28} {rate[e]:10,.0f} {statistics.median(steady_ms):8.0f}ms {max(steady_ms):6.0f}ms "
-              f"{first_ms:6.0f}ms {outputs[e].num_rows:13,} {in_steady:18,}")
+              f"{first_ms:6.0f}ms {fired[0]:>13} {fired[1]:>18}")
     if flink is not None:
         print(f"{'pyflink (whole job)':28} {flink['rate']:10,.0f} {'':>10} {'':>8} {'':>8} "
               f"{sum(flink['fired'].values()):13,}")
     print(f"  {ROUNDS} rounds of {FILES} batches, each round's first batch apart (the query's restart) and Spark's "
           f"no-data batches too; batch p50 and max over the steady batches, first = the firsts' median; timers fired "
-          f"over the whole run (warm-up, no-data batches and drains included), then in the steady batches")
-    ratio = {e: bench_state.ratios(per_round, e, TWS) for e in ENGINES if e != TWS}
+          f"over the whole run (warm-up, no-data batches and drains included), then in the steady batches; "
+          f"{STATELESS}: the ceiling, the same stream, routing and sink with per-key counts of the batch alone "
+          f"(no state, no timers; its output is not checked)")
+
+    def rounds(r: list[float]) -> str:
+        return f"median; rounds: {' '.join(f'{x:.2f}' for x in r)}"
+
+    ratio = {e: bench_state.ratios(per_round, e, TWS) for e in STATEFUL if e != TWS}
     for e, r in ratio.items():
-        print(f"  {e} / {TWS}: {statistics.median(r):.2f}x (median; rounds: {' '.join(f'{x:.2f}' for x in r)})")
-    same = all(emitted[e] == want for e in ENGINES)
-    print(f"emitted (k, n, fired_at) equal in all {len(ENGINES)} engines and to the reference: {same} "
+        print(f"  {e} / {TWS}: {statistics.median(r):.2f}x ({rounds(r)})")
+    of_ceiling = {e: bench_state.ratios(per_round, e, STATELESS) for e in STATEFUL}
+    for e, r in of_ceiling.items():
+        print(f"  {e} / {STATELESS}: {statistics.median(r):.2f} ({rounds(r)})")
+    ceiling = bench_state.ratios(per_round, STATELESS, TWS)
+    cm = statistics.median(ceiling)
+    print(f"  {STATELESS} / {TWS}: {cm:.2f}x ({rounds(ceiling)}): 10x {TWS} ({10 * rate[TWS]:,.0f} records/s) is "
+          + (f"ABOVE the stateless ceiling ({rate[STATELESS]:,.0f} records/s) at {ROWS:,} rows a batch: no stateful "
+             f"engine can reach 10x here" if cm < 10 else
+             f"within the stateless ceiling ({rate[STATELESS]:,.0f} records/s) at {ROWS:,} rows a batch"))
+    same = all(emitted[e] == want for e in STATEFUL)
+    print(f"emitted (k, n, fired_at) equal in all {len(STATEFUL)} stateful engines and to the reference: {same} "
           f"({sum(want.values()):,} timers fired, counting {sum(n * c for (_, n, _), c in want.items()):,} of "
           f"{sum(t.num_rows for t in tables):,} rows; the 2 drain keys' timers never fire)")
     if not same:
-        for e in ENGINES:
+        for e in STATEFUL:
             missing, extra = want - emitted[e], emitted[e] - want
             print(f"  {e}: {sum(missing.values())} expected rows missing, e.g. {list(missing)[:3]}; "
                   f"{sum(extra.values())} unexpected, e.g. {list(extra)[:3]}")
@@ -547,13 +606,13 @@ def run(root: Path) -> int:
 
     print(f"\nfiring {FIRE_KEYS:,} due event-time timers in one batch ({FIRE_ROUNDS} round(s); batch 3's "
           f"triggerExecution):")
-    fire_ms = {e: statistics.median(x["ms"] for x in fire[e]) for e in ENGINES}
-    fired_ok = all(x["fired"] == FIRE_KEYS and x["others"] == 0 for e in ENGINES for x in fire[e])
-    for e in ENGINES:
+    fire_ms = {e: statistics.median(x["ms"] for x in fire[e]) for e in STATEFUL}
+    fired_ok = all(x["fired"] == FIRE_KEYS and x["others"] == 0 for e in STATEFUL for x in fire[e])
+    for e in STATEFUL:
         reg = statistics.median(x["register_ms"] for x in fire[e])
         print(f"  {e:28} {fire_ms[e] / 1000:7.2f} s ({FIRE_KEYS / fire_ms[e] * 1000:9,.0f} timers/s), fired "
               f"{[x['fired'] for x in fire[e]]}; registering them (batch 1) {reg / 1000:.2f} s")
-    fire_ratio = {e: fire_ms[TWS] / fire_ms[e] for e in ENGINES if e != TWS}
+    fire_ratio = {e: fire_ms[TWS] / fire_ms[e] for e in STATEFUL if e != TWS}
     for e, r in fire_ratio.items():
         print(f"  {e}: {r:.1f}x faster than {TWS}")
     print(f"  every engine fired exactly {FIRE_KEYS:,} timers in the firing batch and none before: {fired_ok}")
@@ -572,6 +631,9 @@ def run(root: Path) -> int:
                                                   "say nothing about the targets" if SMALL else ""))
     for name, ok in targets:
         print(f"TARGET {'PASS' if ok else 'FAIL'}: {name}")
+    ca, cp = (statistics.median(of_ceiling[e]) for e in ("ours-arrow", "ours-pandas"))
+    print(f"CEILING ({ROWS:,} rows a batch): {STATELESS} = {cm:.2f}x {TWS}, so 10x {TWS} is "
+          f"{'ABOVE' if cm < 10 else 'within'} it; ours-arrow at {ca:.2f} of it, ours-pandas at {cp:.2f}")
     print(f"bench took {time.perf_counter() - t_all:.0f} s")
     return 0
 
