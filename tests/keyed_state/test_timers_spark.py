@@ -314,3 +314,38 @@ def test_event_timers_the_last_rows_made_due_fire_on_an_idle_stream(cluster_spar
         assert ks.idle_timers.fired == 1
     finally:
         q.stop()
+
+
+def test_timers_registered_by_one_application_fire_once_in_the_next_at_another_parallelism(cluster_spark, tmp_path):
+    """Must-show 1, a restart between registration and firing by a new Spark application: an application of
+    its own (local[2], parallelism 8) registers 40 keys' event-time timers, commits and is SIGKILLed; this
+    one opens the state at parallelism 3, runs with the watermark the dead one's checkpoint left, and fires
+    every timer exactly once (k30's first attempt fails on purpose: its retry fires it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.timers_app import KEYS
+
+    root = Path(__file__).resolve().parents[2]
+    name, chk = f"tma{uuid.uuid4().hex[:6]}", str(tmp_path / "chk")
+    env = {**__import__("os").environ, "PYTHONPATH": str(root) + __import__("os").pathsep
+           + __import__("os").environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.timers_app", "--checkpoint-dir", chk,
+                           "--state-dir", str(tmp_path / "app-state"), "--name", name], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == -9 and "committed 0 in " in done.stdout, done.stderr[-3000:]
+    spark = cluster_spark
+    ks = Steward.get(spark).keyed_state(name, key="k", parallelism=3, max_parallelism=16, checkpoint_dir=chk,
+                                        event_time="ts", watermark_delay=5)
+    first = sorted((r.k, r.at) for r in ks.apply(_df(spark, [("z", T + 60_000, 1)]), arm, OUT, 1,
+                                                 on_timer=fired).collect())
+    ks.commit(1, wait=60)
+    watermark = T + (KEYS - 1) * 1000 - 5000   # the dead application's largest event time minus the delay
+    assert ks.report(checkpoint_id=1)["watermark_ms"] == watermark
+    assert first == sorted((f"k{i}", T + 10_000 + 1000 * i) for i in range(KEYS) if T + 10_000 + 1000 * i <= watermark)
+    then = sorted((r.k, r.at) for r in ks.apply(_df(spark, []), arm, OUT, 2, on_timer=fired).collect())
+    ks.commit(2, wait=60)
+    assert sorted(first + then) == sorted((f"k{i}", T + 10_000 + 1000 * i) for i in range(KEYS))   # each once
+    assert ks.apply(_df(spark, []), arm, OUT, 3, on_timer=fired).collect() == []
+    ks.commit(3, wait=60)
