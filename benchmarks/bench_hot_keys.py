@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
-from bench_unaligned import M, P, pct, start  # noqa: E402
+from bench_unaligned import M, P, pct, stage, start  # noqa: E402
 
 FILES = int(os.environ.get("BENCH_FILES", "8"))
 ROWS = int(os.environ.get("BENCH_ROWS", "2000"))     # ordinary rows per subtask per file
@@ -86,13 +86,7 @@ def write_inputs(root: Path) -> tuple[list[Path], dict[int, str]]:
 def run_mode(spark: Any, mode: str, root: Path, files: list[Path], timeout: float) -> dict[str, Any]:
     from sparksteward import Steward
 
-    indir = root / "in" / mode
-    indir.mkdir(parents=True)
-    for i, f in enumerate(files):
-        tmp = indir / f".{f.name}.tmp"
-        shutil.copyfile(f, tmp)
-        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
-        os.replace(tmp, indir / f.name)
+    indir = stage(files, root / "in" / mode)
     st = Steward.get(spark)
     opts: dict[str, Any] = {"alignment": mode}
     if mode == "unaligned":

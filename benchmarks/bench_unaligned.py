@@ -108,17 +108,22 @@ def start(root: Path) -> Any:
     return spark
 
 
+def stage(files: list[Path], indir: Path) -> Path:
+    """``files`` copied into a new ``indir`` for a file stream: renamed into place, mtimes in their order."""
+    indir.mkdir(parents=True)
+    for i, f in enumerate(files):
+        tmp = indir / f".{f.name}.tmp"   # the file source skips dot files
+        shutil.copyfile(f, tmp)
+        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
+        os.replace(tmp, indir / f.name)
+    return indir
+
+
 def run_mode(spark: Any, mode: str, root: Path, files: list[Path]) -> dict[str, Any]:
     from sparksteward import Steward
     from sparksteward.config import parse_bytes
 
-    indir = root / "in" / mode
-    indir.mkdir(parents=True)
-    for i, f in enumerate(files):
-        tmp = indir / f".{f.name}.tmp"
-        shutil.copyfile(f, tmp)
-        os.utime(tmp, (1_700_000_000 + i, 1_700_000_000 + i))
-        os.replace(tmp, indir / f.name)
+    indir = stage(files, root / "in" / mode)
     st = Steward.get(spark)
     opts: dict[str, Any] = {"alignment": mode}
     if mode != "aligned":

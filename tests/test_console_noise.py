@@ -31,6 +31,7 @@ def _run(how: str, tmp: Path) -> str:
     return out
 
 
+@pytest.mark.soak   # a minute of its own application: make soak runs it, after the suite (which must stay under 20 min)
 def test_the_plugin_adds_no_console_line_of_spark_s_and_no_warning_of_its_own(tmp_path):
     plain, ours = _run("plain", tmp_path), _run("steward", tmp_path)
     assert plain.count(PROFILE) >= 1 and plain.count(CANCEL) >= 1, plain[-3000:]   # Spark's own, without us

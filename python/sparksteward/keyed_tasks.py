@@ -203,7 +203,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             source, writer, _ = unaligned_input(
                 opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}", counters=counters,
-                late_flag=event is not None and event.late == "keep")
+                late_flag=None if event is None else event.late == "keep")
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
                 options: dict[str, Any] = {
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
@@ -382,29 +382,37 @@ def _judged(batches: Iterator[Any], event: Any, watermark_ms: int | None, counte
         yield b
 
 
-def _flagged(replayed: Iterator[Any]) -> Iterator[Any]:
-    """Replayed rows with a late flag (False): channel state written before the judging moved before the cut."""
+def _flagged(replayed: Iterator[Any], keep: bool) -> Iterator[Any]:
+    """Replayed rows as the new rows come with ``late="keep"`` (``keep``: with a late flag, False where
+    channel state written before the judging moved before the cut has none) or ``"drop"`` (without one,
+    the rows flagged late under ``"keep"`` left out): a state reopened with the other choice still
+    replays its backlog."""
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     from sparksteward.state.event_time import LATE_COLUMN
 
     for b in replayed:
-        if LATE_COLUMN not in b.schema.names:
+        has = LATE_COLUMN in b.schema.names
+        if keep and not has:
             b = b.append_column(pa.field(LATE_COLUMN, pa.bool_(), nullable=False),
                                 pa.array([False] * b.num_rows, pa.bool_()))
+        elif not keep and has:
+            b = b.filter(pc.invert(b.column(LATE_COLUMN))).drop_columns([LATE_COLUMN])
         yield b
 
 
 def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
                     propose: Callable[[int, bool], int], what: str, *, counters: dict[str, Any] | None = None,
-                    late_flag: bool = False) -> tuple[Iterator[Any], Any, dict[str, Any]]:
+                    late_flag: bool | None = None) -> tuple[Iterator[Any], Any, dict[str, Any]]:
     """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
     and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
     another attempt recorded), both in key-group order, and the rows from the cut on go to a
     channel-state writer instead (returned, for the caller to close), with the counts of the rows
     processed and deferred (fields of :class:`~sparksteward.checkpoint.messages.TaskCounters`).
     ``opened``: the ``state.open`` reply's JSON object; ``counters``: the dict to count in; ``late_flag``:
-    the new rows carry a late flag, so replayed rows without one get it. See
+    with an event-time column, whether the new rows carry a late flag (``late="keep"``): replayed rows are
+    made to match (None: no event time). See
     :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
 
     from sparksteward.checkpoint.unaligned.channel_state import (
@@ -422,8 +430,8 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
         replayed: Iterator[Any] = replay(sources, key, kg, m, opened["key_type"])
     else:
         replayed = (b for n, path in sources for b in read_channel_state(path, n))
-    if late_flag:
-        replayed = _flagged(replayed)
+    if late_flag is not None:
+        replayed = _flagged(replayed, late_flag)
     replayed, batches = _one_schema(replayed, batches, what)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
     cut = opened.get("cut")

@@ -176,6 +176,7 @@ def _submit(state: Path, runs: Path, *extra: str) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # two spark-submits, a minute: make soak runs it, after the suite
 def test_spark_submit_twice_with_the_same_job_id_runs_once(tmp_path):
     state, runs = tmp_path / "state", tmp_path / "runs.txt"
     first = _submit(state, runs)

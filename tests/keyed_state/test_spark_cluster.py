@@ -30,7 +30,6 @@ def spark(cluster_spark, tmp_path_factory):
     return cluster_spark, tmp_path_factory.mktemp("kstate-cluster")
 
 
-@pytest.mark.compat
 def test_state_continues_across_executors(spark):
     spark, state = spark
     st = Steward.get(spark)

@@ -145,6 +145,7 @@ def test_processing_timers_fire_on_an_idle_stream_within_the_stated_bound(cluste
          .option("checkpointLocation", str(tmp_path / "chk")).trigger(processingTime="500 milliseconds").start())
     try:
         wait_for(lambda: sum(1 for w in written if w[2] == "fired") >= 2, 90)
+        wait_for(lambda: ks.idle_timers.fired >= 1, 60)   # counted once drain() returned, after its sink
         fired = [w for w in written if w[2] == "fired"]
         assert sorted(w[1] for w in fired) == ["a", "b"], written
         assert ks.idle_timers.fired >= 1 and len({w[0] for w in fired}) == 1
@@ -309,6 +310,8 @@ def test_event_timers_the_last_rows_made_due_fire_on_an_idle_stream(cluster_spar
     try:
         deadline = time.time() + 90
         while time.time() < deadline and not any(w[2] == "fired" for w in written):
+            time.sleep(0.2)
+        while time.time() < deadline and ks.idle_timers.fired < 1:   # counted once drain() returned
             time.sleep(0.2)
         time.sleep(3)   # a second idle drain would fire b too early: none may come
         fired = [w for w in written if w[2] == "fired"]

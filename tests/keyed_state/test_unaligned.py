@@ -41,7 +41,6 @@ def _run(spark, ks, batches, first_id=0):
     return [c for c in ks.info()["checkpoints"] if c["checkpoint_id"] >= first_id]
 
 
-@pytest.mark.compat
 def test_deferred_input_is_replayed_and_counted_exactly_once(spark, st, dirs):
     batches = make_batches(31, count=3, rows=400)
     ks = st.keyed_state("defer", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=str(dirs / "chk"),
@@ -395,3 +394,38 @@ def test_a_key_s_due_timer_waits_for_its_rows_the_cut_deferred(spark, st, dirs):
     assert deferred[1] >= 1 and hot not in {k for k, _ in out[1]}   # hot's row deferred
     assert (hot, 1) not in out[1] and (hot, 2) in out[2]
     assert sum(n for batch in out for k, n in batch) == 43   # every row counted once, every key fired once
+
+
+def _count_no_flag(key, rows, state):
+    assert "__late" not in rows.columns, "late='drop' hands no late flag over"
+    return count_sum(key, rows, state)
+
+
+def test_a_backlog_deferred_under_late_keep_replays_under_late_drop(spark, st, dirs):
+    """Rows are judged before the cut, so under ``late="keep"`` the channel state holds them with their late
+    flag; reopened with ``late="drop"``, the drain replays the backlog without the flag and leaves out the rows
+    flagged late (no schema mismatch between the replayed and the new rows)."""
+    from sparksteward.state.keygroups import key_group
+
+    t0 = 1_800_000_000_000
+    low = [f"a-{i}" for i in range(2000) if key_group(f"a-{i}", 16, "string") == 0][:20]
+    high = [f"z-{i}" for i in range(2000) if key_group(f"z-{i}", 16, "string") == 15][:40]
+    first = pd.DataFrame({"k": ["w"], "v": 1, "ts": pd.to_datetime([t0 + 100_000], unit="ms", utc=True)})
+    second = pd.DataFrame({"k": low + high, "v": 1, "ts": pd.to_datetime(   # on time in key group 0, late in 15
+        [t0 + 200_000] * 20 + [t0 + 50_000] * 40, unit="ms", utc=True)})
+    schema = spark.createDataFrame(second).schema
+    opts = dict(key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(dirs / "chk-keep"), event_time="ts",
+                watermark_delay=0)
+    ks = st.keyed_state("keep-drop", alignment="aligned", late="keep", **opts)
+    ks.apply(spark.createDataFrame(first, schema), count_sum, SCHEMA, checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    ks = st.keyed_state("keep-drop", alignment="unaligned", aligned_checkpoint_timeout=0, late="keep", **opts)
+    ks.apply(spark.createDataFrame(second, schema), count_sum, SCHEMA, checkpoint_id=1).collect()
+    ks.commit(1, wait=60)
+    report = ks.report(checkpoint_id=1)
+    assert report["late_rows"] == 40 and report["rows_deferred"] >= 40
+    ks = st.keyed_state("keep-drop", alignment="aligned", late="drop", **opts)
+    ks.apply(spark.createDataFrame(second.iloc[:0], schema), _count_no_flag, SCHEMA, checkpoint_id=2).collect()
+    ks.commit(2, wait=60)
+    assert ks.report(checkpoint_id=2)["rows_deferred"] == 0
+    assert state_of(ks) == {"w": (1, 1), **{k: (1, 1) for k in low}}   # the 40 late rows left out
