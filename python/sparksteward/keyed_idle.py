@@ -82,7 +82,10 @@ class IdleTimers:
         nxt, top, event = report.get("next_event_timer_ms"), report.get("max_event_ms"), ks.event_time
         if nxt is None or top is None or event is None:
             return False
-        return nxt <= max(report.get("watermark_ms") or top - event.delay_ms, top - event.delay_ms)
+        upcoming = top - event.delay_ms
+        if report.get("watermark_ms") is not None:   # the watermark never goes back
+            upcoming = max(upcoming, report["watermark_ms"])
+        return nxt <= upcoming
 
     def _run(self) -> None:
         started = time.monotonic()

@@ -172,23 +172,13 @@ class BoundTimers:
         return self._timers._list_one(self._key)
 
 
-def due(backend: StateDB, processing_ms: int, watermark_ms: int | None) -> Iterator[tuple[bytes, bytes, Timer]]:
+def due(backend: Any, processing_ms: int, watermark_ms: int | None) -> Iterator[tuple[bytes, bytes, Timer]]:
     """The subtask's timers due at the batch's ``processing_ms`` and ``watermark_ms`` (an event-time
     timer is due once the watermark is at or past it): ``(group, raw key, timer)`` in key-group, then
-    domain, then time order, one range scan per key group and domain."""
-    for gb, time, lower, upper in _due_ranges(backend, processing_ms, watermark_ms):
-        for rest, _ in backend.scan(lower, upper, len(lower)):
-            yield gb, rest[8:], Timer(time, int.from_bytes(rest[:8], "big") - _OFFSET)
-
-
-def _due_ranges(backend: Any, processing_ms: int, watermark_ms: int | None) -> Iterator[tuple[bytes, str, bytes, bytes]]:
-    """``(group, domain, lower, upper)``: per key group and domain, the by-time range of the due timers."""
-    for g in range(backend.key_groups.start, backend.key_groups.stop):
-        gb = g.to_bytes(2, "big")
-        for time, upto in (("processing", processing_ms), ("event", watermark_ms)):
-            if upto is not None:
-                lower = gb + KIND_TIMER_BY_TIME + _DOMAIN[time]
-                yield gb, time, lower, lower + (upto + 1 + _OFFSET).to_bytes(8, "big")
+    domain, then time order (:func:`due_columns`, one timer at a time)."""
+    d = due_columns(backend, processing_ms, watermark_ms)
+    for group, raw, domain, at in zip(d.groups, d.raws, d.domains, d.ats.tolist()):
+        yield group, raw, Timer(_TIME_OF[domain], at)
 
 
 class Due(NamedTuple):
@@ -212,16 +202,22 @@ def due_columns(backend: Any, processing_ms: int, watermark_ms: int | None) -> D
     domains: list[bytes] = []
     stamps: list[bytes] = []
     ranges: list[tuple[bytes, bytes]] = []
-    for gb, time, lower, upper in _due_ranges(backend, processing_ms, watermark_ms):
-        keys = backend.keys_between(lower, upper)
-        if not keys:
-            continue
-        ranges.append((lower, upper))
-        n = len(lower)
-        stamps.extend(k[n:n + 8] for k in keys)
-        raws.extend(k[n + 8:] for k in keys)
-        groups.extend([gb] * len(keys))
-        domains.extend([_DOMAIN[time]] * len(keys))
+    for g in range(backend.key_groups.start, backend.key_groups.stop):
+        gb = g.to_bytes(2, "big")
+        for domain, upto in ((_DOMAIN["processing"], processing_ms), (_DOMAIN["event"], watermark_ms)):
+            if upto is None:
+                continue
+            lower = gb + KIND_TIMER_BY_TIME + domain
+            upper = lower + (upto + 1 + _OFFSET).to_bytes(8, "big")
+            keys = backend.keys_between(lower, upper)   # one range scan per key group and domain
+            if not keys:
+                continue
+            ranges.append((lower, upper))
+            n = len(lower)
+            stamps.extend(k[n:n + 8] for k in keys)
+            raws.extend(k[n + 8:] for k in keys)
+            groups.extend([gb] * len(keys))
+            domains.extend([domain] * len(keys))
     ats = (np.frombuffer(b"".join(stamps), dtype=">u8").astype(np.uint64) ^ np.uint64(_OFFSET)).view(np.int64)
     return Due(groups, raws, domains, stamps, ats, ranges)
 
