@@ -435,6 +435,12 @@ OPTIONS = OPTIONS + (
            "to sorted Arrow files in the subtask's working dir and merged back one key at a time (one key's "
            "rows must fit in memory). Tasks read it from the session's conf, so spark.conf.set applies to "
            "the next batch.", check=_positive),
+    Option("spark.steward.state.chunk-rows", "int", "1000",
+           "The rows of one chunk that a form=\"chunks\" function gets (fn(key, chunks, state), a key's rows as "
+           "an iterator of DataFrames). On an unaligned state the cut checks its deadline between two chunks, "
+           "so a hot key defers the rest of its rows to the next batch (decision 0028): smaller chunks keep the "
+           "cut closer to the timeout, each chunk costs a DataFrame slice. Tasks read it from the session's "
+           "conf.", check=_positive, allowed="an integer > 0"),
 )
 
 _BY_KEY: dict[str, Option] = {o.key: o for o in OPTIONS}
@@ -540,6 +546,7 @@ class StewardConfig:
     state_ttl_sweep_max_entries: int = 100_000
     state_keep_open: int = 8
     state_spill_threshold: int = 64 << 20
+    state_chunk_rows: int = 1000
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, str] | None = None, *, warn: bool = True) -> StewardConfig:

@@ -88,6 +88,7 @@ from sparksteward.keyed_spark import check_event_column as _check_event_column
 from sparksteward.keyed_spark import streaming_query as _streaming_query
 from sparksteward.keyed_spark import task_failure as _task_failure
 from sparksteward.keyed_tasks import INIT_COL, KG_COL, ROUTE_COL, read_fn, read_table, subtask_fn
+from sparksteward.state.runner import check_form as _check_form
 from sparksteward.wire.messages import Message
 
 __all__ = ["KeyedState"]
@@ -218,10 +219,11 @@ class KeyedState(KeyedStateFigures):
         return self._begin_apply(df, fn, schema, checkpoint_id, "arrow", on_timer=on_timer)[0]
 
     def apply(self, df: Any, fn: Callable[..., Any], schema: Any, checkpoint_id: int | None = None, *,
-              on_timer: Callable[..., Any] | None = None) -> Any:
+              on_timer: Callable[..., Any] | None = None, chunks: bool = False) -> Any:
         """``fn(key, rows: pandas.DataFrame, state)`` per key, returning a row (tuple or dict), a list of
-        rows, a DataFrame or None; lazy. Then ``on_timer(key, timers, state)`` per key with due timers."""
-        return self._begin_apply(df, fn, schema, checkpoint_id, "pandas", on_timer=on_timer)[0]
+        rows, a DataFrame or None; lazy. Then ``on_timer(key, timers, state)`` per key with due timers.
+        ``chunks``: ``rows`` is an iterator of DataFrames (``form="chunks"`` of :meth:`process`)."""
+        return self._begin_apply(df, fn, schema, checkpoint_id, "chunks" if chunks else "pandas", on_timer=on_timer)[0]
 
     def initial_state(self, df: Any, fn: Callable[..., Any]) -> None:
         """Bootstrap the state in its first batch: before that batch's input, ``fn`` runs over ``df`` (with
@@ -305,8 +307,10 @@ class KeyedState(KeyedStateFigures):
         Parameters
         ----------
         fn : callable
-            The user function: ``fn(key, rows, state)`` (``form="pandas"``, as in :meth:`apply`) or
-            ``fn(keys, rows, state)`` (``form="arrow"``, as in :meth:`apply_arrow`).
+            The user function: ``fn(key, rows, state)`` (``form="pandas"``, as in :meth:`apply`),
+            ``fn(key, chunks, state)`` (``form="chunks"``: the key's rows as an iterator of DataFrames, so
+            an unaligned cut may fall inside a hot key, decision 0028) or ``fn(keys, rows, state)``
+            (``form="arrow"``, as in :meth:`apply_arrow`).
         schema : StructType or str
             The output schema of ``fn``.
         sink : callable
@@ -347,8 +351,7 @@ class KeyedState(KeyedStateFigures):
             raise StateError(f"fn={fn!r} must be a function")
         if not callable(sink):
             raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
-        if form not in ("pandas", "arrow"):
-            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
+        _check_form(form)
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
                               "on_timer": on_timer}
         if self.idle_timers is not None:   # the watcher of an earlier process() function
@@ -472,8 +475,7 @@ class KeyedState(KeyedStateFigures):
             raise StateError(f"drain of keyed state {self.name!r} needs the function and output schema that process "
                              f"the deferred rows: pass fn= and schema= (the ones of process/apply), or call "
                              f"process(...) first")
-        if form not in ("pandas", "arrow"):
-            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
+        _check_form(form)
         spark = self._st.spark
         key_type = self.key_type or self._check().key_type
         if key_type is None:   # no checkpoint at all: nothing was deferred

@@ -110,7 +110,7 @@ def function_failure(where: str, form: str, first: Any, exc: BaseException) -> s
 
 def _keys_of(form: str, first: Any) -> str:
     """``key 'a'`` (per-key form) or ``keys ['a', 'b', 'c', ...] (N in the batch)`` (Arrow form)."""
-    if form == "pandas":
+    if form != "arrow":
         return f"key {first!r}"
     try:
         n = len(first)
@@ -124,6 +124,7 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
                  fn: Callable[..., Any], schema: Any, form: str, parallelism: int | None,
                  declared: dict[str, Any], on_timer: Callable[..., Any] | None = None) -> Iterator[Any]:
     """One subtask of checkpoint ``checkpoint_id``: open, run, snapshot and upload, or release."""
+    from sparksteward.checkpoint.begun import Cut
     from sparksteward.checkpoint.messages import (
         CutReply,
         OpenReply,
@@ -186,9 +187,9 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             runner = run_arrow if form == "arrow" else run_pandas
             cleaned: Iterator[Any] = (b.drop_columns([ROUTE_COL]) if ROUTE_COL in b.schema.names else b for b in batches)
 
-            def propose(cut: int, overflow: bool) -> int:
-                reply: CutReply = ask(conn, TaskCutRequest(token, cut, overflow))
-                return reply.cut
+            def propose(cut: Cut, overflow: bool) -> Cut:
+                reply: CutReply = ask(conn, TaskCutRequest(token, cut.group, overflow, cut.rows))
+                return Cut(reply.cut, reply.rows)
 
             initial_rows = 0
             if declared.get("initial"):   # decision 0028: the initial state's rows come first, applied before
@@ -200,18 +201,21 @@ def _run_subtask(batches: Iterator[Any], name: str, checkpoint_id: int, subtask:
             if event is not None:   # decision 0028: late rows dropped or flagged, event times counted, as they
                 # arrive: a row a cut defers is judged by this batch's watermark, never again when replayed
                 cleaned = _judged(cleaned, event, declared.get("watermark_ms"), counters)
+            chunk_rows = _chunk_rows(TaskContext.get()) if form == "chunks" else None
             source, writer, _ = unaligned_input(
                 opened.to_wire(), cleaned, key, kg, m, propose,
                 f"subtask {subtask} of checkpoint {checkpoint_id} of keyed state {name!r}", counters=counters,
-                late_flag=None if event is None else event.late == "keep")
+                late_flag=None if event is None else event.late == "keep", chunk_rows=chunk_rows)
             if form == "arrow":   # one call with all the rows, up to the spill threshold; unaligned: per buffer
                 options: dict[str, Any] = {
                     "max_input_bytes": None if writer is not None else _spill_threshold(TaskContext.get())}
             else:
                 options = _pandas_options(TaskContext.get(), key_group_ordered=writer is not None)
+                options["chunk_rows"] = chunk_rows
             outputs = runner(source, key, fn, backend, schema, states=typed, counters=counters, **options)
             if on_timer is not None:   # after the input: the due timers, of keys with and without input
-                outputs = itertools.chain(outputs, fire(on_timer, form, backend, typed, schema, counters,
+                outputs = itertools.chain(outputs, fire(on_timer, "arrow" if form == "arrow" else "pandas",
+                                                        backend, typed, schema, counters,
                                                         held=lambda: None if writer is None else writer.deferred_keys))
             for out in outputs:
                 counters["rows_out"] = counters.get("rows_out", 0) + out.num_rows
@@ -353,6 +357,16 @@ def _spill_threshold(ctx: Any) -> int:
     return StewardConfig.from_conf({spill_key: raw} if raw else {}).state_spill_threshold
 
 
+def _chunk_rows(ctx: Any) -> int:
+    """``spark.steward.state.chunk-rows`` from the task's local properties: the rows of one chunk of the
+    ``form="chunks"`` function (decision 0028)."""
+    from sparksteward.config import StewardConfig
+
+    chunk_key = "spark.steward.state.chunk-rows"
+    raw = ctx.getLocalProperty(chunk_key) if ctx is not None else None
+    return StewardConfig.from_conf({chunk_key: raw} if raw else {}).state_chunk_rows
+
+
 def _pandas_options(ctx: Any, key_group_ordered: bool) -> dict[str, Any]:
     """Options of :func:`~sparksteward.state.runner.run_pandas` from the task's local properties, which
     carry the session's conf (Spark SQL propagates every ``spark.*`` setting to its tasks): the spill
@@ -403,8 +417,8 @@ def _flagged(replayed: Iterator[Any], keep: bool) -> Iterator[Any]:
 
 
 def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg: Any, m: int,
-                    propose: Callable[[int, bool], int], what: str, *, counters: dict[str, Any] | None = None,
-                    late_flag: bool | None = None) -> tuple[Iterator[Any], Any, dict[str, Any]]:
+                    propose: Callable[[Any, bool], Any], what: str, *, counters: dict[str, Any] | None = None,
+                    late_flag: bool | None = None, chunk_rows: int | None = None) -> tuple[Iterator[Any], Any, dict[str, Any]]:
     """A subtask's input (FLIP-76): the base's channel state (filtered by key group after a rescale)
     and its own batches; aligned, the channel state first; with an unaligned alignment (or a cut
     another attempt recorded), both in key-group order, and the rows from the cut on go to a
@@ -412,9 +426,11 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
     processed and deferred (fields of :class:`~sparksteward.checkpoint.messages.TaskCounters`).
     ``opened``: the ``state.open`` reply's JSON object; ``counters``: the dict to count in; ``late_flag``:
     with an event-time column, whether the new rows carry a late flag (``late="keep"``): replayed rows are
-    made to match (None: no event time). See
+    made to match (None: no event time). ``chunk_rows`` (``form="chunks"``): the cut may fall inside a key
+    group, whose rows then come in content order, in batches of that many rows. See
     :mod:`sparksteward.checkpoint.unaligned.task_cut`."""
 
+    from sparksteward.checkpoint.begun import Cut
     from sparksteward.checkpoint.unaligned.channel_state import (
         AlignmentMode,
         AlignmentOptions,
@@ -434,12 +450,12 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
         replayed = _flagged(replayed, late_flag)
     replayed, batches = _one_schema(replayed, batches, what)
     alignment = AlignmentOptions.from_json(opened.get("alignment"))
-    cut = opened.get("cut")
+    cut = None if opened.get("cut") is None else Cut(opened["cut"], opened.get("cut_rows") or 0)
     deadline_in = opened.get("deadline_in")
     deadline = time.monotonic() + float(deadline_in or 0)
     writer = None
     counters = {} if counters is None else counters
-    if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < kg.stop):
+    if (alignment.unaligned and deadline_in is not None) or (cut is not None and cut < Cut(kg.stop)):
         cap = alignment.max_inflight_bytes if alignment.alignment is AlignmentMode.UNALIGNED_MAX_INFLIGHT else None
         writer = ChannelStateWriter(opened["channel"], max_bytes=cap, key=key)
     if writer is None:   # aligned: everything, with no key-group column to drop when none was added
@@ -453,9 +469,14 @@ def unaligned_input(opened: dict[str, Any], batches: Iterator[Any], key: str, kg
 
         return pa.array(key_groups(batch.column(key).to_pylist(), m, opened["key_type"]), pa.int32())
 
-    merged = merge_by_key_group(replayed, batches, kg_column=KG_COL, key_groups=groups_of)
+    # content order where a cut may fall inside a key group: this attempt's chunks, or a recorded cut that
+    # does (an attempt of another form follows it all the same)
+    order = chunk_rows or (65536 if cut is not None and cut.rows else None)
+    merged = merge_by_key_group(replayed, batches, kg_column=KG_COL, key_groups=groups_of,
+                                within=None if not order else (key, order))
     return (iter_cut(merged, kg_column=KG_COL, start=kg.start, stop=kg.stop, cut=cut, deadline_passed=passed,
-                     propose=propose, writer=writer, counters=counters, what=what), writer, counters)
+                     propose=propose, writer=writer, counters=counters, what=what, within=bool(chunk_rows)),
+            writer, counters)
 
 
 def _one_schema(replayed: Iterator[Any], batches: Iterator[Any], what: str) -> tuple[Iterator[Any], Iterator[Any]]:

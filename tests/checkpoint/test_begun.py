@@ -5,7 +5,7 @@ restarted driver or driver agent), on file:// and moto S3. Issue 35, items 2 and
 from __future__ import annotations
 
 import pytest
-from sparksteward.checkpoint.begun import BEGUN_FILE, BegunRecord, CheckpointTime, read_begun, time_of
+from sparksteward.checkpoint.begun import BEGUN_FILE, BegunRecord, CheckpointTime, Cut, read_begun, time_of
 from sparksteward.checkpoint.coordination.coordinator import CheckpointCoordinator
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.unaligned.coordinator_cuts import translate_cuts
@@ -67,7 +67,7 @@ def test_cuts_are_durable_and_a_redelivery_after_a_restart_cuts_the_same(store_u
     coord = CheckpointCoordinator(storage, 4, M, clock=clock)
     assert coord.begin(0, unaligned=True).unaligned
     ranges = [key_group_range(M, 4, i) for i in range(4)]
-    proposed = {0: ranges[0].start + 1, 1: ranges[1].stop, 3: ranges[3].start}
+    proposed = {0: Cut(ranges[0].start + 1), 1: Cut(ranges[1].stop), 3: Cut(ranges[3].start, 7)}
     for s, c in proposed.items():
         assert coord.cut(0, s, c) == c
     assert read_begun(storage.location).cuts == proposed   # on the store before the tasks go on
@@ -78,9 +78,9 @@ def test_cuts_are_durable_and_a_redelivery_after_a_restart_cuts_the_same(store_u
     begun = coord.begin(0, unaligned=False)          # the new application opened the state aligned
     assert begun.unaligned                           # the first delivery's alignment stands
     for s, c in proposed.items():
-        assert coord.cut(0, s, ranges[s].stop) == c  # later proposals follow the recorded cut
+        assert coord.cut(0, s, Cut(ranges[s].stop)) == c  # later proposals follow the recorded cut
     assert coord.cut(0, 2) is None                   # free: no output of it reached a sink
-    assert coord.cut(0, 2, ranges[2].start + 2) == ranges[2].start + 2
+    assert coord.cut(0, 2, Cut(ranges[2].start + 2)) == (ranges[2].start + 2, 0)
 
 
 def test_an_aligned_first_delivery_is_redelivered_aligned(store_url):
@@ -96,18 +96,20 @@ def test_a_redelivery_at_another_parallelism_defers_the_same_key_groups_or_is_re
     coord = CheckpointCoordinator(storage, 4, M, clock=FakeClock())
     coord.begin(0, unaligned=True)
     r = [key_group_range(M, 4, i) for i in range(4)]
-    coord.cut(0, 0, r[0].stop)       # processed everything
-    coord.cut(0, 1, r[1].start + 3)  # deferred from +3
+    coord.cut(0, 0, Cut(r[0].stop))       # processed everything
+    coord.cut(0, 1, Cut(r[1].start + 3, 5))  # deferred from +3, after its first 5 rows
     # restarted at parallelism 2: subtask 0 of 2 covers old 0 and 1, whose deferred groups are a suffix
     coord = _restart(storage, FakeClock(), parallelism=2)
     coord.begin(0, unaligned=True)
-    assert coord.cut(0, 0, 0) == r[1].start + 3
+    assert coord.cut(0, 0, Cut(0)) == (r[1].start + 3, 5)
     assert coord.cut(0, 1) is None   # old subtasks 2 and 3 never finished
     assert read_begun(storage.location).parallelism == 2
 
     # cuts that no cut of the new parallelism can express are refused, naming the way out
     with pytest.raises(CheckpointOrderError, match="parallelism 4"):
-        translate_cuts({0: r[0].start + 1, 1: r[1].stop}, 4, 2, M, "checkpoint 0 of state 'x'")
+        translate_cuts({0: Cut(r[0].start + 1), 1: Cut(r[1].stop)}, 4, 2, M, "checkpoint 0 of state 'x'")
+    with pytest.raises(CheckpointOrderError, match="parallelism 4"):   # two key groups split inside
+        translate_cuts({0: Cut(r[0].start + 1, 2), 1: Cut(r[1].start, 1)}, 4, 2, M, "checkpoint 0 of state 'x'")
 
 
 def test_a_corrupt_begun_record_is_refused_by_name(store_url):
@@ -117,7 +119,13 @@ def test_a_corrupt_begun_record_is_refused_by_name(store_url):
     with pytest.raises(CorruptRecordError, match="_begun"):
         CheckpointCoordinator(storage, P, M)
     with pytest.raises(ValueError):
-        BegunRecord(0, 2, CheckpointTime(1), True, {5: 1})   # a subtask beyond the parallelism
+        BegunRecord(0, 2, CheckpointTime(1), True, {5: Cut(1)})   # a subtask beyond the parallelism
+    for bad in (b'"cuts": {"0": 3}, "cut_rows": {"1": 4}', b'"cuts": {"0": 3}, "cut_rows": {"0": -4}',
+                b'"cuts": {"0": true}'):   # rows of a subtask without a cut, negative rows, not a key group
+        loc.write_atomic(loc.path(BEGUN_FILE), b'{"version": 1, "checkpoint_id": 0, "parallelism": 2, '
+                         b'"time": {"processing_ms": 1}, "unaligned": true, ' + bad + b'}')
+        with pytest.raises(CorruptRecordError, match="cut"):
+            CheckpointCoordinator(storage, P, M)
 
 
 def test_a_rerun_of_a_completed_checkpoint_reads_its_cuts_while_the_next_one_records_its_own(tmp_path, store_url):
@@ -127,10 +135,10 @@ def test_a_rerun_of_a_completed_checkpoint_reads_its_cuts_while_the_next_one_rec
     coord = CheckpointCoordinator(storage, P, M, clock=FakeClock())
     coord.begin(0, unaligned=True)
     r = [key_group_range(M, P, i) for i in range(P)]
-    coord.cut(0, 0, r[0].start + 1)
+    coord.cut(0, 0, Cut(r[0].start + 1, 3))
     run_batch(coord, storage, tmp_path, 0, BATCHES[0], begin=False)
     coord.complete(0)
     coord.begin(1, unaligned=True)
-    coord.cut(1, 0, r[0].start)
-    assert coord.cut(0, 0) == r[0].start + 1 and coord.cut(0, 1) == r[1].stop
-    assert read_begun(storage.location).cuts == {0: r[0].start}
+    coord.cut(1, 0, Cut(r[0].start))
+    assert coord.cut(0, 0) == (r[0].start + 1, 3) and coord.cut(0, 1) == (r[1].stop, 0)
+    assert read_begun(storage.location).cuts == {0: (r[0].start, 0)}

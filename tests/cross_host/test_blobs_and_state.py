@@ -263,6 +263,33 @@ def test_unaligned_channel_state_across_hosts(spark, s3):
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
 
 
+def test_a_cut_inside_a_key_with_chunks_across_hosts(spark, s3):
+    """``form="chunks"`` (5-row chunks, timeout 0) on an executor that sees neither the driver's files nor
+    its boot id: the cut falls inside a key group (``cut_rows`` in the record on S3), the rest replays there
+    first, and the drained state counts every row once."""
+    from tests.helpers.keyed import SCHEMA, count_sum_chunks, make_batches, reference, state_of
+
+    st = Steward.get(spark)
+    spark.conf.set("spark.steward.state.chunk-rows", "5")
+    try:
+        kw = {"key": "k", "parallelism": 2, "max_parallelism": 16, "checkpoint_dir": s3.url("xhost-chunks")}
+        ks = st.keyed_state("xchunks", alignment="unaligned", aligned_checkpoint_timeout=0, **kw)
+        batches = make_batches(19, count=2, rows=300, keys=6)   # few keys: each key group holds many rows
+        rows_cut = []
+        for i, batch in enumerate(batches):
+            ks.apply(spark.createDataFrame(batch), count_sum_chunks, SCHEMA, checkpoint_id=i, chunks=True).collect()
+            ks.commit(i, wait=120)
+            rows_cut.append(ks.info()["latest"]["properties"].get("cut_rows"))
+        assert all(rows_cut) and ks.info()["checkpoints"][-1]["rows_deferred"] > 0, rows_cut
+        ks = st.keyed_state("xchunks", alignment="aligned", **kw)
+        ks.apply(spark.createDataFrame(batches[0].iloc[:0], "k string, v long"), count_sum_chunks, SCHEMA,
+                 checkpoint_id=2, chunks=True).collect()
+        ks.commit(2, wait=120)
+        assert state_of(ks) == reference(batches)
+    finally:
+        spark.conf.unset("spark.steward.state.chunk-rows")
+
+
 def test_process_defaults_on_the_other_host_one_run_a_batch_then_persisted_and_a_partial_sink_commits(spark, s3):
     """``process()`` with its defaults (issue 37 item 4) where the executor sees neither the driver's
     files nor its boot id: one state-stage run a batch for a one-write sink, two for a sink taking two

@@ -26,6 +26,17 @@ def count_sum_row(key, rows, state):
     return key, cur["n"], cur["s"]
 
 
+def count_sum_chunks(key, chunks, state):
+    """:func:`count_sum` in the ``form="chunks"`` shape: the key's rows as an iterator of DataFrames."""
+    n = s = 0
+    for rows in chunks:
+        n, s = n + len(rows), s + int(rows["v"].sum())
+    cur = state.get() or {"n": 0, "s": 0}
+    cur = {"n": cur["n"] + n, "s": cur["s"] + s}
+    state.update(cur)
+    return key, cur["n"], cur["s"]
+
+
 def make_batches(seed: int, count: int = 3, rows: int = 300, keys: int = 25) -> list[pd.DataFrame]:
     rnd = random.Random(seed)
     return [pd.DataFrame({"k": [f"user-{rnd.randrange(keys)}" for _ in range(rows)],

@@ -429,3 +429,63 @@ def test_a_backlog_deferred_under_late_keep_replays_under_late_drop(spark, st, d
     ks.commit(2, wait=60)
     assert ks.report(checkpoint_id=2)["rows_deferred"] == 0
     assert state_of(ks) == {"w": (1, 1), **{k: (1, 1) for k in low}}   # the 40 late rows left out
+
+
+def _chunks_slow(marker: str):
+    """``form="chunks"``: count and sum a key's rows chunk by chunk, 60 ms a chunk, and note per call the
+    key and how many rows it read (in ``marker``), so the test sees where the cut fell."""
+
+    def fn(key, chunks, state):
+        import time
+
+        n = s = 0
+        for chunk in chunks:
+            time.sleep(0.06)
+            n, s = n + len(chunk), s + int(chunk["v"].sum())
+        with open(marker, "a") as f:
+            f.write(f"{key} {n}\n")
+        cur = state.get() or {"n": 0, "s": 0}
+        cur = {"n": cur["n"] + n, "s": cur["s"] + s}
+        state.update(cur)
+        return key, cur["n"], cur["s"]
+
+    return fn
+
+
+def test_a_cut_falls_inside_a_hot_key_with_chunks_and_every_row_is_counted_once(spark, st, dirs, tmp_path):
+    """Issue 38 item 6 through Spark: with ``form="chunks"`` (20-row chunks, 60 ms each) the unaligned cut of a
+    subtask whose first key group holds a hot key of 400 rows falls inside that key's call (the record keeps
+    ``cut_rows``); a second action on the unpersisted output emits exactly the first's rows; the next batch's
+    call of the hot key reads the rest first; the final state is every row counted once."""
+    from sparksteward.state.keygroups import key_group
+
+    hot = next(f"hot-{i}" for i in range(1000) if key_group(f"hot-{i}", 16, "string") == 0)
+    others = [f"k-{i}" for i in range(1000) if key_group(f"k-{i}", 16, "string") > 0][:30]
+    batches = [pd.DataFrame({"k": [hot] * 400 + others * 4, "v": list(range(520))}),
+               pd.DataFrame({"k": [hot] * 40 + others, "v": list(range(70))})]
+    spark.conf.set("spark.steward.state.chunk-rows", "20")
+    try:
+        opts = dict(key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(dirs / "chk-chunks"))
+        ks = st.keyed_state("chunks", alignment="unaligned", aligned_checkpoint_timeout=1.0, **opts)
+        marker = str(tmp_path / "calls")
+        out = ks.apply(spark.createDataFrame(batches[0], "k string, v long"), _chunks_slow(marker), SCHEMA,
+                       checkpoint_id=0, chunks=True)
+        first = sorted(map(tuple, out.collect()))
+        second = sorted(map(tuple, out.collect()))   # no persist: the stage runs again from the same base
+        ks.commit(0, wait=60)
+        latest = ks.info()["latest"]
+        calls = [line.split() for line in open(marker).read().splitlines()]
+        read = int(next(n for k, n in calls if k == hot))
+        assert second == first and [k for k, _, _ in first] == [hot]   # the cut fell inside the hot key
+        assert 0 < read < 400 and latest["properties"]["cut_rows"] == {"0": read}, (read, latest["properties"])
+        assert ks.report(checkpoint_id=0)["rows_deferred"] == 520 - read
+        open(marker, "w").close()
+        ks = st.keyed_state("chunks", alignment="aligned", **opts)
+        ks.apply(spark.createDataFrame(batches[1], "k string, v long"), _chunks_slow(marker), SCHEMA,
+                 checkpoint_id=1, chunks=True).collect()
+        ks.commit(1, wait=60)
+        calls = [line.split() for line in open(marker).read().splitlines()]
+        assert [int(n) for k, n in calls if k == hot] == [400 - read + 40]   # one call: the rest, then the new
+        assert state_of(ks) == reference(batches)
+    finally:
+        spark.conf.unset("spark.steward.state.chunk-rows")

@@ -24,18 +24,21 @@ write, see :class:`~sparksteward.checkpoint.coordination.coordinator.CheckpointC
 
     {"version": 1, "checkpoint_id": 7, "parallelism": 4,
      "time": {"processing_ms": 1764270000000, "watermark_ms": 1764269400000},
-     "unaligned": true, "cuts": {"0": 12, "3": 32}}
+     "unaligned": true, "cuts": {"0": 12, "3": 32}, "cut_rows": {"3": 500}}
+
+(``cut_rows``: a cut inside key group 32 after its first 500 rows, where the function takes a key's rows
+in chunks; absent where every cut is at a key-group boundary.)
 
 Only the newest begun checkpoint matters (a newer begin aborts older pending ones), so there is one
 record per state. Once checkpoint ``N`` completes its record carries the same facts
-(``properties.time`` and ``properties.cuts``); a begun record of ``N`` or older is then ignored.
+(``properties.time``, ``properties.cuts`` and ``properties.cut_rows``); a begun record of ``N`` or older is then ignored.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -43,12 +46,40 @@ from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.errors import CorruptRecordError
 from sparksteward.storage import Location
 
-__all__ = ["BEGUN_FILE", "BegunRecord", "CheckpointTime", "advanced_watermark", "read_begun", "time_of"]
+__all__ = ["BEGUN_FILE", "BegunRecord", "CheckpointTime", "Cut", "advanced_watermark", "read_begun", "time_of"]
 
 BEGUN_FILE = "_begun"
 _VERSION = 1
 _MAX_RECORD = 1 << 20
 _MAX_MS = 1 << 53
+
+
+class Cut(NamedTuple):
+    """Where an unaligned subtask stops (FLIP-76): the first ``rows`` rows of key group ``group`` (in the
+    order every attempt finds, :mod:`~sparksteward.checkpoint.unaligned.task_cut`) and every key group below
+    it are processed, the rest deferred. ``rows`` is 0 unless the function takes a key's rows in chunks, so
+    the cut may fall inside a key (decision 0028). Positions compare as tuples do."""
+
+    group: int
+    rows: int = 0
+
+
+def cuts_json(cuts: dict[int, Cut]) -> tuple[dict[str, int], dict[str, int]]:
+    """``cuts`` as a record holds them: ``cuts`` (subtask -> key group) and ``cut_rows`` (subtask -> rows,
+    only where not 0, so a record without it reads as before chunked cuts existed)."""
+    ordered = sorted(cuts.items())
+    return {str(s): c.group for s, c in ordered}, {str(s): c.rows for s, c in ordered if c.rows}
+
+
+def cuts_of(groups: object, rows: object) -> dict[int, Cut]:
+    """The cuts of a record's ``cuts`` and ``cut_rows`` (missing: 0 rows); ValueError when malformed."""
+    if not isinstance(groups, dict) or not isinstance(rows, dict) or \
+            not all(isinstance(k, str) and k.isdigit() for k in (*groups, *rows)) or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*groups.values(), *rows.values())) \
+            or not set(rows) <= set(groups):
+        raise ValueError(f"cuts {groups!r} and cut_rows {rows!r} are not objects of subtask -> key group and "
+                         f"subtask -> rows")
+    return {int(k): Cut(v, rows.get(k, 0)) for k, v in groups.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +153,7 @@ class BegunRecord:
     parallelism: int
     time: CheckpointTime
     unaligned: bool
-    cuts: dict[int, int] = field(default_factory=dict)   # subtask -> its cut (first deferred key group)
+    cuts: dict[int, Cut] = field(default_factory=dict)   # subtask -> its cut
 
     def __post_init__(self) -> None:
         if isinstance(self.checkpoint_id, bool) or not isinstance(self.checkpoint_id, int) or self.checkpoint_id < 0:
@@ -130,18 +161,19 @@ class BegunRecord:
         if isinstance(self.parallelism, bool) or not isinstance(self.parallelism, int) or self.parallelism < 1:
             raise ValueError(f"parallelism {self.parallelism!r} must be an int >= 1")
         for s, c in self.cuts.items():
-            if not (isinstance(s, int) and isinstance(c, int)) or isinstance(s, bool) or isinstance(c, bool) \
-                    or not 0 <= s < self.parallelism or c < 0:
-                raise ValueError(f"cut {s!r}: {c!r} must map a subtask below the parallelism to a key group")
+            if not (isinstance(s, int) and isinstance(c, Cut)) or isinstance(s, bool) \
+                    or not 0 <= s < self.parallelism or min(c) < 0:
+                raise ValueError(f"cut {s!r}: {c!r} must map a subtask below the parallelism to a Cut")
 
-    def with_cuts(self, cuts: dict[int, int], parallelism: int | None = None) -> BegunRecord:
+    def with_cuts(self, cuts: dict[int, Cut], parallelism: int | None = None) -> BegunRecord:
         return BegunRecord(self.checkpoint_id, self.parallelism if parallelism is None else parallelism,
                            self.time, self.unaligned, dict(cuts))
 
     def to_bytes(self) -> bytes:
+        groups, rows = cuts_json(self.cuts)
         return orjson.dumps({"version": _VERSION, "checkpoint_id": self.checkpoint_id,
                              "parallelism": self.parallelism, "time": self.time.to_json(),
-                             "unaligned": self.unaligned, "cuts": {str(s): c for s, c in sorted(self.cuts.items())}})
+                             "unaligned": self.unaligned, "cuts": groups, **({"cut_rows": rows} if rows else {})})
 
     @classmethod
     def from_bytes(cls, data: bytes, source: str) -> BegunRecord:
@@ -152,11 +184,8 @@ class BegunRecord:
             unaligned = rec["unaligned"]
             if not isinstance(unaligned, bool):
                 raise ValueError(f"unaligned {unaligned!r} is not a boolean")
-            cuts = rec["cuts"]
-            if not isinstance(cuts, dict) or not all(isinstance(k, str) and k.isdigit() for k in cuts):
-                raise ValueError(f"cuts {cuts!r} are not an object of subtask -> key group")
             return cls(rec["checkpoint_id"], rec["parallelism"], CheckpointTime.from_json(rec["time"]), unaligned,
-                       {int(k): v for k, v in cuts.items()})
+                       cuts_of(rec["cuts"], rec.get("cut_rows") or {}))
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise CorruptRecordError(
                 f"begun record {source} is unreadable ({exc}): it holds the time and the cuts of the checkpoint "

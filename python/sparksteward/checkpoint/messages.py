@@ -153,6 +153,7 @@ class BaseReply(Message):
     alignment: dict[str, Any] = mapping(default={})
     deadline_in: float | None = number(default=None, lo=0)   # unaligned: seconds until the subtask defers input
     cut: int | None = integer(default=None, lo=0)             # FLIP-76: the cut an earlier attempt recorded
+    cut_rows: int = integer(default=0, lo=0)                  # ... after that many rows of its key group
     same_base: bool = flag(default=False)                     # base and known left out: the agent holds them
 
     def to_json(self, *, with_base: bool = True) -> dict[str, Any]:
@@ -225,9 +226,10 @@ class BaseRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class CutReply(Message):
-    """The cut that stands for every attempt of the checkpoint (a key group)."""
+    """The cut that stands for every attempt of the checkpoint (a key group, after ``rows`` of its rows)."""
 
     cut: int = integer(lo=0, hi=MAX_PARALLELISM)
+    rows: int = integer(default=0, lo=0)
 
 
 @op("state.cut", reply=CutReply, repeatable=True)
@@ -235,7 +237,9 @@ class CutReply(Message):
 class CutRequest(Message):
     """FLIP-76: a subtask proposes where its attempt stops processing new input, and gets the cut that stands.
 
-    ``overflow``: its channel state at that cut passes the byte cap, so it processes everything.
+    ``cut``: a key group; ``rows``: how many of its rows come before the cut (decision 0028: a function
+    that takes a key's rows in chunks). ``overflow``: its channel state at that cut passes the byte cap, so
+    it processes everything.
     """
 
     name: str = _name()
@@ -243,6 +247,7 @@ class CutRequest(Message):
     subtask: int = integer(lo=0, hi=MAX_PARALLELISM)
     cut: int = integer(lo=0, hi=MAX_PARALLELISM)
     overflow: bool = _zero_or_one()
+    rows: int = integer(default=0, lo=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,6 +420,7 @@ class OpenReply(Message):
     channel: str = text(max_len=4096)                        # where the task writes its deferred input
     replay: list[ReplayFile] = message_list(ReplayFile, max_items=_MANY)
     cut: int | None = integer(default=None, lo=0)
+    cut_rows: int = integer(default=0, lo=0)
     attempt: str = text(default="", max_len=64)
     replay_filter: bool = flag(default=False)                # the base has another parallelism: filter by key group
     flush_wal_above: int | None = integer(default=None, lo=0)   # the task flushes a larger WAL (decision 0022)
@@ -460,6 +466,7 @@ class TaskCutRequest(Message):
     token: str = text(max_len=64)
     cut: int = integer(lo=0, hi=MAX_PARALLELISM)
     overflow: bool = _zero_or_one()
+    rows: int = integer(default=0, lo=0)
 
 
 @dataclass(frozen=True, slots=True)

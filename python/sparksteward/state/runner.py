@@ -35,6 +35,13 @@ group, a key is either called with all its rows of the batch or deferred as a wh
 that changes is the lag: a key group's keys are called when the next key group begins, one Arrow
 buffer late at most.
 
+**Chunks form** (``form="chunks"``, decision 0028): ``fn(key, chunks, state)`` gets the key's rows as an
+iterator of DataFrames of at most ``spark.steward.state.chunk-rows`` rows, still once per key per batch.
+Aligned, the chunks are slices of the key's rows as above. Unaligned, a subtask's input comes in
+content order (by key group, key, replayed rows first, then every column) and each chunk is read when
+the function asks for it, so the cut checks its deadline between two chunks of one key: a hot key's
+call sees a prefix of its rows and ends, and the rest of them come first in its call of the next batch.
+
 Both forms return an iterator of ``pyarrow.RecordBatch`` in the declared output schema. Results are
 cast to that schema (``mapInArrow`` does not cast), and a result that cannot be cast raises an error
 that names the column.
@@ -59,14 +66,21 @@ from sparksteward.state.timers import BoundTimers, Timers
 from sparksteward.state.typed import BoundList, BoundMap, BoundValue, TypedList, TypedMap, TypedStates, TypedValue
 from sparksteward.state.views import BoundListState, BoundMapState, BoundValueState, ListState, MapState, ValueState
 
-__all__ = ["DEFAULT_OUTPUT_ROWS", "DEFAULT_SPILL_THRESHOLD", "DEFAULT_STATE", "KeyState", "KeyedStateAccess", "run_arrow",
-           "run_pandas"]
+__all__ = ["DEFAULT_OUTPUT_ROWS", "DEFAULT_SPILL_THRESHOLD", "DEFAULT_STATE", "KeyState", "KeyedStateAccess", "check_form",
+           "run_arrow", "run_pandas"]
 
 DEFAULT_STATE = DEFAULT_VARIABLE   # the default value state (declared.py)
 #: default of ``spark.steward.state.spill-threshold``: the input a per-key task holds in memory
 DEFAULT_SPILL_THRESHOLD = 64 << 20
 #: default size of the per-key form's output batches (Spark's ``spark.sql.execution.arrow.maxRecordsPerBatch``)
 DEFAULT_OUTPUT_ROWS = 10_000
+
+
+def check_form(form: str) -> None:
+    """Refuse an unknown ``form`` of a keyed state's function, naming the three."""
+    if form not in ("pandas", "chunks", "arrow"):
+        raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)), 'chunks' (fn(key, chunks, state), "
+                         f"a key's rows as an iterator of DataFrames) or 'arrow' (fn(keys, rows, state))")
 
 
 class KeyedStateAccess:
@@ -249,8 +263,14 @@ def _call_arrow(held: list[pa.RecordBatch], key: str, fn: Callable[..., Any], ac
 def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], backend: RocksDBStateBackend,
                schema: pa.Schema, states: TypedStates | None = None, *, spill_threshold: int = DEFAULT_SPILL_THRESHOLD,
                max_output_rows: int = DEFAULT_OUTPUT_ROWS, key_group_ordered: bool = False,
-               counters: dict[str, int] | None = None) -> Iterator[pa.RecordBatch]:
+               counters: dict[str, int] | None = None, chunk_rows: int | None = None) -> Iterator[pa.RecordBatch]:
     """Call ``fn(key, rows, state)`` once per distinct key of ``batches``, with all of that key's rows.
+
+    ``chunk_rows`` (``form="chunks"``): ``rows`` is an iterator of DataFrames of at most that many rows
+    each. With ``key_group_ordered`` the input must then be in content order (a cut may fall inside a
+    key: :mod:`sparksteward.checkpoint.unaligned.task_cut`), and each chunk is read from ``batches`` when
+    the function asks for it, so the cut checks its deadline between two chunks of one key; the rows a
+    function leaves unread belong to its call all the same.
 
     ``spill_threshold``: bytes of input held in memory before the rest spills to sorted runs under
     ``backend.directory`` (:class:`~sparksteward.state.spill.KeyedRowBuffer`); deleted at the end, on
@@ -264,17 +284,19 @@ def run_pandas(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., An
     calls = [0]
     # one write batch for the subtask's writes (the current key reads its own): see state/buffered.py
     with KeyedRowBuffer(key, spill_threshold, backend.directory) as held, backend.buffered() as store:
-        if key_group_ordered:
+        if key_group_ordered and chunk_rows:
+            yield from _stream_per_key(batches, key, fn, access, output, store, calls)
+        elif key_group_ordered:
             for _ in _complete_key_groups(batches, key, held, backend):
                 for table in held.drain():
-                    yield from _call_per_key(table, key, fn, access, output, store, calls)
+                    yield from _call_per_key(table, key, fn, access, output, store, calls, chunk_rows)
         else:
             for batch in batches:
                 if batch.num_rows:
                     _key_column(pa.Table.from_batches([batch]), key)
                     held.add(batch)
         for table in held.drain():
-            yield from _call_per_key(table, key, fn, access, output, store, calls)
+            yield from _call_per_key(table, key, fn, access, output, store, calls, chunk_rows)
     if counters is not None:
         counters["keys_touched"] = calls[0]
     yield from output.flush()
@@ -315,10 +337,8 @@ def _complete_key_groups(batches: Iterable[pa.RecordBatch], key: str, held: Keye
         pending = last
 
 
-def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
-                  output: _Output, store: BufferedStore, calls: list[int]) -> Iterator[pa.RecordBatch]:
-    """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame;
-    ``calls[0]`` counts the calls."""
+def _runs(table: pa.Table | pa.RecordBatch, key: str) -> list[int]:
+    """Where the runs of equal keys of ``table`` start, and its length."""
     n = table.num_rows
     starts = [0]
     if n > 1:
@@ -326,6 +346,15 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
         changed = pc.not_equal(keys.slice(1), keys.slice(0, n - 1)).to_numpy(zero_copy_only=False)
         starts.extend((np.flatnonzero(changed) + 1).tolist())
     starts.append(n)
+    return starts
+
+
+def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: KeyedStateAccess,
+                  output: _Output, store: BufferedStore, calls: list[int],
+                  chunk_rows: int | None = None) -> Iterator[pa.RecordBatch]:
+    """Call ``fn`` once per key of ``table`` (sorted by ``key``) with the key's rows as a DataFrame (with
+    ``chunk_rows``: an iterator of DataFrames of at most that many rows); ``calls[0]`` counts the calls."""
+    starts = _runs(table, key)
     frame = table.to_pandas()
     values = frame[key]
     rows_of = _row_slicer(frame)
@@ -333,7 +362,64 @@ def _call_per_key(table: pa.Table, key: str, fn: Callable[..., Any], access: Key
     for start, end in zip(starts, starts[1:]):
         k = values.iat[start]
         store.next_key()
-        result = fn(k, rows_of(start, end), KeyState(access, k))
+        rows = rows_of(start, end) if not chunk_rows else \
+            (rows_of(at, min(end, at + chunk_rows)) for at in range(start, end, chunk_rows))
+        result = fn(k, rows, KeyState(access, k))
+        if result is not None:
+            yield from output.add(result, k)
+
+
+def _stream_per_key(batches: Iterable[pa.RecordBatch], key: str, fn: Callable[..., Any], access: KeyedStateAccess,
+                    output: _Output, store: BufferedStore, calls: list[int]) -> Iterator[pa.RecordBatch]:
+    """Call ``fn(key, chunks, state)`` once per run of a key in ``batches`` (a key's rows are contiguous),
+    each chunk read from ``batches`` only when ``fn`` asks for it (the cut checks its deadline there)."""
+    source = iter(batches)
+    current: list[Any] = []   # the batch being read: [frame, rows_of, run starts, next run]
+    failed: list[BaseException] = []   # the input's own error (a cut another attempt recorded), raised as is
+
+    def load() -> bool:
+        try:
+            for batch in source:
+                if batch.num_rows:
+                    _key_column(pa.Table.from_batches([batch]), key)
+                    frame = batch.to_pandas()
+                    current[:] = [frame, _row_slicer(frame), _runs(batch, key), 0]
+                    return True
+        except BaseException as exc:   # raised inside the function's loop: not the function's failure
+            failed.append(exc)
+            raise
+        current.clear()
+        return False
+
+    def key_at() -> Any:
+        frame, _, starts, i = current
+        return frame[key].iat[starts[i]]
+
+    def chunks(k: Any) -> Iterator[Any]:
+        while True:
+            _, rows_of, starts, i = current
+            current[3] = i + 1
+            yield rows_of(starts[i], starts[i + 1])
+            if current[3] < len(starts) - 1 or not load() or key_at() != k:
+                return
+
+    if not load():
+        return
+    while current:
+        k = key_at()
+        calls[0] += 1
+        store.next_key()
+        rows = chunks(k)
+        try:
+            result = fn(k, rows, KeyState(access, k))
+            for _ in rows:   # the rows the function left unread: read past them
+                pass
+        except BaseException:
+            if failed:
+                raise failed[0] from None
+            raise
+        if failed:   # the function caught it
+            raise failed[0]
         if result is not None:
             yield from output.add(result, k)
 

@@ -60,7 +60,7 @@ from sparksteward.state.declared import StateSpec, drops_ran, parse_ddl, resolve
 from sparksteward.state.event_time import EventTime, judge
 from sparksteward.state.firing import fire
 from sparksteward.state.keygroups import KeyGroupRange
-from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, run_arrow, run_pandas
+from sparksteward.state.runner import DEFAULT_SPILL_THRESHOLD, check_form, run_arrow, run_pandas
 from sparksteward.state.timers import Timer, Timers
 from sparksteward.state.typed import (
     SweepStats,
@@ -81,7 +81,8 @@ class KeyedStateHarness:
     Parameters
     ----------
     fn
-        ``fn(key, rows, state)`` (``form="pandas"``) or ``fn(keys, rows, state)`` (``form="arrow"``).
+        ``fn(key, rows, state)`` (``form="pandas"``), ``fn(key, chunks, state)`` (``form="chunks"``: an
+        iterator of DataFrames of at most ``chunk_rows`` rows) or ``fn(keys, rows, state)`` (``form="arrow"``).
     key, schema
         The key column and the output schema (a DDL field list like ``"k string, n bigint"``, or a
         ``pyarrow.Schema``).
@@ -105,10 +106,9 @@ class KeyedStateHarness:
                  max_parallelism: int = 128, time: dt.datetime | int | None = None,
                  directory: str | Path | None = None, event_time: str | None = None,
                  watermark_delay: dt.timedelta | float = 0, late: str = "drop",
-                 on_timer: Callable[..., Any] | None = None) -> None:
-        if form not in ("pandas", "arrow"):
-            raise StateError(f"form={form!r} must be 'pandas' (fn(key, rows, state)) or 'arrow' (fn(keys, rows, state))")
-        self.fn, self.key, self.form = fn, key, form
+                 on_timer: Callable[..., Any] | None = None, chunk_rows: int = 1000) -> None:
+        check_form(form)
+        self.fn, self.key, self.form, self.chunk_rows = fn, key, form, chunk_rows
         self.schema = _schema(schema)
         self._tmp = None if directory is not None else tempfile.mkdtemp(prefix="steward-harness-")
         self.directory = Path(directory if directory is not None else self._tmp)  # type: ignore[arg-type]
@@ -173,13 +173,14 @@ class KeyedStateHarness:
             self._initial = None
         if self.event_time is not None:
             batches = judge(batches, self.event_time, self.watermark_ms, counters)
-        if self.form == "pandas":
-            out = list(run_pandas(batches, self.key, self.fn, self._backend, self.schema, states=states))
+        if self.form != "arrow":
+            out = list(run_pandas(batches, self.key, self.fn, self._backend, self.schema, states=states,
+                                  chunk_rows=self.chunk_rows if self.form == "chunks" else None))
         else:   # as a Spark task calls it: once with all of the batch's rows (up to the spill threshold)
             out = list(run_arrow(batches, self.key, self.fn, self._backend, self.schema, states=states,
                                  max_input_bytes=DEFAULT_SPILL_THRESHOLD))
         if self.on_timer is not None:
-            out.extend(fire(self.on_timer, self.form, self._backend, states, self.schema, counters))
+            out.extend(fire(self.on_timer, "arrow" if self.form == "arrow" else "pandas", self._backend, states, self.schema, counters))
         self.last_fired = int(counters.get("timers_fired", 0))
         self.last_late_rows = int(counters.get("late_rows", 0))
         if self.event_time is not None and counters.get("max_event_ms") is not None:
@@ -188,7 +189,7 @@ class KeyedStateHarness:
         if swept is not None:
             self.last_sweep = swept
         result = pa.Table.from_batches(out, schema=self.schema)
-        return result.to_pandas() if self.form == "pandas" else result
+        return result if self.form == "arrow" else result.to_pandas()
 
     def _states(self) -> TypedStates:
         return TypedStates(self._backend, self.record, self.now_ms, self.batch, self.watermark_ms,

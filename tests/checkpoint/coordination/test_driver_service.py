@@ -266,6 +266,10 @@ def test_a_lying_peer_cannot_record_a_cut_outside_its_subtask(rig):
     stop = key_group_range(M, P, 0).stop
     with pytest.raises(StewardError, match=rf"cut {stop + 1} of subtask 0 lies outside its key groups"):
         dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=stop + 1)
+    with pytest.raises(StewardError, match=rf"cut {stop} \(after 3 of its rows\) of subtask 0 lies outside"):
+        dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=stop, rows=3)   # no rows past the end
+    with pytest.raises(StewardError, match=r"rows"):
+        dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=1, rows=-1)
     with pytest.raises(StewardError, match=r"subtask"):
         dconn.request("state.cut", name="s", checkpoint_id=0, subtask=P + 5, cut=0)
     assert dconn.request("state.cut", name="s", checkpoint_id=0, subtask=0, cut=1)["cut"] == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 import pytest
+from sparksteward.checkpoint.begun import Cut
 from sparksteward.checkpoint.unaligned.channel_state import (
     AlignmentOptions,
     ChannelStateWriter,
@@ -87,10 +88,10 @@ class Cuts:
         self.calls: list[tuple[int, bool]] = []
 
     @property
-    def recorded(self) -> int | None:
+    def recorded(self) -> Cut | None:
         return self.coord.cut(0, 0)
 
-    def __call__(self, cut: int, overflow: bool) -> int:
+    def __call__(self, cut: Cut, overflow: bool) -> Cut:
         self.calls.append((cut, overflow))
         return self.coord.amend_cut(0, 0, cut) if overflow else self.coord.cut(0, 0, cut)
 
@@ -117,7 +118,7 @@ def test_every_attempt_cuts_the_same_rows_whatever_the_order_or_timing(tmp_path)
     w1 = ChannelStateWriter(tmp_path / "a1")
     out1, c1 = _run(_sorted_input(6, seed=1), deadline=lambda: next(calls, True), cuts=cuts, writer=w1)
     deferred1 = list(read_channel_state(w1.close().path))
-    assert cuts.recorded is not None and 0 < cuts.recorded < 16 and c1["unaligned"] == 1
+    assert cuts.recorded is not None and Cut(0) < cuts.recorded < Cut(16) and c1["unaligned"] == 1
     assert c1["rows_processed"] + c1["rows_deferred"] == 600 and "kg" not in out1[0].schema.names
     w2 = ChannelStateWriter(tmp_path / "a2")   # opened after the cut was recorded: follows it, no clock
     out2, _ = _run(_sorted_input(6, seed=2), cut=cuts.recorded, cuts=cuts, writer=w2)
@@ -131,12 +132,13 @@ def test_an_attempt_past_the_recorded_cut_is_discarded_and_one_that_finished_fir
     cuts = Cuts(tmp_path)
     w = ChannelStateWriter(tmp_path / "a")
     out, c = _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts, writer=w)   # never late
-    assert cuts.recorded == 16 and w.close() is None and c == {"rows_processed": 600, "rows_deferred": 0,
+    assert cuts.recorded == Cut(16) and w.close() is None and c == {"rows_processed": 600, "rows_deferred": 0,
                                                                 "unaligned": 0}
     cuts2 = Cuts(tmp_path)
-    cuts2(3, False)   # another attempt cut at key group 3 while this one was processing past it
+    cuts2(Cut(3), False)   # another attempt cut at key group 3 while this one was processing past it
     with pytest.raises(CheckpointOrderError, match=r"another attempt of this checkpoint cut its input at key "
-                                                   r"group 3, but this attempt already processed key group"):
+                                                   r"group 3 \(after 0 of its rows\), but this attempt already "
+                                                   r"processed up to key group"):
         _run(_sorted_input(6, seed=1), deadline=lambda: False, cuts=cuts2, writer=ChannelStateWriter(tmp_path / "b"))
 
 
@@ -149,7 +151,7 @@ def test_a_backlog_is_cut_with_the_new_input_by_key_group_and_keeps_its_place(tm
     calls = iter([False, True])
     w = ChannelStateWriter(tmp_path / "ch")
     out, c = _run(_sorted_input(3, seed=4), deadline=lambda: next(calls, True), cuts=cuts, writer=w, replayed=old)
-    cut = cuts.recorded
+    cut = cuts.recorded.group
     assert 0 < cut < 16 and c["rows_processed"] + c["rows_deferred"] == 500
     done = pa.Table.from_batches(out)
     assert all(key_group(k, 16) < cut for k in done.column("k").to_pylist())
@@ -166,7 +168,7 @@ def test_a_backlog_is_cut_with_the_new_input_by_key_group_and_keeps_its_place(tm
     # timeout 0 still processes one buffer first, so every batch makes progress
     cuts = Cuts(tmp_path)
     out, c = _run(_sorted_input(3, seed=4), deadline=lambda: True, cuts=cuts, writer=ChannelStateWriter(tmp_path / "c2"))
-    assert c["rows_processed"] >= 1 and cuts.recorded >= 1
+    assert c["rows_processed"] >= 1 and cuts.recorded >= Cut(1)
 
 
 def test_buffers_are_written_as_they_came_and_pieces_are_joined(tmp_path):
@@ -188,7 +190,7 @@ def test_max_inflight_moves_the_cut_to_the_end_for_every_attempt_alike(tmp_path)
     cuts = Cuts(tmp_path)
     w = ChannelStateWriter(tmp_path / "ch", max_bytes=cap)
     out, c = _run(one, deadline=lambda: True, cuts=cuts, writer=w)
-    assert cuts.recorded == 16 and cuts.calls[-1][1] is True and w.close() is None
+    assert cuts.recorded == Cut(16) and cuts.calls[-1][1] is True and w.close() is None
     assert c == {"rows_processed": 600, "rows_deferred": 0, "unaligned": 0} and len(_rows(out)) == 600
     w2 = ChannelStateWriter(tmp_path / "ch2", max_bytes=cap)
     out2, _ = _run(_sorted_input(6, seed=9), cut=cuts.recorded, cuts=cuts, writer=w2)

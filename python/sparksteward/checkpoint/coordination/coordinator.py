@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from sparksteward.checkpoint.begun import CheckpointTime, advanced_watermark, time_of
+from sparksteward.checkpoint.begun import CheckpointTime, Cut, advanced_watermark, time_of
 from sparksteward.checkpoint.coordination.begin_rules import check_begin
 from sparksteward.checkpoint.coordination.begun_recorder import BegunRecorder
 from sparksteward.checkpoint.coordination.completed import CompletedCheckpoints, check_compatible
@@ -328,13 +328,13 @@ class CheckpointCoordinator:
                            when, unaligned, self.states)
 
     # --- unaligned cuts (FLIP-76) ----------------------------------------------------------------
-    def cut(self, checkpoint_id: int, subtask: int, proposed: int | None = None) -> int | None:
+    def cut(self, checkpoint_id: int, subtask: int, proposed: Cut | None = None) -> Cut | None:
         """The cut of ``subtask`` in checkpoint ``checkpoint_id`` (``UnalignedCuts``): ``proposed`` is recorded
         if no attempt recorded one; None when neither. Returns once it is durable."""
         return self._begun.cut(checkpoint_id, lambda cuts, completed: cuts.cut(
             checkpoint_id, subtask, self.parallelism, proposed, completed))
 
-    def amend_cut(self, checkpoint_id: int, subtask: int, cut: int) -> int:
+    def amend_cut(self, checkpoint_id: int, subtask: int, cut: Cut) -> Cut:
         """``subtask`` could not defer past ``cut`` (its channel state would pass the byte cap): from now
         on it processes everything. Returns the cut that stands, once it is durable."""
         return self._begun.cut(checkpoint_id, lambda cuts, completed: cuts.amend(

@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 
+from sparksteward.checkpoint.begun import Cut
 from sparksteward.checkpoint.coordination.coordinator import BeginResult
 from sparksteward.checkpoint.coordination.registration import RegisteredState, StateTable
 from sparksteward.checkpoint.messages import (
@@ -69,7 +70,7 @@ class CheckpointGateway:
         server.serve(SealedRequest, self._op_sealed)
         server.serve(CutRequest, self._op_cut)
 
-    def _reply_base(self, st: RegisteredState, cid: int, begun: BeginResult, cut: int | None) -> BaseReply:
+    def _reply_base(self, st: RegisteredState, cid: int, begun: BeginResult, cut: Cut | None) -> BaseReply:
         c = st.coordinator
         alignment = st.overrides.get(cid, st.alignment)   # a drain: aligned, whatever the state's alignment
         return BaseReply(
@@ -77,7 +78,7 @@ class CheckpointGateway:
             cluster_id=self.cluster_id, parallelism=c.parallelism, max_parallelism=c.max_parallelism,
             key_type=c.key_type.value, base=begun.base, known=dict(begun.known), merging=c.merging.to_json(),
             alignment=alignment.to_json(), deadline_in=self._deadline_in(st, cid) if alignment.unaligned else None,
-            cut=cut)
+            cut=None if cut is None else cut.group, cut_rows=0 if cut is None else cut.rows)
 
     @staticmethod
     def _deadline_in(st: RegisteredState, cid: int) -> float | None:
@@ -92,15 +93,14 @@ class CheckpointGateway:
 
     def _op_cut(self, conn: Connection, req: CutRequest) -> CutReply:
         """FLIP-76: a subtask proposes where its attempt stops processing new input (``cut``, a key
-        group) and gets the cut that stands; ``overflow``: its channel state at that cut passes the byte
-        cap, so it processes everything."""
+        group, after ``rows`` of its rows) and gets the cut that stands; ``overflow``: its channel state at
+        that cut passes the byte cap, so it processes everything."""
         _, st = self.table.lookup(req.name)
-        cid, subtask, proposed = req.checkpoint_id, req.subtask, req.cut
-        if req.overflow:
-            return CutReply(st.coordinator.amend_cut(cid, subtask, proposed))
-        stands = st.coordinator.cut(cid, subtask, proposed)
+        cid, subtask, proposed = req.checkpoint_id, req.subtask, Cut(req.cut, req.rows)
+        stands = st.coordinator.amend_cut(cid, subtask, proposed) if req.overflow else \
+            st.coordinator.cut(cid, subtask, proposed)
         assert stands is not None   # the proposal stands unless another attempt's cut does
-        return CutReply(stands)
+        return CutReply(stands.group, stands.rows)
 
     def _op_base(self, conn: Connection, req: BaseRequest) -> BaseReply:
         _, st = self.table.lookup(req.name)

@@ -296,11 +296,12 @@ class PendingCheckpoint:
             self.sealed[p] = max(self.sealed.get(p, 0), int(size))
             self.uploaded.add(p)
 
-    def record_properties(self, referenced: set[str], *, key_column: str | None, cuts: Mapping[str, int] | None,
+    def record_properties(self, referenced: set[str], *, key_column: str | None,
+                          cuts: tuple[Mapping[str, int], Mapping[str, int]] | None,
                           claimed: set[str], sizes: Mapping[str, int], states: object,
                           event_time: Mapping[str, object] | None = None) -> dict[str, object]:
         """The ``properties`` of the record this attempt completes as (its acks reference ``referenced``):
-        its base, key column, time, query, FLIP-76 ``cuts``, the ``claimed`` files it references, the
+        its base, key column, time, query, FLIP-76 ``cuts`` (and ``cut_rows``, where a cut splits a key group), the ``claimed`` files it references, the
         durable ``sizes`` of its merged files, the declared ``states``, the ``event_time`` column and
         delay and the largest event time its acks saw (``max_event_ms``; each only when present)."""
         properties: dict[str, object] = {"base": self.base_id}
@@ -316,7 +317,9 @@ class PendingCheckpoint:
         if self.query is not None:
             properties["query"] = self.query
         if cuts:
-            properties["cuts"] = cuts
+            properties["cuts"] = cuts[0]
+            if cuts[1]:
+                properties["cut_rows"] = cuts[1]
         claimed_here = sorted(referenced & claimed)
         if claimed_here:
             properties["claimed"] = claimed_here

@@ -269,7 +269,8 @@ class SubtaskService:
         return OpenReply(token=token, workdir=str(workdir), snapshot=str(opened.snapshot), parallelism=p,
                          max_parallelism=m, key_type=base.key_type, rerun=base.rerun, restore=restore,
                          alignment=base.alignment, deadline_in=base.deadline_in,
-                         channel=str(opened.channel), replay=replay, cut=base.cut, attempt=opened.attempt,
+                         channel=str(opened.channel), replay=replay, cut=base.cut, cut_rows=base.cut_rows,
+                         attempt=opened.attempt,
                          replay_filter=meta is not None and meta.parallelism != p,
                          flush_wal_above=self.task_flush_bytes or None,
                          kept=kept_token, stale=sorted(stale))
@@ -348,7 +349,7 @@ class SubtaskService:
         if opened is None:
             raise InvalidRequestError(f"{req.OP}: no open subtask with token {req.token!r} (released already?)")
         reply: CutReply = self._ask(CutRequest(opened.name, opened.checkpoint_id, opened.subtask, req.cut,
-                                               req.overflow))
+                                               req.overflow, req.rows))
         return reply
 
     def _take(self, token: str, op: str) -> _Open:

@@ -1,8 +1,8 @@
 """FLIP-76 channel state: the input a straggling subtask deferred into its checkpoint (issue 10).
 
 When a subtask is still processing once its batch's aligned-checkpoint timeout has passed, it stops
-at a key-group boundary (the cut, the same for every attempt: :mod:`sparksteward.checkpoint.unaligned.task_cut`),
-appends the rest of its new input to a :class:`ChannelStateWriter` and takes its state snapshot. The file becomes part of checkpoint N (``SubtaskHandle.channel_state``, merged like
+at a key-group boundary, or between two chunks of a key with ``form="chunks"`` (the cut, the same for
+every attempt: :mod:`sparksteward.checkpoint.unaligned.task_cut`), appends the rest of its new input to a :class:`ChannelStateWriter` and takes its state snapshot. The file becomes part of checkpoint N (``SubtaskHandle.channel_state``, merged like
 every small file, FLIP-306), and batch N+1 first replays it (:func:`read_channel_state`), then its
 own input.
 
