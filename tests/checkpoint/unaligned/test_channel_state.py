@@ -222,3 +222,17 @@ def test_a_rescaled_replay_keeps_only_its_key_groups(tmp_path):
     every = pa.Table.from_batches([b for _, f in files for b in read_channel_state(f)])
     expected = sum(1 for k in every.column("k").to_pylist() if key_group(k, m, "string") < 8)
     assert rows.num_rows == expected
+
+
+def test_a_late_flag_that_is_not_a_boolean_is_named_with_its_file(tmp_path):
+    """A channel-state file whose ``__late`` column (the late flag of ``late="keep"``) is not a boolean was
+    not written by us: refused naming the file and the column, before any row is replayed."""
+    w = ChannelStateWriter(tmp_path / "ch")
+    w.append(pa.RecordBatch.from_pydict({"k": ["a"], "__late": ["yes"]}))
+    w.close()
+    with pytest.raises(CheckpointCorruptError, match=r"channel-state file .*ch has a '__late' column of type string"):
+        list(read_channel_state(tmp_path / "ch"))
+    w = ChannelStateWriter(tmp_path / "ok")
+    w.append(pa.RecordBatch.from_pydict({"k": ["a"], "__late": [True]}))
+    w.close()
+    assert len(list(read_channel_state(tmp_path / "ok"))) == 1

@@ -288,6 +288,8 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
+    from sparksteward.state.event_time import LATE_COLUMN
+
     what = name or str(source)
     f = open(source, "rb") if isinstance(source, (str, os.PathLike)) else source
     try:
@@ -302,6 +304,12 @@ def read_channel_state(source: str | os.PathLike[str] | BinaryIO, name: str | No
                 f"up to {CHANNEL_STATE_VERSION}): upgrade spark-steward to restore it")
         try:
             reader = ipc.open_stream(f)
+            late = reader.schema.get_field_index(LATE_COLUMN)
+            if late >= 0 and reader.schema.field(late).type != pa.bool_():
+                raise CheckpointCorruptError(
+                    f"channel-state file {what} has a {LATE_COLUMN!r} column of type {reader.schema.field(late).type}; "
+                    f"spark-steward writes it as a boolean late flag (late='keep'), so the file was written by "
+                    f"something else: restore an older checkpoint")
             yield from reader
         except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
             raise CheckpointCorruptError(f"channel-state file {what} is corrupt or torn ({exc}); nothing of it was "
