@@ -149,8 +149,11 @@ def test_space_stats_and_the_most_wasteful_files_marked_no_reuse():
 @pytest.mark.parametrize("num_retained", [1, 3])
 def test_reference_counts_over_50_checkpoints(tmp_path, store_url, num_retained):
     """Must-show 2: the physical files in the dir are always exactly those the retained checkpoints
-    reference, every retained checkpoint restores and opens, and gc finds nothing to collect."""
+    reference, every retained checkpoint restores and opens, and gc finds nothing to collect. 50
+    checkpoints on file://, 24 on moto's S3 (the same subsumption cycles over the wire, at suite cost)."""
     from sparksteward.checkpoint.cli import find_orphans
+
+    count = 24 if "://" in store_url else 50
 
     rig = MergingRig(tmp_path, store_url, parallelism=4, num_retained=num_retained,
                      merging=MergingOptions(max_file_size=64 << 10))
@@ -158,7 +161,7 @@ def test_reference_counts_over_50_checkpoints(tmp_path, store_url, num_retained)
         model: dict[str, int] = {}
         history: dict[int, dict[str, int]] = {}
         merged_seen: set[str] = set()
-        for cid in range(50):
+        for cid in range(count):
             delta = {f"k{(cid * 37 + i) % 400:04d}": cid + i for i in range(60)}
             for k, v in delta.items():
                 model[k] = model.get(k, 0) + v
@@ -171,7 +174,7 @@ def test_reference_counts_over_50_checkpoints(tmp_path, store_url, num_retained)
             retained = rig.storage.checkpoint_ids()
             assert retained[-1] == cid and len(retained) <= num_retained + 1
             assert reply["stats"]["merged_files_written"] >= 1
-            if cid % 10 == 9 or cid == 49:  # nothing deleted early: every retained checkpoint opens
+            if cid % 8 == 7 or cid == count - 1:  # nothing deleted early: every retained checkpoint opens
                 for r in retained:
                     assert rig.values(rig.storage.read_metadata(r)) == history[r], f"checkpoint {r}"
         assert len(merged_seen) > len(rig.storage.merged_files())  # subsumed files were deleted
