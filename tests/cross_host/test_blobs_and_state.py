@@ -286,6 +286,11 @@ def test_a_cut_inside_a_key_with_chunks_across_hosts(spark, s3):
                  checkpoint_id=2, chunks=True).collect()
         ks.commit(2, wait=120)
         assert state_of(ks) == reference(batches)
+        # issue 39: the offline reader's tasks restore each subtask on the other host, from S3
+        import orjson
+
+        rows = st.read_state("xchunks", checkpoint_dir=s3.url("xhost-chunks")).collect()
+        assert {r.key: tuple(orjson.loads(r.value).values()) for r in rows} == reference(batches)
     finally:
         spark.conf.unset("spark.steward.state.chunk-rows")
 

@@ -263,3 +263,17 @@ def test_changing_max_parallelism_of_an_existing_state_is_refused(spark, st, s3,
                         restore_from=root(s3, "chk", "src") + "/chk-2")
     assert ks.restore_info["action"] == "ignored" and "already has checkpoint 0 of its own" in ks.restore_info["note"]
     assert ks.info()["last_completed"] == 0 and ks.info()["restored"] is False
+
+
+def test_the_state_source_reads_any_retained_checkpoint_on_s3_with_the_sessions_options(spark, st, s3, source,
+                                                                                        batches):
+    """Issue 39: ``spark.read.format("steward-state")`` over the S3 checkpoint dir opens the store with the
+    registering session's storage options and cluster id (none given to the read), reads each retained
+    checkpoint (the default value state, JSON text) and writes nothing there."""
+    before = listing(s3, root(s3, "chk", "src"))
+    for cid in (1, 2):
+        df = spark.read.format("steward-state").option("state", "src").option("checkpoint_id", cid).load(s3.url("chk"))
+        assert df.rdd.getNumPartitions() == P
+        got = {r.key: orjson.loads(r.value) for r in df.collect()}
+        assert {k: (v["n"], v["s"]) for k, v in got.items()} == reference(batches[:cid + 1])
+    assert listing(s3, root(s3, "chk", "src")) == before

@@ -1,0 +1,165 @@
+"""Issue 39, first slice: ``spark.read.format("steward-state")`` and ``"steward-state-metadata"`` over a
+checkpoint dir, on the shared local[2] session (on moto's S3: tests/keyed_state/test_restore_s3.py): every variable of a declared state read
+at two checkpoints matches what the stream's function saw, one partition per subtask, nothing written
+into the source, and bad paths, states, checkpoint ids and variables named."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pandas as pd
+import pytest
+from sparksteward import Steward, list_state, map_state, value_state
+
+from tests.helpers.keyed import declared_count_events
+
+pytestmark = pytest.mark.slow
+
+OUT = "k string, n long, events long, distinct long"
+
+
+def _batches():
+    import random
+
+    rnd = random.Random(39)
+    return [pd.DataFrame({"k": [f"u{rnd.randrange(30)}" for _ in range(200)], "v": [rnd.randrange(20) for _ in range(200)]})
+            for _ in range(2)]
+
+
+def _expected(batches):
+    count: dict[str, int] = collections.Counter()
+    events: dict[str, list[int]] = collections.defaultdict(list)
+    seen: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for b in batches:
+        for k, v in zip(b["k"], b["v"]):
+            count[k] += 1
+            events[k].append(int(v))
+            seen[k][int(v)] += 1
+    return dict(count), {k: sorted(v) for k, v in events.items()}, {k: dict(c) for k, c in seen.items()}
+
+
+def _files(root):
+    import os
+
+    return sorted((os.path.relpath(os.path.join(d, f), root), os.path.getsize(os.path.join(d, f)))
+                  for d, _, fs in os.walk(root) for f in fs)
+
+
+def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouched(spark, tmp_path):
+    st = Steward.get(spark)
+    chk = str(tmp_path / "chk")
+    ks = st.keyed_state("src", key="k", parallelism=3, max_parallelism=16, checkpoint_dir=chk, num_retained=2,
+                        states=[value_state("count", "bigint"), list_state("events", "bigint"),
+                                map_state("seen", "bigint", "bigint")])
+    batches = _batches()
+    for i, b in enumerate(batches):
+        ks.apply(spark.createDataFrame(b), declared_count_events, OUT, checkpoint_id=i).collect()
+        ks.commit(i, wait=60)
+    before = _files(chk)
+
+    def read(variable, checkpoint_id=None):
+        reader = spark.read.format("steward-state").option("state", "src").option("variable", variable)
+        if checkpoint_id is not None:
+            reader = reader.option("checkpoint_id", checkpoint_id)
+        return reader.load(chk)
+
+    for cid in (0, 1):
+        count, events, seen = _expected(batches[:cid + 1])
+        df = read("count", cid)
+        assert df.rdd.getNumPartitions() == 3   # one per subtask
+        assert {r.key: r.value for r in df.collect()} == count
+        got_events = collections.defaultdict(list)
+        for r in read("events", cid).collect():
+            got_events[r.key].append(r.value)
+        assert {k: sorted(v) for k, v in got_events.items()} == events
+        got_seen: dict = collections.defaultdict(dict)
+        for r in read("seen", cid).collect():
+            got_seen[r.key][r.map_key] = r.value
+        assert dict(got_seen) == seen
+    assert {r.key: r.value for r in read("count").collect()} == _expected(batches)[0]   # default: the latest
+
+    meta = spark.read.format("steward-state-metadata").option("state", "src").load(chk).collect()
+    assert [(m.checkpoint_id, m.parallelism, m.max_parallelism, m.key_type) for m in meta] == \
+        [(0, 3, 16, "string"), (1, 3, 16, "string")]
+    assert json.loads(meta[1].variables) == {"count": "value", "events": "list", "seen": "map"}
+    assert meta[1].size_bytes > 0 and meta[1].files > 0 and meta[1].processing_ms > 0
+    assert _files(chk) == before   # nothing written into the source
+
+
+@pytest.fixture(scope="module")
+def named(spark, tmp_path_factory):
+    """State ``named`` with checkpoints 0 and 1 in a dir of its own; returns the dir."""
+    st = Steward.get(spark)
+    root = tmp_path_factory.mktemp("named")
+    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(root / "chk"),
+                        num_retained=2, states=[value_state("count", "bigint")])
+    for i in range(2):
+        ks.apply(spark.createDataFrame(_batches()[0]), _count_only, "k string, n long", checkpoint_id=i).collect()
+        ks.commit(i, wait=60)
+    return root
+
+
+@pytest.mark.parametrize("options, path, message", [
+    ({"state": "nope"}, "chk", r"state 'nope' has no completed checkpoint in .*states of cluster id 'default' "
+                               r"there: named"),
+    ({"state": "named", "checkpoint_id": "7"}, "chk", r"no retained checkpoint 7; retained: 0, 1"),
+    ({"state": "named", "checkpoint_id": "x"}, "chk", r"checkpoint_id='x' is not a checkpoint id"),
+    ({"state": "named", "variable": "nope"}, "chk", r"has no declared variable 'nope'; declared: count \(value\)"),
+    ({"state": "../named"}, "chk", r"state name"),
+    ({"state": "named"}, "nowhere", r"state 'named' has no completed checkpoint in"),
+    ({"state": "named", "storage_options": "{"}, "chk", r"storage_options is not a JSON object"),
+    ({}, "chk", r"chk holds no _metadata, so it is not a checkpoint \(chk-<N>\) or savepoint"),
+    ({"checkpoint_id": "0"}, "chk/default/named/chk-1", r"is checkpoint 1 of state 'named', not checkpoint 0"),
+])
+def test_bad_input_is_named(spark, named, options, path, message):
+    before = _files(named)
+    reader = spark.read.format("steward-state")
+    for k, v in options.items():
+        reader = reader.option(k, v)
+    with pytest.raises(Exception, match=message):
+        reader.load(str(named / path)).collect()
+    assert _files(named) == before
+
+
+def _count_only(key, rows, state):
+    count = state.value("count")
+    count.update((count.get() or 0) + len(rows))
+    return key, count.get()
+
+
+def test_read_state_raises_our_error_in_the_callers_process_and_reads_like_the_source(spark, named):
+    """``st.read_state``: the source's checks run in the caller first, so a bad id is our error (not
+    Spark's wrapped one); a good read is the source's DataFrame, the metadata read too."""
+    from sparksteward.errors import CheckpointNotFoundError, StateError
+
+    st = Steward.get(spark)
+    chk = str(named / "chk")
+    with pytest.raises(CheckpointNotFoundError, match=r"no retained checkpoint 9; retained: 0, 1"):
+        st.read_state("named", checkpoint_dir=chk, checkpoint_id=9)
+    with pytest.raises(StateError, match=r"has no declared variable 'nope'"):
+        st.read_state("named", checkpoint_dir=chk, variable="nope")
+    rows = st.read_state("named", checkpoint_dir=chk, checkpoint_id=0, variable="count").collect()
+    batch = _batches()[0]
+    assert {r.key: r.value for r in rows} == batch["k"].value_counts().to_dict()
+    assert [m.checkpoint_id for m in st.read_state("named", checkpoint_dir=chk, metadata=True).collect()] == [0, 1]
+
+
+def test_a_checkpoint_dir_and_a_savepoint_read_by_url_without_a_state(spark, named, tmp_path):
+    """A ``chk-<N>`` directory and a savepoint (``ks.savepoint``) read by their URL alone, no state option."""
+    st = Steward.get(spark)
+    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(named / "chk"),
+                        num_retained=2, states=[value_state("count", "bigint")])
+    point = str(tmp_path / "savepoint")
+    ks.savepoint(point)
+    want = {k: 2 * n for k, n in _batches()[0]["k"].value_counts().items()}
+    for url in (point, str(named / "chk" / "default" / "named" / "chk-1")):
+        df = spark.read.format("steward-state").option("variable", "count").load(url)
+        assert {r.key: r.value for r in df.collect()} == want, url
+        assert {r.key: r.value for r in st.read_state(url=url, variable="count").collect()} == want
+    meta = st.read_state(url=point, metadata=True).collect()
+    assert [m.checkpoint_id for m in meta] == [1]
+    from sparksteward.errors import StateError
+
+    with pytest.raises(StateError, match=r"one of them"):
+        st.read_state("named", url=point)
