@@ -16,7 +16,8 @@ bad input raises our error there rather than wrapped in Spark's.
 
 Its rows are those of :mod:`sparksteward.checkpoint.reader`: ``key, value`` per key of a value state
 (the default one as JSON text unless declared), per element of a list state, ``key, map_key, value`` per
-entry of a map state, typed by the declarations the checkpoint recorded. Entries whose TTL expired at
+entry of a map state, typed by the declarations the checkpoint recorded; ``variable="__timers__"``:
+the registered timers, ``key, time_domain, timestamp_ms``. Entries whose TTL expired at
 the read's time (fixed when the read is planned) are left out. One partition per subtask of the
 checkpoint, each restored and decoded by a task on an executor (merged files with ranged reads), so a
 large state reads in parallel and never passes through the driver.

@@ -46,6 +46,7 @@ def _files(root):
                   for d, _, fs in os.walk(root) for f in fs)
 
 
+@pytest.mark.compat   # the Python data source API of every pyspark 4.x we test
 def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouched(spark, tmp_path):
     st = Steward.get(spark)
     chk = str(tmp_path / "chk")
@@ -163,3 +164,28 @@ def test_a_checkpoint_dir_and_a_savepoint_read_by_url_without_a_state(spark, nam
 
     with pytest.raises(StateError, match=r"one of them"):
         st.read_state("named", url=point)
+
+
+def _arm(key, rows, state):
+    """Registers a processing-time timer per row value, far ahead so none fires."""
+    for v in rows["v"]:
+        state.timers.register(2_000_000_000_000 + int(v))
+    return key, len(rows)
+
+
+def test_registered_timers_read_as_rows(spark, tmp_path):
+    """Issue 39 with issue 38: ``variable="__timers__"`` reads every registered timer of a checkpoint as
+    (key, time_domain, timestamp_ms); a declared variable cannot take that name."""
+    from sparksteward.errors import StateSchemaError
+
+    st = Steward.get(spark)
+    chk = str(tmp_path / "chk")
+    ks = st.keyed_state("timed", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=chk)
+    batch = _batches()[0]
+    ks.apply(spark.createDataFrame(batch), _arm, "k string, n long", checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    got = sorted(map(tuple, st.read_state("timed", checkpoint_dir=chk, variable="__timers__").collect()))
+    want = sorted({(k, "processing", 2_000_000_000_000 + int(v)) for k, v in zip(batch["k"], batch["v"])})
+    assert got == want
+    with pytest.raises(StateSchemaError, match=r"'__timers__' is reserved"):
+        value_state("__timers__", "bigint")

@@ -225,3 +225,11 @@ def test_the_vectorized_firing_decodes_every_key_type_and_holds_the_keys_it_is_t
         assert not seen and counters["timers_fired"] == 0 and [t.at for t in timers.bind(keys[3]).list()] == [T + 1000]
     finally:
         b.close()
+
+
+def test_a_by_time_key_parses_back_to_its_key_and_timer():
+    """The offline reader's decoding (``__timers__``) of the stored by-time key, both domains."""
+    from sparksteward.state.timers import Timer, _by_time, _domain, parse_by_time
+
+    for time_, at in (("processing", 1_764_000_000_123), ("event", -5), ("event", 0)):
+        assert parse_by_time(_by_time(b"\x00\x07", _domain(time_), at, b"user-1")) == (b"user-1", Timer(time_, at))

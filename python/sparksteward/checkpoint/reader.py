@@ -11,6 +11,8 @@ variable           columns
 a value state      ``key``, ``value`` (the declared type)
 a list state       ``key``, ``value``: one row per element, in list order
 a map state        ``key``, ``map_key``, ``value``
+``"__timers__"``   ``key``, ``time_domain`` (``processing`` or ``event``), ``timestamp_ms``: the
+                   registered timers (:data:`TIMERS`), in key-group, domain, time order
 =================  ==============================================================
 
 An entry whose TTL expired at ``now_ms`` (default: now) is not returned, as a batch would not see it.
@@ -39,10 +41,14 @@ from sparksteward.state.declared import variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
 from sparksteward.state.keygroups import KeyType, decode_key
 from sparksteward.state.rows import expired
-from sparksteward.state.timers import TIMER_KINDS
+from sparksteward.state.timers import KIND_TIMER_BY_TIME, TIMER_KINDS, parse_by_time
 from sparksteward.state.typed import EXPIRY_KINDS, TypedMap, TypedStates
 
-__all__ = ["DEFAULT_STATE", "read_variable", "variable_schema"]
+__all__ = ["DEFAULT_STATE", "TIMERS", "read_variable", "variable_schema"]
+
+#: the name that reads a checkpoint's registered timers instead of a variable (reserved: no declared
+#: variable may have it, state/declared.py)
+TIMERS = "__timers__"
 
 _KEY_ARROW = {KeyType.STRING: pa.string(), KeyType.LONG: pa.int64(), KeyType.INT: pa.int32(),
               KeyType.BINARY: pa.binary()}
@@ -58,6 +64,8 @@ def _json_default(meta: CheckpointMetadata, variable: str | None) -> bool:
 def variable_schema(meta: CheckpointMetadata, variable: str | None) -> pa.Schema:
     """The columns :func:`read_variable` returns for ``variable`` of ``meta`` (see the module docstring)."""
     key = pa.field("key", _KEY_ARROW[meta.key_type])
+    if variable == TIMERS:
+        return pa.schema([key, pa.field("time_domain", pa.string()), pa.field("timestamp_ms", pa.int64())])
     if _json_default(meta, variable):
         return pa.schema([key, pa.field("value", pa.string())])
     var = _variable(meta, variable or DEFAULT_STATE)
@@ -112,6 +120,16 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
                   now: int) -> pa.Table:
     decode_key = _decode_key(meta.key_type)
     keys: list[Any] = []
+    if variable == TIMERS:
+        domains, times = [], []
+        for raw_key, _ in backend.iter_raw():
+            if raw_key[2:3] == KIND_TIMER_BY_TIME:
+                raw, timer = parse_by_time(raw_key)
+                keys.append(decode_key(raw))
+                domains.append(timer.time)
+                times.append(timer.at)
+        return pa.table([pa.array(keys, schema.field(0).type), pa.array(domains, pa.string()),
+                         pa.array(times, pa.int64())], schema=schema)
     if _json_default(meta, variable):
         values: list[Any] = []
         for raw_key, raw_value in backend.iter_raw():

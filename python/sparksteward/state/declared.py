@@ -234,6 +234,9 @@ class StateSpec:
             raise StateSchemaError(
                 f"state variable name {self.name!r} must be 1-100 letters, digits, '_', '.' or '-', starting with a "
                 f"letter or '_'")
+        if self.name == "__timers__":   # the offline reader's name for a checkpoint's timers
+            raise StateSchemaError(f"state variable name {self.name!r} is reserved (it reads a checkpoint's timers "
+                                   f"offline): choose another name")
         if self.name == DEFAULT_VARIABLE and self.kind != "value":
             raise StateSchemaError(
                 f"state variable {DEFAULT_VARIABLE!r} is the default value state (state.get()/get_many()): declare "

@@ -28,6 +28,7 @@ from sparksteward.errors import StateError
 from sparksteward.state.views import StateDB, _prefix_upper
 
 __all__ = ["KIND_TIMER_BY_KEY", "KIND_TIMER_BY_TIME", "TIMER_KINDS", "TIMES", "BoundTimers", "Timer", "Timers",
+           "parse_by_time",
            "Due", "drop_key", "due", "due_columns", "forget", "forget_all", "forget_at", "has_timers", "next_processing", "timer_at"]
 
 KIND_TIMER_BY_TIME = b"t"
@@ -170,6 +171,13 @@ class BoundTimers:
     def list(self) -> list[Timer]:
         """This key's timers, earliest first."""
         return self._timers._list_one(self._key)
+
+
+def parse_by_time(stored_key: bytes) -> tuple[bytes, Timer]:
+    """The raw user key and the timer of a by-time entry's stored key (kind ``t``): what an offline
+    reader lists (:mod:`sparksteward.checkpoint.reader`)."""
+    domain, stamp, raw = stored_key[3:4], stored_key[4:12], stored_key[12:]
+    return raw, Timer(_TIME_OF[domain], int.from_bytes(stamp, "big") - _OFFSET)
 
 
 def due(backend: Any, processing_ms: int, watermark_ms: int | None) -> Iterator[tuple[bytes, bytes, Timer]]:
