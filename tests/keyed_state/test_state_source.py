@@ -39,6 +39,16 @@ def _expected(batches):
     return dict(count), {k: sorted(v) for k, v in events.items()}, {k: dict(c) for k, c in seen.items()}
 
 
+def _frozen(src, dst):
+    """A copy of the checkpoint dir ``src`` that no writer touches: the state's application keeps renewing
+    its lease and may seal merged files after a commit returns, so "nothing written into the source" is
+    checked on a copy only the reads open."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
 def _files(root):
     import os
 
@@ -57,6 +67,7 @@ def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouche
     for i, b in enumerate(batches):
         ks.apply(spark.createDataFrame(b), declared_count_events, OUT, checkpoint_id=i).collect()
         ks.commit(i, wait=60)
+    chk = _frozen(chk, tmp_path / "frozen")
     before = _files(chk)
 
     def read(variable, checkpoint_id=None):
@@ -89,15 +100,23 @@ def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouche
 
 
 @pytest.fixture(scope="module")
-def named(spark, tmp_path_factory):
-    """State ``named`` with checkpoints 0 and 1 in a dir of its own; returns the dir."""
+def named_live(spark, tmp_path_factory):
+    """State ``named`` with checkpoints 0 and 1, open in this application; returns its checkpoint dir."""
     st = Steward.get(spark)
-    root = tmp_path_factory.mktemp("named")
-    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(root / "chk"),
+    live = tmp_path_factory.mktemp("named-live") / "chk"
+    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(live),
                         num_retained=2, states=[value_state("count", "bigint")])
     for i in range(2):
         ks.apply(spark.createDataFrame(_batches()[0]), _count_only, "k string, n long", checkpoint_id=i).collect()
         ks.commit(i, wait=60)
+    return live
+
+
+@pytest.fixture(scope="module")
+def named(named_live, tmp_path_factory):
+    """A dir holding ``chk``, a copy of ``named_live`` no writer touches."""
+    root = tmp_path_factory.mktemp("named")
+    _frozen(named_live, root / "chk")
     return root
 
 
@@ -146,10 +165,10 @@ def test_read_state_raises_our_error_in_the_callers_process_and_reads_like_the_s
     assert [m.checkpoint_id for m in st.read_state("named", checkpoint_dir=chk, metadata=True).collect()] == [0, 1]
 
 
-def test_a_checkpoint_dir_and_a_savepoint_read_by_url_without_a_state(spark, named, tmp_path):
+def test_a_checkpoint_dir_and_a_savepoint_read_by_url_without_a_state(spark, named, named_live, tmp_path):
     """A ``chk-<N>`` directory and a savepoint (``ks.savepoint``) read by their URL alone, no state option."""
     st = Steward.get(spark)
-    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(named / "chk"),
+    ks = st.keyed_state("named", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(named_live),
                         num_retained=2, states=[value_state("count", "bigint")])
     point = str(tmp_path / "savepoint")
     ks.savepoint(point)
