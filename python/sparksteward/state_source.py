@@ -17,7 +17,8 @@ bad input raises our error there rather than wrapped in Spark's.
 Its rows are those of :mod:`sparksteward.checkpoint.reader`: ``key, value`` per key of a value state
 (the default one as JSON text unless declared), per element of a list state, ``key, map_key, value`` per
 entry of a map state, typed by the declarations the checkpoint recorded; ``variable="__timers__"``:
-the registered timers, ``key, time_domain, timestamp_ms``. Entries whose TTL expired at
+the registered timers, ``key, time_domain, timestamp_ms``. ``expiry=true``: a last column
+``expires_ms``, each entry's TTL expiry in epoch ms on its TTL's clock (null without a TTL). Entries whose TTL expired at
 the read's time (fixed when the read is planned) are left out. One partition per subtask of the
 checkpoint, each restored and decoded by a task on an executor (merged files with ranged reads), so a
 large state reads in parallel and never passes through the driver.
@@ -77,7 +78,16 @@ def _options(options: Any, session: dict[str, Any]) -> dict[str, Any]:
     return {"path": str(path), "state": None if not state else validate_id(str(state), "state name"),
             "cluster_id": validate_id(str(options.get("cluster_id") or session.get("cluster_id") or "default"),
                                       "cluster id"),
-            "checkpoint_id": checkpoint_id, "variable": options.get("variable") or None, "storage": storage}
+            "checkpoint_id": checkpoint_id, "variable": options.get("variable") or None, "storage": storage,
+            "expiry": _flag(options.get("expiry"), "expiry")}
+
+
+def _flag(raw: Any, name: str) -> bool:
+    if raw in (None, "", "false", "False", False):
+        return False
+    if raw in ("true", "True", True):
+        return True
+    raise StateError(f"option {name}={raw!r} must be true or false")
 
 
 def _records(opts: dict[str, Any]) -> tuple[Any, dict[int, Any]]:
@@ -153,7 +163,7 @@ class StateSource(DataSource):
         from sparksteward.checkpoint.reader import variable_schema
 
         opts = _options(self.options, self.session)
-        return from_arrow_schema(variable_schema(resolve(opts)[1], opts["variable"]))
+        return from_arrow_schema(variable_schema(resolve(opts)[1], opts["variable"], opts["expiry"]))
 
     def reader(self, schema: Any) -> DataSourceReader:
         opts = _options(self.options, self.session)
@@ -178,7 +188,8 @@ class _StateReader(DataSourceReader):
         with options_scope(self.opts["storage"]):
             meta = CheckpointMetadata.from_bytes(orjson.dumps(self.meta_json), f"checkpoint of {self.root}")
             storage = CheckpointStorage(open_location(self.root), meta.state)
-            table = read_variable(storage, meta, self.opts["variable"], subtasks=[partition.value], now_ms=self.now_ms)
+            table = read_variable(storage, meta, self.opts["variable"], subtasks=[partition.value], now_ms=self.now_ms,
+                                  expiry=self.opts["expiry"])
         yield from table.to_batches(max_chunksize=65536)
 
 
@@ -244,7 +255,8 @@ def _session_defaults(spark: Any) -> dict[str, Any]:
 
 
 def read_state(spark: Any, state: str | None = None, *, url: str | None = None, checkpoint_dir: str | None = None,
-               checkpoint_id: int | None = None, variable: str | None = None, metadata: bool = False) -> Any:
+               checkpoint_id: int | None = None, variable: str | None = None, metadata: bool = False,
+               expiry: bool = False) -> Any:
     """``Steward.read_state``: the checks of the data source run here first, so bad input raises our
     error in the caller's process (not wrapped in Spark's), then the lazy DataFrame."""
     if (state is None) == (url is None) or (url is not None and checkpoint_dir is not None):
@@ -252,15 +264,17 @@ def read_state(spark: Any, state: str | None = None, *, url: str | None = None, 
                          f"checkpoint (chk-<N>) or savepoint, one of them; got state={state!r}, url={url!r}, "
                          f"checkpoint_dir={checkpoint_dir!r}")
     session = _session_defaults(spark)
-    given = {"path": url or checkpoint_dir, "state": state, "checkpoint_id": checkpoint_id, "variable": variable}
+    given = {"path": url or checkpoint_dir, "state": state, "checkpoint_id": checkpoint_id, "variable": variable,
+             "expiry": "true" if expiry else None}
     opts = _options({k: None if v is None else str(v) for k, v in given.items()}, session)
     from sparksteward.checkpoint.reader import variable_schema
 
     meta = resolve(opts)[1]
     if not metadata:
-        variable_schema(meta, opts["variable"])
+        variable_schema(meta, opts["variable"], opts["expiry"])
     reader = spark.read.format("steward-state-metadata" if metadata else "steward-state")
-    for name, value in (("state", state), ("checkpoint_id", checkpoint_id), ("variable", variable)):
+    for name, value in (("state", state), ("checkpoint_id", checkpoint_id), ("variable", variable),
+                        ("expiry", "true" if expiry else None)):
         if value is not None and not (metadata and name != "state"):
             reader = reader.option(name, str(value))
     return reader.load(opts["path"])

@@ -208,3 +208,36 @@ def test_registered_timers_read_as_rows(spark, tmp_path):
     assert got == want
     with pytest.raises(StateSchemaError, match=r"'__timers__' is reserved"):
         value_state("__timers__", "bigint")
+
+
+def _count_ttl(key, rows, state):
+    count = state.value("count")
+    count.update((count.get() or 0) + len(rows))
+    state.value("plain").update(len(rows))
+    return key, count.get()
+
+
+def test_the_ttl_expiry_reads_as_a_column(spark, tmp_path):
+    """``expiry=True``: each entry's TTL expiry (the batch's processing time plus the TTL) in ``expires_ms``;
+    a variable without a TTL has nulls there, and the undeclared default state has none to offer."""
+    from sparksteward.errors import StateError
+
+    st = Steward.get(spark)
+    chk = str(tmp_path / "chk")
+    ks = st.keyed_state("ttl", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=chk,
+                        states=[value_state("count", "bigint", ttl=3600), value_state("plain", "bigint")])
+    ks.apply(spark.createDataFrame(_batches()[0]), _count_ttl, "k string, n long", checkpoint_id=0).collect()
+    ks.commit(0, wait=60)
+    processing = st.read_state("ttl", checkpoint_dir=chk, metadata=True).collect()[0].processing_ms
+    rows = st.read_state("ttl", checkpoint_dir=chk, variable="count", expiry=True).collect()
+    assert rows and {r.expires_ms for r in rows} == {processing + 3_600_000}
+    df = spark.read.format("steward-state").option("state", "ttl").option("variable", "count") \
+        .option("expiry", "true").load(chk)
+    assert df.columns == ["key", "value", "expires_ms"] and df.count() == len(rows)
+    with pytest.raises(StateError, match=r"the undeclared default value state of state 'ttl' have no TTL"):
+        st.read_state("ttl", checkpoint_dir=chk, expiry=True)
+    plain = st.read_state("ttl", checkpoint_dir=chk, variable="plain", expiry=True).collect()
+    assert len(plain) == len(rows) and {r.expires_ms for r in plain} == {None}
+    with pytest.raises(Exception, match=r"option expiry='maybe' must be true or false"):
+        spark.read.format("steward-state").option("state", "ttl").option("variable", "count") \
+            .option("expiry", "maybe").load(chk).collect()

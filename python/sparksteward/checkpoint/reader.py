@@ -40,7 +40,7 @@ from sparksteward.state.declared import DEFAULT_VARIABLE as DEFAULT_STATE
 from sparksteward.state.declared import variables_of
 from sparksteward.state.encoding import KIND_LIST, KIND_MAP, KIND_VALUE, decode_value, split_key
 from sparksteward.state.keygroups import KeyType, decode_key
-from sparksteward.state.rows import expired
+from sparksteward.state.rows import expired, expiry_of
 from sparksteward.state.timers import KIND_TIMER_BY_TIME, TIMER_KINDS, parse_by_time
 from sparksteward.state.typed import EXPIRY_KINDS, TypedMap, TypedStates
 
@@ -61,8 +61,19 @@ def _json_default(meta: CheckpointMetadata, variable: str | None) -> bool:
         meta.properties.get("states"))
 
 
-def variable_schema(meta: CheckpointMetadata, variable: str | None) -> pa.Schema:
-    """The columns :func:`read_variable` returns for ``variable`` of ``meta`` (see the module docstring)."""
+def variable_schema(meta: CheckpointMetadata, variable: str | None, expiry: bool = False) -> pa.Schema:
+    """The columns :func:`read_variable` returns for ``variable`` of ``meta`` (see the module docstring);
+    ``expiry``: a last column ``expires_ms`` (a declared variable's entries only)."""
+    schema = _schema(meta, variable)
+    if expiry:
+        if variable == TIMERS or _json_default(meta, variable):
+            raise StateError(f"expiry: {'the timers' if variable == TIMERS else 'the undeclared default value state'} "
+                             f"of state {meta.state!r} have no TTL; read a declared variable with expiry")
+        schema = schema.append(pa.field("expires_ms", pa.int64()))
+    return schema
+
+
+def _schema(meta: CheckpointMetadata, variable: str | None) -> pa.Schema:
     key = pa.field("key", _KEY_ARROW[meta.key_type])
     if variable == TIMERS:
         return pa.schema([key, pa.field("time_domain", pa.string()), pa.field("timestamp_ms", pa.int64())])
@@ -86,12 +97,13 @@ def _variable(meta: CheckpointMetadata, variable: str) -> Any:
 
 def read_variable(storage: CheckpointStorage, meta: CheckpointMetadata, variable: str | None = None, *,
                   subtasks: Iterable[int] | None = None, now_ms: int | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> pa.Table:
+                  progress: Callable[[int, int], None] | None = None, expiry: bool = False) -> pa.Table:
     """Every entry of ``variable`` (None: the default value state) in the given ``subtasks`` (default
-    all) of ``meta``, alive at ``now_ms``, as a table of :func:`variable_schema`.
+    all) of ``meta``, alive at ``now_ms``, as a table of :func:`variable_schema` (with ``expiry``: the
+    entries' expiry in ``expires_ms``, null without a TTL).
 
     ``progress(done, total)`` is called after each subtask is restored and read."""
-    schema = variable_schema(meta, variable)
+    schema = variable_schema(meta, variable, expiry)
     wanted = None if subtasks is None else set(subtasks)
     handles = [h for h in meta.subtasks if wanted is None or h.subtask in wanted]
     now = int(time.time() * 1000) if now_ms is None else now_ms
@@ -169,4 +181,6 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
     if kind == KIND_MAP:
         columns.append(pa.array(map_keys, schema.field("map_key").type))
     columns.append(view._decode_column(stored))
+    if "expires_ms" in schema.names:
+        columns.append(pa.array([expiry_of(v) for v in stored], pa.int64()))
     return pa.table(columns, schema=schema)
