@@ -157,17 +157,25 @@ class StateSource(DataSource):
     def name(cls) -> str:
         return "steward-state"
 
+    def _resolved(self) -> tuple[dict[str, Any], str, Any]:
+        """The options and the checkpoint, resolved once: the planner calls :meth:`schema`, then
+        :meth:`reader` on this instance, and both must see the same checkpoint (a newer "latest" may
+        declare other types) without reading the state's records twice."""
+        if getattr(self, "_found", None) is None:
+            opts = _options(self.options, self.session)
+            self._found = (opts, *resolve(opts))
+        return self._found
+
     def schema(self) -> Any:
         from pyspark.sql.pandas.types import from_arrow_schema
 
         from sparksteward.checkpoint.reader import variable_schema
 
-        opts = _options(self.options, self.session)
-        return from_arrow_schema(variable_schema(resolve(opts)[1], opts["variable"], opts["expiry"]))
+        opts, _, meta = self._resolved()
+        return from_arrow_schema(variable_schema(meta, opts["variable"], opts["expiry"]))
 
     def reader(self, schema: Any) -> DataSourceReader:
-        opts = _options(self.options, self.session)
-        root, meta = resolve(opts)
+        opts, root, meta = self._resolved()
         return _StateReader(opts, root, meta.to_json(), int(time.time() * 1000))
 
 
@@ -272,6 +280,7 @@ def read_state(spark: Any, state: str | None = None, *, url: str | None = None, 
     meta = resolve(opts)[1]
     if not metadata:
         variable_schema(meta, opts["variable"], opts["expiry"])
+        checkpoint_id = meta.checkpoint_id   # the one checked here, not a newer latest by the time Spark plans
     reader = spark.read.format("steward-state-metadata" if metadata else "steward-state")
     for name, value in (("state", state), ("checkpoint_id", checkpoint_id), ("variable", variable),
                         ("expiry", "true" if expiry else None)):
