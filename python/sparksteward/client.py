@@ -345,17 +345,19 @@ class Steward:
     # --- keyed state (issue 8) ------------------------------------------------------------------
     def read_state(self, state: str | None = None, *, url: str | None = None, checkpoint_dir: str | None = None,
                    checkpoint_id: int | None = None, variable: str | None = None, metadata: bool = False,
-                   expiry: bool = False) -> Any:
+                   expiry: bool = False, changes_from: int | None = None) -> Any:
         """A lazy DataFrame of one variable of a retained checkpoint of ``state`` (default: the latest, the
         default value state) in ``checkpoint_dir`` (default ``spark.steward.checkpoint.dir``), or of the
         checkpoint or savepoint at ``url``, read offline by ``spark.read.format("steward-state")``: one task
         per subtask, nothing written into the source. ``metadata``: the checkpoints instead, one row each.
         ``expiry``: a last column ``expires_ms``, each entry's TTL expiry (null without a TTL).
-        Bad input raises here, naming it (:mod:`sparksteward.state_source`)."""
+        ``changes_from``: the change feed instead, what changed in the variable from that older retained
+        checkpoint to this one, with ``change_type`` (``upsert``/``delete``) and ``checkpoint_id``
+        (:mod:`sparksteward.checkpoint.changes`). Bad input raises here, naming it (:mod:`sparksteward.state_source`)."""
         from sparksteward.state_source import read_state
 
         return read_state(self.spark, state, url=url, checkpoint_dir=checkpoint_dir, checkpoint_id=checkpoint_id,
-                          variable=variable, metadata=metadata, expiry=expiry)
+                          variable=variable, metadata=metadata, expiry=expiry, changes_from=changes_from)
 
     def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
                     checkpoint_dir: str | None = None, num_retained: int | None = None,

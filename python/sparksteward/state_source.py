@@ -65,6 +65,15 @@ def _options(options: Any, session: dict[str, Any]) -> dict[str, Any]:
     except ValueError:
         raise StateError(f"option checkpoint_id={raw_id!r} is not a checkpoint id: pass an integer, or leave it out "
                          f"for the latest completed checkpoint") from None
+    raw_from = options.get("changes_from")
+    try:
+        changes_from = None if raw_from in (None, "") else int(raw_from)
+    except ValueError:
+        raise StateError(f"option changes_from={raw_from!r} is not a checkpoint id: pass the id of a retained "
+                         f"checkpoint older than checkpoint_id (steward-state-metadata lists them)") from None
+    if changes_from is not None and not state:
+        raise StateError("option changes_from needs the checkpoint dir and .option('state', name): the two "
+                         "checkpoints are found among the state's retained ones")
     storage = session.get("storage") or {}
     if options.get("storage_options"):
         try:
@@ -79,7 +88,7 @@ def _options(options: Any, session: dict[str, Any]) -> dict[str, Any]:
             "cluster_id": validate_id(str(options.get("cluster_id") or session.get("cluster_id") or "default"),
                                       "cluster id"),
             "checkpoint_id": checkpoint_id, "variable": options.get("variable") or None, "storage": storage,
-            "expiry": _flag(options.get("expiry"), "expiry")}
+            "expiry": _flag(options.get("expiry"), "expiry"), "changes_from": changes_from}
 
 
 def _flag(raw: Any, name: str) -> bool:
@@ -132,19 +141,28 @@ def _one(opts: dict[str, Any]) -> tuple[Any, Any]:
     return storage, meta
 
 
-def resolve(opts: dict[str, Any]) -> tuple[str, Any]:
-    """The state root URL and the checkpoint record a read of ``opts`` (checked by :func:`_options`) reads."""
+def resolve(opts: dict[str, Any]) -> tuple[str, Any, Any]:
+    """The state root URL, the checkpoint record a read of ``opts`` (checked by :func:`_options`) reads
+    and, with ``changes_from``, the older record its changes are from (else None)."""
     if opts["state"] is None:
         storage, meta = _one(opts)
-        return storage.url, meta
+        return storage.url, meta, None
     storage, records = _records(opts)
     cid = opts["checkpoint_id"]
-    if cid is None:
-        return storage.url, records[max(records)]
+    meta = records[max(records)] if cid is None else _retained(opts, records, cid)
+    older = None if opts["changes_from"] is None else _retained(opts, records, opts["changes_from"])
+    if older is not None:
+        from sparksteward.checkpoint.changes import check_pair
+
+        check_pair(older, meta)
+    return storage.url, meta, older
+
+
+def _retained(opts: dict[str, Any], records: dict[int, Any], cid: int) -> Any:
     if cid not in records:
         raise CheckpointNotFoundError(f"state {opts['state']!r} has no retained checkpoint {cid}; retained: "
                                       f"{', '.join(map(str, sorted(records)))} (older ones were subsumed)")
-    return storage.url, records[cid]
+    return records[cid]
 
 
 class StateSource(DataSource):
@@ -157,7 +175,7 @@ class StateSource(DataSource):
     def name(cls) -> str:
         return "steward-state"
 
-    def _resolved(self) -> tuple[dict[str, Any], str, Any]:
+    def _resolved(self) -> tuple[dict[str, Any], str, Any, Any]:
         """The options and the checkpoint, resolved once: the planner calls :meth:`schema`, then
         :meth:`reader` on this instance, and both must see the same checkpoint (a newer "latest" may
         declare other types) without reading the state's records twice."""
@@ -169,19 +187,25 @@ class StateSource(DataSource):
     def schema(self) -> Any:
         from pyspark.sql.pandas.types import from_arrow_schema
 
+        from sparksteward.checkpoint.changes import changes_schema
         from sparksteward.checkpoint.reader import variable_schema
 
-        opts, _, meta = self._resolved()
+        opts, _, meta, older = self._resolved()
+        if older is not None:
+            return from_arrow_schema(changes_schema(older, meta, opts["variable"], opts["expiry"]))
         return from_arrow_schema(variable_schema(meta, opts["variable"], opts["expiry"]))
 
     def reader(self, schema: Any) -> DataSourceReader:
-        opts, root, meta = self._resolved()
-        return _StateReader(opts, root, meta.to_json(), int(time.time() * 1000))
+        opts, root, meta, older = self._resolved()
+        return _StateReader(opts, root, meta.to_json(), int(time.time() * 1000),
+                            None if older is None else older.to_json())
 
 
 class _StateReader(DataSourceReader):
-    def __init__(self, opts: dict[str, Any], root: str, meta_json: dict[str, Any], now_ms: int) -> None:
+    def __init__(self, opts: dict[str, Any], root: str, meta_json: dict[str, Any], now_ms: int,
+                 older_json: dict[str, Any] | None = None) -> None:
         self.opts, self.root, self.meta_json, self.now_ms = opts, root, meta_json, now_ms
+        self.older_json = older_json
 
     def partitions(self) -> list[InputPartition]:
         return [InputPartition(i) for i in range(len(self.meta_json["subtasks"]))]
@@ -196,8 +220,16 @@ class _StateReader(DataSourceReader):
         with options_scope(self.opts["storage"]):
             meta = CheckpointMetadata.from_bytes(orjson.dumps(self.meta_json), f"checkpoint of {self.root}")
             storage = CheckpointStorage(open_location(self.root), meta.state)
-            table = read_variable(storage, meta, self.opts["variable"], subtasks=[partition.value], now_ms=self.now_ms,
-                                  expiry=self.opts["expiry"])
+            if self.older_json is not None:   # the change feed from an older checkpoint to this one
+                from sparksteward.checkpoint.changes import read_changes
+
+                older = CheckpointMetadata.from_bytes(orjson.dumps(self.older_json), f"checkpoint of {self.root}")
+                table = read_changes(storage, older, meta, self.opts["variable"],
+                                     subtasks=[meta.subtasks[partition.value].subtask], expiry=self.opts["expiry"])
+            else:
+                table = read_variable(storage, meta, self.opts["variable"],
+                                      subtasks=[meta.subtasks[partition.value].subtask], now_ms=self.now_ms,
+                                      expiry=self.opts["expiry"])
         yield from table.to_batches(max_chunksize=65536)
 
 
@@ -264,7 +296,7 @@ def _session_defaults(spark: Any) -> dict[str, Any]:
 
 def read_state(spark: Any, state: str | None = None, *, url: str | None = None, checkpoint_dir: str | None = None,
                checkpoint_id: int | None = None, variable: str | None = None, metadata: bool = False,
-               expiry: bool = False) -> Any:
+               expiry: bool = False, changes_from: int | None = None) -> Any:
     """``Steward.read_state``: the checks of the data source run here first, so bad input raises our
     error in the caller's process (not wrapped in Spark's), then the lazy DataFrame."""
     if (state is None) == (url is None) or (url is not None and checkpoint_dir is not None):
@@ -273,17 +305,24 @@ def read_state(spark: Any, state: str | None = None, *, url: str | None = None, 
                          f"checkpoint_dir={checkpoint_dir!r}")
     session = _session_defaults(spark)
     given = {"path": url or checkpoint_dir, "state": state, "checkpoint_id": checkpoint_id, "variable": variable,
-             "expiry": "true" if expiry else None}
+             "expiry": "true" if expiry else None, "changes_from": changes_from}
     opts = _options({k: None if v is None else str(v) for k, v in given.items()}, session)
     from sparksteward.checkpoint.reader import variable_schema
 
-    meta = resolve(opts)[1]
+    if metadata and changes_from is not None:
+        raise StateError("read_state: metadata=True lists the checkpoints; changes_from reads the changes of a "
+                         "variable: pass one of them")
+    _, meta, older = resolve(opts)
     if not metadata:
         variable_schema(meta, opts["variable"], opts["expiry"])
+        if older is not None:
+            from sparksteward.checkpoint.changes import changes_schema
+
+            changes_schema(older, meta, opts["variable"], opts["expiry"])
         checkpoint_id = meta.checkpoint_id   # the one checked here, not a newer latest by the time Spark plans
     reader = spark.read.format("steward-state-metadata" if metadata else "steward-state")
     for name, value in (("state", state), ("checkpoint_id", checkpoint_id), ("variable", variable),
-                        ("expiry", "true" if expiry else None)):
+                        ("expiry", "true" if expiry else None), ("changes_from", changes_from)):
         if value is not None and not (metadata and name != "state"):
             reader = reader.option(name, str(value))
     return reader.load(opts["path"])

@@ -91,6 +91,20 @@ def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouche
         assert dict(got_seen) == seen
     assert {r.key: r.value for r in read("count").collect()} == _expected(batches)[0]   # default: the latest
 
+    # the change feed from checkpoint 0 to 1: exactly the updates batch 1 made, as upserts of checkpoint 1
+    (count0, events0, seen0), (count1, events1, seen1) = _expected(batches[:1]), _expected(batches)
+    def changes(variable):
+        rows = spark.read.format("steward-state").option("state", "src").option(
+            "variable", variable).option("checkpoint_id", 1).option("changes_from", 0).load(chk).collect()
+        assert {(r.change_type, r.checkpoint_id) for r in rows} == {("upsert", 1)}
+        return rows
+    assert {r.key: r.value for r in changes("count")} == {k: n for k, n in count1.items() if count0.get(k) != n}
+    added = collections.Counter((r.key, r.value) for r in changes("events"))
+    assert added == collections.Counter((k, v) for k, vs in events1.items() for v in vs) - \
+        collections.Counter((k, v) for k, vs in events0.items() for v in vs)
+    assert {(r.key, r.map_key): r.value for r in changes("seen")} == {
+        (k, v): n for k, m in seen1.items() for v, n in m.items() if seen0.get(k, {}).get(v) != n}
+
     meta = spark.read.format("steward-state-metadata").option("state", "src").load(chk).collect()
     assert [(m.checkpoint_id, m.parallelism, m.max_parallelism, m.key_type) for m in meta] == \
         [(0, 3, 16, "string"), (1, 3, 16, "string")]
@@ -131,6 +145,11 @@ def named(named_live, tmp_path_factory):
     ({"state": "named", "storage_options": "{"}, "chk", r"storage_options is not a JSON object"),
     ({}, "chk", r"chk holds no _metadata, so it is not a checkpoint \(chk-<N>\) or savepoint"),
     ({"checkpoint_id": "0"}, "chk/default/named/chk-1", r"is checkpoint 1 of state 'named', not checkpoint 0"),
+    ({"state": "named", "changes_from": "x"}, "chk", r"changes_from='x' is not a checkpoint id"),
+    ({"state": "named", "changes_from": "1", "checkpoint_id": "0"}, "chk",
+     r"changes_from=1 must name a checkpoint older than checkpoint 0"),
+    ({"state": "named", "changes_from": "5"}, "chk", r"no retained checkpoint 5; retained: 0, 1"),
+    ({"changes_from": "0"}, "chk/default/named/chk-1", r"changes_from needs the checkpoint dir and .option\('state'"),
 ])
 def test_bad_input_is_named(spark, named, options, path, message):
     before = _files(named)

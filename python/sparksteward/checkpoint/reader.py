@@ -44,7 +44,7 @@ from sparksteward.state.rows import expired, expiry_of
 from sparksteward.state.timers import KIND_TIMER_BY_TIME, TIMER_KINDS, parse_by_time
 from sparksteward.state.typed import EXPIRY_KINDS, TypedMap, TypedStates
 
-__all__ = ["DEFAULT_STATE", "TIMERS", "read_variable", "variable_schema"]
+__all__ = ["DEFAULT_STATE", "TIMERS", "decode_entries", "read_variable", "variable_schema"]
 
 #: the name that reads a checkpoint's registered timers instead of a variable (reserved: no declared
 #: variable may have it, state/declared.py)
@@ -130,11 +130,19 @@ def _decode_key(kt: KeyType) -> Any:
 
 def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable: str | None, schema: pa.Schema,
                   now: int) -> pa.Table:
+    return decode_entries(backend, meta, variable, schema, backend.iter_raw(), now)
+
+
+def decode_entries(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable: str | None, schema: pa.Schema,
+                   pairs: Iterable[tuple[bytes, bytes]], now: int, *, alive_only: bool = True) -> pa.Table:
+    """The rows of ``variable`` (a table of ``schema``, :func:`variable_schema`) among the stored
+    ``(key, value)`` ``pairs`` of ``backend`` (a subtask of ``meta``), in their order; entries of other
+    variables are skipped, and so (``alive_only``) are those whose TTL expired at ``now``."""
     decode_key = _decode_key(meta.key_type)
     keys: list[Any] = []
     if variable == TIMERS:
         domains, times = [], []
-        for raw_key, _ in backend.iter_raw():
+        for raw_key, _ in pairs:
             if raw_key[2:3] == KIND_TIMER_BY_TIME:
                 raw, timer = parse_by_time(raw_key)
                 keys.append(decode_key(raw))
@@ -144,7 +152,7 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
                          pa.array(times, pa.int64())], schema=schema)
     if _json_default(meta, variable):
         values: list[Any] = []
-        for raw_key, raw_value in backend.iter_raw():
+        for raw_key, raw_value in pairs:
             if raw_key[2:3] in EXPIRY_KINDS or raw_key[2:3] in TIMER_KINDS:
                 continue
             _, kind, name, kb, _ = split_key(raw_key)
@@ -161,11 +169,11 @@ def _read_subtask(backend: RocksDBStateBackend, meta: CheckpointMetadata, variab
     kind = _KINDS[var.spec.kind]
     stored: list[bytes] = []
     map_keys: list[Any] = []
-    for raw_key, raw_value in backend.iter_raw():
+    for raw_key, raw_value in pairs:
         if raw_key[2:3] != kind:
             continue
         _, _, name, kb, rest = split_key(raw_key)
-        if name != variable or expired(raw_value, now):
+        if name != variable or (alive_only and expired(raw_value, now)):
             continue
         if kind == KIND_LIST and not rest:   # a whole untyped list written before the declaration
             for v in view._legacy_list(raw_value):
