@@ -623,3 +623,22 @@ def test_put_many_of_a_struct_state_takes_a_table_of_its_fields(backend):
     assert agg.get_many(["a", "b"]).to_pylist() == [{"n": 1, "s": 1.5}, {"n": 2, "s": 2.0}]
     with pytest.raises(StateEncodingError, match=r"state 'agg' is declared .* lacks columns \['s'\]"):
         agg.put_many(["a"], pa.table({"n": [1]}))
+
+
+def test_an_append_goes_after_elements_of_later_batches_and_never_replaces_one(backend):
+    """A list restored from a savepoint of a state that ran more batches (or bootstrapped) holds elements
+    of sequences above the appending batch's: appends go after them, one at a time and many at once,
+    in the per-key and the Arrow paths alike (issue 39's review: they used to overwrite them)."""
+    spec = [list_state("l", "bigint")]
+    later = _states(backend, spec, batch=7).list("l")
+    later.extend("a", [1, 2])
+    later.append_many(["b", "b"], [5, 6])
+    early = _states(backend, spec, batch=0).list("l")
+    early.append("a", 3)
+    early.extend("a", list(range(10, 20)))   # the Arrow column path
+    early.append_many(["b", "c", "b"], [7, 8, 9])
+    assert early.get("a") == [1, 2, 3, *range(10, 20)]
+    assert early.get("b") == [5, 6, 7, 9] and early.get("c") == [8]
+    again = _states(backend, spec, batch=1).list("l")   # a batch after it, still below batch 7's
+    again.append("b", 10)
+    assert again.get("b") == [5, 6, 7, 9, 10]

@@ -24,6 +24,39 @@ class TypedList(TypedView):
 
     kind = KIND_LIST
 
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        #: the last sequence this view appended under each list prefix
+        self._tails: dict[bytes, int] = {}
+
+    def _seq(self, prefix: bytes, candidate: int) -> int:
+        """The sequence of an element appended to the list at ``prefix``: ``candidate`` (this batch's
+        next), or one past the list's last element where that is later. A state restored from a
+        savepoint of a state that ran more batches, or a bootstrapped one, holds elements of sequences
+        above this batch's: an append must never replace one of them or come before it."""
+        tail = self._tails.get(prefix)
+        if tail is None:
+            tail = self._stored_tail(prefix)
+        seq = candidate if candidate > tail else tail + 1
+        self._tails[prefix] = seq
+        return seq
+
+    def _stored_tail(self, prefix: bytes) -> int:
+        """The sequence of the last element the DB holds under ``prefix`` (-1: none)."""
+        upper = _prefix_upper(prefix)
+        it = self.backend.db.iter()
+        try:
+            it.seek_for_prev(upper)
+            if it.valid() and it.key() >= upper:
+                it.prev()
+            if it.valid():
+                k = it.key()
+                if len(k) == len(prefix) + 8 and k.startswith(prefix):
+                    return int.from_bytes(k[-8:], "big")
+            return -1
+        finally:
+            del it
+
     def _scan(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         return self.backend.scan(prefix, _prefix_upper(prefix), len(prefix))
 
@@ -68,7 +101,8 @@ class TypedList(TypedView):
         if value is None:
             raise StateEncodingError(f"list state {self.name!r}: None cannot be appended")
         exp = self._expiry
-        k = self._prefix(key) + self.states.next_seq().to_bytes(8, "big")
+        prefix = self._prefix(key)
+        k = prefix + self._seq(prefix, self.states.next_seq()).to_bytes(8, "big")
         self._put(self.backend.store, k, self.codec.encode_py(value, exp), exp)
 
     def extend(self, key: object, values: Iterable[Any]) -> None:
@@ -129,8 +163,13 @@ class TypedList(TypedView):
         exp = self._expiry
         first = self.states.next_seq(len(raw))
         wb = self.backend.new_batch()
+        tails = self._tails
+        for k in set(raw).difference(tails):
+            tails[k] = self._stored_tail(k)
         for j, (k, stored) in enumerate(zip(raw, encoded)):
-            self._put(wb, k + (first + j).to_bytes(8, "big"), stored, exp)
+            tail = tails[k]
+            seq = tails[k] = first + j if first + j > tail else tail + 1
+            self._put(wb, k + seq.to_bytes(8, "big"), stored, exp)
         self.backend.store.write(wb)
 
     def clear_many(self, keys: Any) -> None:
