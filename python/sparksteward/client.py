@@ -359,6 +359,31 @@ class Steward:
         return read_state(self.spark, state, url=url, checkpoint_dir=checkpoint_dir, checkpoint_id=checkpoint_id,
                           variable=variable, metadata=metadata, expiry=expiry, changes_from=changes_from)
 
+    def write_savepoint(self, url: str, *, state: str, states: list[Any], data: dict[str, Any], parallelism: int,
+                        max_parallelism: int | None = None) -> str:
+        """Bootstrap a savepoint of keyed state ``state`` at ``url`` from DataFrames, one per declared
+        variable (``data``, shaped as a read of it gives), written in parallel by the executors; returns
+        the URL of its ``_metadata``, which ``restore_from`` and ``read_state(url=...)`` take
+        (:mod:`sparksteward.state_writer`)."""
+        from sparksteward.state_writer import write_savepoint
+
+        return write_savepoint(self.spark, url, state=state, states=states, data=data, parallelism=parallelism,
+                               max_parallelism=max_parallelism or int(self.spark.sparkContext.getConf().get(
+                                   "spark.steward.state.max-parallelism", "128")))
+
+    def derive_savepoint(self, url: str, *, source: str, states: list[Any] | None = None,
+                         transform: dict[str, Any] | None = None, add: dict[str, Any] | None = None,
+                         drop: list[str] = (), parallelism: int | None = None,   # type: ignore[assignment]
+                         max_parallelism: int | None = None) -> str:
+        """A new savepoint at ``url`` from the checkpoint or savepoint ``source``, with variables transformed
+        (``transform={"name": fn}``, ``fn(df) -> df``), added (``add``) or dropped (``drop``), re-declared
+        (``states``), at another parallelism or max parallelism; the source is only read
+        (:func:`sparksteward.state_writer.derive_savepoint`)."""
+        from sparksteward.state_writer import derive_savepoint
+
+        return derive_savepoint(self.spark, url, source=source, states=states, transform=transform, add=add,
+                                drop=list(drop), parallelism=parallelism, max_parallelism=max_parallelism)
+
     def keyed_state(self, name: str, *, key: str, parallelism: int, max_parallelism: int | None = None,
                     checkpoint_dir: str | None = None, num_retained: int | None = None,
                     restore_from: str | None = None, claim_mode: str | None = None,

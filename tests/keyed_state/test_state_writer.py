@@ -1,0 +1,131 @@
+"""Issue 39, the savepoint writer (:mod:`sparksteward.state_writer`) on the shared local[2] session:
+a savepoint bootstrapped from DataFrames (value with TTL, list, map, timers) reads back exactly,
+restores at another parallelism and goes on with exact values; one derived from it with a variable
+transformed and another max parallelism restores exactly; bad input is refused by name with nothing
+written (cross-host, on S3: tests/keyed_state/test_state_offline_cluster.py)."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pandas as pd
+import pytest
+from sparksteward import Steward, list_state, map_state, value_state
+from sparksteward.errors import CheckpointError, StateError, StateSchemaError
+
+from tests.helpers.keyed import declared_count_events
+
+pytestmark = pytest.mark.slow
+
+SPECS = [value_state("count", "bigint", ttl=3600.0), list_state("events", "bigint"),
+         map_state("seen", "bigint", "bigint")]
+OUT = "k string, n long, events long, distinct long"
+N = 20_000
+
+
+def _files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def boot(spark, tmp_path_factory):
+    """A savepoint of N keys written from DataFrames, and what it holds."""
+    st = Steward.get(spark)
+    root = tmp_path_factory.mktemp("writer")
+    counts = spark.range(N).selectExpr("concat('u', id) AS key", "id % 7 AS value")
+    events = spark.range(300).selectExpr("concat('u', id % 10) AS key", "id AS value")
+    seen = spark.range(40).selectExpr("concat('u', id % 10) AS key", "id AS map_key", "id * 2 AS value")
+    timers = spark.createDataFrame([("u1", "processing", 4_000_000_000_000)], "key string, time_domain string, "
+                                   "timestamp_ms bigint")
+    url = f"file://{root}/sp/boot-1"
+    written = st.write_savepoint(url, state="boot", states=SPECS, parallelism=3, max_parallelism=16,
+                                 data={"count": counts, "events": events, "seen": seen, "__timers__": timers})
+    assert written == f"{root}/sp/boot-1/_metadata"
+    return st, root, url
+
+
+def test_a_bootstrapped_savepoint_reads_back_exactly(spark, boot):
+    st, _, url = boot
+    count = st.read_state(url=url, variable="count", expiry=True)
+    assert count.rdd.getNumPartitions() == 3
+    rows = count.collect()
+    assert {r.key: r.value for r in rows} == {f"u{i}": i % 7 for i in range(N)}
+    assert len({r.expires_ms for r in rows}) == 1 and rows[0].expires_ms > 0   # the write's time plus the TTL
+    events = collections.defaultdict(list)
+    for r in st.read_state(url=url, variable="events").collect():
+        events[r.key].append(r.value)
+    assert dict(events) == {f"u{k}": list(range(k, 300, 10)) for k in range(10)}   # in the DataFrame's order
+    assert {(r.key, r.map_key): r.value for r in st.read_state(url=url, variable="seen").collect()} == \
+        {(f"u{i % 10}", i): i * 2 for i in range(40)}
+    assert [tuple(r) for r in st.read_state(url=url, variable="__timers__").collect()] == \
+        [("u1", "processing", 4_000_000_000_000)]
+    meta = st.read_state(url=url, metadata=True).collect()
+    assert [(m.checkpoint_id, m.parallelism, m.max_parallelism, m.key_type) for m in meta] == [(0, 3, 16, "string")]
+
+
+def test_it_restores_at_another_parallelism_and_goes_on_exactly(spark, boot, tmp_path):
+    st, _, url = boot
+    ks = st.keyed_state("boot-on", key="k", parallelism=5, max_parallelism=16, checkpoint_dir=str(tmp_path / "chk"),
+                        restore_from=url, states=SPECS)
+    batch = pd.DataFrame({"k": ["u1", "u3", "u3", "new"], "v": [1, 2, 1, 5]})
+    out = {r.k: r for r in ks.apply(spark.createDataFrame(batch), declared_count_events, OUT, checkpoint_id=0).collect()}
+    ks.commit(0, wait=60)
+    # count goes on from the bootstrapped value; the lists get the rows after the 30 written ones
+    assert {k: (r.n, r.events) for k, r in out.items()} == {"u1": (1 % 7 + 1, 31), "u3": (3 % 7 + 2, 32), "new": (1, 1)}
+    events = [r.value for r in ks.read("events").collect() if r.key == "u3"]
+    assert events == [*range(3, 300, 10), 2, 1]
+    assert {r.key: r.value for r in ks.read("count").collect()} == {
+        **{f"u{i}": i % 7 for i in range(N)}, "u1": 2, "u3": 5, "new": 1}
+
+
+def test_a_derived_savepoint_changes_max_parallelism_and_transforms_a_variable(spark, boot, tmp_path):
+    st, root, url = boot
+    before = _files(root / "sp" / "boot-1")
+    derived = f"file://{tmp_path}/sp/boot-2"
+    st.derive_savepoint(derived, source=url, max_parallelism=64, parallelism=2, drop=["seen"],
+                        transform={"count": lambda df: df.withColumn("value", df.value * 10)})
+    assert _files(root / "sp" / "boot-1") == before   # the source is only read
+    meta = st.read_state(url=derived, metadata=True).collect()[0]
+    assert (meta.parallelism, meta.max_parallelism) == (2, 64) and "seen" not in meta.variables
+    assert {r.key: r.value for r in st.read_state(url=derived, variable="count").collect()} == \
+        {f"u{i}": (i % 7) * 10 for i in range(N)}
+    ks = st.keyed_state("boot-64", key="k", parallelism=4, max_parallelism=64, checkpoint_dir=str(tmp_path / "chk"),
+                        restore_from=derived, states=SPECS[:2] + [map_state("seen", "bigint", "bigint")])
+    got = ks.apply(spark.createDataFrame(pd.DataFrame({"k": ["u9"], "v": [7]})), declared_count_events, OUT,
+                   checkpoint_id=0).collect()
+    assert [(r.n, r.events, r.distinct) for r in got] == [(9 % 7 * 10 + 1, 31, 1)]
+    ks.commit(0, wait=60)
+    # the transformed TTL kept each entry's expiry
+    assert {r.expires_ms for r in st.read_state(url=derived, variable="count", expiry=True).collect()} == \
+        {r.expires_ms for r in st.read_state(url=url, variable="count", expiry=True).collect()}
+
+
+def test_bad_input_is_refused_by_name_and_nothing_is_written(spark, boot, tmp_path):
+    st, root, url = boot
+    target = tmp_path / "sp" / "bad"
+    good = spark.range(10).selectExpr("concat('u', id) AS key", "id AS value")
+
+    def refused(error, match, **kw):
+        args = {"state": "bad", "states": SPECS, "parallelism": 2, "max_parallelism": 16, "data": {"count": good}, **kw}
+        with pytest.raises(error, match=match):
+            st.write_savepoint(kw.pop("url", f"file://{target}"), **{k: v for k, v in args.items() if k != "url"})
+        assert not target.exists() or _files(target) == []
+
+    refused(StateSchemaError, r"data for variable 'nope', which is not declared", data={"nope": good})
+    refused(StateSchemaError, r"'count' \(value\) has columns \['key', 'v'\]; it needs \['key', 'value'\]",
+            data={"count": good.withColumnRenamed("value", "v")})
+    refused(StateSchemaError, r"column 'value' is string but must be bigint .*cast\('bigint'\)",
+            data={"count": good.selectExpr("key", "cast(value AS string) AS value")})
+    refused(StateSchemaError, r"has expires_ms, but 'events' is declared without a TTL",
+            data={"events": good.selectExpr("key", "value", "1L AS expires_ms")})
+    refused(StateError, r"variable 'count' has key 'u3' twice in the data",
+            data={"count": good.union(good.filter("key = 'u3'"))})
+    refused(CheckpointError, r"lies inside .*boot-1, which holds a _metadata", url=f"file://{root}/sp/boot-1/inner")
+    st.keyed_state("bad-live", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(tmp_path / "live")).apply(
+        spark.createDataFrame(pd.DataFrame({"k": ["a"], "v": [1]})), declared_count_events, OUT, checkpoint_id=0)
+    refused(CheckpointError, r"lies inside .*bad-live, which holds a _lease",
+            url=f"file://{tmp_path}/live/default/bad-live/sp")
+    refused(CheckpointError, r"is not empty", url=f"file://{root}/sp")
+    with pytest.raises(CheckpointError, match="overlaps"):
+        st.derive_savepoint(url, source=url)
