@@ -1,7 +1,8 @@
 """The ``steward`` command (also ``python -m sparksteward``).
 
 Subcommands: ``jar`` (print the shim jar's path, building it if needed), ``config`` (the option table),
-``jobs`` (the JobResultStore), ``blobs`` (blob storage) and ``checkpoints`` (keyed-state checkpoints).
+``jobs`` (the JobResultStore), ``blobs`` (blob storage), ``checkpoints`` (keyed-state checkpoints) and
+``state`` (keyed state offline: show, read, diff, bootstrap).
 Errors print one line naming the problem and exit with status 2; there are no tracebacks for expected
 failures.
 
@@ -23,7 +24,7 @@ from sparksteward.storage import OPTIONS_KEY, set_default_options
 
 __all__ = ["main"]
 
-_GROUPS = ("sparksteward.jobs.cli", "sparksteward.blob.cli", "sparksteward.checkpoint.cli")
+_GROUPS = ("sparksteward.jobs.cli", "sparksteward.blob.cli", "sparksteward.checkpoint.cli", "sparksteward.state_cli")
 
 
 def _cmd_jar(args: argparse.Namespace) -> int:

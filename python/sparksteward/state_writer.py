@@ -55,14 +55,15 @@ def _spark_type(t: Any) -> Any:
     return from_arrow_type(t)
 
 
-def check_data(record: Mapping[str, Any], data: Mapping[str, Any]) -> str:
-    """Refuse DataFrames that do not match the declarations ``record`` (before anything is written),
-    naming the variable, the column and the fix; return the key type they share."""
+def check_data(record: Mapping[str, Any], data: Mapping[str, Mapping[str, str]]) -> str:
+    """Refuse data that does not match the declarations ``record`` (before anything is written), naming
+    the variable, the column and the fix; ``data`` maps each variable to its columns and their Spark
+    SQL types (``simpleString``). Returns the key type they share."""
     from sparksteward.state.declared import variables_of
 
     variables = variables_of(record)
     key_type: str | None = None
-    for name, df in data.items():
+    for name, fields in data.items():
         var = variables.get(name)
         if var is None and name != TIMERS:
             known = ", ".join(sorted(variables)) or "none"
@@ -70,7 +71,6 @@ def check_data(record: Mapping[str, Any], data: Mapping[str, Any]) -> str:
                                    f"it in states=[...], or leave it out")
         kind = "timers" if var is None else var.spec.kind
         required, optional = _columns(name, kind)
-        fields = {f.name: f.dataType for f in df.schema.fields}
         missing = [c for c in required if c not in fields]
         extra = [c for c in fields if c not in required and c not in optional]
         if missing or extra:
@@ -78,9 +78,9 @@ def check_data(record: Mapping[str, Any], data: Mapping[str, Any]) -> str:
                                    f"{required}" + (f" and may have {optional}" if optional else "") +
                                    (f"; missing {missing}" if missing else "") + (f"; unknown {extra}" if extra else "") +
                                    ": select or rename them (a read of the variable has this shape)")
-        kt = _KEY_TYPES.get(fields["key"].simpleString())
+        kt = _KEY_TYPES.get(fields["key"])
         if kt is None:
-            raise StateSchemaError(f"the DataFrame for {name!r}: key column is {fields['key'].simpleString()}; a key is "
+            raise StateSchemaError(f"the DataFrame for {name!r}: key column is {fields['key']}; a key is "
                                    f"a string, bigint, int or binary: cast it")
         if key_type is not None and kt != key_type:
             raise StateSchemaError(f"the DataFrame for {name!r} has a {kt} key, another one a {key_type} key: one state "
@@ -98,9 +98,9 @@ def check_data(record: Mapping[str, Any], data: Mapping[str, Any]) -> str:
                 raise StateSchemaError(f"the DataFrame for {name!r} has expires_ms, but {name!r} is declared without "
                                        f"a TTL: drop the column, or declare the variable with ttl=")
         for column, spark_type in wanted.items():
-            if column in fields and fields[column].simpleString() != spark_type:
+            if column in fields and fields[column] != spark_type:
                 raise StateSchemaError(
-                    f"the DataFrame for {name!r}: column {column!r} is {fields[column].simpleString()} but must be "
+                    f"the DataFrame for {name!r}: column {column!r} is {fields[column]} but must be "
                     f"{spark_type} (the declaration): cast it, e.g. df.withColumn({column!r}, "
                     f"df[{column!r}].cast({spark_type!r}))")
     if key_type is None:
@@ -331,18 +331,19 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
     from pyspark.sql import functions as F
 
     from sparksteward.checkpoint.begun import CheckpointTime
-    from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
+    from sparksteward.checkpoint.records import SubtaskHandle
     from sparksteward.checkpoint.storage import METADATA_FILE
     from sparksteward.ids import validate_id
     from sparksteward.state.declared import resolve, variables_of
-    from sparksteward.state.keygroups import KeyType, validate_parallelism
+    from sparksteward.state.keygroups import validate_parallelism
     from sparksteward.state_source import _session_defaults
     from sparksteward.storage import open_location, options_scope
 
     validate_id(state, "state name")
     validate_parallelism(parallelism, max_parallelism)
     record = resolve(None, states, state=state)
-    key_type = check_data(record, data)
+    key_type = check_data(record, {n: {f.name: f.dataType.simpleString() for f in df.schema.fields}
+                                   for n, df in data.items()})
     session = _session_defaults(spark)
     storage_options = session["storage"]
     now = int(time.time() * 1000) if processing_ms is None else int(processing_ms)
@@ -377,19 +378,29 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
                 if failure is None:
                     raise
                 raise as_ours(failure, exc) from None
-            handles = [got[i] if i in got else _empty(state, url, key_type.lower(), max_parallelism, parallelism, i)
-                       for i in range(parallelism)]
-            props = {**dict(properties or {}), "states": record,
-                     "time": CheckpointTime(now, watermark_ms).to_json(), "savepoint_of": source}
-            meta = CheckpointMetadata(state, 0, parallelism, max_parallelism, tuple(handles),
-                                      key_type=KeyType.parse(key_type), created_at=time.time(), properties=props)
-            _drop_unreferenced(loc, meta)
-            loc.write_atomic(loc.path(METADATA_FILE), meta.to_bytes())   # last: a savepoint without it is none
+            _commit(loc, got, record, state, key_type, parallelism, max_parallelism,
+                    {**dict(properties or {}), "time": CheckpointTime(now, watermark_ms).to_json(), "savepoint_of": source})
     except BaseException:
         with options_scope(storage_options):
             _discard(loc)
         raise
     return loc.display(loc.path(METADATA_FILE))
+
+
+def _commit(loc: Any, got: Mapping[int, Any], record: Mapping[str, Any], state: str, key_type: str, p: int, m: int,
+            properties: Mapping[str, Any]) -> None:
+    """Write the savepoint's ``_metadata`` at ``loc`` (last) over the subtasks' handles ``got`` (an empty
+    DB uploaded here for each subtask no row went to), after deleting what no handle references."""
+    from sparksteward.checkpoint.records import CheckpointMetadata
+    from sparksteward.checkpoint.storage import METADATA_FILE
+    from sparksteward.state.keygroups import KeyType
+
+    url = loc.url
+    handles = [got[i] if i in got else _empty(state, url, key_type, m, p, i) for i in range(p)]
+    meta = CheckpointMetadata(state, 0, p, m, tuple(handles), key_type=KeyType.parse(key_type), created_at=time.time(),
+                              properties={**properties, "states": dict(record)})
+    _drop_unreferenced(loc, meta)
+    loc.write_atomic(loc.path(METADATA_FILE), meta.to_bytes())   # last: a savepoint without it is none
 
 
 def _routed(rows: Any, p: int) -> Any:
