@@ -543,7 +543,8 @@ class KeyedState(KeyedStateFigures):
         are left out.
 
         By default the driver restores every subtask and the rows are in the DataFrame (fine for
-        small states). With ``distributed=True`` the DataFrame is lazy: one task per subtask of the
+        small states). With ``distributed=True`` the DataFrame is lazy, a read of the state data source
+        (``spark.read.format("steward-state")``) pinned to that checkpoint: one task per subtask of the
         checkpoint restores and decodes it on an executor, so large states never pass through the
         driver. Run its actions before that checkpoint is subsumed (``num_retained`` commits later).
 
@@ -570,7 +571,11 @@ class KeyedState(KeyedStateFigures):
         schema = from_arrow_schema(arrow)
         now_ms = int(time.time() * 1000)
         options = _storage_options(spark)
-        if distributed:
+        if distributed and meta.checkpoint_id >= 0:   # the state data source, pinned to this checkpoint
+            reader = spark.read.format("steward-state").option("state", self.name).option(
+                "cluster_id", info.cluster_id).option("checkpoint_id", meta.checkpoint_id)
+            return (reader if variable is None else reader.option("variable", variable)).load(info.checkpoint_dir)
+        if distributed:   # the restored starting point, which the source does not list
             n = len(meta_json["subtasks"])
             fn = read_fn(info.checkpoint_dir, self.name, info.cluster_id, meta_json, variable, now_ms, options)
             return spark.range(0, n, 1, n).mapInArrow(fn, schema)

@@ -379,3 +379,52 @@ def test_event_time_timers_and_event_ttl_on_s3_across_hosts(spark, s3):
     assert [k for k, _, _ in got] == sorted(f"k{i}" for i in range(10))
     assert all(last == 1 for _, _, last in got)
     assert ks.report(checkpoint_id=4)["timers_fired"] == 10
+
+
+def test_offline_read_diff_and_savepoint_writer_on_s3_across_hosts(spark, s3, capsys):
+    """Issue 39 on an executor that sees neither the driver's files nor its boot id, state on S3: the
+    state source and the change feed read there; a savepoint bootstrapped from a DataFrame (its SSTs
+    written and uploaded there), derived with another max parallelism, restored at another parallelism,
+    goes on with exact values; ``steward state diff`` on the driver prints the same changes."""
+    import json
+
+    import pandas as pd
+    from sparksteward import list_state, map_state, value_state
+    from sparksteward.cli import main
+
+    from tests.helpers.keyed import declared_count_events
+
+    st = Steward.get(spark)
+    specs = [value_state("count", "bigint"), list_state("events", "bigint"), map_state("seen", "bigint", "bigint")]
+    out = "k string, n long, events long, distinct long"
+    ks = st.keyed_state("xoffline", key="k", parallelism=2, max_parallelism=16, checkpoint_dir=s3.url("xoff-chk"),
+                        num_retained=2, states=specs)
+    batches = [pd.DataFrame({"k": ["a", "b", "c"], "v": [1, 2, 3]}), pd.DataFrame({"k": ["a", "d"], "v": [4, 5]})]
+    for i, b in enumerate(batches):
+        ks.apply(spark.createDataFrame(b), declared_count_events, out, checkpoint_id=i).collect()
+        ks.commit(i, wait=120)
+    chk = s3.url("xoff-chk")
+    read = st.read_state("xoffline", checkpoint_dir=chk, variable="count")
+    assert {r.key: r.value for r in read.collect()} == {"a": 2, "b": 1, "c": 1, "d": 1}
+    feed = st.read_state("xoffline", checkpoint_dir=chk, variable="events", changes_from=0).collect()
+    assert sorted((r.key, r.value, r.change_type, r.checkpoint_id) for r in feed) == [("a", 4, "upsert", 1),
+                                                                                       ("d", 5, "upsert", 1)]
+    assert main(["state", "diff", chk, "--state", "xoffline", "--from", "0", "--variable", "count", "--json",
+                 "--conf", f"spark.steward.storage.options={s3.storage_options()}"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert sorted((r["key"], r["value"]) for r in printed) == [("a", 2), ("d", 1)]
+
+    sp = s3.url("xoff-sp/boot-1")
+    st.write_savepoint(sp, state="xboot", states=specs, parallelism=3, max_parallelism=16, data={
+        "count": spark.range(5000).selectExpr("concat('u', id) AS key", "id AS value"),
+        "events": spark.range(6).selectExpr("concat('u', id % 2) AS key", "id AS value")})
+    derived = s3.url("xoff-sp/boot-2")
+    st.derive_savepoint(derived, source=sp, max_parallelism=32,
+                        transform={"count": lambda df: df.withColumn("value", df.value + 1)})
+    on = st.keyed_state("xboot-on", key="k", parallelism=2, max_parallelism=32, checkpoint_dir=s3.url("xoff-chk2"),
+                        restore_from=derived, states=specs)
+    got = on.apply(spark.createDataFrame(pd.DataFrame({"k": ["u1", "u7"], "v": [9, 9]})), declared_count_events, out,
+                   checkpoint_id=0).collect()
+    on.commit(0, wait=120)
+    assert sorted((r.k, r.n, r.events) for r in got) == [("u1", 3, 4), ("u7", 9, 1)]
+    assert [r.value for r in on.read("events", distributed=True).collect() if r.key == "u1"] == [1, 3, 5, 9]
