@@ -260,3 +260,32 @@ def test_the_ttl_expiry_reads_as_a_column(spark, tmp_path):
     with pytest.raises(Exception, match=r"option expiry='maybe' must be true or false"):
         spark.read.format("steward-state").option("state", "ttl").option("variable", "count") \
             .option("expiry", "maybe").load(chk).collect()
+
+
+def test_a_corrupt_record_or_a_truncated_file_is_named(spark, named, tmp_path):
+    """A ``_metadata`` that is not a record is refused by ``read_state`` naming it; a data file cut short
+    fails the read's task with our error naming the file and its checksum (nothing restored from it),
+    in Spark's error of the action that read it."""
+    import shutil
+
+    from sparksteward.errors import CheckpointCorruptError
+
+    st = Steward.get(spark)
+    bad = tmp_path / "bad"
+    shutil.copytree(named / "chk" / "default" / "named" / "chk-1", bad / "chk-1")
+    (bad / "chk-1" / "_metadata").write_bytes(b'{"version": 1, "state": ')
+    with pytest.raises(CheckpointCorruptError, match=r"chk-1/_metadata"):
+        st.read_state(url=str(bad / "chk-1"))
+    sp = tmp_path / "sp"
+    shutil.copytree(named / "chk" / "default" / "named", tmp_path / "copy")
+    from sparksteward.checkpoint.storage import open_checkpoint
+
+    _, meta = open_checkpoint(str(tmp_path / "copy" / "chk-1"))
+    sst = next(f for h in meta.subtasks for f in h.files if f.name.endswith(".sst"))
+    target = tmp_path / "copy" / sst.path
+    target.write_bytes(target.read_bytes()[: sst.length // 2])
+    before = _files(tmp_path / "copy")
+    with pytest.raises(Exception, match=rf"{sst.name}.*(checksum|length|size)|(checksum|length|size).*{sst.name}") as excinfo:
+        st.read_state(url=str(tmp_path / "copy" / "chk-1"), variable="count").collect()
+    assert _files(tmp_path / "copy") == before
+    assert not sp.exists()

@@ -129,3 +129,30 @@ def test_bad_input_is_refused_by_name_and_nothing_is_written(spark, boot, tmp_pa
     refused(CheckpointError, r"is not empty", url=f"file://{root}/sp")
     with pytest.raises(CheckpointError, match="overlaps"):
         st.derive_savepoint(url, source=url)
+
+
+@pytest.mark.soak   # a million keys on local[2], about a minute: make soak
+def test_a_million_keys_bootstrapped_restore_at_another_parallelism_and_go_on_exactly(spark, tmp_path):
+    """Must-show 1 at its size: a savepoint of 1M keys from a DataFrame, restored at parallelism 5 (written
+    at 8), a batch that touches some of them, and every value exact afterwards (sums and counts over the
+    read, the touched keys by name)."""
+    st = Steward.get(spark)
+    n = 1_000_000
+    url = f"file://{tmp_path}/sp/million"
+    st.write_savepoint(url, state="million", states=[value_state("count", "bigint")], parallelism=8,
+                       max_parallelism=128, data={"count": spark.range(n).selectExpr("concat('u', id) AS key",
+                                                                                    "id % 1000 AS value")})
+    ks = st.keyed_state("million-on", key="k", parallelism=5, max_parallelism=128, states=[value_state("count", "bigint")],
+                        checkpoint_dir=str(tmp_path / "chk"), restore_from=url)
+
+    def add(key, rows, state):
+        c = state.value("count")
+        c.update((c.get() or 0) + len(rows))
+        return pd.DataFrame({"k": [key], "n": [c.get()]})
+
+    touched = pd.DataFrame({"k": ["u0", "u999999", "u123456", "fresh"]})
+    got = {r.k: r.n for r in ks.apply(spark.createDataFrame(touched), add, "k string, n long", checkpoint_id=0).collect()}
+    ks.commit(0, wait=120)
+    assert got == {"u0": 1, "u999999": 1000, "u123456": 457, "fresh": 1}
+    totals = ks.read("count", distributed=True).selectExpr("count(*) AS c", "sum(value) AS s").collect()[0]
+    assert (totals.c, totals.s) == (n + 1, sum(i % 1000 for i in range(n)) + 4)
