@@ -285,7 +285,7 @@ def test_a_corrupt_record_or_a_truncated_file_is_named(spark, named, tmp_path):
     target = tmp_path / "copy" / sst.path
     target.write_bytes(target.read_bytes()[: sst.length // 2])
     before = _files(tmp_path / "copy")
-    with pytest.raises(Exception, match=rf"{sst.name}.*(checksum|length|size)|(checksum|length|size).*{sst.name}") as excinfo:
+    with pytest.raises(Exception, match=rf"{sst.name} .* is corrupt: expected checksum .* nothing was restored"):
         st.read_state(url=str(tmp_path / "copy" / "chk-1"), variable="count").collect()
     assert _files(tmp_path / "copy") == before
     assert not sp.exists()
