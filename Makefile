@@ -54,7 +54,7 @@ test: lint
 	$(PY) -m pytest -q -ra -m "not soak" -n 2 --dist loadfile --durations=40
 
 soak: $(VENV)/.installed
-	$(PY) -m pytest -q -ra -m soak -s
+	$(PY) -m pytest -q -ra -m soak -s --durations=25
 
 # the compat set (the tests marked compat) on each older tested pyspark; `make compat-4.0` runs one. The
 # versions run side by side (each its own venv, Spark applications, ports and pytest tmp dir), their output
