@@ -19,9 +19,9 @@ import json
 import sys
 
 import pandas as pd
-from pyspark.sql import SparkSession, functions as F
-
 import sparksteward
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from sparksteward import Steward, value_state
 
 
