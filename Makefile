@@ -53,8 +53,10 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q -ra -m "not soak" -n 2 --dist loadfile --durations=40
 
+# the soak in two processes too, but the tests that measure time (marked timing) after the rest, alone
 soak: $(VENV)/.installed
-	$(PY) -m pytest -q -ra -m soak -s --durations=25
+	$(PY) -m pytest -q -ra -m "soak and not timing" -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -ra -m "soak and timing" -s --durations=10
 
 # the compat set (the tests marked compat) on each older tested pyspark; `make compat-4.0` runs one. The
 # versions run side by side (each its own venv, Spark applications, ports and pytest tmp dir), their output
