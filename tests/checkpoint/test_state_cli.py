@@ -17,6 +17,8 @@ from sparksteward.checkpoint.changes import read_changes
 from sparksteward.checkpoint.reader import read_variable
 from sparksteward.checkpoint.storage import CheckpointStorage, open_checkpoint
 from sparksteward.cli import main
+from sparksteward.state.declared import value_state
+from sparksteward.state_cli import bootstrap_files
 
 from tests.checkpoint.test_changes import T0, _round
 
@@ -101,3 +103,19 @@ def test_the_installed_command_runs(state):
     out = subprocess.run([sys.executable, "-m", "sparksteward", "state", "show", url, "--state", "nope"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "state 'nope' has no completed checkpoint" in out.stderr and "feed" in out.stderr
+
+
+@pytest.mark.parametrize("key_type", [pa.int64(), pa.int32(), pa.binary(), pa.string()])
+def test_every_key_type_reads_back_through_the_vectorized_value_path(tmp_path, key_type):
+    keys = [b"k%d" % i for i in range(300)] if key_type == pa.binary() else \
+        [f"k{i}" for i in range(300)] if key_type == pa.string() else [i * 7919 - 1000 for i in range(300)]
+    pq.write_table(pa.table({"key": pa.array(keys, key_type), "value": list(range(300))}), tmp_path / "d.parquet")
+    url = f"file://{tmp_path}/sp/k"
+    bootstrap_files(url, state="k", specs=[value_state("v", "bigint", ttl=3600.0)], files={"v": str(tmp_path / "d.parquet")},
+                    parallelism=3, max_parallelism=16)
+    storage, meta = open_checkpoint(url)
+    got = read_variable(storage, meta, "v", expiry=True)
+    assert got.schema.field("key").type == {pa.int32(): pa.int32()}.get(key_type, key_type)
+    assert sorted(zip(got.column("key").to_pylist(), got.column("value").to_pylist())) == sorted(zip(keys, range(300)))
+    assert got.column("expires_ms").null_count == 0
+    assert read_variable(storage, meta, "v", now_ms=2**62).num_rows == 0   # all expired by then
