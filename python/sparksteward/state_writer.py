@@ -13,8 +13,8 @@ map_key, value`` for a map state, ``key, time_domain, timestamp_ms`` for the tim
 **How it runs.** Each DataFrame is encoded where it is (a ``mapInArrow`` per variable: the RocksDB key,
 key group and subtask of every row, its value in the state's row encoding, its TTL index key), all
 variables are routed to their subtask together and sorted by RocksDB key within it, and each subtask's
-task writes its rows with RocksDB's SST writer, one SST per key group, ingests them into an empty DB
-(the bottom level: nothing is rewritten) and uploads its files to the target. The driver writes
+task writes its rows with RocksDB's SST writer (one SST per subtask, another past 256 MB), ingests them
+into an empty DB (the bottom level: nothing is rewritten) and uploads its files to the target. The driver writes
 ``_metadata`` last: a target holds a whole savepoint or none, and a failed write deletes what it put
 there. A key written twice in one variable (a value state's key, a map entry, a list position) is
 refused by name.
@@ -244,6 +244,10 @@ def _writer(state: str, url: str, key_type: str, m: int, p: int, storage_options
 
 def _write_partition(batches: Iterator[Any], state: str, url: str, key_type: str, m: int, p: int,
                      names: Mapping[bytes, str]) -> Iterator[tuple[int, str]]:
+    """Rows sorted by (subtask, key) into one SST per subtask (a new one past ``_SST_BYTES``), then
+    :func:`_seal`. A key equal to the one before it (found per batch with Arrow) is refused by name."""
+    import numpy as np
+    import pyarrow.compute as pc
     import rocksdict
 
     from sparksteward.state.rocksdb_options import db_options
@@ -253,36 +257,53 @@ def _write_partition(batches: Iterator[Any], state: str, url: str, key_type: str
         current: int | None = None
         files: list[str] = []
         writer: Any = None
-        group = last = None
+        size = 0
+        last: bytes | None = None
         for batch in batches:
-            ss = batch.column("s").to_pylist()
-            ks = batch.column("k").to_pylist()
-            vs = batch.column("v").to_pylist()
-            for s, k, v in zip(ss, ks, vs):
+            n = batch.num_rows
+            if n == 0:
+                continue
+            s_col, k_col = batch.column("s"), batch.column("k")
+            same = pc.and_(pc.equal(k_col.slice(1), k_col.slice(0, n - 1)),
+                           pc.equal(s_col.slice(1), s_col.slice(0, n - 1)))
+            if pc.any(same).as_py():
+                raise StateError(_twice(k_col[int(np.flatnonzero(same.to_numpy(zero_copy_only=False))[0])].as_py(),
+                                        names, key_type))
+            ss = s_col.to_numpy()
+            cuts = [0, *(np.flatnonzero(ss[1:] != ss[:-1]) + 1).tolist(), n]
+            ks, vs = k_col.to_pylist(), batch.column("v").to_pylist()
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                s = int(ss[a])
                 if s != current:
                     if current is not None:
                         if writer is not None:
                             writer.finish()
                         yield current, _seal(state, url, key_type, m, p, current, files, tmp)
-                    current, files, writer, group, last = s, [], None, None, None
-                if k == last:
-                    raise StateError(_twice(k, names, key_type))
-                if k[:2] != group:
-                    if writer is not None:
-                        writer.finish()
-                    group = k[:2]
-                    path = os.path.join(tmp, f"s{s}-g{int.from_bytes(group, 'big')}.sst")
-                    writer = rocksdict.SstFileWriter(options=db_options(create=False))
-                    writer.open(path)
-                    files.append(path)
-                writer[k] = v
-                last = k
+                    current, files, writer, size, last = s, [], None, 0, None
+                if last is not None and ks[a] == last:
+                    raise StateError(_twice(last, names, key_type))
+                for k, v in zip(ks[a:b], vs[a:b]):
+                    if writer is None or size > _SST_BYTES:
+                        if writer is not None:
+                            writer.finish()
+                        path = os.path.join(tmp, f"s{s}-{len(files)}.sst")
+                        writer = rocksdict.SstFileWriter(options=db_options(create=False))
+                        writer.open(path)
+                        files.append(path)
+                        size = 0
+                    writer[k] = v
+                    size += len(k) + len(v)
+                last = ks[b - 1]
         if current is not None:
             if writer is not None:
                 writer.finish()
             yield current, _seal(state, url, key_type, m, p, current, files, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: bytes of keys and values per SST the writer writes before it starts another
+_SST_BYTES = 256 << 20
 
 
 def _twice(k: bytes, names: Mapping[bytes, str], key_type: str) -> str:
