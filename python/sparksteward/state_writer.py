@@ -498,7 +498,7 @@ def derive_savepoint(spark: Any, url: str, *, source: str, states: Sequence[Any]
     at ``parallelism`` and ``max_parallelism`` (default: the source's). The source is only read."""
     from pyspark.sql import functions as F
 
-    from sparksteward.state.declared import StateSpec, variables_of
+    from sparksteward.state.declared import DEFAULT_VARIABLE, StateSpec, variables_of
     from sparksteward.state_source import _one, _options, _session_defaults
 
     session = _session_defaults(spark)
@@ -509,6 +509,12 @@ def derive_savepoint(spark: Any, url: str, *, source: str, states: Sequence[Any]
     if unknown:
         raise StateSchemaError(f"source {source!r} declares no variable {unknown[0]!r} (declared: "
                                f"{', '.join(sorted(declared)) or 'none'}): name one of them")
+    if DEFAULT_VARIABLE not in declared and DEFAULT_VARIABLE not in drop and \
+            not spark.read.format("steward-state").load(source).isEmpty():
+        raise StateSchemaError(
+            f"source {source!r} holds values of the undeclared default value state (JSON text), which a derived "
+            f"savepoint cannot carry untyped: declare it in states= (value_state({DEFAULT_VARIABLE!r}, <type>)) and "
+            f"add= its values parsed from a read of it, or leave it out with drop=[{DEFAULT_VARIABLE!r}]")
     specs = list(states) if states is not None else [v.spec for n, v in sorted(declared.items()) if n not in drop]
     if not all(isinstance(s, StateSpec) for s in specs):
         raise StateSchemaError("states= takes value_state(...), list_state(...) and map_state(...) declarations")

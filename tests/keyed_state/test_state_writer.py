@@ -130,6 +130,20 @@ def test_bad_input_is_refused_by_name_and_nothing_is_written(spark, boot, tmp_pa
     refused(CheckpointError, r"is not empty", url=f"file://{root}/sp")
     with pytest.raises(CheckpointError, match="overlaps"):
         st.derive_savepoint(url, source=url)
+    # a source whose default value state is undeclared (JSON): not silently left out
+    js = st.keyed_state("bad-json", key="k", parallelism=1, max_parallelism=16, checkpoint_dir=str(tmp_path / "js"))
+
+    def plain(key, rows, state):
+        state.update((state.get() or 0) + len(rows))
+        return key, len(rows)
+
+    js.apply(spark.createDataFrame(pd.DataFrame({"k": ["a"], "v": [1]})), plain, "k string, n long",
+             checkpoint_id=0).collect()
+    js.commit(0, wait=60)
+    jsp = js.savepoint(str(tmp_path / "jsp" / "bad-json-1"))
+    with pytest.raises(StateSchemaError, match=r"undeclared default value state .* drop=\['value'\]"):
+        st.derive_savepoint(f"file://{tmp_path}/sp/from-json", source=jsp)
+    assert not (tmp_path / "sp" / "from-json").exists()
 
 
 @pytest.mark.soak   # a million keys on local[2], about a minute: make soak
