@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from sparksteward.config import parse_setting
 from sparksteward.errors import ConfigError, StewardError
-from sparksteward.storage import OPTIONS_KEY, set_default_options
+from sparksteward.storage import OPTIONS_KEY, default_options, set_default_options
 
 __all__ = ["main"]
 
@@ -85,6 +85,7 @@ def _apply_conf(pairs: list[str]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    before = default_options()   # a command run in a process that goes on (a test, a notebook) leaves them as they were
     try:
         _apply_conf(getattr(args, "conf", []))
         return int(args.func(args) or 0)
@@ -93,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        set_default_options(before)
 
 
 if __name__ == "__main__":

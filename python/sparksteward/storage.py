@@ -51,7 +51,7 @@ from sparksteward.errors import StorageError
 
 __all__ = ["OPTIONS_KEY", "PROBE_PREFIX", "ConditionalWrites", "Location", "NotRegularFileError", "fsync_dir",
            "fsync_file", "open_location", "options_scope", "probe_conditional_writes", "read_regular",
-           "regular_files", "set_default_options"]
+           "regular_files", "set_default_options", "default_options"]
 
 log = logging.getLogger("sparksteward.storage")
 
@@ -543,6 +543,11 @@ def set_default_options(options: dict[str, dict[str, Any]]) -> None:
     application's stores only (the agents, the ``steward`` command), set once at start."""
     _DEFAULT_OPTIONS.clear()
     _DEFAULT_OPTIONS.update(options)
+
+
+def default_options() -> dict[str, dict[str, Any]]:
+    """A copy of the process-wide options :func:`set_default_options` set."""
+    return {k: dict(v) for k, v in _DEFAULT_OPTIONS.items()}
 
 
 @contextlib.contextmanager

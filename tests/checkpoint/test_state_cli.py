@@ -119,3 +119,16 @@ def test_every_key_type_reads_back_through_the_vectorized_value_path(tmp_path, k
     assert sorted(zip(got.column("key").to_pylist(), got.column("value").to_pylist())) == sorted(zip(keys, range(300)))
     assert got.column("expires_ms").null_count == 0
     assert read_variable(storage, meta, "v", now_ms=2**62).num_rows == 0   # all expired by then
+
+
+def test_a_command_run_in_process_leaves_the_storage_options_as_they_were(state, capsys):
+    """``--conf spark.steward.storage.options`` sets the options of the command's process; run from a
+    process that goes on (a test, a notebook), ``main`` puts the ones before back (they pointed later
+    tests' S3 clients at another server)."""
+    from sparksteward.storage import default_options
+
+    _, _, url = state
+    before = default_options()
+    assert main(["state", "show", url, "--state", "feed", "--conf",
+                 'spark.steward.storage.options={"s3": {"endpoint_url": "http://127.0.0.1:9"}}']) == 0
+    assert default_options() == before
