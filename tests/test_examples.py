@@ -77,12 +77,14 @@ def run_example(name: str, started: dict[str, Example]) -> str:
     return started[name].finish()
 
 
+@pytest.mark.soak   # the three examples start at once, 85 s: make soak (the suite must stay under 20 min)
 def test_quickstart_example(started):
     out = run_example("quickstart.py", started)
     assert re.search(r"driver agent \d+ is running for ", out), out
     assert "payload {'rows': 1000}, scratch gone: True" in out and "quickstart finished" in out
 
 
+@pytest.mark.soak   # with the other two examples: make soak
 def test_keyed_state_stream_example(started):
     out = run_example("keyed_state_stream.py", started)
     assert "after 2 batches, parallelism 4: [('ann', '2'), ('bob', '3'), ('cid', '1'), ('dee', '1')]" in out
@@ -92,6 +94,7 @@ def test_keyed_state_stream_example(started):
     assert "keyed state example finished" in out
 
 
+@pytest.mark.soak   # with the other two examples: make soak
 def test_declared_states_example(started):
     out = run_example("declared_states.py", started)
     assert "batch 0: [('ann', 2, 2, 2), ('bob', 1, 1, 1)]" in out

@@ -36,6 +36,7 @@ def _steward(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.soak   # its own driver process, 67 s: make soak
 def test_a_keyed_state_on_s3_reads_back_everywhere_with_the_endpoint_only_in_the_options(s3, tmp_path):
     chk = s3.url("chk")
     opts = s3.storage_options()

@@ -323,6 +323,7 @@ def test_event_timers_the_last_rows_made_due_fire_on_an_idle_stream(cluster_spar
         q.stop()
 
 
+@pytest.mark.soak   # an application of its own, 65 s: make soak
 def test_timers_registered_by_one_application_fire_once_in_the_next_at_another_parallelism(cluster_spark, tmp_path):
     """Must-show 1, a restart between registration and firing by a new Spark application: an application of
     its own (local[2], parallelism 8) registers 40 keys' event-time timers, commits and is SIGKILLed; this
