@@ -53,7 +53,7 @@ lint: $(VENV)/.installed
 test: lint
 	$(PY) -m pytest -q -ra -m "not soak" -n 2 --dist loadfile --durations=40
 
-# the soak in two processes too, but the tests that measure time (marked timing) after the rest, alone
+# the soak in two processes too, but the tests that measure time or race (marked timing) after the rest, alone
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m "soak and not timing" -n 2 --dist loadfile --durations=25
 	$(PY) -m pytest -q -ra -m "soak and timing" -s --durations=10

@@ -37,7 +37,7 @@ CHILD = str(Path(__file__).parents[1] / "helpers" / "jobrace_child.py")
 RUNS = int(os.environ.get("STEWARD_RACE_RUNS", "12"))
 
 # seeded interleavings of real processes: with the keyed-state soak in `make soak` (CI runs it after the suite)
-pytestmark = [pytest.mark.slow, pytest.mark.soak]
+pytestmark = [pytest.mark.slow, pytest.mark.soak, pytest.mark.timing]   # races need the machine alone
 
 
 @pytest.fixture(scope="module", params=["file", "s3"])

@@ -28,7 +28,7 @@ from tests.helpers import spark_session
 from tests.helpers.keyed import make_batches
 
 # a standalone cluster and a 30 s straggler (about 60 s): it runs in make soak, after the suite
-pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.soak]
+pytestmark = [pytest.mark.slow, pytest.mark.cluster, pytest.mark.soak, pytest.mark.timing]   # who finishes first matters
 
 OUT = "k string, v long, a int"
 _CALLS: dict[int, int] = {}   # in a Python worker: calls of _slow_cut per task attempt
