@@ -112,11 +112,12 @@ def check_target(url: str, avoid: Sequence[str]) -> None:
     """Refuse a target that holds anything, or is, contains or lies under one of ``avoid`` (checkpoint
     dirs, the source), naming the overlap; nothing is written."""
     from sparksteward.checkpoint.duplicate import overlaps, place
+    from sparksteward.checkpoint.restore import _NOT_A_SAVEPOINT_NAME
     from sparksteward.checkpoint.storage import METADATA_FILE
     from sparksteward.storage import open_location
 
     last = url.rstrip("/").rsplit("/", 1)[-1]
-    if last.startswith("chk-") or last in (METADATA_FILE, "restored"):
+    if _NOT_A_SAVEPOINT_NAME.match(last) or last == "restored":
         raise CheckpointError(f"savepoint {url!r} ends in {last!r}, which restore_from reads as a checkpoint of a "
                               f"state; nothing was written. Give it another last name, such as <state>-sp-1")
     target = place(url)
