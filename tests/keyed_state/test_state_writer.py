@@ -87,6 +87,8 @@ def test_a_derived_savepoint_changes_max_parallelism_and_transforms_a_variable(s
     st.derive_savepoint(derived, source=url, max_parallelism=64, parallelism=2, drop=["seen"],
                         transform={"count": lambda df: df.withColumn("value", df.value * 10)})
     assert _files(root / "sp" / "boot-1") == before   # the source is only read
+    assert [tuple(r) for r in st.read_state(url=derived, variable="__timers__").collect()] == \
+        [("u1", "processing", 4_000_000_000_000)]   # the timers go with their key, to its new key group
     meta = st.read_state(url=derived, metadata=True).collect()[0]
     assert (meta.parallelism, meta.max_parallelism) == (2, 64) and "seen" not in meta.variables
     assert {r.key: r.value for r in st.read_state(url=derived, variable="count").collect()} == \
