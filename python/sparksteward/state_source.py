@@ -212,7 +212,6 @@ class _StateReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Any:
         """One subtask, restored into a scratch dir of this task's process and decoded."""
-        from sparksteward.checkpoint.reader import read_variable
         from sparksteward.checkpoint.records import CheckpointMetadata
         from sparksteward.checkpoint.storage import CheckpointStorage
         from sparksteward.storage import open_location, options_scope
@@ -220,17 +219,44 @@ class _StateReader(DataSourceReader):
         with options_scope(self.opts["storage"]):
             meta = CheckpointMetadata.from_bytes(orjson.dumps(self.meta_json), f"checkpoint of {self.root}")
             storage = CheckpointStorage(open_location(self.root), meta.state)
-            if self.older_json is not None:   # the change feed from an older checkpoint to this one
-                from sparksteward.checkpoint.changes import read_changes
-
-                older = CheckpointMetadata.from_bytes(orjson.dumps(self.older_json), f"checkpoint of {self.root}")
-                table = read_changes(storage, older, meta, self.opts["variable"],
-                                     subtasks=[meta.subtasks[partition.value].subtask], expiry=self.opts["expiry"])
-            else:
-                table = read_variable(storage, meta, self.opts["variable"],
-                                      subtasks=[meta.subtasks[partition.value].subtask], now_ms=self.now_ms,
-                                      expiry=self.opts["expiry"])
+            try:
+                table = self._table(storage, meta, partition.value)
+            except CheckpointNotFoundError as exc:
+                raise _subsumed(storage, meta, self.older_json, exc) from exc
         yield from table.to_batches(max_chunksize=65536)
+
+    def _table(self, storage: Any, meta: Any, index: int) -> Any:
+        """The rows of subtask ``meta.subtasks[index]``: its variable, or its changes since the older record."""
+        from sparksteward.checkpoint.reader import read_variable
+        from sparksteward.checkpoint.records import CheckpointMetadata
+
+        subtasks = [meta.subtasks[index].subtask]
+        if self.older_json is not None:   # the change feed from an older checkpoint to this one
+            from sparksteward.checkpoint.changes import read_changes
+
+            older = CheckpointMetadata.from_bytes(orjson.dumps(self.older_json), f"checkpoint of {self.root}")
+            return read_changes(storage, older, meta, self.opts["variable"], subtasks=subtasks,
+                                expiry=self.opts["expiry"])
+        return read_variable(storage, meta, self.opts["variable"], subtasks=subtasks, now_ms=self.now_ms,
+                             expiry=self.opts["expiry"])
+
+
+def _subsumed(storage: Any, meta: Any, older_json: dict[str, Any] | None, exc: Exception) -> Exception:
+    """``exc`` (a file of the read missing), named as a subsumption when the live writer has meanwhile
+    removed a checkpoint the read was reading: the read's records were resolved when it was planned."""
+    ids = [meta.checkpoint_id] + ([] if older_json is None else [int(older_json["checkpoint_id"])])
+    try:
+        retained = storage.checkpoint_ids()
+    except Exception:  # noqa: BLE001 - the listing failed too: the file's own error says enough
+        return exc
+    gone = [i for i in ids if i not in retained]
+    if not gone or meta.properties.get("savepoint_of") is not None:
+        return exc
+    return CheckpointNotFoundError(
+        f"checkpoint {gone[0]} of state {meta.state!r} was subsumed by its live writer while this read ran (its files "
+        f"were deleted; retained now: {', '.join(map(str, retained)) or 'none'}). Read again (the latest by default), "
+        f"or keep more checkpoints with keyed_state(num_retained=...) or spark.steward.checkpoint.num-retained "
+        f"(detail: {str(exc).split(': the checkpoint is incomplete')[0]})")
 
 
 class StateMetadataSource(DataSource):

@@ -18,6 +18,12 @@ into an empty DB (the bottom level: nothing is rewritten) and uploads its files 
 ``_metadata`` last: a target holds a whole savepoint or none, and a failed write deletes what it put
 there. A key written twice in one variable (a value state's key, a map entry, a list position) is
 refused by name.
+
+**One writer per target.** Before any task runs, the driver creates ``_writing`` in the target
+exclusively (a staged link locally, a conditional PUT on an object store): a second write to the same
+target, from this application or another, is refused by name while the first runs, and neither ever
+deletes a file of the other's. ``_writing`` goes after ``_metadata``; one left by a writer that died
+names it and stays until the target is deleted.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ __all__ = ["derive_savepoint", "write_savepoint"]
 TIMERS = "__timers__"
 _ROW_SCHEMA = "s int, k binary, v binary"
 _KEY_TYPES = {"string": "string", "bigint": "long", "int": "int", "binary": "binary"}
+WRITING = "_writing"   # the claim of the one write into a target
 
 
 # --- checks on the driver ---------------------------------------------------------------------------
@@ -132,9 +139,31 @@ def check_target(url: str, avoid: Sequence[str]) -> None:
                                       f"root, a checkpoint or a savepoint); nothing was written. Pick a path outside "
                                       f"every checkpoint dir and savepoint")
     held = _files_under(open_location(url))
+    if WRITING in held:
+        raise CheckpointError(_claimed(url, open_location(url)))
     if held:
         raise CheckpointError(f"savepoint target {url!r} is not empty ({len(held)} files, e.g. {held[0]!r}); nothing "
                               f"was written. Write a savepoint into a new directory")
+
+
+def _claimed(url: str, loc: Any) -> str:
+    """The error for a target another write holds (what its ``_writing`` says of it)."""
+    try:
+        who = orjson.loads(loc.read_bytes(loc.path(WRITING)))
+        by = f"by {who.get('host')} pid {who.get('pid')} since {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(who['started_ms'] / 1000))} UTC"
+    except Exception:  # noqa: BLE001 - unreadable or gone meanwhile: the claim is still what refuses
+        by = "by another writer"
+    return (f"savepoint target {url!r} is being written {by} ({WRITING} is there); nothing was written. Wait for that "
+            f"write or pick another target; if that writer died, delete {url} and write again")
+
+
+def _claim(url: str, loc: Any) -> None:
+    """Create the target's ``_writing`` exclusively, or refuse (another write holds it)."""
+    import socket
+
+    info = {"host": socket.gethostname(), "pid": os.getpid(), "started_ms": int(time.time() * 1000)}
+    if not loc.create_exclusive(loc.path(WRITING), orjson.dumps(info)):
+        raise CheckpointError(_claimed(url, loc))
 
 
 # --- the tasks ----------------------------------------------------------------------------------------
@@ -369,6 +398,7 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
     session = _session_defaults(spark)
     storage_options = session["storage"]
     now = int(time.time() * 1000) if processing_ms is None else int(processing_ms)
+    loc = open_location(url)
     with options_scope(storage_options):
         check_target(url, [*avoid, session["path"]])
     variables = variables_of(record)
@@ -388,7 +418,8 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
     names = {b"t": "timers", b"u": "timers", b"x": "TTL index", b"y": "TTL index"}
     written = rows.mapInArrow(_writer(state, url, key_type, max_parallelism, parallelism, storage_options, names),
                               "subtask int, handle string")
-    loc = open_location(url)
+    with options_scope(storage_options):
+        _claim(url, loc)   # from here on the target's files are this call's
     try:
         with options_scope(storage_options):
             try:
@@ -422,7 +453,8 @@ def _commit(loc: Any, got: Mapping[int, Any], record: Mapping[str, Any], state: 
     meta = CheckpointMetadata(state, 0, p, m, tuple(handles), key_type=KeyType.parse(key_type), created_at=time.time(),
                               properties={**properties, "states": dict(record)})
     _drop_unreferenced(loc, meta)
-    loc.write_atomic(loc.path(METADATA_FILE), meta.to_bytes())   # last: a savepoint without it is none
+    loc.write_atomic(loc.path(METADATA_FILE), meta.to_bytes())   # a savepoint without it is none
+    loc.delete(loc.path(WRITING))
 
 
 def _routed(rows: Any, p: int) -> Any:
@@ -476,16 +508,18 @@ def _files_under(loc: Any) -> list[str]:
 
 def _drop_unreferenced(loc: Any, meta: Any) -> None:
     """Delete the files a failed or speculative task attempt uploaded that ``meta`` does not reference."""
-    keep = {f.path for f in meta.files()}
+    keep = {f.path for f in meta.files()} | {WRITING}
     for path in _files_under(loc):
         if path not in keep:
             loc.delete(loc.path(path))
 
 
 def _discard(loc: Any) -> None:
-    """Remove what a failed write put under the target (which held no file when it began)."""
+    """Remove what a failed write put under the target (which held no file when it began), its claim last."""
     for path in _files_under(loc):
-        loc.delete(loc.path(path))
+        if path != WRITING:
+            loc.delete(loc.path(path))
+    loc.delete(loc.path(WRITING))
 
 
 def derive_savepoint(spark: Any, url: str, *, source: str, states: Sequence[Any] | None = None,

@@ -289,3 +289,57 @@ def test_a_corrupt_record_or_a_truncated_file_is_named(spark, named, tmp_path):
         st.read_state(url=str(tmp_path / "copy" / "chk-1"), variable="count").collect()
     assert _files(tmp_path / "copy") == before
     assert not sp.exists()
+
+
+def _plus_one(keys, rows, state):
+    """Every key of the batch: count += 1 (so a checkpoint after batch i holds i + 1 for every key)."""
+    import pyarrow.compute as pc
+
+    count = state.value("count")
+    g = rows.group_by("k").aggregate([])
+    count.put_many(g["k"], pc.add(pc.fill_null(count.get_many(g["k"]), 0), 1))
+
+
+@pytest.mark.parametrize("merging", [False, True], ids=["own-files", "merged-files"])
+def test_a_read_planned_before_its_checkpoint_is_subsumed_gives_that_checkpoint_or_names_the_subsumption(
+        spark, tmp_path, merging):
+    """An offline read beside the live writer: the read of checkpoint 0 is planned (its record resolved),
+    then the writer commits two more and subsumes it (num_retained=1). The read then returns checkpoint
+    0's values exactly (files it needs still there, as merged files shared with later checkpoints can be)
+    or fails naming the subsumption and what to do; never another checkpoint's values or a mix."""
+    import time
+
+    st = Steward.get(spark)
+    chk = tmp_path / "chk"
+    name = f"sub-{int(merging)}"
+    ks = st.keyed_state(name, key="k", parallelism=3, max_parallelism=16, checkpoint_dir=str(chk), num_retained=1,
+                        file_merging=merging, states=[value_state("count", "bigint")])
+    df = spark.createDataFrame(pd.DataFrame({"k": [f"u{i}" for i in range(50)], "v": [1] * 50}))
+
+    def batch(i):
+        ks.apply_arrow(df, _plus_one, "k string", checkpoint_id=i).write.format("noop").mode("overwrite").save()
+        ks.commit(i, wait=60)
+
+    batch(0)
+    read = st.read_state(name, checkpoint_dir=str(chk), variable="count")
+    read._jdf.queryExecution().executedPlan()   # planned now: checkpoint 0's record is the read's
+    for i in (1, 2):
+        batch(i)
+    for _ in range(200):
+        if not (chk / "default" / name / "chk-0").exists():
+            break
+        time.sleep(0.05)
+    assert not (chk / "default" / name / "chk-0").exists()
+    try:
+        got = {r.key: r.value for r in read.collect()}
+    except Exception as exc:  # noqa: BLE001 - Spark's error of the action, with ours in it
+        assert f"checkpoint 0 of state '{name}' was subsumed by its live writer while this read ran" in str(exc)
+        import re
+
+        assert re.search(r"retained now: [\d, ]*2\)\. Read again .*num_retained", str(exc)), str(exc)
+        assert "Restore an older checkpoint" not in str(exc)
+        assert not merging or "merged" in str(exc), "merged files shared with checkpoint 2 should still be there"
+    else:
+        assert merging, "checkpoint 0's own files were deleted, yet the read returned rows"
+        assert got == {f"u{i}": 1 for i in range(50)}
+    assert {r.value for r in st.read_state(name, checkpoint_dir=str(chk), variable="count").collect()} == {3}

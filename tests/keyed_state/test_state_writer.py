@@ -148,6 +148,62 @@ def test_bad_input_is_refused_by_name_and_nothing_is_written(spark, boot, tmp_pa
     assert not (tmp_path / "sp" / "from-json").exists()
 
 
+def _held_at_gate(gate):
+    """A mapInPandas function that passes its rows on once ``gate`` exists (at most 120 s)."""
+    def wait(batches):
+        import time as _time
+
+        deadline = _time.monotonic() + 120
+        while not os.path.exists(gate) and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+        yield from batches
+    return wait
+
+
+def test_two_writes_into_one_target_one_is_refused_and_neither_touches_the_others_files(spark, tmp_path):
+    """Two writers on one store: while a write_savepoint is under way (its tasks held at a gate), a second
+    one into the same target is refused by name before it runs a task, and deletes nothing; the first
+    completes and reads back exactly. A claim left by a writer that died refuses the same way."""
+    import threading
+
+    st = Steward.get(spark)
+    url = f"file://{tmp_path}/sp/two"
+    gate = str(tmp_path / "gate")
+    first = spark.range(2_000).selectExpr("concat('u', id) AS key", "id AS value").mapInPandas(
+        _held_at_gate(gate), "key string, value bigint")
+    args = {"state": "two", "states": [value_state("count", "bigint")], "parallelism": 2, "max_parallelism": 16}
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.update(url=st.write_savepoint(url, data={"count": first}, **args)))
+    t.start()
+    try:
+        claim = tmp_path / "sp" / "two" / "_writing"
+        for _ in range(600):
+            if claim.exists():
+                break
+            t.join(0.05)
+        assert claim.exists(), "the first write never claimed its target"
+        before = _files(tmp_path / "sp" / "two")
+        second = spark.range(5).selectExpr("concat('v', id) AS key", "id AS value")
+        with pytest.raises(CheckpointError, match=r"'.*/sp/two' is being written by .* pid \d+ since .*nothing was "
+                                                  r"written. Wait for that write or pick another target"):
+            st.write_savepoint(url, data={"count": second}, **args)
+        assert _files(tmp_path / "sp" / "two") == before
+    finally:
+        open(gate, "w").close()
+        t.join(180)
+    assert done["url"].endswith("/sp/two/_metadata")
+    assert not claim.exists()
+    got = st.read_state(url=url, variable="count").toPandas()
+    assert len(got) == 2_000 and set(got["key"]) == {f"u{i}" for i in range(2_000)}
+    # a claim whose writer died: refused by name, nothing touched
+    dead = tmp_path / "sp" / "dead"
+    dead.mkdir()
+    (dead / "_writing").write_bytes(b"not json")
+    with pytest.raises(CheckpointError, match=r"is being written by another writer .*if that writer died, delete"):
+        st.write_savepoint(f"file://{dead}", data={"count": second}, **args)
+    assert _files(dead) == ["_writing"]
+
+
 @pytest.mark.soak   # a million keys on local[2], about a minute: make soak
 def test_a_million_keys_bootstrapped_restore_at_another_parallelism_and_go_on_exactly(spark, tmp_path):
     """Must-show 1 at its size: a savepoint of 1M keys from a DataFrame, restored at parallelism 5 (written
