@@ -79,7 +79,11 @@ def test_every_variable_reads_back_at_two_checkpoints_and_the_source_is_untouche
     for cid in (0, 1):
         count, events, seen = _expected(batches[:cid + 1])
         df = read("count", cid)
-        assert df.rdd.getNumPartitions() == 3   # one per subtask
+        assert df.rdd.getNumPartitions() == 2   # local[2]: the 3 subtasks in 2 tasks
+        one_each = spark.read.format("steward-state").option("state", "src").option("variable", "count").option(
+            "checkpoint_id", cid).option("partitions", 5).load(chk)
+        assert one_each.rdd.getNumPartitions() == 3   # at most one per subtask
+        assert sorted(one_each.collect()) == sorted(df.collect())
         assert {r.key: r.value for r in df.collect()} == count
         got_events = collections.defaultdict(list)
         for r in read("events", cid).collect():
@@ -150,6 +154,7 @@ def named(named_live, tmp_path_factory):
      r"changes_from=1 must name a checkpoint older than checkpoint 0"),
     ({"state": "named", "changes_from": "5"}, "chk", r"no retained checkpoint 5; retained: 0, 1"),
     ({"changes_from": "0"}, "chk/default/named/chk-1", r"changes_from needs the checkpoint dir and .option\('state'"),
+    ({"state": "named", "partitions": "0"}, "chk", r"option partitions='0' is not a positive integer"),
 ])
 def test_bad_input_is_named(spark, named, options, path, message):
     before = _files(named)

@@ -168,8 +168,16 @@ class TypedView:
             return pa.array([], type=self.var.spec.type)
         head = self.codec.tag, self.var.version
         first = stored[0][0], stored[0][1] | stored[0][2] << 8 if len(stored[0]) >= 3 else 0
-        if first == head and all(s[0] == head[0] and (s[1] | s[2] << 8) == head[1] for s in stored):
-            return self.codec.decode(stored)[0]
+        if first == head:
+            widths = set(map(len, stored))
+            if self.codec.fixed_width and len(widths) == 1:   # one buffer, its headers checked as columns
+                joined = b"".join(stored)
+                rows = np.frombuffer(joined, dtype=np.uint8).reshape(n, widths.pop())
+                if (rows[:, 0] == head[0]).all() and \
+                        ((rows[:, 1].astype(np.uint16) | rows[:, 2].astype(np.uint16) << 8) == head[1]).all():
+                    return self.codec.decode_joined(joined, n)[0]
+            elif all(s[0] == head[0] and (s[1] | s[2] << 8) == head[1] for s in stored):
+                return self.codec.decode(stored)[0]
         groups: dict[tuple[int, int], list[int]] = {}
         for i, s in enumerate(stored):
             tag = s[0]
