@@ -160,7 +160,8 @@ def _value_rows(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable
     middle = state_middle(KIND_VALUE, name)
     raw_keys: list[bytes] = []
     stored: list[bytes] = []
-    add_key, add_value = raw_keys.append, stored.append   # the loop below is most of a read's time
+    add_key: Callable[[Any], None] = raw_keys.append   # the loop below is most of a read's time
+    add_value: Callable[[Any], None] = stored.append
     for g in range(backend.key_groups.start, backend.key_groups.stop):
         lower = g.to_bytes(2, "big") + middle
         bound = rocksdict.ReadOptions()

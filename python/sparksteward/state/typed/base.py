@@ -172,9 +172,9 @@ class TypedView:
             widths = set(map(len, stored))
             if self.codec.fixed_width and len(widths) == 1:   # one buffer, its headers checked as columns
                 joined = b"".join(stored)
-                rows = np.frombuffer(joined, dtype=np.uint8).reshape(n, widths.pop())
-                if (rows[:, 0] == head[0]).all() and \
-                        ((rows[:, 1].astype(np.uint16) | rows[:, 2].astype(np.uint16) << 8) == head[1]).all():
+                heads = np.frombuffer(joined, dtype=np.uint8).reshape(n, widths.pop())
+                if (heads[:, 0] == head[0]).all() and \
+                        ((heads[:, 1].astype(np.uint16) | heads[:, 2].astype(np.uint16) << 8) == head[1]).all():
                     return self.codec.decode_joined(joined, n)[0]
             elif all(s[0] == head[0] and (s[1] | s[2] << 8) == head[1] for s in stored):
                 return self.codec.decode(stored)[0]
