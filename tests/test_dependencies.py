@@ -43,7 +43,8 @@ def test_nothing_imports_the_agents():
 CORE = {"errors", "enums", "config", "ids", "clock", "owner", "storage", "wire", "shim_protocol", "hashing", "tables",
         "progress", "rendezvous", "worker", "libraries", "lazy"}
 API = {"client", "session", "jobscope", "keyed_state", "keyed_figures", "keyed_idle", "keyed_spark", "keyed_tasks",
-       "routing", "jar", "daemon", "cli", "ops", "windows", "state_source", "state_writer", "state_cli", "__init__", "__main__"}
+       "routing", "jar", "daemon", "cli", "ops", "windows", "state_source", "state_writer", "state_cli", "connect",
+       "keyed_options", "__init__", "__main__"}
 LAYERS = {"core": 0, "state": 1, "checkpoint": 2, "blob": 2, "jobs": 2, "api": 3, "agents": 4}
 
 

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import shutil
+import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -88,6 +89,7 @@ class Steward:
         self._local = threading.local()
         self._conns: weakref.WeakSet[Connection] = weakref.WeakSet()
         self.spark = spark
+        self.remote = False   # a Spark Connect client (set by get): no JVM here
         self._closed = False
 
     @classmethod
@@ -105,22 +107,34 @@ class Steward:
             spark = SparkSession.getActiveSession()
             if spark is None:
                 raise AgentUnavailableError("no active SparkSession: pass one to Steward.get(spark)")
-        sc = spark.sparkContext
-        app_id = sc.applicationId
+        from sparksteward.connect import ConnectConf, is_connect
+
+        remote = is_connect(spark)   # a Spark Connect client: the server's conf over Connect (decision 0030)
+        conf = ConnectConf(spark) if remote else spark.sparkContext.getConf()
+        app_id = str(conf.get("spark.app.id"))
         with cls._instances_lock:
             inst = cls._instances.get(app_id)
             if inst is not None and not inst._closed:
                 return inst
-            conf = sc.getConf()
             endpoint, secret = conf.get(_CONF_PREFIX + "endpoint"), conf.get(_CONF_PREFIX + "secret")
+            if remote and endpoint:   # Connect hides the secret's key from clients: ask an executor
+                from sparksteward.connect import application_secret
+
+                secret = application_secret(spark)
+            if (not endpoint or not secret) and remote:
+                raise AgentUnavailableError(
+                    f"spark-steward is not enabled in the Spark Connect server of application {app_id}: start the "
+                    f"server with --conf spark.plugins={PLUGIN_CLASS} --jars \"$(steward jar)\" --conf "
+                    f"spark.python.daemon.module=sparksteward.daemon (docs/decisions/0030-spark-connect-clients.md)")
             if not endpoint or not secret:
                 raise AgentUnavailableError(
                     f"spark-steward is not enabled in application {app_id}: build the session with "
                     f"sparksteward.configure(SparkSession.builder) or pass "
                     f"--conf spark.plugins={PLUGIN_CLASS} --jars \"$(steward jar)\"")
             inst = cls(endpoint, secret, spark=spark, **_client_settings(conf))
+            inst.remote = remote
             cls._instances[app_id] = inst
-            if hasattr(spark, "dataSource"):   # spark.read.format("steward-state") (issue 39)
+            if not remote and hasattr(spark, "dataSource"):   # spark.read.format("steward-state") (issue 39)
                 from sparksteward.state_source import register
 
                 register(spark)
@@ -261,11 +275,12 @@ class Steward:
         tasks and on the driver; numpy/arrow buffers are zero-copy in workers."""
         job = self.current_job()
         blobs = self.blobs
-        fd, path = blobs.staging_file()
+        # same host: written straight into the server's incoming dir; a Connect client streams it
+        fd, path = tempfile.mkstemp(prefix="steward-broadcast-") if self.remote else blobs.staging_file()
         try:
             with os.fdopen(fd, "wb") as f:
                 size = write_payload(obj, f)
-            key = blobs.put_path(path, job, move=True)
+            key = blobs.put_file(path, job) if self.remote else blobs.put_path(path, job, move=True)
         finally:
             if os.path.exists(path):
                 os.unlink(path)
@@ -277,7 +292,7 @@ class Steward:
         """Make a .whl, .zip, .egg or .py importable in Python workers for every later task;
         cached per executor by content. Returns the blob key."""
         name = os.path.basename(os.fspath(path))
-        daemon = self.spark.sparkContext.getConf().get("spark.python.daemon.module") if self.spark else None
+        daemon = self._conf("spark.python.daemon.module")
         if self.spark is not None and daemon != "sparksteward.daemon":
             raise ConfigError(
                 f"spark.python.daemon.module={daemon!r}: add_library needs Python workers forked from "
@@ -290,11 +305,14 @@ class Steward:
         if not os.path.isfile(path):
             raise InvalidIdError(f"library {os.fspath(path)!r} is not a file")
         blobs = self.blobs
-        fd, staged = blobs.staging_file()
-        os.close(fd)
-        shutil.copyfile(path, staged)
         job = self.current_job()
-        key = blobs.put_path(staged, job, permanent=True, move=True)
+        if self.remote:
+            key = blobs.put_file(path, job, permanent=True)
+        else:
+            fd, staged = blobs.staging_file()
+            os.close(fd)
+            shutil.copyfile(path, staged)
+            key = blobs.put_path(staged, job, permanent=True, move=True)
         self.ask(BlobAddLibraryRequest(job, key, name))
         return str(key)
 
@@ -325,6 +343,8 @@ class Steward:
         verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
         ``st.job`` for the whole application). Returns the URL. A file that is not a jar (a zip with a
         manifest or classes) is refused, naming it, before anything is uploaded."""
+        self._needs_jvm("add_jar", "it adds the jar with SparkContext.addJar on the driver", "Add it from the client "
+                        "with Spark's spark.addArtifacts(path), or call st.add_jar in code that runs on the server")
         url = self._put_file_url(path, "jar")
         if self.spark is not None:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
@@ -337,6 +357,8 @@ class Steward:
 
     def add_file(self, path: str | os.PathLike[str]) -> str:
         """Like :meth:`add_jar`, for ``sc.addFile`` (tasks read it with ``SparkFiles.get(name)``)."""
+        self._needs_jvm("add_file", "it adds the file with SparkContext.addFile on the driver", "Add it from the "
+                        "client with Spark's spark.addArtifacts(path, file=True), or call st.add_file on the server")
         url = self._put_file_url(path, "file")
         if self.spark is not None:
             self.spark.sparkContext.addFile(url)
@@ -354,6 +376,7 @@ class Steward:
         ``changes_from``: the change feed instead, what changed in the variable from that older retained
         checkpoint to this one, with ``change_type`` (``upsert``/``delete``) and ``checkpoint_id``
         (:mod:`sparksteward.checkpoint.changes`). Bad input raises here, naming it (:mod:`sparksteward.state_source`)."""
+        self._needs_jvm("read_state", _STATE_WHY, _STATE_INSTEAD)
         from sparksteward.state_source import read_state
 
         return read_state(self.spark, state, url=url, checkpoint_dir=checkpoint_dir, checkpoint_id=checkpoint_id,
@@ -365,6 +388,7 @@ class Steward:
         variable (``data``, shaped as a read of it gives), written in parallel by the executors; returns
         the URL of its ``_metadata``, which ``restore_from`` and ``read_state(url=...)`` take
         (:mod:`sparksteward.state_writer`)."""
+        self._needs_jvm("write_savepoint", _STATE_WHY, _STATE_INSTEAD)
         from sparksteward.state_writer import write_savepoint
 
         return write_savepoint(self.spark, url, state=state, states=states, data=data, parallelism=parallelism,
@@ -379,6 +403,7 @@ class Steward:
         (``transform={"name": fn}``, ``fn(df) -> df``), added (``add``) or dropped (``drop``), re-declared
         (``states``), at another parallelism or max parallelism; the source is only read
         (:func:`sparksteward.state_writer.derive_savepoint`)."""
+        self._needs_jvm("derive_savepoint", _STATE_WHY, _STATE_INSTEAD)
         from sparksteward.state_writer import derive_savepoint
 
         return derive_savepoint(self.spark, url, source=source, states=states, transform=transform, add=add,
@@ -430,6 +455,7 @@ class Steward:
         back, and every checkpoint records it), which the function reads as ``state.watermark_ms``.
         A row at or below it is late: ``late="drop"`` drops and counts it (``late_rows`` in the
         batch's report), ``late="keep"`` hands it over with a boolean ``__late`` column."""
+        self._needs_jvm("keyed_state", _STATE_WHY, _STATE_INSTEAD)
         from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest
         from sparksteward.checkpoint.restore import ClaimMode
         from sparksteward.errors import StateError, StateSchemaError
@@ -449,15 +475,17 @@ class Steward:
             raise StateError(f"restore_from={restore_from!r} must be the path of a retained checkpoint "
                              f"(<checkpoint-dir>/<cluster>/<state>/chk-<N>) or of a savepoint")
         validate_parallelism(parallelism, max_parallelism)
-        declared, dropped = _declarations(states, delete_states)
+        from sparksteward.keyed_options import alignment_overrides, declarations, merging_overrides
+
+        declared, dropped = declarations(states, delete_states)
         events = None if event_time is None else EventTime.of(event_time, watermark_delay, late)
         by_event = [d["name"] for d in declared or () if d.get("ttl_time") == "event" and d.get("ttl_ms")]
         if by_event and events is None:
             raise StateSchemaError(f"state variables {by_event} of keyed state {name!r} expire by event time, which "
                                    f"needs a watermark: name the event-time column with event_time=... (and "
                                    f"watermark_delay=...), or give them ttl_time='processing'")
-        merging = _merging_overrides(file_merging)
-        aligned = _alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
+        merging = merging_overrides(file_merging)
+        aligned = alignment_overrides(alignment, aligned_checkpoint_timeout, max_inflight_bytes)
         checked: CheckReply = self.ask(CheckRequest(
             name=name, checkpoint_dir=checkpoint_dir, max_parallelism=max_parallelism, restore_from=restore_from,
             claim_mode=mode, file_merging=merging, alignment=aligned, states=declared, delete_states=dropped,
@@ -479,6 +507,21 @@ class Steward:
         """Read access to the JobResultStore: ``st.job_results.get(job_id)``, ``.list()``."""
         return JobResults(self)
 
+    def _conf(self, key: str) -> str | None:
+        """``key`` of the application's conf (None without a session)."""
+        if self.spark is None:
+            return None
+        if self.remote:
+            return self.spark.conf.get(key, None)
+        return self.spark.sparkContext.getConf().get(key)
+
+    def _needs_jvm(self, call: str, why: str, instead: str) -> None:
+        """Refuse ``call`` on a Spark Connect client (decision 0030), naming why and what to do instead."""
+        if self.remote:
+            from sparksteward.connect import refuse
+
+            raise refuse(call, why, instead)
+
     def close(self) -> None:
         """Close this client's connections. Idempotent; the agent keeps running."""
         self._closed = True
@@ -492,32 +535,9 @@ class Steward:
         self.close()
 
 
-def _merging_overrides(value: Any) -> dict[str, Any] | None:
-    """``keyed_state(file_merging=...)`` as the request's overrides, checked here."""
-    from sparksteward.checkpoint.filemerging.file_merger import MergingOptions
-    from sparksteward.errors import ConfigError
-
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return {"enabled": value}
-    keys = {"enabled", "max_file_size", "mode", "max_space_amplification"}
-    if not isinstance(value, dict) or not set(value) <= keys:
-        raise ConfigError(f"file_merging={value!r} must be True, False or a dict of {sorted(keys)}")
-    MergingOptions.from_json({**MergingOptions().to_json(), **value})   # names a bad value
-    return dict(value)
-
-
-def _alignment_overrides(alignment: Any, timeout: Any, max_inflight: Any) -> dict[str, Any] | None:
-    """``keyed_state(alignment=..., ...)`` as the request's overrides, checked here (FLIP-76)."""
-    from sparksteward.checkpoint.unaligned.channel_state import AlignmentOptions
-
-    given = {k: v for k, v in (("alignment", alignment), ("aligned_checkpoint_timeout", timeout),
-                               ("max_inflight_bytes", max_inflight)) if v is not None}
-    if not given:
-        return None
-    AlignmentOptions.from_json({**AlignmentOptions().to_json(), **given})   # names a bad value
-    return given
+_STATE_WHY = "its Spark side still needs the driver's SparkContext (job groups, local properties, data sources)"
+_STATE_INSTEAD = ("Run it in a classic session on the server's host (spark-submit with the plugin) until keyed state "
+                  "on Connect lands (issue 40)")
 
 
 class JobResults:
@@ -553,27 +573,6 @@ def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:
     """Release a broadcast's reference; the session may already be gone (then the job's end cleans up)."""
     with contextlib.suppress(StewardError, OSError):
         blobs.release(key, job)
-
-
-def _declarations(states: list[Any] | None, delete_states: list[str] | None) -> tuple[list[dict[str, Any]] | None,
-                                                                                   list[str]]:
-    """The JSON form of ``states=`` and ``delete_states=``, checked here so a mistake is named at once."""
-    from sparksteward.errors import StateSchemaError
-    from sparksteward.state.declared import StateSpec
-
-    if states is not None:
-        if isinstance(states, (str, StateSpec)) or not hasattr(states, "__iter__"):
-            raise StateSchemaError(f"states={states!r} must be a list of value_state(...), list_state(...) and "
-                                   f"map_state(...) declarations")
-        states = list(states)
-        for s in states:
-            if not isinstance(s, StateSpec):
-                raise StateSchemaError(f"states=[...] holds {s!r}, which is not a declaration: make each with "
-                                       f"value_state(...), list_state(...) or map_state(...)")
-    dropped = list(delete_states or [])
-    if not all(isinstance(n, str) and n for n in dropped):
-        raise StateSchemaError(f"delete_states={delete_states!r} must be a list of state variable names")
-    return (None if states is None else [s.to_json() for s in states]), dropped
 
 
 def _check_jar(where: str) -> None:

@@ -15,6 +15,7 @@ Tree::
     │   ├── AuthenticationError (PermissionError) AUTH_FAILED
     │   └── MessageTooLargeError                  TOO_LARGE
     ├── AgentUnavailableError (ConnectionError)   AGENT_UNAVAILABLE
+    ├── ConnectNotSupportedError                  CONNECT_NOT_SUPPORTED
     ├── RemoteError                               REMOTE (carries the remote code)
     ├── ShimBuildError (RuntimeError)             SHIM_BUILD
     ├── StorageError (OSError)                    STORAGE
@@ -56,6 +57,7 @@ __all__ = [
     "CheckpointOrderError",
     "ChecksumMismatchError",
     "ConfigError",
+    "ConnectNotSupportedError",
     "CorruptRecordError",
     "InvalidIdError",
     "InvalidRecordError",
@@ -67,16 +69,16 @@ __all__ = [
     "MessageTooLargeError",
     "ParallelismError",
     "ProtocolError",
-    "RunConflictError",
     "RemoteError",
+    "RunConflictError",
     "ShimBuildError",
     "StateBackendError",
     "StateEncodingError",
+    "StateError",
     "StateFunctionError",
     "StateLeaseError",
     "StateNotRegisteredError",
     "StateSchemaError",
-    "StateError",
     "StewardError",
     "StorageError",
     "error_from_code",
@@ -148,6 +150,13 @@ class AgentUnavailableError(StewardError, ConnectionError):
     """An agent cannot be reached: not started, already stopped, or the plugin is not enabled."""
 
     code = "AGENT_UNAVAILABLE"
+
+
+class ConnectNotSupportedError(StewardError):
+    """A call that needs the driver's JVM was made on a Spark Connect session; the message says what to
+    do instead (decision 0030)."""
+
+    code = "CONNECT_NOT_SUPPORTED"
 
 
 class RemoteError(StewardError):

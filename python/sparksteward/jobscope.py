@@ -87,7 +87,10 @@ class JobScope:
         if not reply.started:
             raise JobAlreadyCompleted(reply.message, JobResultEntry.from_dict(reply.entry))
         self._active = True
-        self._sc().addJobTag(self.tag)
+        if getattr(self.steward, "remote", False):   # Spark Connect: the session's tag (Connect prefixes it)
+            self.steward.spark.addTag(self.tag)
+        else:
+            self._sc().addJobTag(self.tag)
         scopes = getattr(self.steward._local, "scope", None) or []
         self.steward._local.scope = [*scopes, self.job_id]
         self.steward._local.scope_objects = [*(getattr(self.steward._local, "scope_objects", None) or []), self]
@@ -132,7 +135,10 @@ class JobScope:
         objects = getattr(self.steward._local, "scope_objects", None) or []
         self.steward._local.scope_objects = [s for s in objects if s is not self]
         try:
-            self._sc().removeJobTag(self.tag)
+            if getattr(self.steward, "remote", False):
+                self.steward.spark.removeTag(self.tag)
+            else:
+                self._sc().removeJobTag(self.tag)
         except Exception:  # noqa: BLE001 - the context may already be stopped; the result still matters
             pass
         failure = None

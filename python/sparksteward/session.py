@@ -83,9 +83,14 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
     from ``sparksteward.daemon`` (``spark.python.daemon.module``) unless another daemon was chosen, so
     that libraries added with ``Steward.add_library`` are importable.
     """
+    from sparksteward.connect import is_connect_builder, warn_connect_builder
     from sparksteward.jar import shim_jar
 
     options: dict[str, str] = getattr(builder, "_options", {})
+    if is_connect_builder(builder):   # the plugin is the Connect server's configuration (decision 0030)
+        warn_connect_builder(str(jar) if jar else '"$(steward jar)"', {
+            "spark.plugins": PLUGIN_CLASS, "spark.python.daemon.module": "sparksteward.daemon", FS_IMPL_KEY: FS_CLASS})
+        return builder
     _check_spark_version(options)
     jar_path = str(jar or shim_jar())
     builder = builder.config("spark.jars", _append(options.get("spark.jars"), jar_path))

@@ -1,0 +1,177 @@
+"""Issue 40, item 1 (first slice): a real Spark Connect server started with the plugin on this machine,
+used by Connect clients in processes of their own (tests/helpers/connect_client.py: no JVM there).
+
+What works on Connect is checked with exact results: ``broadcast`` (the object goes from the client to
+the BLOB service, a UDF on the server's executors reads it), ``add_library`` (a module from the
+client's disk imported in the server's workers), ``run_once`` across two client sessions (the second
+gets the first's payload, nothing runs again; the job's Spark job attributed through Connect's session
+tag), ``job_results``. What does not work yet is
+refused at once with our error naming the call, why, and what to do instead. ``configure()`` on a
+Connect builder sets nothing and says what belongs to the server."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _connect_available() -> str | None:
+    try:
+        import grpc  # noqa: F401
+        import pyspark.sql.connect.session  # noqa: F401
+    except ImportError as exc:
+        return f"the Spark Connect client needs pyspark[connect]'s packages: {exc}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_conf() -> dict[str, str]:
+    """What ``sparksteward.configure`` sets on a classic builder: the server needs the same."""
+    import sparksteward
+
+    class Collect:
+        def __init__(self) -> None:
+            self._options: dict[str, str] = {}
+
+        def config(self, key: str, value: str) -> Collect:
+            self._options[key] = value
+            return self
+
+    return sparksteward.configure(Collect())._options
+
+
+@contextlib.contextmanager
+def connect_server(tmp: Path):
+    """A Spark Connect server (local[2]) with the plugin, on a free port of 127.0.0.1; its URL."""
+    port = _free_port()
+    submit = Path(sys.executable).parent / "spark-submit"
+    conf = {**server_conf(), "spark.connect.grpc.binding.port": str(port),
+            "spark.connect.grpc.binding.address": "127.0.0.1", "spark.ui.enabled": "false",
+            "spark.steward.state-dir": str(tmp / "state"), "spark.pyspark.python": sys.executable,
+            "spark.steward.agent.python": sys.executable, "spark.executor.memory": "512m"}
+    jars = conf.pop("spark.jars")
+    cmd = [str(submit), "--master", "local[2]", "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
+           "--jars", jars, *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], "spark-internal"]
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"the Connect server exited ({proc.returncode}): "
+                                     f"{(tmp / 'server.log').read_text()[-4000:]}")
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the Connect server did not listen within 120 s: "
+                                     f"{(tmp / 'server.log').read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 15)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait(30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    reason = _connect_available()
+    if reason:
+        pytest.skip(reason)
+    with connect_server(tmp_path_factory.mktemp("connect")) as url:
+        yield url
+
+
+def client(url: str, scenario: str, *args: str, other_host: bool = False) -> dict:
+    """Run a scenario in a client process of its own; its one JSON result. ``other_host``: in a mount
+    namespace of its own with a fresh /tmp and state dir and another boot id, so it shares no file with
+    the server (whose state dir, with the BLOB server's incoming dir, is under /tmp)."""
+    import shlex
+    import uuid
+
+    from sparksteward.testing.standalone import _namespace_script, _software_paths, isolation_unavailable
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "tests.helpers.connect_client", url, scenario, *args]
+    if other_host:
+        reason = isolation_unavailable()
+        if reason:
+            pytest.skip(f"the client cannot be another host here: {reason}")
+        script = _namespace_script([os.environ.get("XDG_STATE_HOME", "/nonexistent")], str(uuid.uuid4()),
+                                   f"cd {shlex.quote(str(ROOT))} && exec {shlex.join(cmd)}", keep=_software_paths())
+        cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 0, f"client {scenario}: {out.stderr[-4000:]}"
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(lines[-1])
+
+
+def test_a_broadcast_from_a_connect_client_on_another_host_is_read_by_a_udf_on_the_servers_executors(server):
+    got = client(server, "broadcast", other_host=True)
+    assert got["rows"] == [[i, i * 3] for i in range(0, 100_000, 9_999)]
+    assert got["driver_value"] == "triples"
+
+
+def test_run_once_across_two_client_sessions_runs_once(server):
+    first = client(server, "run_once", "connect-nightly-1", "42", other_host=True)
+    second = client(server, "run_once", "connect-nightly-1", "7")
+    # the job's Spark job was attributed to it through Connect's session tag
+    assert first["payload"] == {"answer": 42, "rows": 1000} and first["ran"] == 1 and first["status"] == "SUCCEEDED"
+    assert first["spark_jobs"] and set(first["spark_jobs"]) == {"succeeded"}
+    assert second == {**first, "ran": 0}
+
+
+def test_a_library_added_from_a_connect_client_is_importable_in_the_servers_workers(server, tmp_path):
+    lib = tmp_path / "steward_connect_lib.py"
+    lib.write_text("def triple(x):\n    return 3 * x\n")
+    got = client(server, "library", str(lib))
+    assert got["rows"] == [0, 3, 6, 9, 12] and got["key"]
+
+
+def test_what_does_not_work_on_connect_yet_is_refused_by_name(server, tmp_path):
+    jar = tmp_path / "udfs.jar"
+    jar.write_bytes(b"PK\x05\x06" + b"\x00" * 18)   # any file: the refusal comes before the check
+    got = client(server, "refused", str(jar))["messages"]
+    for call, instead in (("add_jar", "spark.addArtifacts"), ("add_file", "spark.addArtifacts"),
+                          ("keyed_state", "classic"), ("read_state", "classic")):
+        assert f"Steward.{call}" in got[call] and "not available on Spark Connect" in got[call], got[call]
+        assert instead in got[call], got[call]
+        assert got[call].startswith("ConnectNotSupportedError"), got[call]
+
+
+def test_configure_on_a_connect_builder_sets_nothing_and_says_what_belongs_to_the_server():
+    reason = _connect_available()
+    if reason:
+        pytest.skip(reason)
+    import sparksteward
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.remote("sc://127.0.0.1:1")
+    before = dict(builder._options)
+    with pytest.warns(UserWarning, match=r"Spark Connect client: configure\(\) set nothing.*--conf "
+                                         r"spark.plugins=sparksteward.shim.StewardPlugin.*--jars"):
+        assert sparksteward.configure(builder) is builder
+    assert builder._options == before

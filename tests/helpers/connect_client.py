@@ -1,0 +1,82 @@
+"""A Spark Connect client in a process of its own (tests/connect/test_connect.py): it connects to the
+server at ``argv[1]`` (``sc://host:port``), runs the scenario ``argv[2]`` and prints one JSON line per
+result. It never starts a JVM: it is what a notebook on another machine would be."""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+
+def out(**fields: object) -> None:
+    print(json.dumps(fields, default=str), flush=True)
+
+
+def refused(call, *args, **kwargs) -> str:
+    """The message of the error ``call`` raises (the scenario fails if it raises none)."""
+    try:
+        call(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - any error is the answer; its type is printed too
+        return f"{type(exc).__name__}: {exc}"
+    raise AssertionError(f"{getattr(call, '__name__', call)} was not refused on Spark Connect")
+
+
+def main(url: str, scenario: str, *args: str) -> None:
+    import numpy as np
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+    from sparksteward import Steward
+
+    spark = SparkSession.builder.remote(url).getOrCreate()
+    assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
+    st = Steward.get(spark)
+    if scenario == "broadcast":
+        table = np.arange(100_000, dtype=np.int64) * 3
+        handle = st.broadcast({"table": table, "name": "triples"})
+
+        @F.udf("long")
+        def lookup(i):
+            return int(handle.value["table"][i])
+
+        rows = spark.range(0, 100_000, 9_999, 4).select("id", lookup("id").alias("v")).collect()
+        out(rows=[[r.id, r.v] for r in rows], driver_value=handle.value["name"], key=handle.key)
+    elif scenario == "run_once":
+        calls = []
+
+        def load():
+            calls.append(1)
+            return {"answer": int(args[1]), "rows": spark.range(0, 1000, 1, 2).count()}   # a Spark job in the job
+
+        payload = st.run_once(args[0], load)
+        entry = st.job_results.get(args[0])
+        out(payload=payload, ran=len(calls), status=entry.status.value,
+            spark_jobs=[j.outcome for j in entry.result.spark_jobs])
+    elif scenario == "library":
+        key = st.add_library(args[0])   # a .py from the client's disk, importable in the server's workers
+
+        @F.udf("long")
+        def use(i):
+            import steward_connect_lib
+
+            return steward_connect_lib.triple(i)
+
+        out(key=key, rows=[r.v for r in spark.range(0, 5, 1, 2).select(use("id").alias("v")).collect()])
+    elif scenario == "refused":
+        out(messages={
+            "add_jar": refused(st.add_jar, args[0]),
+            "add_file": refused(st.add_file, args[0]),
+            "keyed_state": refused(st.keyed_state, "clicks", key="user", parallelism=2),
+            "read_state": refused(st.read_state, "clicks"),
+        })
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    try:
+        main(*sys.argv[1:])
+    except BaseException:
+        traceback.print_exc()
+        raise
