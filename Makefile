@@ -11,7 +11,7 @@ ifeq ($(NEWEST_SPARK),)
 $(error no TESTED_SPARK_VERSIONS = (...) line in python/sparksteward/config.py)
 endif
 
-.PHONY: quickstart example-state example-declared example-sessions lint test soak compat bench docs dist clean
+.PHONY: quickstart example-state example-declared example-sessions example-connect lint test soak compat bench docs dist clean
 .PRECIOUS: .venv-%/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -43,6 +43,9 @@ example-declared: $(VENV)/.installed
 
 example-sessions: $(VENV)/.installed
 	$(PY) examples/sessions.py
+
+example-connect: $(VENV)/.installed
+	$(PY) examples/connect.py
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check --no-cache .

@@ -1,6 +1,7 @@
 """The ``steward`` command (also ``python -m sparksteward``).
 
 Subcommands: ``jar`` (print the shim jar's path, building it if needed), ``config`` (the option table),
+``connect-server`` (a Spark Connect server with the plugin),
 ``jobs`` (the JobResultStore), ``blobs`` (blob storage), ``checkpoints`` (keyed-state checkpoints) and
 ``state`` (keyed state offline: show, read, diff, bootstrap).
 Errors print one line naming the problem and exit with status 2; there are no tracebacks for expected
@@ -41,6 +42,22 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_connect_server(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from sparksteward.session import connect_server_command
+
+    extra = args.spark_submit_args[1:] if args.spark_submit_args[:1] == ["--"] else args.spark_submit_args
+    cmd = connect_server_command(port=args.port, extra=extra)
+    if args.print:
+        print(shlex.join(cmd))
+        return 0
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)   # the server in this process: a supervisor (systemd, a pod) sees it directly
+    return 1   # not reached: execv replaces this process or raises
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="steward", description="spark-steward: Flink's runtime services for PySpark")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print every spark.steward.* option with its default")
     p.add_argument("--format", choices=("markdown", "conf"), default="markdown")
     p.set_defaults(func=_cmd_config)
+    p = sub.add_parser("connect-server", help="run a Spark Connect server with spark-steward (spark-submit)",
+                       description="Run a Spark Connect server with the plugin, its jar and settings (decision 0030); "
+                                   "arguments after -- go to spark-submit (--master, --conf ...).")
+    p.add_argument("--port", type=int, help="the gRPC port (spark.connect.grpc.binding.port; Spark's default 15002)")
+    p.add_argument("--print", action="store_true", help="print the spark-submit command instead of running it")
+    p.add_argument("spark_submit_args", nargs=argparse.REMAINDER, help="-- then spark-submit's own arguments")
+    p.set_defaults(func=_cmd_connect_server)
     for name in _GROUPS:
         before = set(sub.choices)
         importlib.import_module(name).add_subcommands(sub)

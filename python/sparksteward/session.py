@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sparksteward.config import OPTIONS, TESTED_SPARK_VERSIONS
@@ -88,8 +88,7 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
 
     options: dict[str, str] = getattr(builder, "_options", {})
     if is_connect_builder(builder):   # the plugin is the Connect server's configuration (decision 0030)
-        warn_connect_builder(str(jar) if jar else '"$(steward jar)"', {
-            "spark.plugins": PLUGIN_CLASS, "spark.python.daemon.module": "sparksteward.daemon", FS_IMPL_KEY: FS_CLASS})
+        warn_connect_builder(str(jar) if jar else '"$(steward jar)"', SERVER_CONF)
         return builder
     _check_spark_version(options)
     jar_path = str(jar or shim_jar())
@@ -109,3 +108,33 @@ def configure(builder: Any, *, jar: str | os.PathLike[str] | None = None) -> Any
         # the workers' Python from $PYSPARK_PYTHON (else `python3`), so point it at this Python.
         os.environ["PYSPARK_PYTHON"] = sys.executable
     return builder
+
+
+#: what a Spark Connect server (or any spark-submit) needs besides ``--jars <shim>``: configure()'s settings
+SERVER_CONF = {"spark.plugins": PLUGIN_CLASS, "spark.python.daemon.module": "sparksteward.daemon",
+               FS_IMPL_KEY: FS_CLASS}
+CONNECT_SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
+def connect_server_command(*, port: int | None = None, extra: Sequence[str] = (), jar: str | None = None) -> list[str]:
+    """The ``spark-submit`` command line of a Spark Connect server with spark-steward (``steward
+    connect-server``, decision 0030): the shim jar, :data:`SERVER_CONF`, ``port`` as
+    ``spark.connect.grpc.binding.port`` and ``extra`` spark-submit arguments (``--master``, ``--conf``...)
+    before the server's resource. The workers' and agents' Python is this one unless ``extra`` sets it."""
+    import shutil
+
+    from sparksteward.jar import shim_jar
+
+    submit = shutil.which("spark-submit", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    if submit is None:
+        raise ConfigError("steward connect-server: no spark-submit next to this Python or on PATH: install pyspark "
+                          "here, or set PATH to a Spark distribution's bin/")
+    conf = dict(SERVER_CONF)
+    if port is not None:
+        conf["spark.connect.grpc.binding.port"] = str(port)
+    if not any(a.startswith("spark.pyspark.python=") for a in extra) and not os.environ.get("PYSPARK_PYTHON"):
+        conf["spark.pyspark.python"] = sys.executable
+    args = [submit, "--class", CONNECT_SERVER_CLASS, "--jars", str(jar or shim_jar())]
+    for key, value in conf.items():
+        args += ["--conf", f"{key}={value}"]
+    return [*args, *extra, "spark-internal"]

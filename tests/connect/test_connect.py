@@ -42,33 +42,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_conf() -> dict[str, str]:
-    """What ``sparksteward.configure`` sets on a classic builder: the server needs the same."""
-    import sparksteward
-
-    class Collect:
-        def __init__(self) -> None:
-            self._options: dict[str, str] = {}
-
-        def config(self, key: str, value: str) -> Collect:
-            self._options[key] = value
-            return self
-
-    return sparksteward.configure(Collect())._options
-
-
 @contextlib.contextmanager
 def connect_server(tmp: Path):
     """A Spark Connect server (local[2]) with the plugin, on a free port of 127.0.0.1; its URL."""
     port = _free_port()
-    submit = Path(sys.executable).parent / "spark-submit"
-    conf = {**server_conf(), "spark.connect.grpc.binding.port": str(port),
-            "spark.connect.grpc.binding.address": "127.0.0.1", "spark.ui.enabled": "false",
-            "spark.steward.state-dir": str(tmp / "state"), "spark.pyspark.python": sys.executable,
-            "spark.steward.agent.python": sys.executable, "spark.executor.memory": "512m"}
-    jars = conf.pop("spark.jars")
-    cmd = [str(submit), "--master", "local[2]", "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
-           "--jars", jars, *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")], "spark-internal"]
+    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.ui.enabled": "false",
+            "spark.steward.state-dir": str(tmp / "state"), "spark.steward.agent.python": sys.executable,
+            "spark.executor.memory": "512m"}
+    # the command `steward connect-server --port P -- --master local[2] --conf ...` runs (README)
+    cmd = [sys.executable, "-m", "sparksteward", "connect-server", "--port", str(port), "--", "--master", "local[2]",
+           *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]]
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
     try:
