@@ -53,6 +53,13 @@ def _cmd_connect_server(args: argparse.Namespace) -> int:
     if args.print:
         print(shlex.join(cmd))
         return 0
+    if not os.environ.get("SPARK_HOME"):   # pip's pyspark: spark-submit finds its home only with python on PATH
+        import pyspark
+
+        os.environ["SPARK_HOME"] = os.path.dirname(pyspark.__file__)
+    # a Connect server runs its clients' Python UDFs with $PYSPARK_PYTHON (not spark.pyspark.python): this
+    # Python, which has spark-steward installed, unless one was chosen
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     sys.stdout.flush()
     os.execv(cmd[0], cmd)   # the server in this process: a supervisor (systemd, a pod) sees it directly
     return 1   # not reached: execv replaces this process or raises

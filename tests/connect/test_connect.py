@@ -53,7 +53,11 @@ def connect_server(tmp: Path):
     cmd = [sys.executable, "-m", "sparksteward", "connect-server", "--port", str(port), "--", "--master", "local[2]",
            *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]]
     log = open(tmp / "server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
+    # as a new user's shell has it: no PYSPARK_PYTHON or SPARK_HOME, this venv's bin/ not on PATH (a Connect
+    # server runs its clients' UDFs with $PYSPARK_PYTHON, so the command must choose it)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_HOME")}
+    env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while True:
