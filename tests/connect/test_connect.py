@@ -162,3 +162,25 @@ def test_configure_on_a_connect_builder_sets_nothing_and_says_what_belongs_to_th
                                          r"spark.plugins=sparksteward.shim.StewardPlugin.*--jars"):
         assert sparksteward.configure(builder) is builder
     assert builder._options == before
+
+
+def test_connect_server_print_is_the_spark_submit_line_with_the_plugin(capsys):
+    """``steward connect-server --print``: the jar, configure()'s settings, the port and the user's own
+    spark-submit arguments, before the server's resource."""
+    import shlex
+
+    from sparksteward.cli import main
+    from sparksteward.jar import shim_jar
+
+    assert main(["connect-server", "--print", "--port", "15123", "--", "--master", "local[2]",
+                 "--conf", "spark.ui.enabled=false"]) == 0
+    cmd = shlex.split(capsys.readouterr().out)
+    assert cmd[0].endswith("spark-submit") and cmd[-1] == "spark-internal"
+    assert cmd[cmd.index("--class") + 1] == "org.apache.spark.sql.connect.service.SparkConnectServer"
+    assert cmd[cmd.index("--jars") + 1] == str(shim_jar())
+    confs = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--conf"]
+    for want in ("spark.plugins=sparksteward.shim.StewardPlugin", "spark.python.daemon.module=sparksteward.daemon",
+                 "spark.hadoop.fs.steward.impl=sparksteward.shim.StewardFileSystem",
+                 "spark.connect.grpc.binding.port=15123", "spark.ui.enabled=false"):
+        assert want in confs, (want, confs)
+    assert cmd[cmd.index("--master") + 1] == "local[2]"
