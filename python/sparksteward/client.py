@@ -455,15 +455,15 @@ class Steward:
         back, and every checkpoint records it), which the function reads as ``state.watermark_ms``.
         A row at or below it is late: ``late="drop"`` drops and counts it (``late_rows`` in the
         batch's report), ``late="keep"`` hands it over with a boolean ``__late`` column."""
-        self._needs_jvm("keyed_state", _STATE_WHY, _STATE_INSTEAD)
         from sparksteward.checkpoint.lifecycle_messages import CheckReply, CheckRequest
         from sparksteward.checkpoint.restore import ClaimMode
+        from sparksteward.connect import ConnectConf
         from sparksteward.errors import StateError, StateSchemaError
         from sparksteward.keyed_state import KeyedState
         from sparksteward.state.event_time import EventTime
         from sparksteward.state.keygroups import validate_parallelism
 
-        conf = self.spark.sparkContext.getConf() if self.spark is not None else None
+        conf = None if self.spark is None else ConnectConf(self.spark) if self.remote else self.spark.sparkContext.getConf()
         if max_parallelism is None:
             max_parallelism = int(conf.get("spark.steward.state.max-parallelism", "128")) if conf else 128
         if num_retained is None:

@@ -40,7 +40,8 @@ class ConnectConf:
     def __init__(self, spark: Any) -> None:
         self._spark = spark
 
-    def get(self, key: str, default: str | None = None) -> str | None:
+    def get(self, key: str, default: Any = None) -> Any:
+        """``key``'s value as a string, else ``default`` (as ``SparkConf.get``)."""
         value = self._spark.conf.get(key, None)
         return default if value is None else str(value)
 

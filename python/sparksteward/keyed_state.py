@@ -352,6 +352,13 @@ class KeyedState(KeyedStateFigures):
         if not callable(sink):
             raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
         _check_form(form)
+        if getattr(self._st, "remote", False):   # decision 0030: the next slice
+            from sparksteward.connect import refuse
+
+            raise refuse("keyed_state(...).process", "its foreachBatch function runs in a Python process of the "
+                         "Connect server, where this release does not reopen the state yet",
+                         "From the client, run each batch with ks.apply(...)/apply_arrow(...) and ks.commit(id), or run "
+                         "the stream in a classic session on the server's host")
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
                               "on_timer": on_timer}
         if self.idle_timers is not None:   # the watcher of an earlier process() function

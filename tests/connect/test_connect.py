@@ -5,7 +5,8 @@ What works on Connect is checked with exact results: ``broadcast`` (the object g
 the BLOB service, a UDF on the server's executors reads it), ``add_library`` (a module from the
 client's disk imported in the server's workers), ``run_once`` across two client sessions (the second
 gets the first's payload, nothing runs again; the job's Spark job attributed through Connect's session
-tag), ``job_results``. What does not work yet is
+tag), ``job_results``, keyed-state batches (apply + commit) across two client sessions. What does not
+work yet is
 refused at once with our error naming the call, why, and what to do instead. ``configure()`` on a
 Connect builder sets nothing and says what belongs to the server."""
 
@@ -138,12 +139,27 @@ def test_a_library_added_from_a_connect_client_is_importable_in_the_servers_work
     assert got["rows"] == [0, 3, 6, 9, 12] and got["key"]
 
 
+def test_keyed_state_batches_from_a_connect_client_go_on_exactly_across_client_sessions(server, tmp_path):
+    """apply + commit from a Connect client (the state's tasks on the server's executors, the checkpoint
+    by its driver agent); a second client session opens the same state and goes on from its checkpoint."""
+    chk = str(tmp_path / "chk")
+    first = client(server, "keyed", chk, "0")["batches"]
+    second = client(server, "keyed", chk, "2")["batches"]
+    counts: dict = {}
+    want = []
+    for batch in range(4):
+        for i in range(batch * 10, batch * 10 + 10):
+            counts[f"u{i % 3}"] = counts.get(f"u{i % 3}", 0) + 1
+        want.append(sorted([k, n] for k, n in counts.items()))
+    assert first + second == want
+
+
 def test_what_does_not_work_on_connect_yet_is_refused_by_name(server, tmp_path):
     jar = tmp_path / "udfs.jar"
     jar.write_bytes(b"PK\x05\x06" + b"\x00" * 18)   # any file: the refusal comes before the check
-    got = client(server, "refused", str(jar))["messages"]
+    got = client(server, "refused", str(jar), str(tmp_path / "chk"))["messages"]
     for call, instead in (("add_jar", "spark.addArtifacts"), ("add_file", "spark.addArtifacts"),
-                          ("keyed_state", "classic"), ("read_state", "classic")):
+                          ("keyed_state(...).process", "ks.commit(id)"), ("read_state", "classic")):
         assert f"Steward.{call}" in got[call] and "not available on Spark Connect" in got[call], got[call]
         assert instead in got[call], got[call]
         assert got[call].startswith("ConnectNotSupportedError"), got[call]

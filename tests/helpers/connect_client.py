@@ -62,11 +62,31 @@ def main(url: str, scenario: str, *args: str) -> None:
             return steward_connect_lib.triple(i)
 
         out(key=key, rows=[r.v for r in spark.range(0, 5, 1, 2).select(use("id").alias("v")).collect()])
+    elif scenario == "keyed":
+        # batches through apply + commit from the client; a second client session goes on from the first's
+        from sparksteward import value_state
+
+        def count(key, rows, state):
+            c = state.value("n")
+            n = (c.get() or 0) + len(rows)
+            c.update(n)
+            return key, n
+
+        ks = st.keyed_state("connect-clicks", key="k", parallelism=2, checkpoint_dir=args[0],
+                            states=[value_state("n", "bigint")])
+        seen = []
+        for batch in range(int(args[1]), int(args[1]) + 2):
+            df = spark.createDataFrame([(f"u{i % 3}", i) for i in range(batch * 10, batch * 10 + 10)], "k string, v long")
+            rows = ks.apply(df, count, "k string, n long", checkpoint_id=batch).collect()
+            ks.commit(batch, wait=60)
+            seen.append(sorted([r.k, r.n] for r in rows))
+        out(batches=seen)
     elif scenario == "refused":
+        ks = st.keyed_state("connect-refused", key="user", parallelism=2, checkpoint_dir=args[1])
         out(messages={
             "add_jar": refused(st.add_jar, args[0]),
             "add_file": refused(st.add_file, args[0]),
-            "keyed_state": refused(st.keyed_state, "clicks", key="user", parallelism=2),
+            "keyed_state(...).process": refused(ks.process, lambda k, r, s: None, "user string", lambda o, i: None),
             "read_state": refused(st.read_state, "clicks"),
         })
     else:
