@@ -522,6 +522,12 @@ class Steward:
 
             raise refuse(call, why, instead)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """A client pickled into a function (a Spark Connect ``foreachBatch`` runs it in a Python process of
+        the server) is a new client there of the same agent, on that process's active session."""
+        return _revive, (self.endpoint, self._secret, self._timeout, self._max_message, self._default_wait,
+                         self.remote)
+
     def close(self) -> None:
         """Close this client's connections. Idempotent; the agent keeps running."""
         self._closed = True
@@ -567,6 +573,17 @@ class JobResults:
             if reply.next is None:
                 return out
             request = JobListRequest(cursor=reply.next)
+
+
+def _revive(endpoint: str, secret: str, timeout: float, max_message: int, default_wait: float,
+            remote: bool) -> Steward:
+    """:meth:`Steward.__reduce__`'s other side."""
+    from pyspark.sql import SparkSession
+
+    inst = Steward(endpoint, secret, spark=SparkSession.getActiveSession(), timeout=timeout,
+                   max_message=max_message, default_wait=default_wait)
+    inst.remote = remote
+    return inst
 
 
 def _release_quietly(blobs: BlobClient, key: str, job: str) -> None:

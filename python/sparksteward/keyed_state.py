@@ -299,6 +299,11 @@ class KeyedState(KeyedStateFigures):
         task = subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared, on_timer=on_timer)
         return routed.mapInArrow(task, struct), cid
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled into a Spark Connect ``foreachBatch`` function (decision 0030): everything but the idle-timer
+        watcher, a thread of this process; the client revives as a client of the same agent."""
+        return {**self.__dict__, "idle_timers": None}
+
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
                 persist: bool | None = None, wait: float | None = None,
                 on_timer: Callable[..., Any] | None = None, idle_timers: float | None = None) -> Callable[[Any, int], None]:
@@ -352,13 +357,13 @@ class KeyedState(KeyedStateFigures):
         if not callable(sink):
             raise StateError(f"sink={sink!r} must be a function sink(out_df, batch_id) that writes the batch's output")
         _check_form(form)
-        if getattr(self._st, "remote", False):   # decision 0030: the next slice
+        if idle_timers and getattr(self._st, "remote", False):   # decision 0030
             from sparksteward.connect import refuse
 
-            raise refuse("keyed_state(...).process", "its foreachBatch function runs in a Python process of the "
-                         "Connect server, where this release does not reopen the state yet",
-                         "From the client, run each batch with ks.apply(...)/apply_arrow(...) and ks.commit(id), or run "
-                         "the stream in a classic session on the server's host")
+            raise refuse("keyed_state(...).process(idle_timers=...)", "the idle-timer watcher is a thread beside the "
+                         "query, and a Connect client's foreachBatch runs in a process of the server",
+                         "Leave idle_timers out on Connect (timers still fire when a batch runs), or run the stream in a "
+                         "classic session on the server's host")
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
                               "on_timer": on_timer}
         if self.idle_timers is not None:   # the watcher of an earlier process() function

@@ -5,7 +5,8 @@ What works on Connect is checked with exact results: ``broadcast`` (the object g
 the BLOB service, a UDF on the server's executors reads it), ``add_library`` (a module from the
 client's disk imported in the server's workers), ``run_once`` across two client sessions (the second
 gets the first's payload, nothing runs again; the job's Spark job attributed through Connect's session
-tag), ``job_results``, keyed-state batches (apply + commit) across two client sessions. What does not
+tag), ``job_results``, keyed-state batches (apply + commit) across two client sessions, and a
+keyed-state stream through ``ks.process`` in ``foreachBatch`` restarted by another client. What does not
 work yet is
 refused at once with our error naming the call, why, and what to do instead. ``configure()`` on a
 Connect builder sets nothing and says what belongs to the server."""
@@ -154,12 +155,38 @@ def test_keyed_state_batches_from_a_connect_client_go_on_exactly_across_client_s
     assert first + second == want
 
 
+def test_a_keyed_state_stream_through_foreach_batch_from_a_connect_client_restarts_exactly(server, tmp_path):
+    """ks.process as a Connect foreachBatch function (it runs in a Python process of the server, where the
+    pickled state and client revive): a file stream of 3 files, one per batch, then a new client process
+    restarts the query over 2 more; every batch's emitted counts are exact and nothing is emitted twice."""
+    import json as _json
+
+    indir, outdir = tmp_path / "in", tmp_path / "out"
+    indir.mkdir()
+
+    def write(i):
+        rows = [{"k": f"u{j % 3}", "v": j} for j in range(i * 6, i * 6 + 6)]
+        (indir / f"part-{i}.json").write_text("".join(_json.dumps(r) + "\n" for r in rows))
+
+    paths = [str(indir), str(outdir), str(tmp_path / "chk"), str(tmp_path / "qchk")]
+    for i in range(3):
+        write(i)
+    first = client(server, "stream", *paths)["rows"]
+    for i in range(3, 5):
+        write(i)
+    second = client(server, "stream", *paths)["rows"]
+    want = [[b, f"u{k}", 2 * (b + 1)] for b in range(5) for k in range(3)]   # each file: 2 rows of each key
+    assert first == want[:9]
+    assert second == want   # the output dir holds both runs: the restart emitted each batch once
+
+
 def test_what_does_not_work_on_connect_yet_is_refused_by_name(server, tmp_path):
     jar = tmp_path / "udfs.jar"
     jar.write_bytes(b"PK\x05\x06" + b"\x00" * 18)   # any file: the refusal comes before the check
     got = client(server, "refused", str(jar), str(tmp_path / "chk"))["messages"]
     for call, instead in (("add_jar", "spark.addArtifacts"), ("add_file", "spark.addArtifacts"),
-                          ("keyed_state(...).process", "ks.commit(id)"), ("read_state", "classic")):
+                          ("keyed_state(...).process(idle_timers=...)", "Leave idle_timers out"),
+                          ("read_state", "classic")):
         assert f"Steward.{call}" in got[call] and "not available on Spark Connect" in got[call], got[call]
         assert instead in got[call], got[call]
         assert got[call].startswith("ConnectNotSupportedError"), got[call]

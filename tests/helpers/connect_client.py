@@ -81,12 +81,38 @@ def main(url: str, scenario: str, *args: str) -> None:
             ks.commit(batch, wait=60)
             seen.append(sorted([r.k, r.n] for r in rows))
         out(batches=seen)
+    elif scenario == "stream":
+        # a file-source stream through ks.process in foreachBatch, run to the end of its input (availableNow);
+        # a later client process runs it again over more files: the stream and the state go on
+        from sparksteward import value_state
+
+        indir, outdir, chk, qchk = args[0], args[1], args[2], args[3]
+
+        def count(key, rows, state):
+            c = state.value("n")
+            n = (c.get() or 0) + len(rows)
+            c.update(n)
+            return key, n
+
+        ks = st.keyed_state("connect-stream", key="k", parallelism=2, checkpoint_dir=chk,
+                            states=[value_state("n", "bigint")])
+        run = ks.process(count, "k string, n long",
+                         sink=lambda out, batch_id: out.withColumn("batch", F.lit(batch_id)).write.mode("append")
+                         .json(outdir))
+        q = (spark.readStream.schema("k string, v long").option("maxFilesPerTrigger", 1).json(indir)
+             .writeStream.foreachBatch(run).option("checkpointLocation", qchk).trigger(availableNow=True).start())
+        q.awaitTermination(180)
+        if q.exception() is not None:
+            raise RuntimeError(str(q.exception()))
+        rows = spark.read.json(outdir).collect()
+        out(rows=sorted([r.batch, r.k, r.n] for r in rows))
     elif scenario == "refused":
         ks = st.keyed_state("connect-refused", key="user", parallelism=2, checkpoint_dir=args[1])
         out(messages={
             "add_jar": refused(st.add_jar, args[0]),
             "add_file": refused(st.add_file, args[0]),
-            "keyed_state(...).process": refused(ks.process, lambda k, r, s: None, "user string", lambda o, i: None),
+            "keyed_state(...).process(idle_timers=...)": refused(ks.process, lambda k, r, s: None, "user string",
+                                                                 lambda o, i: None, idle_timers=5.0),
             "read_state": refused(st.read_state, "clicks"),
         })
     else:
