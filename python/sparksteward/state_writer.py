@@ -422,15 +422,22 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
         _claim(url, loc)   # from here on the target's files are this call's
     try:
         with options_scope(storage_options):
+            group = f"steward-write-savepoint-{os.getpid()}-{time.monotonic_ns()}"
+            sc = spark.sparkContext
+            before_group = sc.getLocalProperty("spark.jobGroup.id")
+            sc.setJobGroup(group, f"write_savepoint {url}")
             try:
                 got = {r.subtask: SubtaskHandle.from_json(orjson.loads(r.handle)) for r in written.collect()}
             except Exception as exc:
                 from sparksteward.keyed_spark import as_ours, task_failure
 
+                _await_tasks(sc, group)   # a task still uploading would write after the discard below
                 failure = task_failure(exc)
                 if failure is None:
                     raise
                 raise as_ours(failure, exc) from None
+            finally:
+                sc.setLocalProperty("spark.jobGroup.id", before_group)
             _commit(loc, got, record, state, key_type, parallelism, max_parallelism,
                     {**dict(properties or {}), "time": CheckpointTime(now, watermark_ms).to_json(), "savepoint_of": source})
     except BaseException:
@@ -438,6 +445,19 @@ def write_savepoint(spark: Any, url: str, *, state: str, states: Sequence[Any], 
             _discard(loc)
         raise
     return loc.display(loc.path(METADATA_FILE))
+
+
+def _await_tasks(sc: Any, group: str, timeout: float = 120.0) -> None:
+    """Wait until no task of job group ``group`` runs (a failed job's other tasks are being killed, and
+    one may still upload), at most ``timeout`` seconds."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stages = [tracker.getStageInfo(s) for j in tracker.getJobIdsForGroup(group)
+                  for s in (getattr(tracker.getJobInfo(j), "stageIds", None) or [])]
+        if not any(st is not None and st.numActiveTasks > 0 for st in stages):
+            return
+        time.sleep(0.1)
 
 
 def _commit(loc: Any, got: Mapping[int, Any], record: Mapping[str, Any], state: str, key_type: str, p: int, m: int,
