@@ -29,7 +29,7 @@ from sparksteward.errors import (
     JobAlreadyCompleted,
     StewardError,
 )
-from sparksteward.jobscope import JobScope
+from sparksteward.jobscope import JobResults, JobScope
 from sparksteward.libraries import library_kind
 from sparksteward.shim_protocol import PLUGIN_CLASS
 from sparksteward.wire import Connection
@@ -544,35 +544,6 @@ class Steward:
 _STATE_WHY = "its Spark side still needs the driver's SparkContext (job groups, local properties, data sources)"
 _STATE_INSTEAD = ("Run it in a classic session on the server's host (spark-submit with the plugin) until keyed state "
                   "on Connect lands (issue 40)")
-
-
-class JobResults:
-    """Read-only view of the application's JobResultStore, through the driver agent."""
-
-    def __init__(self, steward: Steward) -> None:
-        self._steward = steward
-
-    def get(self, job_id: str) -> Any:
-        """The :class:`~sparksteward.jobs.result.JobResultEntry` of ``job_id``, or None."""
-        from sparksteward.jobs.messages import JobGetRequest
-        from sparksteward.jobs.result import JobResultEntry
-
-        entry = self._steward.ask(JobGetRequest(job_id)).entry
-        return None if entry is None else JobResultEntry.from_dict(entry)
-
-    def list(self) -> list[Any]:
-        """Every readable entry of this cluster id, sorted by job id."""
-        from sparksteward.jobs.messages import JobListRequest
-        from sparksteward.jobs.result import JobResultEntry
-
-        out: list[Any] = []
-        request = JobListRequest()
-        while True:   # a page at a time, following the reply's cursor
-            reply = self._steward.ask(request)
-            out.extend(JobResultEntry.from_dict(e) for e in reply.entries)
-            if reply.next is None:
-                return out
-            request = JobListRequest(cursor=reply.next)
 
 
 def _revive(endpoint: str, secret: str, timeout: float, max_message: int, default_wait: float,

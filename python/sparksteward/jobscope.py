@@ -22,7 +22,7 @@ import orjson
 from sparksteward.errors import InvalidIdError, JobAlreadyCompleted
 from sparksteward.ids import validate_job_id
 
-__all__ = ["JobScope", "TAG_PREFIX", "job_id_from_tag", "job_tag"]
+__all__ = ["JobResults", "JobScope", "TAG_PREFIX", "job_id_from_tag", "job_tag"]
 
 TAG_PREFIX = "sparksteward-job-"
 
@@ -157,3 +157,32 @@ class JobScope:
             self.job_id, JobStatus.parse(status), failure=failure, payload=self._payload, wait=self.wait,
             checkpoints=tuple(FinalCheckpoint.from_dict(c) for c in self._checkpoints.values())))
         self.entry = JobResultEntry.from_dict(reply.entry)
+
+
+class JobResults:
+    """Read-only view of the application's JobResultStore, through the driver agent."""
+
+    def __init__(self, steward: _Steward) -> None:
+        self._steward = steward
+
+    def get(self, job_id: str) -> Any:
+        """The :class:`~sparksteward.jobs.result.JobResultEntry` of ``job_id``, or None."""
+        from sparksteward.jobs.messages import JobGetRequest
+        from sparksteward.jobs.result import JobResultEntry
+
+        entry = self._steward.ask(JobGetRequest(job_id)).entry
+        return None if entry is None else JobResultEntry.from_dict(entry)
+
+    def list(self) -> list[Any]:
+        """Every readable entry of this cluster id, sorted by job id."""
+        from sparksteward.jobs.messages import JobListRequest
+        from sparksteward.jobs.result import JobResultEntry
+
+        out: list[Any] = []
+        request = JobListRequest()
+        while True:   # a page at a time, following the reply's cursor
+            reply = self._steward.ask(request)
+            out.extend(JobResultEntry.from_dict(e) for e in reply.entries)
+            if reply.next is None:
+                return out
+            request = JobListRequest(cursor=reply.next)

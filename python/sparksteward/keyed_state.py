@@ -123,11 +123,8 @@ class KeyedState(KeyedStateFigures):
                  event_time: EventTime | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise StateEncodingError(f"key={key!r} must name the key column")
-        self._st = steward
-        self.name = name
-        self.key = key
-        self.parallelism = parallelism
-        self.max_parallelism = max_parallelism
+        self._st, self.name, self.key = steward, name, key
+        self.parallelism, self.max_parallelism = parallelism, max_parallelism
         self.checkpoint_dir = checkpoint_dir
         self.num_retained = num_retained
         self.key_type = key_type
@@ -299,9 +296,7 @@ class KeyedState(KeyedStateFigures):
         task = subtask_fn(self.name, cid, self.key, fn, arrow_schema, form, p, declared, on_timer=on_timer)
         return routed.mapInArrow(task, struct), cid
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickled into a Spark Connect ``foreachBatch`` function (decision 0030): everything but the idle-timer
-        watcher, a thread of this process; the client revives as a client of the same agent."""
+    def __getstate__(self) -> dict[str, Any]:   # in a Connect foreachBatch function: all but the watcher thread
         return {**self.__dict__, "idle_timers": None}
 
     def process(self, fn: Callable[..., Any], schema: Any, sink: Callable[[Any, int], Any], form: str = "pandas", *,
@@ -360,10 +355,9 @@ class KeyedState(KeyedStateFigures):
         if idle_timers and getattr(self._st, "remote", False):   # decision 0030
             from sparksteward.connect import refuse
 
-            raise refuse("keyed_state(...).process(idle_timers=...)", "the idle-timer watcher is a thread beside the "
-                         "query, and a Connect client's foreachBatch runs in a process of the server",
-                         "Leave idle_timers out on Connect (timers still fire when a batch runs), or run the stream in a "
-                         "classic session on the server's host")
+            raise refuse("keyed_state(...).process(idle_timers=...)", "its watcher is a thread beside the query, and a "
+                         "Connect foreachBatch runs on the server", "Leave idle_timers out on Connect (timers fire when "
+                         "a batch runs)")
         self._process_args = {"fn": fn, "schema": schema, "sink": sink, "form": form, "persist": persist, "wait": wait,
                               "on_timer": on_timer}
         if self.idle_timers is not None:   # the watcher of an earlier process() function

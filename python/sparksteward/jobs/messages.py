@@ -1,7 +1,7 @@
 """The typed messages of the ``jobs.*`` ops (FLIP-194), served by the driver agent's
 :class:`~sparksteward.jobs.service.JobService` (:meth:`~sparksteward.jobs.service.JobService.register_handlers`)
 and sent by the user's driver (:class:`~sparksteward.jobscope.JobScope`,
-:class:`~sparksteward.client.JobResults`).
+:class:`~sparksteward.jobscope.JobResults`).
 
 Each request is the JSON object the op has always carried (see :mod:`sparksteward.wire.messages`).
 Entries travel as :meth:`JobResultEntry.to_dict <sparksteward.jobs.result.JobResultEntry.to_dict>`
