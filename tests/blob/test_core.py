@@ -263,6 +263,7 @@ def test_wrong_secret_malformed_and_truncated_requests(rig):
     def settled() -> bool:  # every staged file open here is a spare the server holds
         return not staged_bytes(rig.server) and len(staged_fds(rig.server)) == len(rig.server.staging.spare)
 
+    deadline = time.monotonic() + 30   # its own: a loaded machine (a Spark suite beside it) took over 5 s
     while not settled() and time.monotonic() < deadline:
         time.sleep(0.02)
     # nothing half-written is left: the upload's staged file is gone (the files left are the empty
