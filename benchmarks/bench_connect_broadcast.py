@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,33 +74,14 @@ def run_job(spark: Any, fn: Callable[[Any], Any]) -> tuple[float, float, list[fl
 
 @contextlib.contextmanager
 def server(max_inbound: str | None) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from sparksteward.testing.connect import connect_server
+
     work = tempfile.mkdtemp(prefix="bench-connect-")
-    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.ui.enabled": "false",
-            "spark.executor.memory": "3g", "spark.driver.memory": "3g", "spark.steward.state-dir": f"{work}/state"}
+    conf = {"spark.executor.memory": "3g", "spark.driver.memory": "3g", "spark.steward.state-dir": f"{work}/state"}
     if max_inbound:
         conf["spark.connect.grpc.maxInboundMessageSize"] = max_inbound
-    cmd = [sys.executable, "-m", "sparksteward", "connect-server", "--port", str(port), "--",
-           "--master", "local-cluster[2,1,3072]", *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]]
-    log = open(os.path.join(work, "server.log"), "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the Connect server exited ({proc.returncode}); see {log.name}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the Connect server did not listen in 180 s; see {log.name}")
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(60)
-        log.close()
+    with connect_server(work, "local-cluster[2,1,3072]", conf, timeout=180) as url:
+        yield url
 
 
 def ways(spark: Any, arr: np.ndarray, shared: str) -> dict[str, Callable[[], tuple[float, Callable[[Any], Any]]]]:

@@ -13,13 +13,10 @@ Connect builder sets nothing and says what belongs to the server."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -38,58 +35,17 @@ def _connect_available() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def connect_server(tmp: Path):
-    """A Spark Connect server (local[2]) with the plugin, on a free port of 127.0.0.1; its URL."""
-    port = _free_port()
-    conf = {"spark.connect.grpc.binding.address": "127.0.0.1", "spark.ui.enabled": "false",
-            "spark.steward.state-dir": str(tmp / "state"), "spark.steward.agent.python": sys.executable,
-            "spark.executor.memory": "512m"}
-    # the command `steward connect-server --port P -- --master local[2] --conf ...` runs (README)
-    cmd = [sys.executable, "-m", "sparksteward", "connect-server", "--port", str(port), "--", "--master", "local[2]",
-           *[a for k, v in conf.items() for a in ("--conf", f"{k}={v}")]]
-    log = open(tmp / "server.log", "wb")
-    # as a new user's shell has it: no PYSPARK_PYTHON or SPARK_HOME, this venv's bin/ not on PATH (a Connect
-    # server runs its clients' UDFs with $PYSPARK_PYTHON, so the command must choose it)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON", "SPARK_HOME")}
-    env["PATH"] = "/usr/local/bin:/usr/bin:/bin"
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"the Connect server exited ({proc.returncode}): "
-                                     f"{(tmp / 'server.log').read_text()[-4000:]}")
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the Connect server did not listen within 120 s: "
-                                     f"{(tmp / 'server.log').read_text()[-4000:]}")
-            time.sleep(0.5)
-        yield f"sc://127.0.0.1:{port}"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, 15)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait(30)
-        log.close()
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     reason = _connect_available()
     if reason:
         pytest.skip(reason)
-    with connect_server(tmp_path_factory.mktemp("connect")) as url:
+    from sparksteward.testing.connect import connect_server
+
+    work = tmp_path_factory.mktemp("connect")
+    with connect_server(work, conf={"spark.steward.state-dir": str(work / "state"),
+                                    "spark.steward.agent.python": sys.executable,
+                                    "spark.executor.memory": "512m"}) as url:
         yield url
 
 
