@@ -45,6 +45,8 @@ SCHEMAS: dict[str, dict[str, tuple[type, ...]]] = {
     "task_succeeded": _TASK,
     "task_failed": {**_TASK, "reason": (_S,)},
     "shutdown": {"time": (_I,), "reason": (_S,)},
+    # before the next line, when the JVM's log4j root level changed (sc.setLogLevel); replayed on restart
+    "log_level": {"level": (_S,)},
     # shim -> agent request over the pipes, answered by one "reply" line with the same id (decision 0009)
     "open_file": {"id": (_I,), "url": (_S,)},
     # agent -> shim

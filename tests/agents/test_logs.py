@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from sparksteward.agents.logs import log_file_name
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
 from sparksteward.checkpoint.task.subtask_restore import rebuild_subtask
+from sparksteward.errors import StewardError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.keygroups import key_group, key_group_range
 from sparksteward.testing.agent import AgentProcess
@@ -125,3 +127,56 @@ def test_an_executor_agent_on_another_host_does_not_create_the_state_dir(tmp_pat
     (tmp_path / "drivers-state").mkdir()   # the same host as the driver (local mode)
     assert log_dir(cfg, executor=True) == tmp_path / "drivers-state" / "logs"
     assert not (tmp_path / "yarn1").exists()
+
+
+def _wait_for(path: Path, text: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        assert time.monotonic() < deadline, f"{text!r} never reached {path}"
+        time.sleep(0.05)
+
+
+def _refused_connection(agent: AgentProcess) -> None:
+    """One connection with a wrong secret: the agent warns about it (WARNING on its console)."""
+    with pytest.raises(StewardError):
+        agent.connect(secret="00" * 32)
+
+
+@pytest.mark.parametrize("pin", [None, "spark.steward.log.level", "SPARK_STEWARD_LOG_LEVEL"])
+def test_the_console_follows_spark_s_level_unless_the_configuration_pins_it(tmp_path, pin):
+    """Issue 40: the agents followed neither ``sc.setLogLevel`` nor ``spark.log.level``. The shim now sends a
+    ``log_level`` line when the JVM's level changes; a pinned level (the setting or the environment) wins."""
+    conf = {"spark.steward.state-dir": str(tmp_path / "state"), "spark.log.level": "ERROR"}
+    env = {"SPARK_STEWARD_LOG_LEVEL": ""}
+    if pin == "spark.steward.log.level":
+        conf[pin] = "WARN"
+    elif pin:
+        env[pin] = "WARN"
+    err = tmp_path / "stderr"
+    log_file = tmp_path / "state" / "logs" / "driver-agent.log"
+    with err.open("wb") as out, AgentProcess("driver", conf, env=env, stderr=out) as agent:
+        assert agent.ready, agent.first
+        with agent.connect() as conn:
+            assert conn.request("health")["log_level"] == ("ERROR" if pin is None else "WARN")   # spark.log.level at start
+        _refused_connection(agent)
+        agent.event("log_level", level="INFO")   # sc.setLogLevel("INFO")
+        if pin is None:
+            _wait_for(log_file, "console log level now INFO")
+        agent.event("log_level", level="FATAL")
+        if pin is None:
+            _wait_for(log_file, "console log level now FATAL")
+        agent.event("log_level", level="WARN")
+        if pin is None:
+            _wait_for(log_file, "console log level now WARN")
+        agent.event("log_level", level="LOUD")   # not a level: kept, and said once
+        with agent.connect() as conn:
+            assert conn.request("health")["log_level"] == "WARN"
+        _refused_connection(agent)
+        deadline = time.monotonic() + 20
+        while log_file.read_text().count("authentication failed") < 2:   # the file has both (INFO)
+            assert time.monotonic() < deadline, log_file.read_text()
+            time.sleep(0.05)
+        assert agent.stop() == 0
+    refusals = err.read_text().count("authentication failed")
+    assert refusals == (1 if pin is None else 2), err.read_text()   # the first hidden at ERROR, unless pinned
+    assert ("Spark's log level 'LOUD' is not one we know" in err.read_text()) == (pin is None)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-def task_probe(_):
-    """Runs in a Python worker: find this executor's agent and wait until it saw this task start."""
+def _seen_health():
+    """This task's id, whether this executor's agent saw it start (within 20 s), and the agent's health then."""
     import time
 
     from pyspark import TaskContext
@@ -18,5 +18,17 @@ def task_probe(_):
         if tid in seen or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    health = conn.request("health")
-    return [(tid, health["executor_id"], health["pid"], tid in seen)]
+    return tid, tid in seen, conn.request("health")
+
+
+def task_probe(_):
+    """Runs in a Python worker: find this executor's agent and wait until it saw this task start."""
+    tid, seen, health = _seen_health()
+    return [(tid, health["executor_id"], health["pid"], seen)]
+
+
+def log_level_probe(_):
+    """Runs in a Python worker: this executor agent's console level once it saw this task start (a
+    ``log_level`` line of the shim comes before the ``task_start`` it precedes)."""
+    _, seen, health = _seen_health()
+    return [(health["executor_id"], health["log_level"] if seen else "task_start not seen")]

@@ -12,7 +12,7 @@ import pytest
 from sparksteward import Steward
 
 from tests.helpers import agent_processes, spark_session, wait_until
-from tests.helpers.plugin import task_probe
+from tests.helpers.plugin import log_level_probe, task_probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 # its own session: a test SIGKILLs an executor JVM
 @pytest.fixture(scope="module")
 def spark():
-    with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g"}) as session:
+    with spark_session("local-cluster[2,1,1024]", **{"spark.executor.memory": "1g",
+                                                     "spark.executor.syncLogLevel.enabled": "true"}) as session:
         status = session.sparkContext._jsc.sc().getExecutorMemoryStatus
         wait_until(lambda: status().size() >= 3, timeout=90, what="both executors to register")  # + driver
         yield session
@@ -115,3 +116,19 @@ def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     assert not os.path.exists(cache_dir), "the agent deleted its cache although its JVM died"
     # the application carries on with the remaining / replacement executor
     assert spark.sparkContext.parallelize(range(4), 4).count() == 4
+
+
+def test_executor_agents_follow_sc_setLogLevel_when_spark_syncs_it_to_the_executors(spark):
+    """Issue 40, on executor JVMs of their own: with ``spark.executor.syncLogLevel.enabled`` Spark sets
+    each executor's log4j level on ``sc.setLogLevel``, and the executor's shim passes it to its agent."""
+    sc = spark.sparkContext
+    jvm_level = sc._jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel().name()
+    try:
+        sc.setLogLevel("ERROR")
+
+        def levels():   # Spark tells the executors in the background: ask until both have it
+            found = dict(sc.parallelize(range(8), 8).mapPartitions(log_level_probe).collect())
+            return found if len(found) == 2 and set(found.values()) == {"ERROR"} else None
+        wait_until(levels, timeout=60, what="both executor agents at ERROR")
+    finally:
+        sc.setLogLevel(jvm_level)

@@ -7,7 +7,7 @@ import sparksteward
 from sparksteward import Steward
 
 from tests.helpers import agent_processes, wait_until
-from tests.helpers.plugin import task_probe
+from tests.helpers.plugin import log_level_probe, task_probe
 
 pytestmark = pytest.mark.compat
 
@@ -77,3 +77,19 @@ def test_public_names_are_pinned():
         "ConfigError", "CorruptRecordError", "InvalidIdError", "JobAlreadyCompleted", "Steward",
         "StewardError", "__version__", "configure", "list_state", "map_state", "value_state",
     ])
+
+
+def test_the_agents_follow_sc_setLogLevel(spark):
+    """Issue 40: ``sc.setLogLevel`` reaches the driver agent and the executor agent (in local mode the
+    executors' JVM is the driver's), through the shim's ``log_level`` line before the next event."""
+    sc, st = spark.sparkContext, Steward.get(spark)
+    jvm_level = sc._jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel().name()
+    try:
+        for level in ("ERROR", "INFO"):
+            sc.setLogLevel(level)
+            assert set(sc.parallelize([0, 1], 2).mapPartitions(log_level_probe).map(lambda t: t[1]).collect()) == {level}
+            wait_until(lambda level=level: st.health()["log_level"] == level, what=f"the driver agent at {level}")
+    finally:
+        sc.setLogLevel(jvm_level)
+        sc.parallelize([0], 1).count()   # the agents follow back
+    wait_until(lambda: st.health()["log_level"] == jvm_level, what=f"the driver agent back at {jvm_level}")

@@ -110,6 +110,11 @@ class Agent:
         if handler is not None:
             handler(msg)
 
+    def on_log_level(self, msg: dict[str, Any]) -> None:
+        """The JVM's log level changed (``sc.setLogLevel``): follow it unless the configuration pins ours."""
+        if not logs.pinned(self.hello["conf"]):
+            logs.follow(msg["level"])
+
     # --- requests ----------------------------------------------------------------------------
     def _op_health(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -118,7 +123,8 @@ class Agent:
                 "uptime_s": round(time.monotonic() - self.started, 3), "events_seen": seen,
                 "auth_failures": self.server.auth_failures, "handshakes_dropped": self.server.handshakes_dropped,
                 "handshakes": self.server.handshakes, "requests": self.server.request_counts(),
-                "events_dropped": self.events_dropped, "log_file": self.log_file, **self.health_details()}
+                "events_dropped": self.events_dropped, "log_file": self.log_file,
+                "log_level": logs.console_level(), **self.health_details()}
 
     def health_details(self) -> dict[str, Any]:
         return {}
@@ -222,7 +228,9 @@ def run_agent(agent_cls: type[Agent], stdin: BinaryIO | None = None, stdout: Bin
             raise ProtocolError(f"the first message must be hello, not {hello['type']}")
         # the driver agent warns about unknown keys; executor agents get the same conf
         cfg = StewardConfig.from_conf({str(k): str(v) for k, v in hello["conf"].items()}, warn=role == "driver")
-        log_file = logs.configure(console, cfg, logs.log_file_name(role, hello.get("executor_id")))
+        conf = hello["conf"]
+        log_file = logs.configure(console, cfg, logs.log_file_name(role, hello.get("executor_id")),
+                                  None if logs.pinned(conf) else conf.get("spark.log.level"))
         agent = agent_cls(hello, cfg=cfg)
         agent.log_file = None if log_file is None else str(log_file)
     except (ConfigError, ProtocolError, JobAlreadyCompleted) as exc:

@@ -1,8 +1,10 @@
 """Where an agent's log lines go: Spark's convention, a quiet console and a detailed file.
 
-- **stderr** (the JVM's, so the lines land in Spark's driver and executor logs) gets WARNING and above,
-  or the level ``spark.steward.log.level`` names; the environment variable ``SPARK_STEWARD_LOG_LEVEL``,
-  when set, overrides it.
+- **stderr** (the JVM's, so the lines land in Spark's driver and executor logs) gets the level
+  ``spark.steward.log.level`` names; the environment variable ``SPARK_STEWARD_LOG_LEVEL``, when set,
+  overrides it. When neither names one, the console follows Spark's: ``spark.log.level`` at start (else
+  WARNING), then each change of the JVM's log4j root level (``sc.setLogLevel``), which the shim sends as a
+  ``log_level`` line (:func:`follow`).
 - **A log file** of the agent's own gets INFO and above (the console's level when that is lower):
   ``<state-dir>/logs/driver-agent.log`` or ``executor-agent-<executor id>.log``, rotated at
   :data:`MAX_BYTES` with :data:`BACKUPS` old files kept. Successive applications on a host append to
@@ -24,12 +26,13 @@ import logging.handlers
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
-from sparksteward.config import StewardConfig, log_level
+from sparksteward.config import LOG_LEVELS, StewardConfig, log_level
 from sparksteward.owner import private_dir
 
-__all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "log_dir", "log_file_name"]
+__all__ = ["BACKUPS", "ENV_LEVEL", "MAX_BYTES", "configure", "console", "console_level", "follow", "log_dir", "log_file_name", "pinned"]
 
 log = logging.getLogger("sparksteward.agents")
 
@@ -55,10 +58,17 @@ def console() -> logging.Handler:
     return handler
 
 
-def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str) -> Path | None:
-    """Set the console ``handler`` to the configured level and open the agent's log file; return its path
-    (None when it could not be opened)."""
-    level = _env_level() or log_level(cfg.log_level)
+def pinned(conf: Mapping[str, str]) -> bool:
+    """Whether the agent's console level is set (the environment or ``spark.steward.log.level`` in the
+    ``hello``'s ``conf``) and so does not follow Spark's."""
+    return _env_level() is not None or "spark.steward.log.level" in conf
+
+
+def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str, spark_level: str | None = None) -> Path | None:
+    """Set the console ``handler`` to the configured level (``spark_level``, Spark's ``spark.log.level``,
+    when nothing pins it) and open the agent's log file; return its path (None when it could not be
+    opened)."""
+    level = _env_level() or _level_or_none(spark_level) or log_level(cfg.log_level)
     handler.setLevel(level)
     file_level = min(level, logging.INFO)
     logging.getLogger().setLevel(file_level)
@@ -77,6 +87,33 @@ def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str) -> P
     return path
 
 
+def follow(name: str) -> None:
+    """Spark's log level is now ``name`` (a log4j name from the shim's ``log_level`` line): the console
+    takes it, the log file INFO or that level when lower. The caller checks :func:`pinned` first."""
+    level = _level_or_none(name)
+    if level is None:
+        log.warning("Spark's log level %r is not one we know; the agent's console keeps its level", name)
+        return
+    root = logging.getLogger()
+    file_level = min(level, logging.INFO)
+    for handler in root.handlers:
+        if handler.get_name() == _HANDLER:
+            handler.setLevel(level)
+        elif isinstance(handler, logging.handlers.RotatingFileHandler):
+            handler.setLevel(file_level)
+    has_file = any(isinstance(h, logging.handlers.RotatingFileHandler) for h in root.handlers)
+    root.setLevel(file_level if has_file else level)
+    log.info("console log level now %s, Spark's (sc.setLogLevel)", name)
+
+
+def console_level() -> str:
+    """The console's level now, as log4j names it (``WARN``, ``ERROR``, ...)."""
+    handler = next((h for h in logging.getLogger().handlers if h.get_name() == _HANDLER), None)
+    level = logging.WARNING if handler is None else handler.level
+    names = {value: name for name, value in LOG_LEVELS.items() if name in ("DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF")}
+    return names.get(level, str(level))
+
+
 def log_dir(cfg: StewardConfig, *, executor: bool) -> Path:
     """Where the agent's log file goes (see the module docstring)."""
     state = Path(os.path.expanduser(cfg.effective_state_dir.removeprefix("file://")))
@@ -91,6 +128,13 @@ def log_file_name(role: str, executor_id: str | None = None) -> str:
     if role != "executor":
         return f"{role}-agent.log"
     return f"executor-agent-{re.sub(r'[^A-Za-z0-9._-]', '_', executor_id or 'unknown')[:100]}.log"
+
+
+def _level_or_none(name: str | None) -> int | None:
+    try:
+        return None if not name else log_level(name)
+    except ValueError:
+        return None
 
 
 def _env_level() -> int | None:

@@ -64,8 +64,14 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
 
   def start(): Unit = writer.start()
 
-  /** Enqueue one event line; never blocks, never throws. A `sticky` line is replayed to a restarted agent. */
+  private def rootLevel() = try org.apache.logging.log4j.LogManager.getRootLogger.getLevel.name catch { case _: Throwable => "" }
+  @volatile private var level = rootLevel() // the JVM's log4j level (sc.setLogLevel) as last sent to the agent
+
+  /** Enqueue one event line, after a `log_level` line when the JVM's level changed since the last line;
+   *  never blocks, never throws. A `sticky` line is replayed to a restarted agent. */
   def send(line: String, sticky: Boolean = false): Unit = {
+    val now = rootLevel()
+    if (now != level) { level = now; send(Messages.encode("log_level", "level" -> now), sticky = true) }
     if (sticky) replay = replay :+ line
     if (!queue.offer(line)) {
       val n = dropped.incrementAndGet()

@@ -68,12 +68,10 @@ object Messages {
 
   /** task_start, task_succeeded or task_failed (the latter with a reason). */
   def task(kind: String, time: Long, taskAttemptId: Long, stageId: Int, stageAttemptId: Int,
-           partitionId: Int, attemptNumber: Int, reason: Option[String] = None): String = {
-    val base = Seq[(String, Any)]("time" -> time, "task_attempt_id" -> taskAttemptId,
-      "stage_id" -> stageId, "stage_attempt_id" -> stageAttemptId, "partition_id" -> partitionId,
-      "attempt_number" -> attemptNumber)
-    encode(kind, (if (kind == "task_failed") base :+ ("reason" -> reason.getOrElse("")) else base): _*)
-  }
+           partitionId: Int, attemptNumber: Int, reason: Option[String] = None): String =
+    encode(kind, Seq[(String, Any)]("time" -> time, "task_attempt_id" -> taskAttemptId, "stage_id" -> stageId,
+      "stage_attempt_id" -> stageAttemptId, "partition_id" -> partitionId, "attempt_number" -> attemptNumber) ++
+      (if (kind == "task_failed") Seq("reason" -> reason.getOrElse("")) else Nil): _*)
 
   def shutdown(time: Long, reason: String): String =
     encode("shutdown", "time" -> time, "reason" -> reason)

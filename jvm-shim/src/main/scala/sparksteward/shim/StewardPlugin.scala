@@ -22,7 +22,7 @@ class StewardPlugin extends SparkPlugin {
 
 object StewardPlugin {
   val ConfPrefix = "spark.steward."
-  private val forwarded = Set("spark.app.name", "spark.master", "spark.checkpoint.dir")
+  private val forwarded = Set("spark.app.name", "spark.master", "spark.checkpoint.dir", "spark.log.level")
 
   /** The `conf` object of `hello`: every spark.steward.* entry plus a few of Spark's own. */
   def agentConf(conf: SparkConf): Map[String, String] =
@@ -40,11 +40,7 @@ object StewardPlugin {
     new AgentProcess(role, Seq(python(conf, role), "-m", s"sparksteward.agents.$role"), hello,
       conf.getInt("spark.steward.agent.max-restarts", 3))
 
-  def newSecret(): String = {
-    val bytes = new Array[Byte](32)
-    new SecureRandom().nextBytes(bytes)
-    bytes.map(b => f"${b & 0xff}%02x").mkString
-  }
+  def newSecret(): String = { val b = new Array[Byte](32); new SecureRandom().nextBytes(b); java.util.HexFormat.of.formatHex(b) }
 }
 
 class StewardDriverPlugin extends DriverPlugin {

@@ -23,6 +23,7 @@ object ProtocolGoldenTest {
       "task_succeeded" -> Messages.task("task_succeeded", 1700000001600L, 17L, 4, 0, 2, 0),
       "task_failed" -> Messages.task("task_failed", 1700000001700L, 18L, 4, 0, 3, 1, Some("java.lang.RuntimeException: x")),
       "shutdown" -> Messages.shutdown(1700000006000L, "plugin shutdown"),
+      "log_level" -> Messages.encode("log_level", "level" -> "ERROR"),
       "open_file" -> Messages.encode("open_file", "id" -> 7L,
         "url" -> "steward://app-0123456789abcdef/app-20261122-0001/p-00112233445566778899aabbccddeeff/udf.jar"))
     val checks = encoded.map { case (name, line) =>
