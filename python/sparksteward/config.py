@@ -227,7 +227,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("spark.steward.log.level", "str", "WARN",
            "Level of the agents' log lines on stderr, which Spark puts in the driver's and executors' logs. "
            "Unset, the agents follow Spark's level: spark.log.level at start (else WARN, Spark's console "
-           "default), then every sc.setLogLevel (the shim tells each agent when its JVM's level changes). Each agent also writes INFO and above (or this level, "
+           "default, or the JVM's level when quieter), then every sc.setLogLevel (the shim tells each agent "
+           "when its JVM's level changes; executors' JVMs change with spark.executor.syncLogLevel.enabled). Each agent also writes INFO and above (or this level, "
            "when lower) to its own log file, <state-dir>/logs/driver-agent.log or "
            "executor-agent-<executor id>.log, rotated at 10 MB with 5 old files kept; health() names it. "
            "The environment variable SPARK_STEWARD_LOG_LEVEL, when set, overrides this.",

@@ -159,7 +159,12 @@ def test_the_console_follows_spark_s_level_unless_the_configuration_pins_it(tmp_
         with agent.connect() as conn:
             assert conn.request("health")["log_level"] == ("ERROR" if pin is None else "WARN")   # spark.log.level at start
         _refused_connection(agent)
-        agent.event("log_level", level="INFO")   # sc.setLogLevel("INFO")
+        agent.event("log_level", level="INFO")   # the JVM's at start (spark-submit's INFO): louder, not followed
+        agent.event("log_level", level="DEBUG")   # sc.setLogLevel("DEBUG") ... and so on
+        if pin is None:
+            _wait_for(log_file, "console log level now DEBUG")
+            assert "console log level now INFO" not in log_file.read_text()
+        agent.event("log_level", level="INFO")
         if pin is None:
             _wait_for(log_file, "console log level now INFO")
         agent.event("log_level", level="FATAL")
@@ -180,3 +185,17 @@ def test_the_console_follows_spark_s_level_unless_the_configuration_pins_it(tmp_
     refusals = err.read_text().count("authentication failed")
     assert refusals == (1 if pin is None else 2), err.read_text()   # the first hidden at ERROR, unless pinned
     assert ("Spark's log level 'LOUD' is not one we know" in err.read_text()) == (pin is None)
+
+
+def test_a_quieter_level_at_start_is_followed(tmp_path):
+    """An executor that Spark starts after a ``sc.setLogLevel("ERROR")`` starts at ERROR: the shim's first
+    ``log_level`` line says so, and the agent (WARN by default) takes it."""
+    log_file = tmp_path / "state" / "logs" / "driver-agent.log"
+    with AgentProcess("driver", {"spark.steward.state-dir": str(tmp_path / "state")},
+                      env={"SPARK_STEWARD_LOG_LEVEL": ""}) as agent:
+        assert agent.ready, agent.first
+        agent.event("log_level", level="ERROR")
+        _wait_for(log_file, "console log level now ERROR")
+        with agent.connect() as conn:
+            assert conn.request("health")["log_level"] == "ERROR"
+        assert agent.stop() == 0

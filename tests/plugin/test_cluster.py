@@ -100,6 +100,23 @@ def test_broadcast_reaches_both_executors_once_each(spark):
     assert all(s.get("transfers", 0) == 1 for s in per_exec.values()), per_exec  # once per executor, 4 tasks each
 
 
+def test_executor_agents_follow_sc_setLogLevel_when_spark_syncs_it_to_the_executors(spark):
+    """Issue 40, on executor JVMs of their own: with ``spark.executor.syncLogLevel.enabled`` Spark sets
+    each executor's log4j level on ``sc.setLogLevel``, and the executor's shim passes it to its agent. (Before
+    the SIGKILL test: an executor that Spark starts in place of a killed one kept INFO in its JVM here.)"""
+    sc = spark.sparkContext
+    jvm_level = sc._jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel().name()
+    try:
+        sc.setLogLevel("ERROR")
+
+        def levels():   # Spark tells the registered executors in the background: ask until both agents have it
+            found = dict(sc.parallelize(range(8), 8).mapPartitions(log_level_probe).collect())
+            return found if len(found) == 2 and set(found.values()) == {"ERROR"} else None
+        wait_until(levels, timeout=60, what="both executor agents at ERROR")
+    finally:
+        sc.setLogLevel(jvm_level)
+
+
 def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     executors = _executors(spark)
     assert len(executors) == 2
@@ -116,19 +133,3 @@ def test_sigkill_of_an_executor_jvm_ends_its_agent_within_5s(spark):
     assert not os.path.exists(cache_dir), "the agent deleted its cache although its JVM died"
     # the application carries on with the remaining / replacement executor
     assert spark.sparkContext.parallelize(range(4), 4).count() == 4
-
-
-def test_executor_agents_follow_sc_setLogLevel_when_spark_syncs_it_to_the_executors(spark):
-    """Issue 40, on executor JVMs of their own: with ``spark.executor.syncLogLevel.enabled`` Spark sets
-    each executor's log4j level on ``sc.setLogLevel``, and the executor's shim passes it to its agent."""
-    sc = spark.sparkContext
-    jvm_level = sc._jvm.org.apache.logging.log4j.LogManager.getRootLogger().getLevel().name()
-    try:
-        sc.setLogLevel("ERROR")
-
-        def levels():   # Spark tells the executors in the background: ask until both have it
-            found = dict(sc.parallelize(range(8), 8).mapPartitions(log_level_probe).collect())
-            return found if len(found) == 2 and set(found.values()) == {"ERROR"} else None
-        wait_until(levels, timeout=60, what="both executor agents at ERROR")
-    finally:
-        sc.setLogLevel(jvm_level)

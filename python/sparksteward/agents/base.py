@@ -111,9 +111,13 @@ class Agent:
             handler(msg)
 
     def on_log_level(self, msg: dict[str, Any]) -> None:
-        """The JVM's log level changed (``sc.setLogLevel``): follow it unless the configuration pins ours."""
+        """The JVM's log level: the first line gives it at start, each next one a change (``sc.setLogLevel``).
+        Unless the configuration pins ours, the console follows every change, and the level at start only
+        where it is quieter than ours (spark-submit starts Spark at INFO; an executor that Spark started
+        after a ``sc.setLogLevel`` starts at that level)."""
+        first, self._told_level = not getattr(self, "_told_level", False), True
         if not logs.pinned(self.hello["conf"]):
-            logs.follow(msg["level"])
+            logs.follow(msg["level"], quieter_only=first)
 
     # --- requests ----------------------------------------------------------------------------
     def _op_health(self, conn: Connection, req: dict[str, Any]) -> dict[str, Any]:

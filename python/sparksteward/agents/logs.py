@@ -87,14 +87,18 @@ def configure(handler: logging.Handler, cfg: StewardConfig, file_name: str, spar
     return path
 
 
-def follow(name: str) -> None:
+def follow(name: str, *, quieter_only: bool = False) -> None:
     """Spark's log level is now ``name`` (a log4j name from the shim's ``log_level`` line): the console
-    takes it, the log file INFO or that level when lower. The caller checks :func:`pinned` first."""
+    takes it (with ``quieter_only``, only when it is quieter than the console's), the log file INFO or
+    that level when lower. The caller checks :func:`pinned` first."""
     level = _level_or_none(name)
     if level is None:
         log.warning("Spark's log level %r is not one we know; the agent's console keeps its level", name)
         return
     root = logging.getLogger()
+    console = next((h for h in root.handlers if h.get_name() == _HANDLER), None)
+    if quieter_only and console is not None and level <= console.level:
+        return
     file_level = min(level, logging.INFO)
     for handler in root.handlers:
         if handler.get_name() == _HANDLER:

@@ -65,9 +65,9 @@ class AgentProcess(role: String, command: Seq[String], hello: String, maxRestart
   def start(): Unit = writer.start()
 
   private def rootLevel() = try org.apache.logging.log4j.LogManager.getRootLogger.getLevel.name catch { case _: Throwable => "" }
-  @volatile private var level = rootLevel() // the JVM's log4j level (sc.setLogLevel) as last sent to the agent
+  @volatile private var level = "" // the JVM's log4j level as last sent to the agent: the first line says it
 
-  /** Enqueue one event line, after a `log_level` line when the JVM's level changed since the last line;
+  /** Enqueue one event line, after a `log_level` line first and when the JVM's level changed (sc.setLogLevel);
    *  never blocks, never throws. A `sticky` line is replayed to a restarted agent. */
   def send(line: String, sticky: Boolean = false): Unit = {
     val now = rootLevel()
