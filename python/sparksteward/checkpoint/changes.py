@@ -50,7 +50,7 @@ from sparksteward.checkpoint.reader import (
 from sparksteward.checkpoint.records import CheckpointMetadata, SubtaskHandle
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
+from sparksteward.checkpoint.task.subtask_restore import open_read_only, restore_subtask_backend
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import variables_of
@@ -151,9 +151,11 @@ def _subtask_changes(storage: CheckpointStorage, older: CheckpointMetadata, newe
                      cache: LocalFileCache) -> pa.Table:
     s = handle.subtask
     middle = _middle(newer, variable)
-    b, _ = restore_subtask_backend(storage, newer, s, tmp / f"b{s}", cache)
+    b = open_read_only(storage, newer, handle, tmp / f"b{s}", cache)
     try:
-        a, _ = restore_subtask_backend(storage, older, s, tmp / f"a{s}", cache, parallelism=newer.parallelism)
+        a = (open_read_only(storage, older, next(h for h in older.subtasks if h.subtask == s), tmp / f"a{s}", cache)
+             if older.parallelism == newer.parallelism else
+             restore_subtask_backend(storage, older, s, tmp / f"a{s}", cache, parallelism=newer.parallelism)[0])
         try:
             same = older.parallelism == newer.parallelism
             before = next(h for h in older.subtasks if h.subtask == s) if same else None

@@ -34,7 +34,7 @@ from sparksteward.checkpoint.begun import time_of
 from sparksteward.checkpoint.records import CheckpointMetadata
 from sparksteward.checkpoint.storage import CheckpointStorage
 from sparksteward.checkpoint.task.cache import LocalFileCache
-from sparksteward.checkpoint.task.subtask_restore import restore_subtask_backend
+from sparksteward.checkpoint.task.subtask_restore import open_read_only
 from sparksteward.errors import StateError
 from sparksteward.state.backend import RocksDBStateBackend
 from sparksteward.state.declared import DEFAULT_VARIABLE as DEFAULT_STATE
@@ -113,7 +113,7 @@ def read_variable(storage: CheckpointStorage, meta: CheckpointMetadata, variable
     try:
         cache = LocalFileCache(f"{tmp}/cache")
         for done, handle in enumerate(handles, 1):
-            backend, _ = restore_subtask_backend(storage, meta, handle.subtask, f"{tmp}/s{handle.subtask}", cache)
+            backend = open_read_only(storage, meta, handle, f"{tmp}/s{handle.subtask}", cache)
             try:
                 tables.append(_read_subtask(backend, meta, variable, schema, now))
             finally:

@@ -33,7 +33,7 @@ from sparksteward.state.keygroups import KeyGroupRange, KeyType, key_group_range
 if TYPE_CHECKING:   # RocksDB is imported where a DB is opened: the driver agent checks max parallelism only
     from sparksteward.state.backend import RocksDBStateBackend
 
-__all__ = ["RescaleStats", "open_subtask", "overlapping_subtasks", "prepare_subtask",
+__all__ = ["RescaleStats", "open_read_only", "open_subtask", "overlapping_subtasks", "prepare_subtask",
            "rebuild_subtask", "restore_subtask_backend"]
 
 log = logging.getLogger("sparksteward.checkpoint.task.subtask_restore")
@@ -117,6 +117,19 @@ def restore_subtask_backend(storage: CheckpointStorage, meta: CheckpointMetadata
     parallelism = meta.parallelism if parallelism is None else parallelism
     return rebuild_subtask(storage, meta, parallelism, index, workdir, cache,
                            max_parallelism=max_parallelism, compact=compact)
+
+
+def open_read_only(storage: CheckpointStorage, meta: CheckpointMetadata, handle: SubtaskHandle,
+                   workdir: str | Path, cache: LocalFileCache) -> RocksDBStateBackend:
+    """Subtask ``handle`` of ``meta`` restored into ``workdir`` as it is and opened read-only, for an offline
+    read: no rescale, and RocksDB writes nothing (a writable open writes a MANIFEST and syncs it)."""
+    from sparksteward.state.backend import DB_DIR, RocksDBStateBackend
+
+    if not handle.files:   # a subtask that never held state: an empty DB
+        return restore_subtask_backend(storage, meta, handle.subtask, workdir, cache)[0]
+    restore_subtask(storage, meta, handle, Path(workdir) / DB_DIR, cache)
+    return RocksDBStateBackend(workdir, handle.key_groups, meta.max_parallelism, meta.key_type, create=False,
+                               read_only=True)
 
 
 def rebuild_subtask(storage: CheckpointStorage, meta: CheckpointMetadata, new_parallelism: int, index: int,
