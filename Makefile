@@ -11,7 +11,7 @@ ifeq ($(NEWEST_SPARK),)
 $(error no TESTED_SPARK_VERSIONS = (...) line in python/sparksteward/config.py)
 endif
 
-.PHONY: quickstart example-state example-declared example-sessions example-connect lint test soak compat bench docs dist clean
+.PHONY: bench-tests quickstart example-state example-declared example-sessions example-connect lint test soak compat bench docs dist clean
 .PRECIOUS: .venv-%/.installed
 
 $(VENV)/.installed: setup.cfg pyproject.toml
@@ -54,12 +54,16 @@ lint: $(VENV)/.installed
 # the suite in two processes (pytest-xdist), each taking whole modules: a module's tests share its fixtures
 # and Spark session, and the machine's 2 cores idle while one process waits on Spark, S3 or a kill
 test: lint
-	$(PY) -m pytest -q -ra -m "not soak" -n 2 --dist loadfile --durations=40
+	$(PY) -m pytest -q -ra -m "not soak and not bench" -n 2 --dist loadfile --durations=40
 
 # the soak in two processes too, but the tests that measure time or race (marked timing) after the rest, alone
 soak: $(VENV)/.installed
 	$(PY) -m pytest -q -ra -m "soak and not timing" -n 2 --dist loadfile --durations=25
 	$(PY) -m pytest -q -ra -m "soak and timing" -s --durations=10
+
+# the benchmarks run small as tests (marked bench), alone: each shows its table; CI leaves them out
+bench-tests: $(VENV)/.installed
+	$(PY) -m pytest -q -ra -m bench -s --durations=5
 
 # the compat set (the tests marked compat) on each older tested pyspark; `make compat-4.0` runs one. The
 # versions run side by side (each its own venv, Spark applications, ports and pytest tmp dir), their output

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.soak]
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 ROOT = Path(__file__).resolve().parents[2]
 
