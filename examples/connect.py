@@ -95,7 +95,7 @@ def main(url: str) -> None:
     # (ks.process(...) works as a Connect foreachBatch function too: tests/connect/test_connect.py)
     # what does not work on Connect yet is refused by name, saying what to do instead
     try:
-        st.add_jar("udfs.jar")
+        st.read_state("clicks")
     except sparksteward.errors.ConnectNotSupportedError as exc:
         print(f"refused on Connect: {exc}")
     spark.stop()

@@ -122,10 +122,10 @@ def test_sessions_example(tmp_path):
 def test_connect_example(tmp_path):
     """Issue 40 must-show 2: ``make example-connect`` starts a Connect server with the plugin and uses it
     from a client process with no JVM: the broadcast's partial sums add up, run_once runs once, keyed
-    state's batches count exactly, and add_jar is refused by name."""
+    state's batches count exactly, and read_state is refused by name."""
     out = Example("connect.py", tmp_path).finish()
     assert "total equal to the client's: True" in out
     assert re.search(r"run_once\('connect-example-[^']+'\): \{'rows': 1000\}, then the stored payload without "
                      r"running again: \{'rows': 1000\}", out)
     assert "batch 1: clicks per user [('user-0', 4), ('user-1', 4), ('user-2', 4)]" in out
-    assert "refused on Connect: Steward.add_jar is not available on Spark Connect" in out
+    assert "refused on Connect: Steward.read_state is not available on Spark Connect" in out

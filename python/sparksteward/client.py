@@ -326,16 +326,27 @@ class Steward:
         if what == "jar":
             _check_jar(os.fspath(path))
         blobs = self.blobs
+        job = self.current_job()
+        if self.remote:   # a Connect client: streamed to the driver agent
+            return str(BlobUrl(app_scope(self._secret), job, blobs.put_file(path, job, permanent=True), name))
         fd, staged = blobs.staging_file()
         os.close(fd)
         try:
             shutil.copyfile(path, staged)
-            job = self.current_job()
             key = blobs.put_path(staged, job, permanent=True, move=True)
         finally:
             if os.path.exists(staged):
                 os.unlink(staged)
         return str(BlobUrl(app_scope(self._secret), job, key, name))
+
+    def _add_on_connect(self, command: str, url: str) -> str:
+        """``ADD FILE`` of ``url`` run by the Connect server for this client's session (decision
+        0030): Spark adds it to the session's artifacts, whose tasks fetch it like any steward:// URL."""
+        assert self.spark is not None
+        if not all(c.isalnum() or c in "/:._+-" for c in url):   # ours is: never quote into SQL what is not
+            raise InvalidIdError(f"{url!r} cannot go into {command}")
+        self.spark.sql(f"{command} '{url}'").collect()
+        return url
 
     def add_jar(self, path: str | os.PathLike[str]) -> str:
         """Upload a jar as a permanent blob of the current job (HA when configured) and add it to Spark
@@ -343,8 +354,9 @@ class Steward:
         verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
         ``st.job`` for the whole application). Returns the URL. A file that is not a jar (a zip with a
         manifest or classes) is refused, naming it, before anything is uploaded."""
-        self._needs_jvm("add_jar", "it adds the jar with SparkContext.addJar on the driver", "Add it from the client "
-                        "with Spark's spark.addArtifacts(path), or call st.add_jar in code that runs on the server")
+        self._needs_jvm("add_jar", "the server's session loads a jar's classes from a local file, and ADD JAR of a "
+                        "steward:// URL reaches only the executors", "Add it from the client with Spark's "
+                        "spark.addArtifacts(path), or call st.add_jar in code that runs on the server")
         url = self._put_file_url(path, "jar")
         if self.spark is not None:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
@@ -356,10 +368,11 @@ class Steward:
         return url
 
     def add_file(self, path: str | os.PathLike[str]) -> str:
-        """Like :meth:`add_jar`, for ``sc.addFile`` (tasks read it with ``SparkFiles.get(name)``)."""
-        self._needs_jvm("add_file", "it adds the file with SparkContext.addFile on the driver", "Add it from the "
-                        "client with Spark's spark.addArtifacts(path, file=True), or call st.add_file on the server")
+        """Like :meth:`add_jar`, for ``sc.addFile`` (tasks read it with ``SparkFiles.get(name)``). On Spark
+        Connect the server's ``ADD FILE`` adds the URL for the client's session."""
         url = self._put_file_url(path, "file")
+        if self.remote:
+            return self._add_on_connect("ADD FILE", url)
         if self.spark is not None:
             self.spark.sparkContext.addFile(url)
         return url

@@ -5,6 +5,7 @@ result. It never starts a JVM: it is what a notebook on another machine would be
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 
@@ -106,11 +107,25 @@ def main(url: str, scenario: str, *args: str) -> None:
             raise RuntimeError(str(q.exception()))
         rows = spark.read.json(outdir).collect()
         out(rows=sorted([r.batch, r.k, r.n] for r in rows))
+    elif scenario == "add":
+        # a file added from the client: tasks of this session read it with SparkFiles.get
+        from pyspark import SparkFiles
+
+        text = args[0]
+        name = os.path.basename(text)
+        file_url = st.add_file(text)
+
+        @F.udf("string")
+        def read(_):
+            with open(SparkFiles.get(name)) as f:
+                return f.read()
+
+        files = {r[0] for r in spark.range(4, numPartitions=4).select(read("id")).collect()}
+        out(file_url=file_url, files=sorted(files))
     elif scenario == "refused":
         ks = st.keyed_state("connect-refused", key="user", parallelism=2, checkpoint_dir=args[1])
         out(messages={
             "add_jar": refused(st.add_jar, args[0]),
-            "add_file": refused(st.add_file, args[0]),
             "keyed_state(...).process(idle_timers=...)": refused(ks.process, lambda k, r, s: None, "user string",
                                                                  lambda o, i: None, idle_timers=5.0),
             "read_state": refused(st.read_state, "clicks"),
