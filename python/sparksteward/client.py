@@ -340,7 +340,7 @@ class Steward:
         return str(BlobUrl(app_scope(self._secret), job, key, name))
 
     def _add_on_connect(self, command: str, url: str) -> str:
-        """``ADD FILE`` of ``url`` run by the Connect server for this client's session (decision
+        """``ADD FILE``/``ADD JAR`` of ``url`` (or a path of the server's host) run by the Connect server for this client's session (decision
         0030): Spark adds it to the session's artifacts, whose tasks fetch it like any steward:// URL."""
         assert self.spark is not None
         if not all(c.isalnum() or c in "/:._+-" for c in url):   # ours is: never quote into SQL what is not
@@ -354,10 +354,10 @@ class Steward:
         verified. The job's end deletes the blob: add a jar in the scope that uses it (or outside any
         ``st.job`` for the whole application). Returns the URL. A file that is not a jar (a zip with a
         manifest or classes) is refused, naming it, before anything is uploaded."""
-        self._needs_jvm("add_jar", "the server's session loads a jar's classes from a local file, and ADD JAR of a "
-                        "steward:// URL reaches only the executors", "Add it from the client with Spark's "
-                        "spark.addArtifacts(path), or call st.add_jar in code that runs on the server")
         url = self._put_file_url(path, "jar")
+        if self.remote:   # the server's session loads classes from a local file: the driver agent's verified copy
+            self._add_on_connect("ADD JAR", self.ask(BlobOpenFileRequest(url)).path)
+            return url
         if self.spark is not None:
             self.spark.sparkContext._jsc.sc().addJar(url)  # PySpark has no public addJar
             # the driver needs the classes too (spark.udf.registerJavaFunction loads them here): the
@@ -369,7 +369,8 @@ class Steward:
 
     def add_file(self, path: str | os.PathLike[str]) -> str:
         """Like :meth:`add_jar`, for ``sc.addFile`` (tasks read it with ``SparkFiles.get(name)``). On Spark
-        Connect the server's ``ADD FILE`` adds the URL for the client's session."""
+        Connect the server's ``ADD FILE`` adds the URL for the client's session (``add_jar``: ``ADD JAR`` of the
+        driver agent's verified copy, decision 0030)."""
         url = self._put_file_url(path, "file")
         if self.remote:
             return self._add_on_connect("ADD FILE", url)

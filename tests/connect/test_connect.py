@@ -136,21 +136,27 @@ def test_a_keyed_state_stream_through_foreach_batch_from_a_connect_client_restar
     assert second == want   # the output dir holds both runs: the restart emitted each batch once
 
 
-def test_a_file_added_from_a_connect_client_reaches_the_session_s_tasks(server, tmp_path):
-    """Issue 40: ``add_file`` on Connect uploads to the BLOB service and the server's ``ADD FILE`` adds the
-    steward:// URL to the client's session: its tasks read the file with ``SparkFiles.get``."""
+def test_a_file_and_a_jar_added_from_a_connect_client_reach_the_session_s_tasks(server, tmp_path):
+    """Issue 40: ``add_file``/``add_jar`` on Connect upload to the BLOB service, and the server's ``ADD FILE``
+    (of the steward:// URL) and ``ADD JAR`` (of the driver agent's verified copy) add them to the client's
+    session: its tasks read the file with ``SparkFiles.get`` and run the jar's Java UDF."""
+    from tests.helpers.jars import JAVAC, build_udf_jar
+
+    if JAVAC is None:
+        pytest.skip("no javac")
     text = tmp_path / "lookup.txt"
     text.write_text("hello from the client")
-    got = client(server, "add", str(text))
+    got = client(server, "add", str(text), str(build_udf_jar(tmp_path / "jar")))
     assert got["file_url"].startswith("steward://") and got["file_url"].endswith("/lookup.txt")
     assert got["files"] == ["hello from the client"]
+    assert got["jar_url"].startswith("steward://") and got["udf"] == ["0", "2", "4", "6"]
 
 
 def test_what_does_not_work_on_connect_yet_is_refused_by_name(server, tmp_path):
     jar = tmp_path / "udfs.jar"
     jar.write_bytes(b"PK\x05\x06" + b"\x00" * 18)   # any file: the refusal comes before the check
     got = client(server, "refused", str(jar), str(tmp_path / "chk"))["messages"]
-    for call, instead in (("add_jar", "spark.addArtifacts"), ("keyed_state(...).process(idle_timers=...)", "Leave idle_timers out"),
+    for call, instead in (("keyed_state(...).process(idle_timers=...)", "Leave idle_timers out"),
                           ("read_state", "classic")):
         assert f"Steward.{call}" in got[call] and "not available on Spark Connect" in got[call], got[call]
         assert instead in got[call], got[call]

@@ -114,6 +114,7 @@ def main(url: str, scenario: str, *args: str) -> None:
         text = args[0]
         name = os.path.basename(text)
         file_url = st.add_file(text)
+        jar_url = st.add_jar(args[1])
 
         @F.udf("string")
         def read(_):
@@ -121,11 +122,12 @@ def main(url: str, scenario: str, *args: str) -> None:
                 return f.read()
 
         files = {r[0] for r in spark.range(4, numPartitions=4).select(read("id")).collect()}
-        out(file_url=file_url, files=sorted(files))
+        spark.udf.registerJavaFunction("exec_udf", "stewardtest.ExecUdf", "string")
+        udf_rows = sorted(r[0].split(":")[1] for r in spark.range(4, numPartitions=4).selectExpr("exec_udf(id)").collect())
+        out(file_url=file_url, jar_url=jar_url, files=sorted(files), udf=udf_rows)
     elif scenario == "refused":
         ks = st.keyed_state("connect-refused", key="user", parallelism=2, checkpoint_dir=args[1])
         out(messages={
-            "add_jar": refused(st.add_jar, args[0]),
             "keyed_state(...).process(idle_timers=...)": refused(ks.process, lambda k, r, s: None, "user string",
                                                                  lambda o, i: None, idle_timers=5.0),
             "read_state": refused(st.read_state, "clicks"),
