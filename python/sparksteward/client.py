@@ -340,8 +340,8 @@ class Steward:
         return str(BlobUrl(app_scope(self._secret), job, key, name))
 
     def _add_on_connect(self, command: str, url: str) -> str:
-        """``ADD FILE``/``ADD JAR`` of ``url`` (or a path of the server's host) run by the Connect server for this client's session (decision
-        0030): Spark adds it to the session's artifacts, whose tasks fetch it like any steward:// URL."""
+        """``ADD FILE``/``ADD JAR`` of ``url`` (or a path on the server's host), run by the Connect server for
+        this client's session (decision 0030): Spark adds it to the session's artifacts."""
         assert self.spark is not None
         if not all(c.isalnum() or c in "/:._+-" for c in url):   # ours is: never quote into SQL what is not
             raise InvalidIdError(f"{url!r} cannot go into {command}")

@@ -75,6 +75,7 @@ class Agent:
         self._recent_bytes = 0
         self._event_seq = 0
         self.events_dropped = 0
+        self._told_level = False   # a log_level line came (the first is the JVM's level at start)
         self.server = AgentServer(hello["bind_host"], hello["port"], self.secret,
                                   {"health": self._op_health, "events": self._op_events},
                                   max_message=self.cfg.rpc_max_message_size, timeout=self.cfg.rpc_timeout,
@@ -115,7 +116,7 @@ class Agent:
         Unless the configuration pins ours, the console follows every change, and the level at start only
         where it is quieter than ours (spark-submit starts Spark at INFO; an executor that Spark started
         after a ``sc.setLogLevel`` starts at that level)."""
-        first, self._told_level = not getattr(self, "_told_level", False), True
+        first, self._told_level = not self._told_level, True
         if not logs.pinned(self.hello["conf"]):
             logs.follow(msg["level"], quieter_only=first)
 

@@ -47,7 +47,7 @@ _HANDLER = "sparksteward-agent-console"
 def console() -> logging.Handler:
     """Install the stderr handler at WARNING (or ``SPARK_STEWARD_LOG_LEVEL``) and return it."""
     root = logging.getLogger()
-    handler = next((h for h in root.handlers if h.get_name() == _HANDLER), None)
+    handler = _console_handler()
     if handler is None:
         handler = logging.StreamHandler(sys.stderr)
         handler.set_name(_HANDLER)
@@ -96,7 +96,7 @@ def follow(name: str, *, quieter_only: bool = False) -> None:
         log.warning("Spark's log level %r is not one we know; the agent's console keeps its level", name)
         return
     root = logging.getLogger()
-    console = next((h for h in root.handlers if h.get_name() == _HANDLER), None)
+    console = _console_handler()
     if quieter_only and console is not None and level <= console.level:
         return
     file_level = min(level, logging.INFO)
@@ -112,7 +112,7 @@ def follow(name: str, *, quieter_only: bool = False) -> None:
 
 def console_level() -> str:
     """The console's level now, as log4j names it (``WARN``, ``ERROR``, ...)."""
-    handler = next((h for h in logging.getLogger().handlers if h.get_name() == _HANDLER), None)
+    handler = _console_handler()
     level = logging.WARNING if handler is None else handler.level
     names = {value: name for name, value in LOG_LEVELS.items() if name in ("DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF")}
     return names.get(level, str(level))
@@ -132,6 +132,10 @@ def log_file_name(role: str, executor_id: str | None = None) -> str:
     if role != "executor":
         return f"{role}-agent.log"
     return f"executor-agent-{re.sub(r'[^A-Za-z0-9._-]', '_', executor_id or 'unknown')[:100]}.log"
+
+
+def _console_handler() -> logging.Handler | None:
+    return next((h for h in logging.getLogger().handlers if h.get_name() == _HANDLER), None)
 
 
 def _level_or_none(name: str | None) -> int | None:

@@ -151,14 +151,12 @@ def _subtask_changes(storage: CheckpointStorage, older: CheckpointMetadata, newe
                      cache: LocalFileCache) -> pa.Table:
     s = handle.subtask
     middle = _middle(newer, variable)
+    before = next(h for h in older.subtasks if h.subtask == s) if older.parallelism == newer.parallelism else None
     b = open_read_only(storage, newer, handle, tmp / f"b{s}", cache)
     try:
-        a = (open_read_only(storage, older, next(h for h in older.subtasks if h.subtask == s), tmp / f"a{s}", cache)
-             if older.parallelism == newer.parallelism else
+        a = (open_read_only(storage, older, before, tmp / f"a{s}", cache) if before is not None else
              restore_subtask_backend(storage, older, s, tmp / f"a{s}", cache, parallelism=newer.parallelism)[0])
         try:
-            same = older.parallelism == newer.parallelism
-            before = next(h for h in older.subtasks if h.subtask == s) if same else None
             keys = (_candidates(a, before, handle, cache, tmp / f"x{s}", older, newer, middle) if before is not None
                     else _every_key(a, middle) | _every_key(b, middle))
             return _diff(a, b, older, newer, variable, middle, sorted(keys), schema)
