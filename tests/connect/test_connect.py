@@ -198,3 +198,19 @@ def test_connect_server_print_is_the_spark_submit_line_with_the_plugin(capsys):
                  "spark.connect.grpc.binding.port=15123", "spark.ui.enabled=false"):
         assert want in confs, (want, confs)
     assert cmd[cmd.index("--master") + 1] == "local[2]"
+
+
+@pytest.mark.parametrize("path", ["/srv/state dir/x.jar", "x.jar' ; DROP TABLE t; --", "/tmp/x\\\\.jar"])
+def test_a_path_that_cannot_be_quoted_into_add_jar_is_refused_before_any_sql(path):
+    """``ADD FILE``/``ADD JAR`` get only letters, digits and ``/:._+-``: anything else (a space, a quote,
+    a backslash) is refused by name before Spark sees a statement."""
+    from types import SimpleNamespace
+
+    from sparksteward import Steward
+    from sparksteward.errors import InvalidIdError
+
+    ran = []
+    fake = SimpleNamespace(spark=SimpleNamespace(sql=lambda text: ran.append(text)))   # records, never runs
+    with pytest.raises(InvalidIdError, match="cannot go into ADD JAR"):
+        Steward._add_on_connect(fake, "ADD JAR", path)
+    assert ran == []
