@@ -315,7 +315,8 @@ OPTIONS = OPTIONS + (
            "How long the driver agent waits for an executor agent that holds files of a pending "
            "checkpoint (merged files not sealed yet) or opened one of its subtasks that has not acked "
            "(its task or upload still running) to answer before commit aborts the checkpoint (its "
-           "executor was lost). Agents poll every second while they hold such files or subtasks.",
+           "executor was lost). Agents poll every second while they hold such files or subtasks (four times "
+           "within a timeout shorter than 4 s).",
            check=_positive),
     Option("spark.steward.checkpoint.lease-timeout", "duration", "60s",
            "One state has one writer: the driver agent holds a lease on each state root it writes and "

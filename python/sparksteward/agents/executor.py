@@ -54,6 +54,7 @@ class ExecutorAgent(Agent):
                                      wal_flush_bytes=self.cfg.state_wal_flush_size,
                                      wal_flush_files=self.cfg.state_wal_flush_files,
                                      task_flush_bytes=self.cfg.state_task_flush_size,
+                                     agent_timeout=self.cfg.checkpoint_agent_timeout,
                                      compaction=CompactionPolicy(self.cfg.state_compaction_max_space_amplification,
                                                                  self.cfg.state_compaction_min_size,
                                                                  self.cfg.state_compaction_max_files),

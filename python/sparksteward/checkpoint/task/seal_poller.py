@@ -58,8 +58,10 @@ class SealPoller:
     thread (seals already started finish on their own threads).
     """
 
-    def __init__(self, merger: FileMerger, subtasks: Subtasks, ask: Callable[[Message], Any], agent_id: str) -> None:
+    def __init__(self, merger: FileMerger, subtasks: Subtasks, ask: Callable[[Message], Any], agent_id: str,
+                 interval: float = 1.0) -> None:
         self.merger = merger
+        self.interval = interval   # seconds between heartbeats (and a poll's longest wait at the driver)
         self.subtasks = subtasks
         self.agent_id = agent_id
         self._ask = ask
@@ -104,19 +106,19 @@ class SealPoller:
                         log.debug("heartbeat to the driver agent failed: %s", exc)
                     else:
                         self._release_stale(beat, opens)
-                self._wake.wait(1.0)
+                self._wake.wait(self.interval)
                 self._wake.clear()
                 continue
             with self._lock:
                 names = dict(self._names)
             try:
                 reply: MergePollReply = self._ask(MergePollRequest(
-                    self.agent_id, wait=1.0, working=working,
+                    self.agent_id, wait=self.interval, working=working,
                     pools=[CheckpointRef(names[u], c) for u, c in pools if u in names],
                     closed=[ClosedFile(names[u], p) for u, p in closed if u in names]))
             except Exception as exc:  # noqa: BLE001 - the driver agent is busy or gone; try again
                 log.warning("file-merging poll of the driver agent failed: %s", exc)
-                self._stop.wait(1.0)
+                self._stop.wait(self.interval)
                 continue
             self._release_stale(reply, opens)
             urls = {n: u for u, n in names.items()}

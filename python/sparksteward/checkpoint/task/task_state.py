@@ -166,14 +166,16 @@ class SubtaskService:
     """Working dirs, cache and uploads of one executor's keyed-state subtasks.
 
     ``open_timeout``: seconds after which an open subtask that was neither uploaded nor released is
-    released (measured on ``clock``).
+    released (measured on ``clock``). ``agent_timeout``: how long the driver agent waits for this agent's
+    heartbeat (``spark.steward.checkpoint.agent-timeout``); the agent beats every second, or four times
+    within a shorter timeout, so one late beat never makes it look dead.
     """
 
     def __init__(self, parent: str | Path, driver_endpoint: str | None, secret: str, *, upload_threads: int = 4,
                  cache_max_bytes: int | None = None, wal_flush_bytes: int = WAL_FLUSH_BYTES,
                  wal_flush_files: int = WAL_FLUSH_FILES, task_flush_bytes: int = TASK_FLUSH_BYTES,
                  open_timeout: float = OPEN_TIMEOUT, clock: Clock | None = None,
-                 compaction: CompactionPolicy | None = None) -> None:
+                 compaction: CompactionPolicy | None = None, agent_timeout: float = 30.0) -> None:
         parent = private_dir(Path(parent))
         sweep_dead(parent, STATE_DIR_PREFIX)
         self.root = Path(tempfile.mkdtemp(prefix=f"{STATE_DIR_PREFIX}{os.getpid()}-", dir=parent))
@@ -197,7 +199,7 @@ class SubtaskService:
         self.agent_id = f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:6]}"
         self.merger = FileMerger(self.root / "merging")
         self._uploading: dict[int, tuple[str, int, int]] = {}   # upload id -> (state, checkpoint, subtask)
-        self.poller = SealPoller(self.merger, self, self._ask, self.agent_id)
+        self.poller = SealPoller(self.merger, self, self._ask, self.agent_id, interval=min(1.0, agent_timeout / 4))
         self.poller.start()
 
     def register_handlers(self, server: AgentServer) -> None:
