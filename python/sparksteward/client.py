@@ -556,8 +556,8 @@ class Steward:
 
 
 _STATE_WHY = "its Spark side still needs the driver's SparkContext (job groups, local properties, data sources)"
-_STATE_INSTEAD = ("Run it in a classic session on the server's host (spark-submit with the plugin) until keyed state "
-                  "on Connect lands (issue 40)")
+_STATE_INSTEAD = ("Run it in a classic PySpark session with the plugin (an application spark-submitted to the cluster), "
+                  "or use `steward state show|read|diff|bootstrap` from any host that reaches the checkpoints' storage")
 
 
 def _revive(endpoint: str, secret: str, timeout: float, max_message: int, default_wait: float,
