@@ -284,6 +284,73 @@ def test_get_many_over_arrow_keys_reads_what_get_reads(backend, tmp_path):
         one.close()
 
 
+def test_a_bulk_read_that_scans_reads_what_a_multi_get_and_the_model_read(tmp_path, monkeypatch):
+    """A large get_many on a DB holding few entries per key asked for scans the variable's entries in each
+    key group (arrow_keys.get_stored) instead of a multi-get: seeded random puts, deletes by null, values
+    in SSTs and in the memtable, a key group deleted by range (as a rescale drops one), a variable whose
+    name starts with another's, a TTL variable, absent and repeated keys: the scan, the multi-get and the
+    test's own model agree for every read. Prints its seed."""
+    import random
+
+    from sparksteward.state.keygroups import key_group
+    from sparksteward.state.typed import arrow_keys
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    rng = random.Random(seed)
+    b = RocksDBStateBackend(tmp_path / "s", KeyGroupRange(0, 16), 16, "string")
+    specs = [value_state("n", "bigint"), value_state("n2", "bigint"), value_state("t", "bigint", ttl=5)]
+    names = [f"user-{i:05d}" for i in range(3000)]
+    model: dict[str, dict[str, int]] = {"n": {}, "n2": {}}
+    written_t: dict[str, tuple[int, int]] = {}   # key -> (value, batch time)
+    try:
+        for batch in range(1, 7):
+            now = T0 + batch * 2000
+            st = _states(b, specs, now=now, batch=batch)
+            for var in ("n", "n2"):
+                keys = rng.sample(names, rng.randrange(200, 2500))
+                values = [None if rng.random() < 0.1 else rng.randrange(1 << 40) for _ in keys]
+                st.value(var).put_many(pa.array(keys), pa.array(values, pa.int64()))
+                for k, v in zip(keys, values):
+                    if v is None:
+                        model[var].pop(k, None)
+                    else:
+                        model[var][k] = v
+            tkeys = rng.sample(names, 500)
+            st.value("t").put_many(pa.array(tkeys), pa.array(range(500), pa.int64()))
+            written_t.update({k: (i, now) for i, k in enumerate(tkeys)})
+            if batch == 3:
+                b.db.flush()   # these in SSTs, the later ones in the memtable
+            if batch == 4:   # key group 5 dropped by a range delete, as a rescale does
+                b.db.delete_range(bytes([0, 5]), bytes([0, 6]))
+                for var in model.values():
+                    for k in [k for k in var if key_group(k, 16, "string") == 5]:
+                        del var[k]
+                written_t = {k: v for k, v in written_t.items() if key_group(k, 16, "string") != 5}
+            now_read = now + 1000
+            reader = _states(b, specs, now=now_read, batch=batch + 100)
+            asked = rng.sample(names, 2000) + ["absent-key"] + rng.sample(names, 50)   # repeats
+            want = {"n": [model["n"].get(k) for k in asked], "n2": [model["n2"].get(k) for k in asked],
+                    "t": [written_t[k][0] if k in written_t and written_t[k][1] + 5000 > now_read else None
+                          for k in asked]}
+            for var in ("n", "n2", "t"):
+                monkeypatch.setattr(arrow_keys, "_SCAN_FROM", 1 << 40)   # never scans
+                multi = reader.value(var).get_many(pa.array(asked)).to_pylist()
+
+                def no_multi_get(*a, **k):
+                    raise AssertionError("the multi-get ran where the scan should")
+
+                monkeypatch.setattr(arrow_keys, "_SCAN_FROM", 1)
+                monkeypatch.setattr(arrow_keys, "_SCAN_RATIO", 1 << 40)   # always scans
+                monkeypatch.setattr(arrow_keys, "key_order", no_multi_get)
+                scanned = _states(b, specs, now=now_read, batch=batch + 100).value(var).get_many(
+                    pa.array(asked)).to_pylist()
+                monkeypatch.undo()
+                assert scanned == multi == want[var], (seed, batch, var)
+    finally:
+        b.close()
+
+
 def test_on_read_and_write_moves_the_expiry_on_a_read(backend):
     specs = [value_state("c", "bigint", ttl=5, ttl_update="on_read_and_write"), value_state("w", "bigint", ttl=5)]
     _states(backend, specs, now=T0).value("c").update("k", 1)

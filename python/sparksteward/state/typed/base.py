@@ -35,7 +35,7 @@ from sparksteward.errors import StateEncodingError
 from sparksteward.state.declared import VariableRecord
 from sparksteward.state.encoding import decode_value, key_prefix
 from sparksteward.state.rows import TAG_EXPIRING, TAG_TYPED, RowCodec, expired, project_py, with_expiry
-from sparksteward.state.typed.arrow_keys import key_order, last_of_equal
+from sparksteward.state.typed.arrow_keys import get_stored, key_order, last_of_equal
 from sparksteward.state.typed.columns import as_arrow
 from sparksteward.state.typed.ttl import KIND_EXPIRY, KIND_EXPIRY_EVENT, index_key
 from sparksteward.state.views import StateDB, _prefix_upper, state_middle
@@ -222,13 +222,7 @@ class TypedView:
         ``on_read_and_write`` the alive ones' expiry moves."""
         if not entry_keys:
             return pa.array([], type=self.var.spec.type)
-        order = key_order(self, entry_keys)
-        if order is None:
-            stored = cast("list[bytes | None]", self.backend.store.get(cast("list[Any]", entry_keys)))
-        else:   # read in key order, then put back in the keys' order
-            found = np.empty(len(entry_keys), dtype=object)
-            found[order] = self.backend.store.get([entry_keys[i] for i in order.tolist()])
-            stored = found.tolist()
+        stored = get_stored(self, entry_keys)
         now = self._now
         if not self.on_read:
             fast = self._read_uniform(stored, now)
