@@ -351,6 +351,28 @@ def test_a_bulk_read_that_scans_reads_what_a_multi_get_and_the_model_read(tmp_pa
         b.close()
 
 
+def test_a_scan_that_finds_more_than_the_estimate_said_stops_and_multi_gets(backend, monkeypatch):
+    """RocksDB's key estimate subtracts every delete, also of keys that were never there, so it can say a
+    DB holds a fraction of what it does: the scan reads at most 4 entries per key asked, then the
+    multi-get runs, and the values are the same."""
+    from sparksteward.state.typed import arrow_keys
+
+    specs = [value_state("n", "bigint")]
+    keys = [f"user-{i:05d}" for i in range(12000)]
+    _states(backend, specs).value("n").put_many(pa.array(keys), pa.array(range(12000), pa.int64()))
+    absent = [f"gone-{i:05d}" for i in range(6000)]
+    _states(backend, specs, batch=2).value("n").put_many(pa.array(absent), pa.nulls(6000, pa.int64()))
+    backend.db.flush()
+    held = backend.db.property_int_value("rocksdb.estimate-num-keys")
+    asked = keys[::8]   # 1,500 keys: a scan budget of 6,000 entries, the estimate under it, 12,000 there
+    assert held <= len(asked) * arrow_keys._SCAN_RATIO < 12000, held
+    multi_gets = []
+    real_order = arrow_keys.key_order
+    monkeypatch.setattr(arrow_keys, "key_order", lambda view, raw: multi_gets.append(len(raw)) or real_order(view, raw))
+    got = _states(backend, specs, batch=3).value("n").get_many(pa.array(asked)).to_pylist()
+    assert got == list(range(0, 12000, 8)) and multi_gets == [1500]
+
+
 def test_on_read_and_write_moves_the_expiry_on_a_read(backend):
     specs = [value_state("c", "bigint", ttl=5, ttl_update="on_read_and_write"), value_state("w", "bigint", ttl=5)]
     _states(backend, specs, now=T0).value("c").update("k", 1)

@@ -91,21 +91,33 @@ def get_stored(view: KeyedView, raw: list[bytes]) -> list[bytes | None]:
     if n >= _SCAN_FROM and isinstance(store, rocksdict.Rdict):
         held = store.property_int_value("rocksdb.estimate-num-keys")
         if held is not None and held <= n * _SCAN_RATIO:
-            found: dict[bytes, bytes] = {}
-            middle = view._middle
-            for g in range(view.backend.key_groups.start, view.backend.key_groups.stop):
-                lower = g.to_bytes(2, "big") + middle
-                bound = rocksdict.ReadOptions()
-                bound.set_iterate_upper_bound(_prefix_upper(lower))
-                found.update(cast("Iterable[tuple[bytes, bytes]]", store.items(from_key=lower, read_opt=bound)))
-            get = found.get
-            return [get(k) for k in raw]
+            found = _scan(view, store, n * _SCAN_RATIO)
+            if found is not None:
+                get = found.get
+                return [get(k) for k in raw]
     order = key_order(view, raw)
     if order is None:
         return cast("list[bytes | None]", store.get(cast("list[Any]", raw)))
     got = np.empty(n, dtype=object)   # read in key order, then put back in the keys' order
     got[order] = store.get([raw[i] for i in order.tolist()])
     return cast("list[bytes | None]", got.tolist())
+
+
+def _scan(view: KeyedView, store: rocksdict.Rdict, budget: int) -> dict[bytes, bytes] | None:
+    """Every entry of ``view``'s variable in its backend's key groups, or None once more than ``budget``
+    of them turned up (RocksDB's estimate counts a key less for each delete it has not compacted away, so
+    it can be far below what the DB holds: then the multi-get runs after at most ``budget`` entries read)."""
+    found: dict[bytes, bytes] = {}
+    middle = view._middle
+    for g in range(view.backend.key_groups.start, view.backend.key_groups.stop):
+        lower = g.to_bytes(2, "big") + middle
+        bound = rocksdict.ReadOptions()
+        bound.set_iterate_upper_bound(_prefix_upper(lower))
+        entries = cast("Iterable[tuple[bytes, bytes]]", store.items(from_key=lower, read_opt=bound))
+        found.update(itertools.islice(entries, budget - len(found) + 1))
+        if len(found) > budget:
+            return None
+    return found
 
 
 def _raw_array(view: KeyedView, raw: list[bytes]) -> pa.Array:
