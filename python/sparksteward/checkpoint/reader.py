@@ -144,9 +144,8 @@ def _value_rows(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable
     entry beyond the iteration: only the variable's keys are read (its prefix in each key group), and
     the keys are decoded as one Arrow column. None for the other variables (they take the general path)."""
     import pyarrow.compute as pc
-    import rocksdict
 
-    from sparksteward.state.views import _prefix_upper, state_middle
+    from sparksteward.state.views import state_middle, variable_entries
 
     if variable == TIMERS or _json_default(meta, variable):
         return None
@@ -162,11 +161,8 @@ def _value_rows(backend: RocksDBStateBackend, meta: CheckpointMetadata, variable
     stored: list[bytes] = []
     add_key: Callable[[Any], None] = raw_keys.append   # the loop below is most of a read's time
     add_value: Callable[[Any], None] = stored.append
-    for g in range(backend.key_groups.start, backend.key_groups.stop):
-        lower = g.to_bytes(2, "big") + middle
-        bound = rocksdict.ReadOptions()
-        bound.set_iterate_upper_bound(_prefix_upper(lower))
-        for k, v in backend.db.items(from_key=lower, read_opt=bound):
+    for entries in variable_entries(backend.db, backend.key_groups, middle):
+        for k, v in entries:
             add_key(k)
             add_value(v)
     if view.ttl is not None:   # what expired at the read's clock is not returned

@@ -25,7 +25,7 @@ from sparksteward.state.encoding import (
 from sparksteward.state.keygroups import SPARK_HASH_SEED, KeyGroupRange, KeyType, key_bytes
 
 __all__ = ["BoundListState", "BoundMapState", "BoundValueState", "ListState", "MapState", "StateDB", "ValueState",
-           "raw_keys", "state_middle"]
+           "raw_keys", "state_middle", "variable_entries"]
 
 
 class StateDB(Protocol):
@@ -302,6 +302,17 @@ class BoundListState:
 
     def clear(self) -> None:
         self._state.clear(self._key)
+
+
+def variable_entries(db: rocksdict.Rdict, groups: KeyGroupRange, middle: bytes) -> Iterator[Iterable[tuple[bytes, bytes]]]:
+    """The stored ``(key, value)`` entries of the variable whose keys carry ``middle``
+    (:func:`state_middle`), one iterator per key group of ``groups``, in key order (only what is in
+    ``db``: never a buffered run's writes)."""
+    for g in range(groups.start, groups.stop):
+        lower = g.to_bytes(2, "big") + middle
+        bound = rocksdict.ReadOptions()
+        bound.set_iterate_upper_bound(_prefix_upper(lower))
+        yield cast("Iterable[tuple[bytes, bytes]]", db.items(from_key=lower, read_opt=bound))
 
 
 def _prefix_upper(prefix: bytes) -> bytes:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -20,7 +19,7 @@ import xxhash
 from sparksteward.state.keygroups import SPARK_HASH_SEED, KeyType
 from sparksteward.state.rows import rows_array, var_buffers
 from sparksteward.state.typed.columns import as_pylist
-from sparksteward.state.views import StateDB, _heads, _prefix_upper, raw_keys
+from sparksteward.state.views import StateDB, _heads, raw_keys, variable_entries
 
 __all__ = ["KeyedView", "get_stored", "key_order", "keys_of", "last_of_equal"]
 
@@ -108,12 +107,7 @@ def _scan(view: KeyedView, store: rocksdict.Rdict, budget: int) -> dict[bytes, b
     of them turned up (RocksDB's estimate counts a key less for each delete it has not compacted away, so
     it can be far below what the DB holds: then the multi-get runs after at most ``budget`` entries read)."""
     found: dict[bytes, bytes] = {}
-    middle = view._middle
-    for g in range(view.backend.key_groups.start, view.backend.key_groups.stop):
-        lower = g.to_bytes(2, "big") + middle
-        bound = rocksdict.ReadOptions()
-        bound.set_iterate_upper_bound(_prefix_upper(lower))
-        entries = cast("Iterable[tuple[bytes, bytes]]", store.items(from_key=lower, read_opt=bound))
+    for entries in variable_entries(store, view.backend.key_groups, view._middle):
         found.update(itertools.islice(entries, budget - len(found) + 1))
         if len(found) > budget:
             return None
